@@ -1,0 +1,32 @@
+"""Route a quantized matmul to the entry point of its weight format."""
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import get_format
+from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
+
+
+def _dequantize_linear(fmt: str, x: torch.Tensor, tensors: dict, bias: torch.Tensor | None) -> torch.Tensor:
+    w = get_format(fmt).dequantize(**tensors, dtype=x.dtype)  # temporary, freed on return
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _dequantize_grad_input(fmt: str, grad_out: torch.Tensor, tensors: dict) -> torch.Tensor:
+    return grad_out @ get_format(fmt).dequantize(**tensors, dtype=grad_out.dtype)
+
+
+def quantized_linear(
+    fmt: str, x: torch.Tensor, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] -> x @ W^T + bias, [..., N] in x.dtype; W given as the format's tensors."""
+    if fmt == "nvfp4":
+        return nvfp4_linear(x, **tensors, bias=bias)
+    return _dequantize_linear(fmt, x, tensors, bias)
+
+
+def quantized_linear_grad_input(fmt: str, grad_out: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """grad_out [..., N] -> grad_out @ W, [..., K] in grad_out.dtype."""
+    if fmt == "nvfp4":
+        return nvfp4_linear_grad_input(grad_out, **tensors)
+    return _dequantize_grad_input(fmt, grad_out, tensors)

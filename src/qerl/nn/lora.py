@@ -1,0 +1,44 @@
+"""LoRA hyper-parameters and the adapter init used by PEFT (so exported adapters mean the same thing)."""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    r: int = 32
+    alpha: float = 64.0
+    dropout: float = 0.0
+    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
+    targets: tuple[str, ...] = field(default_factory=lambda: DEFAULT_TARGETS)
+
+    def __post_init__(self):
+        if self.r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        self.targets = tuple(self.targets)
+        if not self.targets:
+            raise ValueError("LoRA needs at least one target module name")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+def init_lora_(lora_A: nn.Linear, lora_B: nn.Linear) -> None:
+    """PEFT's default: A Kaiming-uniform (a=sqrt(5)), B zero, so the adapter starts as the identity."""
+    nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5))
+    nn.init.zeros_(lora_B.weight)
+
+
+def lora_delta(x: torch.Tensor, lora_A: nn.Linear, lora_B: nn.Linear, dropout: nn.Module, scaling: float) -> torch.Tensor:
+    """x [..., K] -> B(A(dropout(x))) * scaling, [..., N] in x.dtype; the (fp32) adapter weights are cast
+    to x's dtype so the matmuls run in the activation precision while the optimizer keeps fp32 masters."""
+    h = torch.nn.functional.linear(dropout(x), lora_A.weight.to(x.dtype))
+    return torch.nn.functional.linear(h, lora_B.weight.to(x.dtype)) * scaling

@@ -1,0 +1,85 @@
+"""A linear layer with a frozen quantized base weight and a trainable LoRA adapter.
+
+    y = x @ W^T + bias + scaling * B(A(dropout(x)))
+
+W is held only in its storage format (e.g. NVFP4 packed + scales), as buffers named like the
+checkpoint (`weight_packed`, `weight_scale`, `weight_global_scale`), so `state_dict()` is directly a
+compressed-tensors module state. LoRA parameters are `lora_A.weight` [r, K] and `lora_B.weight` [N, r]
+(PEFT's names). Autograd: the gradient reaches the input and the LoRA parameters, never the base; the
+backward recomputes x-gradients from the 4-bit tensors instead of saving a 16-bit W.
+"""
+
+import torch
+from torch import nn
+
+from ..formats import get_format
+from ..kernels import quantized_linear, quantized_linear_grad_input
+from .lora import LoraConfig, init_lora_, lora_delta
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    """x [..., K] -> x @ W^T + bias; backward gives only grad_x = grad_y @ W."""
+
+    @staticmethod
+    def forward(ctx, x, fmt, names, bias, *tensors):
+        ctx.fmt, ctx.names = fmt, names
+        ctx.save_for_backward(*tensors)
+        return quantized_linear(fmt, x, dict(zip(names, tensors)), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = quantized_linear_grad_input(ctx.fmt, grad_out, dict(zip(ctx.names, ctx.saved_tensors)))
+        return (grad_x, None, None, None) + (None,) * len(ctx.names)
+
+
+class QuantLinear(nn.Module):
+    """Frozen quantized base + LoRA. Build with `QuantLinear.from_linear(linear, fmt, lora)`."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None = None, lora: LoraConfig | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_format = get_format(fmt).name
+        self._tensor_names = tuple(tensors)
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.lora_enabled = True
+        self.lora_A = self.lora_B = None
+        if lora is not None:
+            self.add_lora(lora)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, lora: LoraConfig | None = None,
+                    global_scale: torch.Tensor | None = None) -> "QuantLinear":
+        tensors = get_format(fmt).quantize(linear.weight, global_scale)
+        return cls(linear.in_features, linear.out_features, fmt, tensors, linear.bias, lora)
+
+    def add_lora(self, lora: LoraConfig) -> None:
+        device = self.quantized_tensors()[self._tensor_names[0]].device
+        self.lora_A = nn.Linear(self.in_features, lora.r, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(lora.r, self.out_features, bias=False, device=device, dtype=torch.float32)
+        init_lora_(self.lora_A, self.lora_B)
+        self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        self.scaling = lora.scaling
+
+    def quantized_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._tensor_names}
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The base weight W [N, K] as a new dense tensor (for export and tests; not used in forward)."""
+        return get_format(self.weight_format).dequantize(**self.quantized_tensors(), dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features], in x.dtype."""
+        y = _QuantizedMatmul.apply(x, self.weight_format, self._tensor_names, self.bias,
+                                   *self.quantized_tensors().values())
+        if self.lora_A is not None and self.lora_enabled:
+            y = y + lora_delta(x, self.lora_A, self.lora_B, self.lora_dropout, self.scaling)
+        return y
+
+    def extra_repr(self) -> str:
+        r = self.lora_A.out_features if self.lora_A is not None else 0
+        return f"in={self.in_features}, out={self.out_features}, format={self.weight_format}, lora_r={r}"
