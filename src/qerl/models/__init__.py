@@ -1,0 +1,13 @@
+"""Model I/O and surgery: load HF/GGUF/quantized models, quantize, save checkpoints and PEFT adapters."""
+
+from .adapter import AdapterError, load_adapter, save_adapter
+from .checkpoint import load_quantized, save_quantized
+from .convert import add_lora, lora_parameters, memory_report, quant_layers, quantize_model
+from .load import ModelLoadError, load_causal_lm
+from .registry import DEFAULT_MODEL, EMBEDDED
+
+__all__ = [
+    "AdapterError", "DEFAULT_MODEL", "EMBEDDED", "ModelLoadError", "add_lora", "load_adapter", "load_causal_lm",
+    "load_quantized", "lora_parameters", "memory_report", "quant_layers", "quantize_model", "save_adapter",
+    "save_quantized",
+]

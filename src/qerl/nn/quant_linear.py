@@ -47,7 +47,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, t)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.lora_enabled = True
-        self.lora_A = self.lora_B = None
+        self.lora_A = self.lora_B = self.lora_config = None
         if lora is not None:
             self.add_lora(lora)
 
@@ -63,6 +63,7 @@ class QuantLinear(nn.Module):
         self.lora_B = nn.Linear(lora.r, self.out_features, bias=False, device=device, dtype=torch.float32)
         init_lora_(self.lora_A, self.lora_B)
         self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        self.lora_config = lora
         self.scaling = lora.scaling
 
     def quantized_tensors(self) -> dict[str, torch.Tensor]:

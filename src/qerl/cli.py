@@ -1,0 +1,91 @@
+"""`qerl` command line: quantize a model, run benchmarks (train / eval come with the RL issues)."""
+
+import argparse
+import json
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def _quantize(args) -> int:
+    from .eval.fidelity import SAMPLE_TEXT, compare_logprobs, next_token_logprobs
+    from .models import load_causal_lm, memory_report, quantize_model, save_quantized
+
+    t0 = time.perf_counter()
+    with console.status(f"loading {args.model}"):
+        model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    console.print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+    ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids if (tokenizer and not args.no_check) else None
+    ref = next_token_logprobs(model, ids) if ids is not None else None
+    quantize_model(model, args.format, targets=args.targets.split(","), show_progress=True)
+    report = memory_report(model)
+    out = save_quantized(model, tokenizer, args.out, overwrite=args.overwrite)
+    table = Table(title=f"{args.model} -> {args.format}", show_header=False)
+    table.add_row("output", str(out))
+    table.add_row("quantized linears", f"{report['quantized_params'] / 1e6:.1f} M weights")
+    table.add_row("bytes per quantized weight", f"{report['base_bytes_per_param']:.4f} (incl. scales)")
+    table.add_row("model bytes (all tensors)", f"{report['total_bytes'] / 2**20:.1f} MiB")
+    if ref is not None:
+        fid = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
+        report.update(fid)
+        table.add_row("KL(16-bit || quantized) per token", f"{fid['kl']:.4f} nats")
+        table.add_row("top-1 agreement", f"{fid['top1_agreement']:.3f}")
+        table.add_row("perplexity 16-bit -> quantized", f"{fid['ppl_ref']:.2f} -> {fid['ppl_quant']:.2f}")
+    console.print(table)
+    print(json.dumps({"output": str(out), "format": args.format, **report}))
+    return 0
+
+
+def _bench(args) -> int:
+    import importlib
+
+    module = importlib.import_module(f"qerl.bench.{args.what}")
+    return module.main(args.rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .models.registry import DEFAULT_MODEL
+    from .nn import DEFAULT_TARGETS
+
+    parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a causal LM and write a compressed-tensors / bnb directory")
+    q.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"embedded name, HF directory, GGUF file or hub id (default {DEFAULT_MODEL})")
+    q.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4"])
+    q.add_argument("--out", required=True, help="output directory (written atomically)")
+    q.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated linear names to quantize")
+    q.add_argument("--dtype", default="bf16", help="dtype of the unquantized tensors (bf16, fp16, fp32)")
+    q.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    q.add_argument("--no-check", action="store_true", help="skip the KL / perplexity check against the original")
+    q.add_argument("--trust-remote-code", action="store_true", help="allow code from the model directory to run")
+    q.set_defaults(func=_quantize)
+
+    b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout")
+    b.add_argument("what", choices=["kernels", "rollout"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    # qerl shows its own progress; transformers' per-tensor bars and dtype advice are noise here.
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        return args.func(args)
+    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""LoRA adapters as PEFT directories (`adapter_config.json` + `adapter_model.safetensors`).
+
+Keys are PEFT's: `base_model.model.<module path>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
+so `peft.PeftModel.from_pretrained(dense_base, dir)` reproduces qerl's outputs on the dequantized base.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..nn import LoraConfig
+from .atomic import atomic_directory
+from .convert import add_lora, lora_parameters, quant_layers
+
+PEFT_PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter that does not fit the model; the message names the file and what differs."""
+
+
+def lora_config_of(model: nn.Module) -> LoraConfig:
+    """Recover the LoraConfig of a model's attached adapters (rank, scaling, targets)."""
+    layers = {n: m for n, m in quant_layers(model).items() if m.lora_A is not None}
+    if not layers:
+        raise ValueError("the model has no LoRA adapters attached")
+    cfg = next(iter(layers.values())).lora_config
+    targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in layers}))
+    return dataclasses.replace(cfg, targets=targets)
+
+
+def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
+    """Write the model's LoRA weights as a PEFT adapter directory (atomic)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    cfg = lora_config_of(model)
+    weights = {PEFT_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in lora_parameters(model).items()}
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, use_rslora=cfg.use_rslora,
+        target_modules=list(cfg.targets), bias="none", task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_name_or_path or getattr(model.config, "_name_or_path", None),
+    )
+    with atomic_directory(out, overwrite) as tmp:
+        peft_cfg.save_pretrained(str(tmp))
+        save_file(weights, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    return Path(out).expanduser().resolve()
+
+
+def load_adapter(model: nn.Module, directory) -> LoraConfig:
+    """Attach (replacing any present) the PEFT adapter in `directory` to a quantized model."""
+    directory = Path(directory)
+    cfg_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    for f in (cfg_file, weights_file):
+        if not f.is_file():
+            raise AdapterError(f"{f}: missing; an adapter directory needs adapter_config.json and adapter_model.safetensors")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{cfg_file}: invalid JSON ({e})") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{cfg_file}: peft_type {raw.get('peft_type')!r} is not LORA")
+    targets = raw.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    cfg = LoraConfig(r=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])), dropout=float(raw.get("lora_dropout", 0.0)),
+                     use_rslora=bool(raw.get("use_rslora", False)), targets=tuple(t.rsplit(".", 1)[-1] for t in targets))
+    try:
+        weights = load_file(str(weights_file))
+    except Exception as e:
+        raise AdapterError(f"{weights_file}: corrupt or truncated safetensors file ({e})") from None
+    add_lora(model, cfg)
+    params = lora_parameters(model)
+    expected = {PEFT_PREFIX + k for k in params}
+    missing, unexpected = expected - set(weights), set(weights) - expected
+    if missing or unexpected:
+        raise AdapterError(
+            f"{weights_file}: adapter does not fit this base model: "
+            f"{len(missing)} LoRA weights missing (e.g. {sorted(missing)[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            w = weights[PEFT_PREFIX + name]
+            if w.shape != p.shape:
+                raise AdapterError(f"{weights_file}: {name} has shape {tuple(w.shape)}, the model needs {tuple(p.shape)} "
+                                   "(an adapter for a different base model or rank)")
+            p.copy_(w)
+    return cfg

@@ -1,0 +1,217 @@
+"""Quantized checkpoints: a Hugging Face directory other tools load.
+
+NVFP4 / MXFP4 are written as compressed-tensors `nvfp4-pack-quantized` / `mxfp4-pack-quantized` (what
+vLLM and llm-compressor read): `<module>.weight_packed`, `.weight_scale`, `.weight_global_scale` (NVFP4
+only) and a `quantization_config` in config.json. NF4 is written in the bitsandbytes serialization that
+transformers reads (`<module>.weight` packed + `.weight.absmax`, `.weight.quant_map`,
+`.weight.quant_state.bitsandbytes__nf4`). LoRA weights never go in here: they are saved as a PEFT adapter.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..formats import get_format
+from ..nn import QuantLinear
+from .atomic import atomic_directory
+from .convert import quant_layers
+from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
+
+MAX_SHARD_BYTES = 5 * 1024**3
+CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+_CT_WEIGHTS = {
+    "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+              "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},
+    "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+              "dynamic": False, "scale_dtype": "torch.uint8"},
+}
+_BNB_STATE = "quant_state.bitsandbytes__nf4"
+
+
+def quantization_config(fmt: str, ignore: list[str]) -> dict:
+    """config.json's `quantization_config` for a weight-only checkpoint (compressed-tensors or bitsandbytes)."""
+    if fmt in CT_FORMATS:
+        group = {"targets": ["Linear"], "weights": dict(_CT_WEIGHTS[fmt]), "input_activations": None,
+                 "output_activations": None, "format": CT_FORMATS[fmt]}
+        return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
+                "format": CT_FORMATS[fmt], "quantization_status": "compressed", "global_compression_ratio": None,
+                "ignore": ignore}
+    if fmt == "nf4":
+        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+                "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
+                "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+                "llm_int8_skip_modules": ignore}
+    raise ValueError(f"format {fmt!r} has no quantized checkpoint layout (save a bf16 model with save_pretrained)")
+
+
+def _nf4_to_bnb(name: str, layer: QuantLinear) -> dict[str, torch.Tensor]:
+    from ..formats.nf4 import NF4_CODE
+
+    meta = {"quant_type": "nf4", "blocksize": get_format("nf4").block, "dtype": "bfloat16",
+            "shape": [layer.out_features, layer.in_features]}
+    return {
+        f"{name}.weight": layer.weight_packed.reshape(-1, 1),
+        f"{name}.weight.absmax": layer.weight_absmax,
+        f"{name}.weight.quant_map": torch.tensor(NF4_CODE, dtype=torch.float32),
+        f"{name}.weight.{_BNB_STATE}": torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8),
+    }
+
+
+def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything but LoRA, with quantized layers in their on-disk names; a tied lm_head is left out."""
+    layers = quant_layers(model)
+    fmts = {m.weight_format for m in layers.values()}
+    if len(fmts) != 1:
+        raise ValueError(f"expected one quantized weight format in the model, found {sorted(fmts) or 'none'}")
+    state = {k: v for k, v in model.state_dict().items() if ".lora_A." not in k and ".lora_B." not in k}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    if fmts == {"nf4"}:
+        for name, layer in layers.items():
+            state.pop(f"{name}.weight_packed")
+            state.pop(f"{name}.weight_absmax")
+            state.update(_nf4_to_bnb(name, layer))
+    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+
+def _write_shards(state: dict[str, torch.Tensor], directory: Path) -> None:
+    shards, current, size = [], {}, 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > MAX_SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], directory / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) -> Path:
+    """Write the quantized base (no LoRA) as an HF directory; atomic: `out` appears complete or not at all."""
+    layers = quant_layers(model)
+    state = checkpoint_state_dict(model)
+    fmt = next(iter(layers.values())).weight_format
+    ignore = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers)
+    config = model.config.to_dict()
+    config.pop("qerl_weight_format", None)
+    config["quantization_config"] = quantization_config(fmt, ignore)
+    with atomic_directory(out, overwrite) as tmp:
+        _write_shards(state, tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(out).expanduser().resolve()
+
+
+def _format_of(qcfg: dict, path: Path) -> str:
+    method = qcfg.get("quant_method")
+    if method == "bitsandbytes":
+        if not qcfg.get("load_in_4bit") or qcfg.get("bnb_4bit_quant_type") != "nf4" or qcfg.get("bnb_4bit_use_double_quant"):
+            raise ModelLoadError(f"{path}: only single-quantized bitsandbytes NF4 4-bit checkpoints are supported")
+        return "nf4"
+    if method != "compressed-tensors":
+        raise ModelLoadError(f"{path}: quantization method {method!r} is not supported (compressed-tensors or bitsandbytes nf4)")
+    groups = qcfg.get("config_groups") or {}
+    formats = {g.get("format") or qcfg.get("format") for g in groups.values()} or {qcfg.get("format")}
+    by_ct = {v: k for k, v in CT_FORMATS.items()}
+    if len(formats) != 1 or next(iter(formats)) not in by_ct:
+        raise ModelLoadError(f"{path}: compressed-tensors format {sorted(map(str, formats))} is not supported "
+                             f"(supported: {sorted(by_ct)})")
+    if qcfg.get("quantization_status", "compressed") != "compressed":
+        raise ModelLoadError(f"{path}: quantization_status {qcfg.get('quantization_status')!r}; expected 'compressed'")
+    return by_ct[next(iter(formats))]
+
+
+def _take_layer_tensors(state: dict, name: str, fmt: str) -> dict[str, torch.Tensor] | None:
+    """Pop a quantized layer's tensors out of a checkpoint state dict (None if `name` is not quantized)."""
+    if fmt == "nf4":
+        if f"{name}.weight.{_BNB_STATE}" not in state:
+            return None
+        packed = state.pop(f"{name}.weight")
+        absmax = state.pop(f"{name}.weight.absmax")
+        meta = json.loads(bytes(state.pop(f"{name}.weight.{_BNB_STATE}").tolist()))
+        state.pop(f"{name}.weight.quant_map", None)
+        n, k = meta["shape"]
+        return {"weight_packed": packed.reshape(n, k // 2), "weight_absmax": absmax.float()}
+    if f"{name}.weight_packed" not in state:
+        return None
+    tensors = {t: state.pop(f"{name}.{t}") for t in get_format(fmt).tensor_names if f"{name}.{t}" in state}
+    missing = set(get_format(fmt).tensor_names) - set(tensors)
+    if missing:
+        raise ModelLoadError(f"{name}: checkpoint lacks {sorted(missing)} for format {fmt}")
+    state.pop(f"{name}.input_global_scale", None)  # W4A4 checkpoints: activations stay 16-bit here
+    return tensors
+
+
+def load_quantized(path, dtype=None, device=None):
+    """A quantized HF directory -> (model with QuantLinear layers, no LoRA yet, tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    _check_architecture(config, path)
+    qcfg = config.quantization_config
+    qcfg = qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
+    fmt = _format_of(qcfg, path)
+    del config.quantization_config
+    dtype = resolve_dtype(dtype)
+    device = torch.device(device or "cpu")
+    state = {}
+    for f in check_safetensors(path):
+        state.update(load_file(str(f), device=str(device)))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        tensors = _take_layer_tensors(state, name, fmt)
+        if tensors is None:
+            continue
+        bias = state.pop(f"{name}.bias", None)
+        layer = QuantLinear(mod.in_features, mod.out_features, fmt, tensors,
+                            None if bias is None else bias.to(dtype))
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    if not any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise ModelLoadError(f"{path}: config says {fmt} but no quantized layer was found in the weights")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ModelLoadError(f"{path}: unexpected tensors {result.unexpected_keys[:5]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    _materialize_rotary(model, device)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ModelLoadError(f"{path}: checkpoint lacks tensors {still_meta[:5]}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.config.qerl_weight_format = fmt
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return model.eval(), AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+
+
+def _materialize_rotary(model: nn.Module, device: torch.device) -> None:
+    """Rotary embeddings keep non-persistent buffers (inv_freq) that no checkpoint holds: rebuild them."""
+    for name, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)) and "rotary" in type(mod).__name__.lower():
+            with torch.device(device):
+                fresh = type(mod)(config=model.config)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, fresh)

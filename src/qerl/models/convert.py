@@ -1,0 +1,134 @@
+"""Model surgery: swap a causal LM's target linears for frozen quantized LoRA layers.
+
+Embeddings, norms and lm_head stay in 16 bits. Siblings that serving engines fuse into one matmul
+(q/k/v, gate/up) share one global scale, the smallest of theirs, so a fused weight has one divisor.
+Quantization is round-to-nearest with no calibration data; `WeightQuantizer` is the seam where
+AWQ/GPTQ-style calibrated quantizers plug in later.
+"""
+
+from typing import Callable, Iterable
+
+import torch
+from rich.progress import Progress
+from torch import nn
+
+from ..formats import get_format
+from ..nn import DEFAULT_TARGETS, LoraConfig, QuantLinear
+
+# Leaf names that share one global scale when they sit under the same parent module.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+# (module name, weight [N, K], shared global scale | None) -> format tensors. Round-to-nearest by default.
+WeightQuantizer = Callable[[str, torch.Tensor, "torch.Tensor | None"], dict]
+
+
+def find_targets(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linear]:
+    """{module path: nn.Linear} for linears whose leaf name is in targets (lm_head never included)."""
+    targets = set(targets)
+    found = {
+        name: mod for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in targets and name != "lm_head"
+    }
+    if not found:
+        raise ValueError(
+            f"none of the target modules {sorted(targets)} is an nn.Linear in {type(model).__name__}; "
+            "check --targets against the model's module names"
+        )
+    return found
+
+
+def shared_global_scales(linears: dict[str, nn.Linear], fmt: str) -> dict[str, torch.Tensor]:
+    """{module path: fp32 [1]} for formats with a global scale: the minimum over each fused group."""
+    scale_of = get_format(fmt).global_scale
+    if scale_of is None:
+        return {}
+    scales = {name: scale_of(lin.weight) for name, lin in linears.items()}
+    for name in linears:
+        parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        group = next((g for g in FUSED_GROUPS if leaf in g), None)
+        if group is None:
+            continue
+        siblings = [f"{parent}.{s}" if parent else s for s in group]
+        scales[name] = torch.stack([scales[s] for s in siblings if s in scales]).amin(0)
+    return scales
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, leaf, module)
+
+
+def quantize_model(
+    model: nn.Module,
+    fmt: str = "nvfp4",
+    lora: LoraConfig | None = None,
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    quantizer: WeightQuantizer | None = None,
+    show_progress: bool = False,
+) -> nn.Module:
+    """Replace the target linears of `model` in place by `QuantLinear` (frozen base + optional LoRA).
+
+    All remaining parameters are frozen; only LoRA weights keep requires_grad. Each dense weight is
+    dropped as soon as its layer is quantized, so peak memory stays near one model copy.
+    """
+    spec = get_format(fmt)
+    linears = find_targets(model, targets)
+    for name, lin in linears.items():
+        if lin.in_features % spec.block:
+            raise ValueError(
+                f"{name}: {lin.in_features} input features is not a multiple of the {fmt} block size "
+                f"{spec.block}; leave this module out of --targets or choose another format"
+            )
+    scales = shared_global_scales(linears, fmt)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with Progress(disable=not show_progress, transient=True) as progress:
+        task = progress.add_task(f"quantizing to {fmt}", total=len(linears))
+        for name, lin in linears.items():
+            gs = scales.get(name)
+            tensors = quantizer(name, lin.weight, gs) if quantizer else spec.quantize(lin.weight, gs)
+            layer = QuantLinear(lin.in_features, lin.out_features, fmt, tensors, lin.bias, lora)
+            _set_module(model, name, layer)
+            progress.advance(task)
+    model.config.qerl_weight_format = fmt
+    return model
+
+
+def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def add_lora(model: nn.Module, lora: LoraConfig) -> None:
+    """Attach fresh LoRA adapters to every quantized layer whose leaf name is in lora.targets."""
+    layers = {n: m for n, m in quant_layers(model).items() if n.rsplit(".", 1)[-1] in lora.targets}
+    if not layers:
+        raise ValueError(f"no quantized layer matches LoRA targets {lora.targets}")
+    for layer in layers.values():
+        layer.add_lora(lora)
+
+
+def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """{state-dict name: parameter} of every LoRA weight (the trainable state of the policy)."""
+    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
+def memory_report(model: nn.Module) -> dict[str, float]:
+    """Bytes held by the model (parameters + buffers), split into the quantized base, the rest, and LoRA.
+
+    `base_bytes_per_param` counts every stored byte of the quantized layers (codes, scales, global
+    scales, biases) per base weight they represent.
+    """
+    layers = quant_layers(model)
+    q_bytes = sum(t.numel() * t.element_size() for m in layers.values() for t in m.buffers())
+    q_params = sum(m.in_features * m.out_features for m in layers.values())
+    lora = sum(p.numel() * p.element_size() for p in lora_parameters(model).values())
+    # parameters() and buffers() each skip duplicates, so tied embeddings count once.
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return {
+        "quantized_params": q_params,
+        "quantized_bytes": q_bytes,
+        "base_bytes_per_param": q_bytes / max(q_params, 1),
+        "lora_bytes": lora,
+        "other_bytes": total - q_bytes - lora,
+        "total_bytes": total,
+    }
