@@ -1,0 +1,97 @@
+"""Adaptive Quantization Noise (AQN): channel-wise Gaussian noise merged into the RMSNorm weights.
+
+In every decoder layer `input_layernorm` feeds q/k/v and `post_attention_layernorm` feeds gate/up. With
+w_noisy = w + z, z ~ N(0, sigma^2)^d, column j of every weight the norm feeds is scaled by (1 + z_j / w_j):
+one noise vector per norm, shared by its consumers, no extra parameters, no kernel change.
+
+`NoisyNorms` is a context manager: entering saves each norm weight and adds noise in place (so CUDA
+graphs that read the weight see it), `resample()` draws fresh noise (the per-forward variant), leaving
+copies the saved weights back bit for bit. While it is active `state_dict()` still returns the clean
+weights, so a checkpoint or adapter saved mid-rollout carries no noise. Do not let an optimizer step
+the norm weights while the noise is applied.
+"""
+
+import torch
+from torch import nn
+
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+
+
+def find_noisy_norms(model: nn.Module) -> list[nn.Module]:
+    """The `input_layernorm` / `post_attention_layernorm` modules of every decoder layer, in order.
+
+    Matched by attribute name on any module (not by class, which differs per architecture and which the
+    official implementation's class check missed), and each must carry a 1-D `weight`.
+    """
+    norms = []
+    for module in model.modules():
+        for name in NORM_NAMES:
+            norm = getattr(module, name, None)
+            if isinstance(norm, nn.Module) and norm not in norms:
+                w = getattr(norm, "weight", None)
+                if not isinstance(w, torch.Tensor) or w.ndim != 1:
+                    raise TypeError(f"{name} of {type(module).__name__} has no 1-D weight to perturb")
+                norms.append(norm)
+    if not norms:
+        raise ValueError(f"no {NORM_NAMES} found in {type(model).__name__}; AQN has nothing to perturb")
+    return norms
+
+
+class NoisyNorms:
+    """with NoisyNorms(model, sigma, seed=...): ...  -- noisy norm weights inside, exact originals after.
+
+    sigma: noise std (from `qerl.rl.aqn.AQNSchedule`); per_forward: the rollout engine calls `resample()`
+    before every forward pass (otherwise one draw per rollout batch, on entry). sigma == 0 adds nothing.
+    """
+
+    def __init__(self, model: nn.Module, sigma: float, per_forward: bool = False, seed: int | None = None,
+                 generator: torch.Generator | None = None):
+        if sigma < 0:
+            raise ValueError(f"AQN sigma must be >= 0, got {sigma}")
+        self.norms = find_noisy_norms(model)
+        self.sigma, self.per_forward = float(sigma), per_forward
+        self.generator = generator
+        if self.generator is None and seed is not None:
+            self.generator = torch.Generator(self.norms[0].weight.device).manual_seed(seed)
+        self._saved: list[torch.Tensor] | None = None
+        self._hooks = []
+
+    @property
+    def active(self) -> bool:
+        return self._saved is not None
+
+    @torch.no_grad()
+    def __enter__(self) -> "NoisyNorms":
+        if self.active:
+            raise RuntimeError("NoisyNorms is already applied")
+        self._saved = [n.weight.detach().clone() for n in self.norms]
+        self._hooks = [n.register_state_dict_post_hook(self._clean_state_dict_hook(i))
+                       for i, n in enumerate(self.norms)]
+        self.resample()
+        return self
+
+    @torch.no_grad()
+    def resample(self) -> None:
+        """w <- w_clean + z with a fresh z per norm (fp32 draw, one rounding to the weight's dtype)."""
+        if not self.active:
+            raise RuntimeError("resample() outside the NoisyNorms context")
+        if self.sigma == 0.0:
+            return  # bit-identical by construction: nothing is written
+        for norm, clean in zip(self.norms, self._saved):
+            z = torch.randn(clean.shape, generator=self.generator, device=clean.device, dtype=torch.float32)
+            norm.weight.copy_(clean.float() + self.sigma * z)
+
+    @torch.no_grad()
+    def __exit__(self, *exc) -> None:
+        for norm, clean in zip(self.norms, self._saved):
+            norm.weight.copy_(clean)
+        for h in self._hooks:
+            h.remove()
+        self._saved, self._hooks = None, []
+
+    def _clean_state_dict_hook(self, i: int):
+        def hook(module, state_dict, prefix, local_metadata):
+            key = prefix + "weight"
+            if key in state_dict and self._saved is not None:
+                state_dict[key] = self._saved[i].clone()
+        return hook

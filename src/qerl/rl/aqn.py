@@ -1,0 +1,71 @@
+"""The AQN noise schedule: sigma per training stage (DESIGN.md, "AQN").
+
+Training is split into K equal stages. Stage 0 has sigma = 0 (quantization noise only); stages 1..K-1
+decay from sigma_start to sigma_end, the last stage exactly sigma_end. With u = (k-1)/(K-2) in [0, 1]:
+
+  exponential (default)  sigma_start * (sigma_end / sigma_start) ** u      (linear in log sigma)
+  linear                 sigma_start + (sigma_end - sigma_start) * u
+  cosine                 sigma_end + (sigma_start - sigma_end) * (1 + cos(pi u)) / 2
+  logarithmic            sigma_start + (sigma_end - sigma_start) * ln(1 + 9u) / ln(10)   (fast early decay)
+
+With K = 2 there is one noisy stage, which is the last one, so it gets sigma_end.
+"""
+
+import math
+from dataclasses import dataclass
+
+DECAYS = ("exponential", "linear", "cosine", "logarithmic")
+
+
+def stage_sigma(stage: int, num_stages: int = 10, sigma_start: float = 1e-2, sigma_end: float = 5e-4,
+                decay: str = "exponential") -> float:
+    """sigma of stage `stage` (0-based) out of `num_stages`."""
+    if decay not in DECAYS:
+        raise ValueError(f"unknown AQN decay {decay!r}; choose one of {DECAYS}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} outside 0..{num_stages - 1}")
+    if sigma_start < 0 or sigma_end < 0:
+        raise ValueError("AQN sigmas must be >= 0")
+    if stage == 0:
+        return 0.0
+    u = 1.0 if num_stages == 2 else (stage - 1) / (num_stages - 2)
+    if decay == "exponential":
+        if sigma_start == 0 or sigma_end == 0:
+            raise ValueError("exponential AQN decay needs sigma_start, sigma_end > 0")
+        return sigma_start * (sigma_end / sigma_start) ** u
+    if decay == "linear":
+        return sigma_start + (sigma_end - sigma_start) * u
+    if decay == "cosine":
+        return sigma_end + (sigma_start - sigma_end) * (1 + math.cos(math.pi * u)) / 2
+    return sigma_start + (sigma_end - sigma_start) * math.log1p(9 * u) / math.log(10)
+
+
+@dataclass(frozen=True)
+class AQNSchedule:
+    """sigma as a function of the training step: `schedule.sigma(step, total_steps)`.
+
+    enabled False gives 0 everywhere (the no-AQN ablation).
+    """
+
+    num_stages: int = 10
+    sigma_start: float = 1e-2
+    sigma_end: float = 5e-4
+    decay: str = "exponential"
+    enabled: bool = True
+
+    def __post_init__(self):
+        stage_sigma(0, self.num_stages, self.sigma_start, self.sigma_end, self.decay)  # validates
+
+    def stage(self, step: int, total_steps: int) -> int:
+        """Which of the K equal stages step (0-based) of total_steps falls in."""
+        if total_steps < 1 or not 0 <= step < total_steps:
+            raise ValueError(f"step {step} outside 0..{total_steps - 1}")
+        return min(step * self.num_stages // total_steps, self.num_stages - 1)
+
+    def sigma(self, step: int, total_steps: int) -> float:
+        if not self.enabled:
+            return 0.0
+        return stage_sigma(self.stage(step, total_steps), self.num_stages, self.sigma_start, self.sigma_end,
+                           self.decay)

@@ -1,0 +1,527 @@
+"""Batched sampling from the policy the trainer is optimizing: same module objects, LoRA never merged.
+
+The engine does not copy the model. Each step runs the model's own modules in order -- `embed_tokens`,
+per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_norm`), `o_proj`,
+`post_attention_layernorm`, `gate_proj`/`up_proj`/`down_proj` with the MLP's `act_fn`, final `norm`,
+`lm_head` -- so a LoRA update or an AQN perturbation of a norm weight is what samples next. What the
+engine brings itself: rotary embeddings computed from the HF config, attention over a static KV cache
+(torch SDPA), and the sampling.
+
+Quantized layers (`QuantLinear`) are called through their parts: the base matmul on the stored 4-bit (or
+bf16) tensors, read by reference, plus the LoRA delta from a snapshot of A and scaling*B cast to the
+activation dtype once per `generate` call (r x K, a few MB for a 7B model). The snapshot is refreshed
+from the trainer's fp32 masters at the start of every call, so the adapter just updated is the one that
+samples; it saves two casts per layer per token and lets a CUDA graph read fixed addresses. Dropout is
+never applied while sampling.
+
+Shapes: B batch (padded up to a bucket), P prompt length (left-padded), S cache length, H query heads,
+KV key/value heads, G = H / KV, hd head dim, D hidden, V vocabulary.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import quantized_linear
+from ..nn.quant_linear import QuantLinear
+from .kv_cache import KVCache
+from .sampling import SamplingParams, next_token
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class Rollout:
+    """What `generate` returns; every tensor on the engine's device, rows in prompt order.
+
+    prompt_ids      [B, P] int64, left-padded with pad_token_id; prompt_mask [B, P] bool (True = real token)
+    completion_ids  [B, T] int64, right-padded with pad_token_id after the end of each completion
+    completion_mask [B, T] bool, True for generated tokens up to and including the stop token (EOS or the
+                    token that completed a stop string)
+    logprobs        [B, T] fp32, log pi(token) under softmax(logits / T) of the policy that sampled
+                    (noise included when AQN is on); 0 where the mask is False
+    entropies       [B, T] fp32, entropy of that distribution at each position; 0 where the mask is False
+    finish_reason   per row "stop" (EOS or stop string) or "length"
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    logprobs: torch.Tensor
+    entropies: torch.Tensor
+    finish_reason: list[str] = field(default_factory=list)
+    texts: list[str] | None = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] int64 number of completion tokens per row."""
+        return self.completion_mask.sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------- rope
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """inv_freq [hd/2] fp32 and the cos/sin scale, from `rope_parameters` (transformers 5) or `rope_theta`.
+
+    Default RoPE is computed here exactly as HF does (same fp32 ops, so the same bits); scaled variants
+    (llama3, yarn, linear, ...) use transformers' own init functions; dynamic ones change with the sequence
+    length at run time, which a static cache cannot follow, so they are refused.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv_freq, 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise NotImplementedError(f"rope_type {rope_type!r} changes with sequence length; not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+def rope_tables(config, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, hd] in dtype for positions 0..max_len-1 (HF layout: the two halves repeat)."""
+    inv_freq, scale = rope_inv_freq(config)
+    freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype).to(device), (emb.sin() * scale).to(dtype).to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, hd]; cos, sin [B, L, hd] -> rotated x, same shape (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+# ------------------------------------------------------------------------------------------ linears
+
+
+class LoraSnapshot:
+    """Activation-dtype copies of every enabled adapter: A [r, K] and scaling*B [N, r], refreshed in place.
+
+    In-place refresh keeps the addresses fixed, so captured CUDA graphs read the new adapter.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype):
+        self.dtype = dtype
+        self.layers = [m for m in modules if isinstance(m, QuantLinear)]
+        self.a: dict[int, torch.Tensor] = {}
+        self.b: dict[int, torch.Tensor] = {}
+        self.refresh()
+
+    def signature(self) -> tuple:
+        """What the captured graphs depend on: which adapters are on and their shapes."""
+        return tuple(
+            (m.lora_A is not None and m.lora_enabled, None if m.lora_A is None else tuple(m.lora_A.weight.shape))
+            for m in self.layers
+        )
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for m in self.layers:
+            key = id(m)
+            if m.lora_A is None or not m.lora_enabled:
+                self.a.pop(key, None), self.b.pop(key, None)
+                continue
+            a = m.lora_A.weight
+            b = m.lora_B.weight.float() * m.scaling
+            if key in self.a and self.a[key].shape == a.shape and self.b[key].shape == b.shape:
+                self.a[key].copy_(a)
+                self.b[key].copy_(b)
+            else:
+                self.a[key], self.b[key] = a.to(self.dtype).clone(), b.to(self.dtype)
+
+    def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> mod(x) [..., N] without dropout; QuantLinear through base matmul + snapshot LoRA."""
+        if not isinstance(mod, QuantLinear):
+            return mod(x)
+        y = quantized_linear(mod.weight_format, x, mod.quantized_tensors(), mod.bias)
+        a = self.a.get(id(mod))
+        if a is None:
+            return y
+        shape = y.shape
+        h = x.reshape(-1, x.shape[-1]) @ a.t()
+        # one fused GEMM for "y + h @ B^T" (addmm) instead of a matmul and an add
+        return torch.addmm(y.reshape(-1, shape[-1]), h, self.b[id(mod)].t()).view(shape)
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class CausalLMRunner:
+    """The forward pass of a HF Llama/Mistral/Qwen2/Qwen3 causal LM over a KVCache, from its own modules."""
+
+    def __init__(self, model: nn.Module, max_len: int):
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"rollout engine supports {SUPPORTED_MODEL_TYPES}, not model_type {config.model_type!r}")
+        layer_types = getattr(config, "layer_types", None) or []
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types or (
+                config.model_type == "mistral" and window is not None and window < max_len):
+            raise NotImplementedError("sliding-window attention is not supported by the rollout engine")
+        self.model = model
+        self.config = config
+        body = model.model
+        self.embed, self.layers, self.norm, self.lm_head = body.embed_tokens, body.layers, body.norm, model.lm_head
+        self.n_heads = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        self.max_len = max_len
+        self.cos, self.sin = rope_tables(config, max_len, self.dtype, self.device)
+        self.lora = LoraSnapshot(list(model.modules()), self.dtype)
+
+    # one decoder layer ---------------------------------------------------------------------------
+
+    def attention(self, i: int, x: torch.Tensor, cos, sin, cache: KVCache, mask, slot) -> torch.Tensor:
+        """x [B, L, D] (already normed) -> attention output [B, L, D]; writes this layer's k/v.
+
+        slot None: prefill of slots 0..L-1, attending over the L new keys. Otherwise decode (L = 1) of
+        slot `slot`, attending over the first mask.shape[-1] slots of the cache.
+        """
+        attn, lin = self.layers[i].self_attn, self.lora.linear
+        B, L, _ = x.shape
+        q = lin(attn.q_proj, x).view(B, L, self.n_heads, self.head_dim)
+        k = lin(attn.k_proj, x).view(B, L, self.n_kv, self.head_dim)
+        v = lin(attn.v_proj, x).view(B, L, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if slot is None:
+            cache.write_prefill(i, k, v)
+        else:
+            cache.write_step(i, slot, k, v)
+            S = mask.shape[-1]
+            k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+        o = grouped_attention(q, k, v, mask, self.scale)  # [B, H, L, hd]
+        return lin(attn.o_proj, o.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, D] (already normed) -> down(act(gate(x)) * up(x)) [B, L, D]."""
+        mlp, lin = self.layers[i].mlp, self.lora.linear
+        return lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask, slot=None):
+        """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> last-position logits [B, V]."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, L, hd]
+        h = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            h = h + self.attention(i, layer.input_layernorm(h), cos, sin, cache, mask, slot)
+            h = h + self.mlp(i, layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h[:, -1]))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """q [B, H, L, hd], k/v [B, KV, S, hd], mask [B, 1, L, S] bool (True = attend) -> [B, H, L, hd].
+
+    GQA without repeating k/v: the G query heads of one kv head are folded into the query-length axis
+    ([B, KV, G*L, hd]), so SDPA reads the cache once instead of a G-times copy of it.
+    """
+    B, H, L, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    qg = q.reshape(B, KV, G * L, hd)  # heads h = kv*G + g are contiguous, as in HF's repeat_kv
+    if L > 1:
+        mask = mask.expand(B, 1, L, mask.shape[-1])
+        mask = mask[:, :, None].expand(B, 1, G, L, mask.shape[-1]).reshape(B, 1, G * L, mask.shape[-1])
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(B, H, L, hd)
+
+
+# ------------------------------------------------------------------------------------------- engine
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def bucket_batch(n: int) -> int:
+    """Smallest batch bucket >= n (one captured graph per bucket)."""
+    for b in BATCH_BUCKETS:
+        if b >= n:
+            return b
+    return _round_up(n, BATCH_BUCKETS[-1])
+
+
+class RolloutEngine:
+    """Batched sampler over `model` (a HF causal LM, possibly with QuantLinear layers from qerl).
+
+    max_seq_len bounds prompt + completion and sizes the KV cache. cuda_graphs (default: on for CUDA
+    models) captures one decode step per (batch bucket, attended cache length); the attended length grows
+    in blocks of kv_block slots, so early steps do not read the whole cache.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
+                 kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+                 check_every: int = 32):
+        self.runner = CausalLMRunner(model, max_seq_len)
+        self.model, self.tokenizer = model, tokenizer
+        self.device = self.runner.device
+        self.max_seq_len = max_seq_len
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.kv_block = kv_block
+        self.check_every = check_every
+        self.pad_token_id = _first_not_none(pad_token_id, getattr(tokenizer, "pad_token_id", None),
+                                            getattr(model.config, "pad_token_id", None), 0)
+        eos = _first_not_none(eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                              getattr(model.config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None))
+        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.cache: KVCache | None = None
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_sig = None
+
+    # setup ----------------------------------------------------------------------------------------
+
+    def _setup(self, batch: int) -> None:
+        """Allocate the cache and static step buffers for a batch bucket (once per bucket change)."""
+        if self.cache is not None and self.cache.batch == batch:
+            return
+        self.cache = self.graphs = None  # free first: the old cache may be most of the free memory
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        r = self.runner
+        self.cache = KVCache(len(r.layers), batch, r.n_kv, r.head_dim, self.max_seq_len, r.dtype, self.device)
+        self.graphs = {}
+        # static inputs / outputs of the decode step (fixed addresses for graph replay)
+        self.step_tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.step_slot = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.pad_len = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.slots = torch.arange(self.max_seq_len, device=self.device)
+        self.step_logits = torch.zeros(batch, self.model.config.vocab_size, dtype=r.dtype, device=self.device)
+
+    # the two forward passes -------------------------------------------------------------------------
+
+    def prefill(self, tokens: torch.Tensor, pad_len: torch.Tensor) -> torch.Tensor:
+        """tokens [B, P] left-padded, pad_len [B] -> logits of the last prompt token [B, V]; fills slots < P."""
+        B, P = tokens.shape
+        self.cache.reset(pad_len)
+        positions = (self.slots[:P][None, :] - pad_len[:, None]).clamp_min(0)
+        causal = self.slots[:P][None, :] <= self.slots[:P][:, None]  # [P(query), P(key)]
+        # pads attend to themselves only: a fully masked softmax row would be nan and leak through v
+        mask = (causal[None] & self.cache.key_valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=self.device)
+        return self.runner.forward(tokens, positions, self.cache, mask[:, None])
+
+    def decode_one_token(self, kv_len: int) -> torch.Tensor:
+        """Feed step_tokens [B] at slot step_slot; returns logits [B, V] (in step_logits).
+
+        Attends over the first kv_len cache slots; everything it reads and writes is a static buffer, so
+        this is exactly what a CUDA graph captures.
+        """
+        positions = (self.step_slot - self.pad_len)[:, None]  # [B, 1]
+        mask = self.cache.key_valid[:, :kv_len] & (self.slots[:kv_len] <= self.step_slot)[None, :]
+        logits = self.runner.forward(self.step_tokens[:, None], positions, self.cache, mask[:, None, None],
+                                     slot=self.step_slot)
+        self.step_logits.copy_(logits)
+        return self.step_logits
+
+    def _decode(self, kv_len: int) -> torch.Tensor:
+        if not self.cuda_graphs:
+            return self.decode_one_token(kv_len)
+        key = (self.cache.batch, kv_len)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(kv_len)
+        graph.replay()
+        return self.step_logits
+
+    def _capture(self, kv_len: int) -> "torch.cuda.CUDAGraph":
+        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture one step.
+
+        Warm-up runs write the same k/v the real step will write (same inputs), so they are harmless.
+        """
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self.decode_one_token(kv_len)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool()):
+            self.decode_one_token(kv_len)
+        return graph
+
+    def _pool(self):
+        # one memory pool for all graphs: they never run concurrently and each writes its result to the
+        # static step_logits before the next replay, so their temporaries may share memory
+        if getattr(self, "_mempool", None) is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        return self._mempool
+
+    # generate -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
+                 attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                 aqn=None) -> Rollout:
+        """Sample completions for a batch of prompts.
+
+        prompts: list of token-id lists, or an int tensor [B, L] with `attention_mask` (left or right
+        padding, or none). stop: strings that end a completion (checked every `check_every` steps and
+        cut exactly afterwards; needs a tokenizer). ignore_eos: force max_new_tokens (benchmarks).
+        aqn: an optional `qerl.nn.noisy_norm.NoisyNorms`; applied for this call (and the exact weights
+        restored after) unless already active; with per_forward=True its noise is redrawn before every
+        forward pass, otherwise one draw serves the whole batch.
+        """
+        if aqn is not None and not aqn.active:
+            with aqn:
+                return self.generate(prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask,
+                                     generator, aqn)
+        rows = _prompt_rows(prompts, attention_mask)
+        n, P = len(rows), max(len(r) for r in rows)
+        if min(len(r) for r in rows) == 0:
+            raise ValueError("every prompt needs at least one token")
+        if P + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
+                             f"({self.max_seq_len}); build the engine with a larger max_seq_len")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        Bb = bucket_batch(n)
+        self._setup(Bb)
+        self._sync_lora()
+        gen = generator
+        if gen is None and seed is not None:
+            gen = torch.Generator(self.device).manual_seed(seed)
+
+        # left-pad, plus dummy rows (one pad token) up to the bucket
+        tokens = torch.full((Bb, P), self.pad_token_id, dtype=torch.int64)
+        pad_len = torch.full((Bb,), P - 1, dtype=torch.int64)
+        for b, r in enumerate(rows):
+            tokens[b, P - len(r):] = torch.tensor(r, dtype=torch.int64)
+            pad_len[b] = P - len(r)
+        tokens, pad_len = tokens.to(self.device), pad_len.to(self.device)
+        self.pad_len.copy_(pad_len)
+
+        T = max_new_tokens
+        out_tokens = torch.full((Bb, T), self.pad_token_id, dtype=torch.int64, device=self.device)
+        out_mask = torch.zeros(Bb, T, dtype=torch.bool, device=self.device)
+        out_lp = torch.zeros(Bb, T, dtype=torch.float32, device=self.device)
+        out_ent = torch.zeros(Bb, T, dtype=torch.float32, device=self.device)
+        done = torch.arange(Bb, device=self.device) >= n  # dummy rows start finished
+        eos = torch.tensor(self.eos_token_ids if not ignore_eos else [], dtype=torch.int64, device=self.device)
+
+        logits = self.prefill(tokens, pad_len)
+        steps = T
+        for i in range(T):
+            tok, lp, ent = next_token(logits, sampling, gen)
+            alive = ~done
+            out_tokens[:, i] = torch.where(alive, tok, self.pad_token_id)
+            out_mask[:, i] = alive
+            out_lp[:, i] = lp * alive
+            out_ent[:, i] = ent * alive
+            done = done | torch.isin(tok, eos)
+            if i == T - 1:
+                break
+            if (i + 1) % self.check_every == 0:  # the only host syncs: every check_every tokens
+                if stop:
+                    done = done | self._stop_string_rows(out_tokens[:n, : i + 1], out_mask[:n, : i + 1], stop, Bb)
+                if not bool((~done).any()):
+                    steps = i + 1
+                    break
+            if aqn is not None and aqn.per_forward:
+                aqn.resample()
+            slot = P + i
+            self.step_tokens.copy_(tok)
+            self.step_slot.fill_(slot)
+            logits = self._decode(min(_round_up(slot + 1, self.kv_block), self.max_seq_len))
+
+        out_tokens, out_mask, out_lp, out_ent = (t[:n, :steps] for t in (out_tokens, out_mask, out_lp, out_ent))
+        texts, cut = None, [False] * n
+        if stop:
+            out_mask, cut = self._cut_at_stop_strings(out_tokens, out_mask, stop)
+        out_tokens = out_tokens.masked_fill(~out_mask, self.pad_token_id)
+        out_lp, out_ent = out_lp * out_mask, out_ent * out_mask
+        finish = self._finish_reasons(out_tokens, out_mask, cut, ignore_eos)
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
+                     for t, m in zip(out_tokens.cpu(), out_mask.cpu())]
+        return Rollout(tokens[:n], self.cache.key_valid[:n, :P].clone(), out_tokens, out_mask, out_lp, out_ent,
+                       finish, texts)
+
+    # helpers --------------------------------------------------------------------------------------
+
+    def _sync_lora(self) -> None:
+        """Refresh the adapter snapshot from the trainer's weights; drop graphs if the adapter set changed."""
+        lora = self.runner.lora
+        sig = lora.signature()
+        if sig != self._graph_sig:
+            lora.a.clear(), lora.b.clear()
+            self.graphs = {}
+            self._graph_sig = sig
+        lora.refresh()
+
+    def invalidate_graphs(self) -> None:
+        """Call after replacing (not updating in place) any parameter or buffer the model reads."""
+        self.graphs = {}
+        self.runner.lora.a.clear(), self.runner.lora.b.clear()
+
+    def _decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _stop_string_rows(self, tokens, mask, stop, Bb) -> torch.Tensor:
+        """[Bb] bool: rows whose completion so far contains a stop string (one host copy)."""
+        hit = torch.zeros(Bb, dtype=torch.bool)
+        for b, (t, m) in enumerate(zip(tokens.cpu(), mask.cpu())):
+            text = self._decode_text(t[m].tolist())
+            hit[b] = any(s in text for s in stop)
+        return hit.to(self.device)
+
+    def _cut_at_stop_strings(self, tokens, mask, stop) -> tuple[torch.Tensor, list[bool]]:
+        """Keep each row up to and including the first token whose text completes a stop string.
+        Returns the new mask [B, T] and which rows were cut."""
+        mask, cut = mask.clone(), []
+        for b, (t, m) in enumerate(zip(tokens.cpu(), mask.cpu())):
+            ids = t[m].tolist()
+            has_stop = lambda k: any(s in self._decode_text(ids[:k]) for s in stop)  # noqa: E731
+            cut.append(has_stop(len(ids)))
+            if not cut[-1]:
+                continue
+            lo, hi = 1, len(ids)  # smallest prefix holding a stop string; text grows with the prefix
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+            mask[b, lo:] = False
+        return mask, cut
+
+    def _finish_reasons(self, tokens, mask, cut, ignore_eos) -> list[str]:
+        """"stop" where the row ended on EOS or was cut at a stop string, else "length"."""
+        n = mask.sum(-1, keepdim=True)
+        last = tokens.gather(1, (n - 1).clamp_min(0)).squeeze(1).tolist()
+        eos = set() if ignore_eos else set(self.eos_token_ids)
+        return ["stop" if (c or (k > 0 and tok in eos)) else "length"
+                for c, k, tok in zip(cut, n.squeeze(1).tolist(), last)]
+
+
+def _first_not_none(*xs):
+    return next((x for x in xs if x is not None), None)
+
+
+def _prompt_rows(prompts, attention_mask) -> list[list[int]]:
+    """Prompts as lists of real token ids (pads removed, whichever side they were on)."""
+    if isinstance(prompts, torch.Tensor):
+        ids = prompts.cpu()
+        if ids.ndim == 1:
+            ids = ids[None]
+        m = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.cpu().bool()
+        return [r[k].tolist() for r, k in zip(ids, m)]
+    rows = [list(map(int, p)) for p in prompts]
+    if not rows:
+        raise ValueError("no prompts")
+    return rows

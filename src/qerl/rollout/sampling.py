@@ -1,0 +1,91 @@
+"""Turning next-token logits into tokens, on the device, with no host synchronisation.
+
+Every function here takes and returns device tensors and never calls `.item()`, `.tolist()` or a
+data-dependent branch, so a decode loop built from them runs ahead of the GPU.
+
+Conventions: `logits` are [B, V] (any float dtype; the math runs in fp32). `temperature == 0` means
+greedy. The recorded log-probs and entropies are those of the *temperature-scaled, untruncated*
+distribution softmax(logits / T) (T = 1 for greedy): that is exactly what the trainer's forward computes
+for pi_old, so the ratio pi_theta / pi_old is 1 at the first update. top-k / top-p only decide which token
+is drawn; their renormalised truncated distribution is not what is recorded (say so wherever it matters).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw each next token. temperature 0 = greedy; top_k 0 and top_p 1.0 = off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [B, V] -> log softmax(logits / T) [B, V] fp32 (T = 1 when greedy)."""
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / t, dim=-1)
+
+
+def entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """logprobs [B, V] fp32 -> entropy -sum p log p [B] fp32 (0 * -inf counted as 0)."""
+    p = logprobs.exp()
+    return -(p * logprobs.masked_fill(p == 0, 0.0)).sum(-1)
+
+
+def truncate_logits(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the top-k and outside the top-p nucleus. [B, V] -> [B, V].
+
+    The nucleus keeps the smallest set of most likely tokens whose mass reaches top_p (the token that
+    crosses the threshold is kept), always at least one token.
+    """
+    out = logprobs
+    if top_k > 0 and top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]  # [B, 1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, idx = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_lp, dim=-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row. logprobs [B, V] fp32 (already temperature-scaled) -> tokens [B] int64.
+
+    Sampling is argmax(log p - log E), E ~ Exp(1) (the exponential race, equivalent to the Gumbel-max
+    trick): one elementwise pass and an argmax, no multinomial and no host sync.
+    """
+    if params.greedy:
+        return logprobs.argmax(-1)
+    lp = truncate_logits(logprobs, params.top_k, params.top_p)
+    # clamp: an exact 0 draw would give -inf - log 0 = nan on a masked token
+    e = torch.empty_like(lp).exponential_(generator=generator).clamp_min_(1e-30)
+    return (lp - e.log()).argmax(-1)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """One sampling step. logits [B, V] -> (tokens [B] int64, logprob of each token [B] fp32,
+    entropy [B] fp32), both under softmax(logits / T)."""
+    logprobs = logits_to_logprobs(logits, params.temperature)
+    tokens = sample(logprobs, params, generator)
+    token_logprob = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, token_logprob, entropy_from_logprobs(logprobs)

@@ -1,0 +1,196 @@
+"""AQN: the noise schedule, the noisy-norm context (exact restore, clean state_dict) and its effect on the
+rollout engine's sampled policy (sigma = 0 bit-identical, sigma > 0 different)."""
+
+import math
+
+import pytest
+import torch
+
+from qerl.nn.noisy_norm import NoisyNorms, find_noisy_norms
+from qerl.rl.aqn import DECAYS, AQNSchedule, stage_sigma
+from qerl.rollout.engine import RolloutEngine
+from qerl.rollout.sampling import SamplingParams
+
+from test_rollout_engine import prompts_of, quantize_tiny, tiny_model
+
+
+# ------------------------------------------------------------------------------------------ schedule
+
+
+def test_exponential_schedule_matches_design_formula():
+    K, s0, s1 = 10, 1e-2, 5e-4
+    sig = [stage_sigma(k, K, s0, s1) for k in range(K)]
+    assert sig[0] == 0.0
+    assert sig[1] == pytest.approx(s0, rel=1e-12) and sig[-1] == pytest.approx(s1, rel=1e-12)
+    for k in range(1, K):
+        assert sig[k] == pytest.approx(s0 * (s1 / s0) ** ((k - 1) / (K - 2)), rel=1e-12)
+    ratios = [sig[k + 1] / sig[k] for k in range(1, K - 1)]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)  # geometric
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_every_decay_starts_ends_and_decreases(decay):
+    sig = [stage_sigma(k, 8, 1e-2, 1e-4, decay) for k in range(8)]
+    assert sig[0] == 0.0
+    assert sig[1] == pytest.approx(1e-2) and sig[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(sig[1:], sig[2:]))
+
+
+def test_decays_differ_in_the_middle():
+    mid = {d: stage_sigma(5, 10, 1e-2, 5e-4, d) for d in DECAYS}
+    assert mid["linear"] == pytest.approx(1e-2 + (5e-4 - 1e-2) * 4 / 8)
+    assert mid["cosine"] == pytest.approx(5e-4 + (1e-2 - 5e-4) * (1 + math.cos(math.pi / 2)) / 2)
+    assert mid["logarithmic"] < mid["linear"]  # fast early decay
+    assert mid["exponential"] < mid["linear"]
+    assert len(set(mid.values())) == 4
+
+
+def test_schedule_over_steps():
+    s = AQNSchedule(num_stages=4, sigma_start=1e-2, sigma_end=1e-3)
+    stages = [s.stage(i, 100) for i in range(100)]
+    assert stages[0] == 0 and stages[24] == 0 and stages[25] == 1 and stages[99] == 3
+    assert s.sigma(0, 100) == 0.0 and s.sigma(99, 100) == pytest.approx(1e-3)
+    assert AQNSchedule(enabled=False).sigma(50, 100) == 0.0
+    assert stage_sigma(1, 2, 1e-2, 1e-3) == pytest.approx(1e-3)  # one noisy stage = the last one
+    with pytest.raises(ValueError):
+        AQNSchedule(decay="bogus")
+    with pytest.raises(ValueError):
+        s.sigma(100, 100)
+
+
+# --------------------------------------------------------------------------------------- noisy norms
+
+
+def norm_weights(model):
+    return [n.weight.detach().clone() for n in find_noisy_norms(model)]
+
+
+def test_finds_both_norms_of_every_layer():
+    model = tiny_model("qwen2")
+    norms = find_noisy_norms(model)
+    assert len(norms) == 2 * model.config.num_hidden_layers
+    assert model.model.norm not in norms  # final norm feeds lm_head, which gets no noise
+    assert all(n is not l.self_attn.q_norm for l in model.model.layers for n in norms
+               if hasattr(l.self_attn, "q_norm"))
+
+
+def test_noise_is_applied_then_restored_bit_exactly_and_never_in_state_dict():
+    model = tiny_model("llama")
+    with torch.no_grad():  # non-trivial weights, so "restored" cannot pass by re-initialising to ones
+        for n in find_noisy_norms(model):
+            n.weight.uniform_(0.5, 1.5)
+    clean = norm_weights(model)
+    clean_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sigma = 0.05
+    with NoisyNorms(model, sigma, seed=0) as aqn:
+        noisy = norm_weights(model)
+        z = torch.cat([a - b for a, b in zip(noisy, clean)])
+        assert z.abs().min() > 0
+        assert z.std().item() == pytest.approx(sigma, rel=0.25)  # 4 x 64 channel draws
+        assert not torch.equal(noisy[0] - clean[0], noisy[1] - clean[1])  # one vector per norm
+        sd = model.state_dict()
+        for k, v in clean_sd.items():
+            assert torch.equal(sd[k], v), k  # the noise never reaches a checkpoint
+        aqn.resample()
+        assert not torch.equal(norm_weights(model)[0], noisy[0])
+    for a, b in zip(norm_weights(model), clean):
+        assert torch.equal(a, b)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in clean_sd.items())
+
+
+def test_restored_even_when_the_body_raises():
+    model = tiny_model("qwen3")
+    clean = norm_weights(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with NoisyNorms(model, 0.1, seed=0):
+            raise RuntimeError("boom")
+    assert all(torch.equal(a, b) for a, b in zip(norm_weights(model), clean))
+
+
+def test_bf16_weights_restored_exactly():
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    clean = norm_weights(model)
+    with NoisyNorms(model, 1e-3, seed=0):
+        assert any(not torch.equal(a, b) for a, b in zip(norm_weights(model), clean))
+    assert all(torch.equal(a, b) for a, b in zip(norm_weights(model), clean))
+
+
+# ------------------------------------------------------------------------------------- in the engine
+
+
+def test_sigma_zero_is_bit_identical_and_sigma_positive_changes_the_policy():
+    model = quantize_tiny(tiny_model("qwen3"))
+    engine = RolloutEngine(model, max_seq_len=64)
+    prompts = prompts_of([5, 9, 7, 3], seed=2)
+    sp = SamplingParams(temperature=1.0)
+    base = engine.generate(prompts, 16, sp, seed=0, ignore_eos=True)
+    zero = engine.generate(prompts, 16, sp, seed=0, ignore_eos=True, aqn=NoisyNorms(model, 0.0, seed=1))
+    assert torch.equal(base.completion_ids, zero.completion_ids)
+    assert torch.equal(base.logprobs, zero.logprobs) and torch.equal(base.entropies, zero.entropies)
+    noisy = engine.generate(prompts, 16, sp, seed=0, ignore_eos=True, aqn=NoisyNorms(model, 0.05, seed=1))
+    assert not torch.equal(base.logprobs, noisy.logprobs)
+    # and the forward logits themselves (direct, no sampling involved)
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        with NoisyNorms(model, 0.0, seed=3):
+            assert torch.equal(model(ids).logits, ref)
+        with NoisyNorms(model, 0.05, seed=3):
+            assert not torch.allclose(model(ids).logits, ref, atol=1e-4)
+        assert torch.equal(model(ids).logits, ref)  # restored
+
+
+def test_recorded_logprobs_are_those_of_the_noisy_policy():
+    """With one noise draw per batch, the engine's log-probs equal a full forward under the same noise."""
+    from test_rollout_engine import full_forward_logprobs
+
+    model = tiny_model("llama")
+    engine = RolloutEngine(model, max_seq_len=64)
+    aqn = NoisyNorms(model, 0.1, seed=4)
+    with aqn:
+        out = engine.generate(prompts_of([6, 3], seed=8), 12, SamplingParams(temperature=1.0), seed=0,
+                              ignore_eos=True, aqn=aqn)
+        noisy_lp, _ = full_forward_logprobs(model, out, 1.0)
+    clean_lp, _ = full_forward_logprobs(model, out, 1.0)
+    torch.testing.assert_close(out.logprobs, noisy_lp, atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(out.logprobs, clean_lp, atol=1e-3)
+
+
+def test_per_forward_noise_redraws_every_step():
+    model = tiny_model("qwen2")
+    engine = RolloutEngine(model, max_seq_len=64)
+    aqn = NoisyNorms(model, 0.05, per_forward=True, seed=0)
+    seen = []
+    orig = aqn.resample
+
+    def spy():
+        orig()
+        seen.append(find_noisy_norms(model)[0].weight.detach().clone())
+
+    aqn.resample = spy
+    engine.generate(prompts_of([4]), 6, SamplingParams(temperature=0), ignore_eos=True, aqn=aqn)
+    assert len(seen) == 6  # entry (prefill) + 5 decode steps
+    assert all(not torch.equal(a, b) for a, b in zip(seen, seen[1:]))
+    assert not aqn.active
+
+
+@pytest.mark.slow
+def test_aqn_raises_sampling_entropy_on_the_real_model():
+    """SmolLM2-135M-Instruct: noisy norms (one draw per batch) give a higher mean token entropy."""
+    load = pytest.importorskip("qerl.models.load")
+    model, tok = load.load_causal_lm("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
+    engine = RolloutEngine(model, tokenizer=tok, max_seq_len=256)
+    msgs = ["What is 12 + 35?", "Name a primary colour.", "Write one sentence about the sea.",
+            "What is the capital of France?"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True) for m in msgs]
+    prompts = [p if isinstance(p[0], int) else p["input_ids"] for p in prompts]
+    sp = SamplingParams(temperature=0.7)
+
+    def mean_entropy(sigma, seed):
+        out = engine.generate(prompts * 4, 48, sp, seed=seed, ignore_eos=True,
+                              aqn=NoisyNorms(model, sigma, seed=seed) if sigma else None)
+        return out.entropies[out.completion_mask].mean().item()
+
+    clean = sum(mean_entropy(0.0, s) for s in range(2)) / 2
+    noisy = sum(mean_entropy(0.05, s) for s in range(2)) / 2
+    assert noisy > clean * 1.05, (clean, noisy)
