@@ -1,11 +1,14 @@
 """Matmuls against quantized weights. Each entry point takes the format's tensors as stored.
 
 `quantized_linear(fmt, x, tensors, bias)` is what the layers call; it dispatches to the format's entry
-point (`nvfp4_linear`, ...). Without a fused kernel for the device, the fallback dequantizes the weight
+point (`nvfp4_linear`, `mxfp4_linear`, ...). CUDA bf16/fp16 inputs of the FP4 formats go to fused Triton
+kernels (imported only then, so CPU users need no Triton). Without a fused kernel for the device, the fallback dequantizes the weight
 into a temporary that is freed when the call returns, so the 4-bit tensors stay the only persistent copy.
 """
 
 from .dispatch import quantized_linear, quantized_linear_grad_input
+from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
-__all__ = ["quantized_linear", "quantized_linear_grad_input", "nvfp4_linear", "nvfp4_linear_grad_input"]
+__all__ = ["quantized_linear", "quantized_linear_grad_input", "nvfp4_linear", "nvfp4_linear_grad_input",
+           "mxfp4_linear", "mxfp4_linear_grad_input"]

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import get_format
+from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
 
@@ -22,6 +23,8 @@ def quantized_linear(
     """x [..., K] -> x @ W^T + bias, [..., N] in x.dtype; W given as the format's tensors."""
     if fmt == "nvfp4":
         return nvfp4_linear(x, **tensors, bias=bias)
+    if fmt == "mxfp4":
+        return mxfp4_linear(x, **tensors, bias=bias)
     return _dequantize_linear(fmt, x, tensors, bias)
 
 
@@ -29,4 +32,6 @@ def quantized_linear_grad_input(fmt: str, grad_out: torch.Tensor, tensors: dict[
     """grad_out [..., N] -> grad_out @ W, [..., K] in grad_out.dtype."""
     if fmt == "nvfp4":
         return nvfp4_linear_grad_input(grad_out, **tensors)
+    if fmt == "mxfp4":
+        return mxfp4_linear_grad_input(grad_out, **tensors)
     return _dequantize_grad_input(fmt, grad_out, tensors)

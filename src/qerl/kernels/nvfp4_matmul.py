@@ -1,13 +1,16 @@
 """y = x @ W^T and its input gradient for an NVFP4 weight, without keeping W in 16 bits.
 
-Plain-torch path (CPU, and GPUs without the Triton kernels): dequantize into a temporary that lives for
-this call only. On the CPU that is the intended trade: speed matters less than staying small.
+CUDA bf16/fp16 inputs go to the fused Triton kernels (`triton_nvfp4`, imported lazily), which decode W
+tile by tile in registers. Everything else takes the plain-torch path, which is also the reference the
+kernels are tested against: dequantize into a temporary that lives for this call only. On the CPU that is
+the intended trade: speed matters less than staying small.
 """
 
 import torch
 import torch.nn.functional as F
 
 from ..formats.nvfp4 import dequantize_nvfp4
+from . import triton_gate
 
 
 def nvfp4_linear(
@@ -21,6 +24,13 @@ def nvfp4_linear(
 
     weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_global_scale fp32 [1].
     """
+    if triton_gate.use_triton(x):
+        from . import triton_nvfp4 as tk
+
+        if triton_gate.rows(x) <= triton_gate.FUSED_MAX_M:
+            return tk.nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias)
+        w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
     w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
@@ -32,5 +42,12 @@ def nvfp4_linear_grad_input(
     weight_global_scale: torch.Tensor,
 ) -> torch.Tensor:
     """grad_out [..., N] -> grad_out @ W, [..., K] in grad_out.dtype."""
+    if triton_gate.use_triton(grad_out):
+        from . import triton_nvfp4 as tk
+
+        if triton_gate.rows(grad_out) <= triton_gate.GRAD_FUSED_MAX_M:
+            return tk.nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)
+        w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
+        return grad_out @ w
     w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
     return grad_out @ w

@@ -1,0 +1,117 @@
+"""Fused FP4 x bf16 products on the GPU (Hopper has no FP4 tensor cores: dequantize in registers).
+
+Public functions take the format's tensors exactly as stored (compressed-tensors layout, no re-packing):
+  nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias)  x [..., K] -> [..., N]
+  nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)  [..., N] -> [..., K]
+  mxfp4_linear_triton / mxfp4_grad_input_triton: same with uint8 E8M0 scales per 32 and no global scale.
+Inputs must be bf16 or fp16 with K % 16 == 0 (K % 32 for MXFP4). The tile shape is picked from (M, N, K)
+by `pick_config`; see `triton_fp4_mm` for the kernels. This module imports Triton: import it lazily.
+"""
+
+import torch
+
+from .triton_fp4_mm import TileConfig, fp4_dequantize, fp4_grad_input, fp4_linear
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton interpreter on the CPU: any small number
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _split_for(tiles: int, k_blocks: int, sms: int) -> int:
+    """Split the reduction until about two programs per SM exist, keeping >= 2 K blocks per program."""
+    want = -(-2 * sms // tiles)
+    return max(1, min(want, k_blocks // 2))
+
+
+def pick_config(m: int, n_out: int, k_red: int, sms: int) -> TileConfig:
+    """Tile for an [m, k_red] x [k_red, n_out] product (forward: n_out=N, k_red=K; backward: K, N).
+
+    Small M is weight-bandwidth bound: the 16-row tensor-core tile, 64 output columns and split-K so
+    that the whole chip streams weights. Large M is compute bound: 128 x 128 tiles, no split.
+    """
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn, bk = 64, 256
+        tiles = -(-n_out // bn) * -(-m // bm)
+        return TileConfig(bm, bn, bk, _split_for(tiles, -(-k_red // bk), sms), warps=4, stages=3)
+    return TileConfig(128, 128, 64, 1, warps=8, stages=3)
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check(x: torch.Tensor, packed: torch.Tensor, k: int, fmt: str) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fmt} Triton kernels take bf16/fp16 inputs, got {x.dtype}")
+    if packed.dtype != torch.uint8 or packed.shape[1] * 2 != k:
+        raise ValueError(f"{fmt}: packed weight must be uint8 [N, {k // 2}], got {packed.dtype} {tuple(packed.shape)}")
+
+
+def _u8(scale: torch.Tensor) -> torch.Tensor:
+    s = scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)  # E4M3 bits: a free view
+    return s if s.stride(-1) == 1 else s.contiguous()
+
+
+def _run_linear(x, packed, scale, gs, bias, group, mx, fmt, config):
+    k = x.shape[-1]
+    _check(x, packed, k, fmt)
+    x2 = _as_2d(x)
+    n = packed.shape[0]
+    cfg = config or pick_config(x2.shape[0], n, k, _sm_count(x.device))
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    y = fp4_linear(x2, packed.contiguous(), _u8(scale), gs, b, group, mx, cfg)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _run_grad_input(g, packed, scale, gs, group, mx, fmt, config):
+    k = packed.shape[1] * 2
+    if g.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fmt} Triton kernels take bf16/fp16 gradients, got {g.dtype}")
+    g2 = _as_2d(g)
+    cfg = config or pick_config(g2.shape[0], k, packed.shape[0], _sm_count(g.device))
+    y = fp4_grad_input(g2, packed.contiguous(), _u8(scale), gs, group, mx, cfg)
+    return y.reshape(*g.shape[:-1], k)
+
+
+def _gs(weight_global_scale: torch.Tensor) -> torch.Tensor:
+    return weight_global_scale.reshape(1).float().contiguous()
+
+
+def nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias=None, config=None):
+    """x [..., K] bf16/fp16 -> x @ W^T + bias [..., N]; packed uint8 [N, K/2], scale e4m3 [N, K/16], gs fp32 [1]."""
+    return _run_linear(x, weight_packed, weight_scale, _gs(weight_global_scale), bias, 16, False, "nvfp4", config)
+
+
+def nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale, config=None):
+    """grad_out [..., N] bf16/fp16 -> grad_out @ W [..., K]."""
+    return _run_grad_input(grad_out, weight_packed, weight_scale, _gs(weight_global_scale), 16, False, "nvfp4", config)
+
+
+def mxfp4_linear_triton(x, weight_packed, weight_scale, bias=None, config=None):
+    """x [..., K] -> x @ W^T + bias [..., N]; packed uint8 [N, K/2], scale uint8 E8M0 exponents [N, K/32]."""
+    return _run_linear(x, weight_packed, weight_scale, None, bias, 32, True, "mxfp4", config)
+
+
+def mxfp4_grad_input_triton(grad_out, weight_packed, weight_scale, config=None):
+    """grad_out [..., N] -> grad_out @ W [..., K] for an MXFP4 weight."""
+    return _run_grad_input(grad_out, weight_packed, weight_scale, None, 32, True, "mxfp4", config)
+
+
+def nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=torch.bfloat16):
+    """W [N, K] in dtype, decoded on the device in one pass (for the dequantize + cuBLAS fallback)."""
+    return fp4_dequantize(weight_packed.contiguous(), _u8(weight_scale), _gs(weight_global_scale), 16, False, dtype)
+
+
+def mxfp4_dequantize_triton(weight_packed, weight_scale, dtype=torch.bfloat16):
+    """W [N, K] in dtype for an MXFP4 weight, decoded on the device in one pass."""
+    return fp4_dequantize(weight_packed.contiguous(), _u8(weight_scale), None, 32, True, dtype)
