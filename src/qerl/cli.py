@@ -7,6 +7,7 @@ import time
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 console = Console(stderr=True)
 
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
-        console.print(f"[bold red]error:[/] {e}")
+        # soft_wrap: keep paths unbroken; Text: a message with [brackets] is not rich markup.
+        console.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)
         return 2
 
 

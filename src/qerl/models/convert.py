@@ -86,7 +86,10 @@ def quantize_model(
         task = progress.add_task(f"quantizing to {fmt}", total=len(linears))
         for name, lin in linears.items():
             gs = scales.get(name)
-            tensors = quantizer(name, lin.weight, gs) if quantizer else spec.quantize(lin.weight, gs)
+            try:
+                tensors = quantizer(name, lin.weight, gs) if quantizer else spec.quantize(lin.weight, gs)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
             layer = QuantLinear(lin.in_features, lin.out_features, fmt, tensors, lin.bias, lora)
             _set_module(model, name, layer)
             progress.advance(task)
@@ -132,3 +135,22 @@ def memory_report(model: nn.Module) -> dict[str, float]:
         "other_bytes": total - q_bytes - lora,
         "total_bytes": total,
     }
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace every QuantLinear by a dense nn.Linear holding its dequantized base (LoRA dropped), in place.
+
+    For interoperability (e.g. loading a qerl adapter with `peft` on the exact base qerl trained on).
+    """
+    for name, layer in quant_layers(model).items():
+        weight = layer.dequantized_weight(dtype or torch.float32)
+        dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                          device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(weight)
+            if layer.bias is not None:
+                dense.bias.copy_(layer.bias)
+        _set_module(model, name, dense)
+    if hasattr(model.config, "qerl_weight_format"):
+        del model.config.qerl_weight_format
+    return model
