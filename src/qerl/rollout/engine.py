@@ -455,6 +455,23 @@ class RolloutEngine:
         return Rollout(tokens[:n], self.cache.key_valid[:n, :P].clone(), out_tokens, out_mask, out_lp, out_ent,
                        finish, texts)
 
+    @torch.no_grad()
+    def warmup(self, batch: int, max_len: int | None = None) -> None:
+        """Capture now every decode graph a batch of `batch` rows up to `max_len` slots will need (so the
+        first timed or trained rollout does not pay for the captures). No-op without CUDA graphs."""
+        Bb = bucket_batch(batch)
+        self._setup(Bb)
+        self._sync_lora()
+        if not self.cuda_graphs:
+            return
+        max_len = max_len or self.max_seq_len
+        self.cache.reset(torch.zeros(Bb, dtype=torch.int64, device=self.device))
+        self.pad_len.zero_()
+        for kv_len in range(self.kv_block, _round_up(max_len, self.kv_block) + 1, self.kv_block):
+            kv_len = min(kv_len, self.max_seq_len)
+            self.step_slot.fill_(kv_len - 1)
+            self._decode(kv_len)
+
     # helpers --------------------------------------------------------------------------------------
 
     def _sync_lora(self) -> None:
