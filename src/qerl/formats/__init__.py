@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from . import nvfp4
+from . import mxfp4, nf4, nvfp4
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ FORMATS: dict[str, WeightFormat] = {
         "nvfp4", nvfp4.BLOCK, nvfp4.TENSOR_NAMES, nvfp4.quantize_nvfp4, nvfp4.dequantize_nvfp4,
         nvfp4.nvfp4_global_scale,
     ),
+    "mxfp4": WeightFormat("mxfp4", mxfp4.BLOCK, mxfp4.TENSOR_NAMES, mxfp4.quantize_mxfp4, mxfp4.dequantize_mxfp4),
+    # NF4 blocks run over the flattened tensor (only K even and N*K % 64 == 0 are needed); block=64 is
+    # the conservative per-row rule for callers that check K % block, and holds for every LLM layer.
+    "nf4": WeightFormat("nf4", nf4.BLOCK, nf4.TENSOR_NAMES, nf4.quantize_nf4, nf4.dequantize_nf4),
     # 16-bit base: the ablation baseline (bf16 LoRA), same layer and code paths, no quantization.
     "bf16": WeightFormat("bf16", 1, ("weight",), _quantize_dense, _dequantize_dense),
 }

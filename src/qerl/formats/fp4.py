@@ -23,14 +23,16 @@ def e2m1_values(device=None) -> torch.Tensor:
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values (already divided by their block scale) to E2M1 codes, uint8 of x's shape.
 
-    Saturates at +-6. The sign bit is taken from the input, so a negative value that rounds to zero
-    gives code 8 (-0), as compressed-tensors does. NaN must be rejected before calling.
+    Saturates at +-6. The sign bit is set for x < 0, so a negative value that rounds to zero gives
+    code 8 (-0) while an input of exactly -0.0 gives code 0, as compressed-tensors does (its CPU path
+    multiplies by torch.sign(x), its Triton kernel tests x < 0; torchao's cast keeps -0.0 as code 8).
+    NaN must be rejected before calling.
     """
     mag = x.abs()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for threshold, inclusive in _E2M1_STEPS:
         code += (mag >= threshold) if inclusive else (mag > threshold)
-    return code | (torch.signbit(x).to(torch.uint8) << 3)
+    return code | ((x < 0).to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
