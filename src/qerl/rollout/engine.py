@@ -285,6 +285,7 @@ class RolloutEngine:
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.cache: KVCache | None = None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._mempool = None
         self._graph_sig = None
 
     # setup ----------------------------------------------------------------------------------------
@@ -293,12 +294,12 @@ class RolloutEngine:
         """Allocate the cache and static step buffers for a batch bucket (once per bucket change)."""
         if self.cache is not None and self.cache.batch == batch:
             return
-        self.cache = self.graphs = None  # free first: the old cache may be most of the free memory
+        self.cache = None  # free first: the old cache may be most of the free memory
+        self._reset_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         r = self.runner
         self.cache = KVCache(len(r.layers), batch, r.n_kv, r.head_dim, self.max_seq_len, r.dtype, self.device)
-        self.graphs = {}
         # static inputs / outputs of the decode step (fixed addresses for graph replay)
         self.step_tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.step_slot = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -360,9 +361,15 @@ class RolloutEngine:
     def _pool(self):
         # one memory pool for all graphs: they never run concurrently and each writes its result to the
         # static step_logits before the next replay, so their temporaries may share memory
-        if getattr(self, "_mempool", None) is None:
+        if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         return self._mempool
+
+    def _reset_graphs(self) -> None:
+        """Drop every captured graph and their pool (a new pool: capturing into the pool of destroyed
+        graphs trips the caching allocator)."""
+        self.graphs = {}
+        self._mempool = None
 
     # generate -------------------------------------------------------------------------------------
 
@@ -480,13 +487,13 @@ class RolloutEngine:
         sig = lora.signature()
         if sig != self._graph_sig:
             lora.a.clear(), lora.b.clear()
-            self.graphs = {}
+            self._reset_graphs()
             self._graph_sig = sig
         lora.refresh()
 
     def invalidate_graphs(self) -> None:
         """Call after replacing (not updating in place) any parameter or buffer the model reads."""
-        self.graphs = {}
+        self._reset_graphs()
         self.runner.lora.a.clear(), self.runner.lora.b.clear()
 
     def _decode_text(self, ids: list[int]) -> str:
