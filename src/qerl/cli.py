@@ -13,14 +13,14 @@ console = Console(stderr=True)
 
 
 def _quantize(args) -> int:
-    from .eval.fidelity import SAMPLE_TEXT, compare_logprobs, next_token_logprobs
+    from .eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
     from .models import load_causal_lm, memory_report, quantize_model, save_quantized
 
     t0 = time.perf_counter()
     with console.status(f"loading {args.model}"):
         model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     console.print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
-    ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids if (tokenizer and not args.no_check) else None
+    ids = tokenizer(fidelity_text(), return_tensors="pt").input_ids if (tokenizer and not args.no_check) else None
     ref = next_token_logprobs(model, ids) if ids is not None else None
     quantize_model(model, args.format, targets=args.targets.split(","), show_progress=True)
     report = memory_report(model)

@@ -4,15 +4,14 @@ import math
 
 import torch
 
-# A fixed, varied English + arithmetic sample (written for qerl) so the numbers are reproducible offline.
-SAMPLE_TEXT = (
-    "Natalie bought 3 boxes of pencils with 12 pencils in each box. She gave 7 pencils to her brother and "
-    "split the rest equally between herself and two friends. How many pencils did each of them get? "
-    "First, 3 boxes times 12 pencils is 36 pencils. After giving 7 away she has 29 left, which does not "
-    "split evenly among three people, so she keeps the extra two. The river that runs past the old mill "
-    "rises every spring, when the snow on the mountains melts and the farmers open the gates of the canal. "
-    "In the evening the town square fills with people who come to hear the band play on the wooden stage."
-)
+
+
+def fidelity_text(n_problems: int = 16) -> str:
+    """The first GSM8K test problems with their worked solutions: fixed, offline, in the RL domain
+    (about 2,000 tokens for 16 problems with a Llama-style tokenizer)."""
+    from ..data import gsm8k_test
+
+    return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in gsm8k_test()[:n_problems])
 
 
 @torch.no_grad()
