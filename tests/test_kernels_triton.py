@@ -26,7 +26,7 @@ from qerl.formats.nvfp4 import dequantize_nvfp4
 REL_TOL = 1e-2
 
 # (M, N, K): odd M and N, K a multiple of 16 (of 32 for MXFP4), tails in every dimension.
-CPU_SHAPES = [(1, 24, 48), (3, 40, 96), (17, 33, 64), (5, 7, 160)]
+CPU_SHAPES = [(1, 24, 48), (3, 40, 96), (17, 33, 64), (5, 7, 160), (2, 64, 128)]
 GPU_SHAPES = [(1, 4608, 3584), (7, 1000, 1040), (16, 3584, 18944), (33, 517, 784), (64, 2048, 4096),
               (100, 1000, 1008), (257, 1536, 2048), (1024, 1024, 1024)]
 

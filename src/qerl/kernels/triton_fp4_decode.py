@@ -74,21 +74,29 @@ def round_to(v, DTYPE: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def fp4_load(w_ptr, s_ptr, row0, col0, R, C, stride_w, stride_s,
-             BR: tl.constexpr, BC: tl.constexpr, GROUP: tl.constexpr):
+             BR: tl.constexpr, BC: tl.constexpr, GROUP: tl.constexpr, MASK_C: tl.constexpr):
     """Raw bytes of rows [row0, row0+BR) x columns [col0, col0+BC) of W [R, C]: (packed [BR, BC/2], scales
     [BR, BC/GROUP]), uint8. w_ptr: packed [R, C/2] (row stride stride_w), element 2i in the low nibble of
     byte i; s_ptr: scales [R, C/GROUP] (row stride stride_s). Out-of-range rows/columns read as 0
-    (C and col0 are multiples of GROUP, BC of GROUP)."""
+    (C and col0 are multiples of GROUP, BC of GROUP). MASK_C=False when the caller knows every column is in
+    range: a mask along the contiguous dimension with a run-time bound stops Triton from issuing 16-byte
+    vector loads (it cannot prove the bound keeps 16-byte runs whole)."""
     HALF: tl.constexpr = BC // 2
     NG: tl.constexpr = BC // GROUP
     rows = row0 + tl.arange(0, BR)
     pcols = col0 // 2 + tl.arange(0, HALF)
     rmask = rows < R
-    p = tl.load(w_ptr + rows[:, None] * stride_w + pcols[None, :],
-                mask=rmask[:, None] & (pcols[None, :] < C // 2), other=0)
     gcols = col0 // GROUP + tl.arange(0, NG)
-    s = tl.load(s_ptr + rows[:, None] * stride_s + gcols[None, :],
-                mask=rmask[:, None] & (gcols[None, :] < C // GROUP), other=0)
+    if MASK_C:
+        p = tl.load(w_ptr + rows[:, None] * stride_w + pcols[None, :],
+                    mask=rmask[:, None] & (pcols[None, :] < C // 2), other=0)
+        s = tl.load(s_ptr + rows[:, None] * stride_s + gcols[None, :],
+                    mask=rmask[:, None] & (gcols[None, :] < C // GROUP), other=0)
+    else:
+        p = tl.load(w_ptr + rows[:, None] * stride_w + pcols[None, :],
+                    mask=tl.broadcast_to(rmask[:, None], (BR, HALF)), other=0)
+        s = tl.load(s_ptr + rows[:, None] * stride_s + gcols[None, :],
+                    mask=tl.broadcast_to(rmask[:, None], (BR, NG)), other=0)
     return p, s
 
 

@@ -41,15 +41,27 @@ class TileConfig:
 
 
 @triton.jit
+def _load_rows(ptrs, c0, offs_m, M, offs_c, c_hi, EVEN: tl.constexpr):
+    """Activation tile [BM, BC] at column offset c0: rows offs_m < M, columns >= c_hi read as 0.
+    EVEN: the tile is all in range or all out (c0 >= c_hi: a prefetch past the end), so the column test is
+    folded into a scalar row bound; a mask that varies along columns would stop 16-byte vector loads."""
+    if EVEN:
+        in_range = offs_m < tl.where(c0 < c_hi, M, 0)
+        return tl.load(ptrs + c0, mask=tl.broadcast_to(in_range[:, None], ptrs.shape), other=0.0)
+    return tl.load(ptrs + c0, mask=(offs_m < M)[:, None] & (c0 + offs_c[None, :] < c_hi), other=0.0)
+
+
+@triton.jit
 def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
                        M, N, K, stride_xm, stride_w, stride_s, stride_om, stride_os, k_per_split,
                        HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                       MX: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr):
+                       MX: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr):
     """out[M, N] = x[M, K] @ W[N, K]^T (+ bias), or float32 partials out[split, M, N] when PARTIAL.
 
     PREFETCH: issue the loads of step i+1 before decoding and multiplying step i (software pipelining
     in registers: the dequantize feeds the MMA from registers, which Triton's own pipeliner skips).
+    EVEN_K: every split's K range is a whole number of BK tiles, so no K masks (16-byte vector loads).
     INTERP (CPU interpreter only): multiply the 16-bit tiles as float32, because the Triton interpreter's
     bf16 tl.dot is wrong (3.9); the values are the same bf16 numbers, so the result is unchanged.
     Its bf16 casts truncate, so they go through `round_to`.
@@ -68,16 +80,19 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     # columns >= k_hi read as 0 (x masked), so a split never touches its neighbour's range
-    x = tl.load(x_ptrs + k_lo, mask=m_mask[:, None] & (k_lo + offs_k[None, :] < k_hi), other=0.0)
-    p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, k_lo, N, k_hi, stride_w, stride_s, BN, BK, GROUP)
+    x = _load_rows(x_ptrs, k_lo, offs_m, M, offs_k, k_hi, EVEN_K)
+    p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, k_lo, N, k_hi, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
     for k0 in range(k_lo, k_hi, BK):
         if PREFETCH:
             kn = k0 + BK
-            x_next = tl.load(x_ptrs + kn, mask=m_mask[:, None] & (kn + offs_k[None, :] < k_hi), other=0.0)
-            p_next, s_next = fp4_load(w_ptr, s_ptr, pid_n * BN, kn, N, k_hi, stride_w, stride_s, BN, BK, GROUP)
+            x_next = _load_rows(x_ptrs, kn, offs_m, M, offs_k, k_hi, EVEN_K)
+            # past the last tile every row reads as absent (a scalar row bound keeps the loads vectorized)
+            n_rows = tl.where(kn < k_hi, N, 0)
+            p_next, s_next = fp4_load(w_ptr, s_ptr, pid_n * BN, kn, n_rows, k_hi, stride_w, stride_s, BN, BK,
+                                      GROUP, not EVEN_K)
         else:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k[None, :] < k_hi), other=0.0)
-            p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, k0, N, k_hi, stride_w, stride_s, BN, BK, GROUP)
+            x = _load_rows(x_ptrs, k0, offs_m, M, offs_k, k_hi, EVEN_K)
+            p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, k0, N, k_hi, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
         w = fp4_decode(p, s, step_mul, BN, BK, GROUP, MX, x_ptr.dtype.element_ty, INTERP)
         if INTERP:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
@@ -101,11 +116,13 @@ def _fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
                            M, N, K, stride_gm, stride_w, stride_s, stride_om, stride_os, n_per_split,
                            HAS_GS: tl.constexpr, PARTIAL: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                           MX: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr):
+                           MX: tl.constexpr, PREFETCH: tl.constexpr, EVEN_N: tl.constexpr,
+                           EVEN_K: tl.constexpr, INTERP: tl.constexpr):
     """out[M, K] = g[M, N] @ W[N, K], or float32 partials out[split, M, K] when PARTIAL.
 
     The reduction runs over W's rows (N): each step decodes a [BN, BK] tile of W, no transpose needed.
-    PREFETCH and INTERP as in `_fp4_linear_kernel`.
+    PREFETCH and INTERP as in `_fp4_linear_kernel`; EVEN_N: each split's N range is whole BN tiles;
+    EVEN_K: K % BK == 0 (no column masks on W).
     """
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -121,16 +138,17 @@ def _fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
     n_lo = pid_s * n_per_split
     n_hi = tl.minimum(N, n_lo + n_per_split)
     col0 = pid_k * BK
-    g = tl.load(g_ptrs + n_lo, mask=m_mask[:, None] & (n_lo + offs_n[None, :] < n_hi), other=0.0)
-    p, s = fp4_load(w_ptr, s_ptr, n_lo, col0, n_hi, K, stride_w, stride_s, BN, BK, GROUP)
+    g = _load_rows(g_ptrs, n_lo, offs_m, M, offs_n, n_hi, EVEN_N)
+    p, s = fp4_load(w_ptr, s_ptr, n_lo, col0, n_hi, K, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
     for n0 in range(n_lo, n_hi, BN):
         if PREFETCH:
-            nn = n0 + BN
-            g_next = tl.load(g_ptrs + nn, mask=m_mask[:, None] & (nn + offs_n[None, :] < n_hi), other=0.0)
-            p_next, s_next = fp4_load(w_ptr, s_ptr, nn, col0, n_hi, K, stride_w, stride_s, BN, BK, GROUP)
+            nn = n0 + BN  # past the end: rows >= n_hi read as absent
+            g_next = _load_rows(g_ptrs, nn, offs_m, M, offs_n, n_hi, EVEN_N)
+            p_next, s_next = fp4_load(w_ptr, s_ptr, nn, col0, n_hi, K, stride_w, stride_s, BN, BK, GROUP,
+                                      not EVEN_K)
         else:
-            g = tl.load(g_ptrs + n0, mask=m_mask[:, None] & (n0 + offs_n[None, :] < n_hi), other=0.0)
-            p, s = fp4_load(w_ptr, s_ptr, n0, col0, n_hi, K, stride_w, stride_s, BN, BK, GROUP)
+            g = _load_rows(g_ptrs, n0, offs_m, M, offs_n, n_hi, EVEN_N)
+            p, s = fp4_load(w_ptr, s_ptr, n0, col0, n_hi, K, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
         w = fp4_decode(p, s, step_mul, BN, BK, GROUP, MX, g_ptr.dtype.element_ty, INTERP)
         if INTERP:
             acc = tl.dot(g.to(tl.float32), w.to(tl.float32), acc)
@@ -175,7 +193,8 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         x, packed, scale, gs, b, out, m, n, k, x.stride(0), packed.stride(0), scale.stride(0),
         out.stride(-2), out.stride(0) if partial else 0, per,
         HAS_GS=global_scale is not None, HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, INTERP=x.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_K=k % cfg.bk == 0,
+        INTERP=x.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
     if not partial:
         return out
     y = out.sum(0)
@@ -201,7 +220,8 @@ def fp4_grad_input(g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
         g, packed, scale, gs, out, m, n, k, g.stride(0), packed.stride(0), scale.stride(0),
         out.stride(-2), out.stride(0) if partial else 0, per,
         HAS_GS=global_scale is not None, PARTIAL=partial,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, INTERP=g.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_N=n % cfg.bn == 0,
+        EVEN_K=k % cfg.bk == 0, INTERP=g.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
     return out.sum(0).to(g.dtype) if partial else out
 
 
@@ -215,7 +235,7 @@ def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_w, stride_s,
     step_mul = 1.0
     if HAS_GS:
         step_mul = 4194304.0 / tl.load(gs_ptr)
-    p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, pid_k * BK, N, K, stride_w, stride_s, BN, BK, GROUP)
+    p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, pid_k * BK, N, K, stride_w, stride_s, BN, BK, GROUP, True)
     w = fp4_decode(p, s, step_mul, BN, BK, GROUP, MX, out_ptr.dtype.element_ty, INTERP)
     rows = pid_n * BN + tl.arange(0, BN)
     cols = pid_k * BK + tl.arange(0, BK)

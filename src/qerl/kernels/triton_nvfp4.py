@@ -39,7 +39,7 @@ def pick_config(m: int, n_out: int, k_red: int, sms: int) -> TileConfig:
     """
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn, bk = 64, 256
+        bn, bk = 64, 128  # 128 divides every Qwen2.5 K, so the K masks go (16-byte loads)
         tiles = -(-n_out // bn) * -(-m // bm)
         return TileConfig(bm, bn, bk, _split_for(tiles, -(-k_red // bk), sms), warps=4, stages=3)
     return TileConfig(128, 128, 64, 1, warps=8, stages=3)

@@ -1,0 +1,234 @@
+"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on Qwen2.5 linear shapes (`qerl bench kernels`).
+
+For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-7B/14B/32B/72B) and each M it times,
+side by side on one GPU:
+  cublas    F.linear with a bf16 weight (the 16-bit baseline);
+  deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
+  fused     the fused kernel (`nvfp4_linear_triton`, the tile `pick_config` chooses);
+and the input gradient dY @ W (fused vs deq+cublas vs cublas). Each timing is the median over CUDA-graph
+replays of a sequence of calls that cycles through enough weight copies to exceed twice the L2 cache, so
+weights come from HBM, as in a real model pass. Bandwidth = bytes of weights + activations moved / time,
+shown against the device's measured copy bandwidth. Writes <out>.json and <out>.md; prints the table.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+# (hidden, intermediate, heads, kv heads); head_dim 128 for all four
+QWEN25 = {"7B": (3584, 18944, 28, 4), "14B": (5120, 13824, 40, 8), "32B": (5120, 27648, 40, 8),
+          "72B": (8192, 29568, 64, 8)}
+M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+BACKWARD_M = (16, 256, 1024, 4096)
+
+
+def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """{layer: (N, K)} for y[M, N] = x[M, K] @ W[N, K]^T."""
+    h, inter, heads, kv = QWEN25[model]
+    return {"qkv": (h + 2 * kv * 128, h), "o": (heads * 128, h), "gate_up": (2 * inter, h), "down": (h, inter)}
+
+
+def _graph_time(fn, calls: int, replays: int) -> float:
+    """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
+    for i in range(calls):  # warm-up: compile, autotune caches, cuBLAS handles
+        fn(i)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
+    a = torch.empty(1 << 29, dtype=torch.int16, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = _graph_time(lambda i: b.copy_(a), 4, 10)
+    return 2 * a.numel() * a.element_size() / t
+
+
+def _weights(n: int, k: int, copies: int):
+    """`copies` random NVFP4 weights [N, K] and bf16 weights of the same shape (never zeros)."""
+    from qerl.formats.nvfp4 import quantize_nvfp4
+
+    bf, q = [], []
+    for _ in range(copies):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        bf.append(w)
+        q.append(quantize_nvfp4(w))
+    return bf, q
+
+
+def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, config=None) -> list[dict]:
+    from qerl.kernels import triton_nvfp4 as tk
+
+    fp4_bytes = n * k // 2 + n * k // 16
+    copies_fp4 = max(1, -(-2 * l2_bytes // fp4_bytes))
+    copies = min(copies_fp4, 16)
+    bf, q = _weights(n, k, copies)
+    rows = []
+    for kind, m_list in (("forward", ms), ("grad_input", backward_ms)):
+        for m in m_list:
+            red, out = (k, n) if kind == "forward" else (n, k)
+            xs = [torch.randn(m, red, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            act = 2 * m * (red + out)
+            # enough calls per graph to cycle all weight copies at least once, and >= ~2 ms of work
+            calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+            if kind == "forward":
+                fns = {
+                    "cublas": lambda i: F.linear(xs[i % 2], bf[i % copies]),
+                    "deq+cublas": lambda i: F.linear(xs[i % 2], tk.nvfp4_dequantize_triton(**q[i % copies])),
+                    "fused": lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies], config=config),
+                }
+            else:
+                fns = {
+                    "cublas": lambda i: xs[i % 2] @ bf[i % copies],
+                    "deq+cublas": lambda i: xs[i % 2] @ tk.nvfp4_dequantize_triton(**q[i % copies]),
+                    "fused": lambda i: tk.nvfp4_grad_input_triton(xs[i % 2], **q[i % copies], config=config),
+                }
+            t = {name: _graph_time(fn, calls, replays) for name, fn in fns.items()}
+            rows.append({
+                "kind": kind, "N": n, "K": k, "M": m, **{f"t_{a}_us": v * 1e6 for a, v in t.items()},
+                "speedup_vs_cublas": t["cublas"] / t["fused"], "speedup_vs_deq": t["deq+cublas"] / t["fused"],
+                "bw_fused": (fp4_bytes + act) / t["fused"], "bw_cublas": (2 * n * k + act) / t["cublas"],
+                "tflops_fused": 2 * m * n * k / t["fused"] / 1e12,
+            })
+    del bf, q
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: int) -> list[tuple[float, object]]:
+    """Time the fused kernel with each TileConfig (split 0 = the automatic split); (us, config), fastest first."""
+    import dataclasses
+
+    from qerl.kernels import triton_nvfp4 as tk
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fp4_bytes = n * k // 2 + n * k // 16
+    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
+    _, q = _weights(n, k, copies)
+    red, out = (k, n) if kind == "forward" else (n, k)
+    x = torch.randn(m, red, device="cuda", dtype=torch.bfloat16)
+    res = []
+    for cfg in configs:
+        if cfg.split == 0:
+            auto = tk.pick_config(m, out, red, sms)
+            tiles = -(-out // cfg.bn) * -(-m // cfg.bm)
+            cfg = dataclasses.replace(cfg, split=tk._split_for(tiles, -(-red // cfg.bk), sms) if auto.split > 1 or m <= 64 else 1)
+        fn = tk.nvfp4_linear_triton if kind == "forward" else tk.nvfp4_grad_input_triton
+        try:
+            t = _graph_time(lambda i: fn(x, **q[i % copies], config=cfg), copies * 2, replays)
+        except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
+            print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+            continue
+        res.append((t * 1e6, cfg))
+    return sorted(res, key=lambda r: r[0])
+
+
+def _markdown(rows: list[dict], meta: dict) -> str:
+    copy = meta["copy_bw"]
+    lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
+             f"copy bandwidth {copy / 1e12:.2f} TB/s; command `{meta['command']}`", "",
+             "| model | layer | kind | M | cuBLAS bf16 us | deq+cuBLAS us | fused us | x cuBLAS | x deq | "
+             "fused TB/s (% copy) | cuBLAS TB/s | fused TFLOP/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['kind']} | {r['M']} | "
+                     f"{r['t_cublas_us']:.1f} | {r['t_deq+cublas_us']:.1f} | {r['t_fused_us']:.1f} | "
+                     f"{r['speedup_vs_cublas']:.2f} | {r['speedup_vs_deq']:.2f} | "
+                     f"{r['bw_fused'] / 1e12:.2f} ({100 * r['bw_fused'] / copy:.0f}%) | {r['bw_cublas'] / 1e12:.2f} | "
+                     f"{r['tflops_fused']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="qerl bench kernels", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="7B,14B,32B,72B", help="comma list of Qwen2.5 sizes")
+    p.add_argument("--layers", default="qkv,o,gate_up,down")
+    p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (forward)")
+    p.add_argument("--backward-m", default=",".join(map(str, BACKWARD_M)), help="comma list of M (dY @ W); '' for none")
+    p.add_argument("--replays", type=int, default=15)
+    p.add_argument("--sweep", action="store_true", help="time candidate tiles on a few shapes instead")
+    p.add_argument("--out", default="kernels_bench", help="output prefix: writes <out>.json and <out>.md")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("qerl bench kernels needs a CUDA GPU")
+    import sys
+
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    meta = {"device": props.name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "command": " ".join(["qerl bench kernels"] + sys.argv[1:] if argv is None else
+                                                             ["qerl bench kernels"] + list(argv)),
+            "copy_bw": copy_bandwidth(), "l2_bytes": l2}
+    ms = [int(v) for v in args.m.split(",") if v]
+    bms = [int(v) for v in args.backward_m.split(",") if v]
+    if args.sweep:
+        return _run_sweep(args, ms, bms, l2)
+    rows = []
+    for model in args.models.split(","):
+        for layer, (n, k) in layer_shapes(model).items():
+            if layer not in args.layers.split(","):
+                continue
+            for r in bench_shape(n, k, ms, bms, l2, args.replays):
+                rows.append({"model": model, "layer": layer, **r})
+                print(f"{model} {layer} {r['kind']} M={r['M']}: cublas {r['t_cublas_us']:.1f} "
+                      f"deq {r['t_deq+cublas_us']:.1f} fused {r['t_fused_us']:.1f} us "
+                      f"x{r['speedup_vs_cublas']:.2f}", flush=True)
+    md = _markdown(rows, meta)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def _run_sweep(args, ms, bms, l2) -> int:
+    from qerl.kernels.triton_fp4_mm import TileConfig as T
+
+    small = [T(16, 64, 128, 0), T(16, 32, 128, 0), T(16, 64, 128, 0, 8), T(16, 128, 128, 0, 8), T(16, 32, 256, 0, 8),
+             T(16, 64, 128, 0, prefetch=False), T(16, 64, 128, 0, 4, 1), T(16, 128, 64, 0)]
+    mid = [T(32, 64, 128, 0), T(64, 64, 128, 0), T(64, 64, 128, 0, 8), T(32, 128, 128, 0, 8), T(64, 128, 64, 0, 8),
+           T(64, 32, 128, 0)]
+    large = [T(128, 128, 64, 1, 8), T(128, 128, 64, 1, 8, prefetch=False), T(128, 256, 64, 1, 8),
+             T(64, 128, 64, 1, 4), T(128, 128, 128, 1, 8), T(64, 256, 64, 1, 8)]
+    out = []
+    for model in args.models.split(","):
+        for layer, (n, k) in layer_shapes(model).items():
+            if layer not in args.layers.split(","):
+                continue
+            for kind, mlist in (("forward", ms), ("grad_input", bms)):
+                for m in mlist:
+                    cands = small if m <= 16 else (mid if m <= 64 else large)
+                    res = sweep(n, k, m, kind, cands, l2, args.replays)
+                    line = f"{model} {layer} {kind} M={m}: " + "; ".join(f"{t:.1f}us {c}" for t, c in res[:4])
+                    print(line, flush=True)
+                    out.append(line)
+    with open(args.out + "_sweep.txt", "w") as f:
+        f.write("\n".join(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
