@@ -108,52 +108,79 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LoraSnapshot:
-    """Activation-dtype copies of every enabled adapter: A [r, K] and scaling*B [N, r], refreshed in place.
+    """Activation-dtype copies of the enabled adapters, refreshed in place from the trainer's fp32 masters.
 
-    In-place refresh keeps the addresses fixed, so captured CUDA graphs read the new adapter.
+    Linears are registered in groups of siblings that read the same input (q/k/v, gate/up, o, down). For a
+    group the A matrices are stacked, [sum r, K], so the whole group's x @ A^T is one GEMM; each member then
+    adds its slice times scaling*B [N, r] onto its base output in one addmm. At decode sizes these small
+    GEMMs are launch-bound, so fewer of them is what counts. In-place refresh keeps addresses fixed, so
+    captured CUDA graphs read the new adapter.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype):
+    def __init__(self, groups: Sequence[Sequence[nn.Module]], dtype: torch.dtype):
         self.dtype = dtype
-        self.layers = [m for m in modules if isinstance(m, QuantLinear)]
-        self.a: dict[int, torch.Tensor] = {}
-        self.b: dict[int, torch.Tensor] = {}
+        self.groups = [tuple(g) for g in groups]
+        self.index = {id(m): gi for gi, g in enumerate(self.groups) for m in g}
+        self.a: dict[int, torch.Tensor] = {}  # group index -> stacked A [sum r, K]
+        self.b: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(module) -> (row0, row1 of A, scaling*B)
         self.refresh()
+
+    @staticmethod
+    def _enabled(m: nn.Module) -> bool:
+        return isinstance(m, QuantLinear) and m.lora_A is not None and m.lora_enabled
 
     def signature(self) -> tuple:
         """What the captured graphs depend on: which adapters are on and their shapes."""
-        return tuple(
-            (m.lora_A is not None and m.lora_enabled, None if m.lora_A is None else tuple(m.lora_A.weight.shape))
-            for m in self.layers
-        )
+        return tuple((self._enabled(m), tuple(m.lora_A.weight.shape) if self._enabled(m) else None)
+                     for g in self.groups for m in g)
+
+    def clear(self) -> None:
+        self.a.clear(), self.b.clear()
 
     @torch.no_grad()
     def refresh(self) -> None:
-        for m in self.layers:
-            key = id(m)
-            if m.lora_A is None or not m.lora_enabled:
-                self.a.pop(key, None), self.b.pop(key, None)
+        for gi, group in enumerate(self.groups):
+            on = [m for m in group if self._enabled(m)]
+            if not on:
+                self.a.pop(gi, None)
                 continue
-            a = m.lora_A.weight
-            b = m.lora_B.weight.float() * m.scaling
-            if key in self.a and self.a[key].shape == a.shape and self.b[key].shape == b.shape:
-                self.a[key].copy_(a)
-                self.b[key].copy_(b)
+            a = torch.cat([m.lora_A.weight for m in on]).to(self.dtype)
+            if gi in self.a and self.a[gi].shape == a.shape:
+                self.a[gi].copy_(a)
             else:
-                self.a[key], self.b[key] = a.to(self.dtype).clone(), b.to(self.dtype)
+                self.a[gi] = a
+            row = 0
+            for m in on:
+                r = m.lora_A.weight.shape[0]
+                b = (m.lora_B.weight.float() * m.scaling).to(self.dtype)
+                old = self.b.get(id(m))
+                if old is not None and old[2].shape == b.shape:
+                    old[2].copy_(b)
+                    b = old[2]
+                self.b[id(m)] = (row, row + r, b)
+                row += r
+
+    def linears(self, mods: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+        """x [..., K] -> [mod(x) for mod in mods] (one registered group), without dropout."""
+        gi = self.index.get(id(mods[0]))
+        a = self.a.get(gi)
+        h = None if a is None else x.reshape(-1, x.shape[-1]) @ a.t()  # [M, sum r]
+        outs = []
+        for mod in mods:
+            if not isinstance(mod, QuantLinear):
+                outs.append(mod(x))
+                continue
+            y = quantized_linear(mod.weight_format, x, mod.quantized_tensors(), mod.bias)
+            entry = self.b.get(id(mod)) if h is not None else None
+            if entry is not None and self._enabled(mod):
+                r0, r1, b = entry
+                # one fused GEMM for "y + h @ B^T" (addmm) instead of a matmul and an add
+                y = torch.addmm(y.reshape(-1, y.shape[-1]), h[:, r0:r1], b.t()).view(y.shape)
+            outs.append(y)
+        return outs
 
     def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> mod(x) [..., N] without dropout; QuantLinear through base matmul + snapshot LoRA."""
-        if not isinstance(mod, QuantLinear):
-            return mod(x)
-        y = quantized_linear(mod.weight_format, x, mod.quantized_tensors(), mod.bias)
-        a = self.a.get(id(mod))
-        if a is None:
-            return y
-        shape = y.shape
-        h = x.reshape(-1, x.shape[-1]) @ a.t()
-        # one fused GEMM for "y + h @ B^T" (addmm) instead of a matmul and an add
-        return torch.addmm(y.reshape(-1, shape[-1]), h, self.b[id(mod)].t()).view(shape)
+        return self.linears((mod,), x)[0]
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -185,7 +212,11 @@ class CausalLMRunner:
         self.device = self.embed.weight.device
         self.max_len = max_len
         self.cos, self.sin = rope_tables(config, max_len, self.dtype, self.device)
-        self.lora = LoraSnapshot(list(model.modules()), self.dtype)
+        groups = []
+        for layer in self.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            groups += [(at.q_proj, at.k_proj, at.v_proj), (at.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+        self.lora = LoraSnapshot(groups, self.dtype)
 
     # one decoder layer ---------------------------------------------------------------------------
 
@@ -197,9 +228,10 @@ class CausalLMRunner:
         """
         attn, lin = self.layers[i].self_attn, self.lora.linear
         B, L, _ = x.shape
-        q = lin(attn.q_proj, x).view(B, L, self.n_heads, self.head_dim)
-        k = lin(attn.k_proj, x).view(B, L, self.n_kv, self.head_dim)
-        v = lin(attn.v_proj, x).view(B, L, self.n_kv, self.head_dim)
+        q, k, v = self.lora.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q = q.view(B, L, self.n_heads, self.head_dim)
+        k = k.view(B, L, self.n_kv, self.head_dim)
+        v = v.view(B, L, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -215,8 +247,9 @@ class CausalLMRunner:
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """x [B, L, D] (already normed) -> down(act(gate(x)) * up(x)) [B, L, D]."""
-        mlp, lin = self.layers[i].mlp, self.lora.linear
-        return lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
+        mlp = self.layers[i].mlp
+        gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x)
+        return self.lora.linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask, slot=None):
         """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> last-position logits [B, V]."""
@@ -486,7 +519,7 @@ class RolloutEngine:
         lora = self.runner.lora
         sig = lora.signature()
         if sig != self._graph_sig:
-            lora.a.clear(), lora.b.clear()
+            lora.clear()
             self._reset_graphs()
             self._graph_sig = sig
         lora.refresh()
@@ -494,7 +527,7 @@ class RolloutEngine:
     def invalidate_graphs(self) -> None:
         """Call after replacing (not updating in place) any parameter or buffer the model reads."""
         self._reset_graphs()
-        self.runner.lora.a.clear(), self.runner.lora.b.clear()
+        self.runner.lora.clear()
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
