@@ -8,7 +8,7 @@ import torch
 
 def fidelity_text(n_problems: int = 8) -> str:
     """The first GSM8K test problems with their worked solutions: fixed, offline, in the RL domain
-    (about 1,000 tokens for 8 problems with a Llama-style tokenizer)."""
+    (1,485 tokens for 8 problems with the SmolLM2 tokenizer)."""
     from ..data import gsm8k_test
 
     return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in gsm8k_test()[:n_problems])
