@@ -151,3 +151,18 @@ def test_sharded_checkpoint(tmp_path, monkeypatch):
     assert len(set(index["weight_map"].values())) > 1
     loaded, _ = load_causal_lm(tmp_path / "q")
     torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=0)
+
+
+def test_transformers_with_bitsandbytes_loads_our_nf4_checkpoint(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes")  # in the test extra; absent on some GPU images
+    from transformers import AutoModelForCausalLM
+
+    model = quantize_model(tiny_model("llama", dtype=torch.bfloat16), "nf4")
+    save_quantized(model, None, tmp_path / "q")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
+    for name, layer in quant_layers(model).items():
+        linear4bit = theirs.get_submodule(name)
+        assert isinstance(linear4bit, bnb.nn.Linear4bit), name
+        ref = bnb.functional.dequantize_4bit(linear4bit.weight.data, linear4bit.weight.quant_state)
+        assert torch.equal(layer.dequantized_weight(ref.dtype), ref), name
+    torch.testing.assert_close(_logits(theirs), _logits(model), rtol=0.02, atol=0.02)  # bf16 compute paths differ
