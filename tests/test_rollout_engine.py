@@ -222,3 +222,16 @@ def test_too_long_is_refused_and_unknown_arch_named():
     engine = RolloutEngine(tiny_model("llama"), max_seq_len=16)
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.generate(prompts_of([10]), 8)
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_generate_on_smollm2():
+    load = pytest.importorskip("qerl.models.load")
+    model, tok = load.load_causal_lm("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
+    msgs = ["What is 7 times 8?", "Say hello in French.", "List three fruits."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
+                                       tokenize=True) for m in msgs]
+    prompts = [p if isinstance(p[0], int) else p["input_ids"] for p in prompts]
+    engine = RolloutEngine(model, tokenizer=tok, max_seq_len=256)
+    out = engine.generate(prompts, 32, SamplingParams(temperature=0), ignore_eos=True)
+    assert completions(out) == hf_greedy(model, prompts, 32)
