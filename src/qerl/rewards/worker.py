@@ -1,0 +1,41 @@
+"""Reward worker process: `python -m qerl.rewards.worker READ_FD WRITE_FD`.
+
+Started by `RewardRunner` as a plain subprocess (not multiprocessing's spawn, which would re-import the
+user's `__main__` -- re-running a training script without a main guard). It receives pickled
+(func, prompts, completions, columns) on READ_FD and answers ("ok", values) or ("error", message) on
+WRITE_FD; its own stdout/stderr stay the user's (a reward function may print). The first message is the
+parent's sys.path, so functions from the user's modules unpickle here.
+"""
+
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+
+def serve(inbox: Connection, outbox: Connection) -> None:
+    sys.path[:] = inbox.recv()
+    while True:
+        try:
+            payload = inbox.recv_bytes()
+        except EOFError:
+            return
+        try:
+            func, prompts, completions, columns = pickle.loads(payload)
+            result = ("ok", list(func(prompts, completions, **columns)))
+        except BaseException as e:  # report everything: the parent decides what to count
+            result = ("error", f"{type(e).__name__}: {e}")
+        try:
+            outbox.send(result)
+        except Exception as e:  # an unpicklable return value
+            outbox.send(("error", f"result could not be sent back: {type(e).__name__}: {e}"))
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    read_fd, write_fd = int(sys.argv[1]), int(sys.argv[2])
+    serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
+
+
+if __name__ == "__main__":
+    main()
