@@ -1,0 +1,164 @@
+"""pass@1 of a model on math problems: sample n completions per problem with the rollout engine, score
+them with a reward (math-verify by default), average. Also the `qerl eval` command.
+
+pass@1 = mean over problems of (mean over that problem's n samples of the reward), the unbiased
+estimate of single-sample accuracy; with greedy decoding n is forced to 1 (the samples would be equal).
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt
+from ..rewards.math import math_reward
+from ..rollout.engine import RolloutEngine
+from ..rollout.sampling import SamplingParams
+
+
+def _progress(enabled: bool, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[acc]}"),
+                    TimeElapsedColumn(), disable=not enabled, transient=False)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows: list[dict], n_samples: int = 1,
+             sampling: SamplingParams = SamplingParams(temperature=0.6, top_p=0.95), max_new_tokens: int = 512,
+             batch_size: int = 64, suffix: str | None = GSM8K_SUFFIX, seed: int = 0, reward=math_reward,
+             progress: bool = True, system: str | None = None, engine: RolloutEngine | None = None) -> dict:
+    """Sample and score; returns {"pass@1", "n_problems", "n_samples", "mean_length", "truncated",
+    "per_problem": [{question, answer, completions [n], rewards [n], lengths [n]}]}.
+
+    rows: {"question", "answer", ...} (e.g. from `load_problems`); every column is passed to `reward`
+    (TRL signature). A reward of None (no reference) counts as 0 and is reported in "unscored".
+    batch_size counts sequences (problems x samples) per engine call. engine: reuse one (the trainer's).
+    """
+    if not rows:
+        raise ValueError("evaluate: no problems")
+    n_samples = 1 if sampling.greedy else n_samples
+    prompts = [build_prompt(r["question"], tokenizer, suffix, system) for r in rows]
+    ids = [encode_prompt(p, tokenizer) for p in prompts]
+    if engine is None:
+        engine = RolloutEngine(model, tokenizer, max_seq_len=max(map(len, ids)) + max_new_tokens)
+    jobs = [(i, s) for i in range(len(rows)) for s in range(n_samples)]  # one sequence per (problem, sample)
+    texts, lengths, truncated = [None] * len(jobs), [0] * len(jobs), 0
+    rewards: list[float | None] = [None] * len(jobs)
+    columns = {k: [r.get(k) for r in rows] for k in rows[0]}
+    with _progress(progress, len(jobs)) as bar:
+        task = bar.add_task("eval", total=len(jobs), acc="")
+        for start in range(0, len(jobs), batch_size):
+            chunk = jobs[start:start + batch_size]
+            out = engine.generate([ids[i] for i, _ in chunk], max_new_tokens, sampling, seed=seed + start)
+            scored = reward([prompts[i] for i, _ in chunk], out.texts,
+                            **{k: [col[i] for i, _ in chunk] for k, col in columns.items()})
+            for j, (text, n_tok, why, r) in enumerate(zip(out.texts, out.lengths.tolist(), out.finish_reason, scored)):
+                texts[start + j], lengths[start + j], rewards[start + j] = text, n_tok, r
+                truncated += why == "length"
+            done = [r or 0.0 for r in rewards[:start + len(chunk)]]
+            bar.update(task, advance=len(chunk), acc=f"acc {sum(done) / len(done):.3f}")
+    per_problem = [{"question": r["question"], "answer": r["answer"], "completions": [], "rewards": [], "lengths": []}
+                   for r in rows]
+    for (i, _), text, n_tok, r in zip(jobs, texts, lengths, rewards):
+        per_problem[i]["completions"].append(text)
+        per_problem[i]["rewards"].append(r)
+        per_problem[i]["lengths"].append(n_tok)
+    means = [sum(r or 0.0 for r in p["rewards"]) / n_samples for p in per_problem]
+    return {"pass@1": sum(means) / len(means), "n_problems": len(rows), "n_samples": n_samples,
+            "mean_length": sum(lengths) / len(lengths), "truncated": truncated / len(jobs),
+            "unscored": sum(r is None for r in rewards), "per_problem": per_problem}
+
+
+# ------------------------------------------------------------------------------------------ command
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of `qerl eval MODEL --dataset NAME ...`."""
+    parser.add_argument("model", help="embedded name, HF / quantized directory, GGUF file or hub id")
+    parser.add_argument("--adapter", help="PEFT adapter directory (e.g. a `qerl train` output) to load")
+    parser.add_argument("--dataset", required=True,
+                        help="gsm8k, gsm8k-offline (GSM8K test), aime2025, bigmath, reasoning-gym:<task>, or a file")
+    parser.add_argument("--split", default="test", help="dataset split (default test)")
+    parser.add_argument("--limit", type=int, help="evaluate on the first N problems")
+    parser.add_argument("--n", type=int, default=4, help="samples per problem (pass@1 averages them; default 4)")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--greedy", action="store_true", help="temperature 0, one sample per problem")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=64, help="sequences per engine call")
+    parser.add_argument("--suffix", default="gsm8k",
+                        help="prompt suffix: gsm8k (####), boxed (\\boxed{}), none, or literal text")
+    parser.add_argument("--system", help="system message for the chat template")
+    parser.add_argument("--format", choices=["nvfp4", "mxfp4", "nf4", "bf16"],
+                        help="quantize the base first (ignored when the model is already quantized)")
+    parser.add_argument("--dtype", default="bf16", help="dtype of unquantized tensors (bf16, fp16, fp32)")
+    parser.add_argument("--device", help="cuda / cpu (default: cuda when available)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write per-problem results here (JSONL, one problem a line)")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    return parser
+
+
+def prepare_model(args):
+    """Load, quantize when asked, attach the adapter -> (model, tokenizer)."""
+    from ..models import load_adapter, load_causal_lm, quant_layers, quantize_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, device=device,
+                                      trust_remote_code=args.trust_remote_code)
+    if tokenizer is None:
+        raise ValueError(f"{args.model}: no tokenizer found; evaluation needs one")
+    if not quant_layers(model) and (args.format or args.adapter):
+        # an adapter attaches to QuantLinear layers; "bf16" is the unquantized layer with the same code path
+        quantize_model(model, args.format or "bf16")
+    if args.adapter:
+        load_adapter(model, args.adapter)
+    return model.eval(), tokenizer
+
+
+def summary_table(result: dict, title: str):
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_row("pass@1", f"{result['pass@1']:.4f}")
+    table.add_row("problems x samples", f"{result['n_problems']} x {result['n_samples']}")
+    table.add_row("mean completion length", f"{result['mean_length']:.1f} tokens")
+    table.add_row("truncated (hit max-new-tokens)", f"{result['truncated']:.1%}")
+    if result["unscored"]:
+        table.add_row("unscored (no reference answer)", str(result["unscored"]))
+    return table
+
+
+def run_eval(args) -> int:
+    """`qerl eval`: evaluate and print a summary; per-problem results to --out. Returns the exit code."""
+    from rich.console import Console
+
+    from ..data import load_problems
+
+    console = Console(stderr=True)
+    rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed)
+    t0 = time.perf_counter()
+    with console.status(f"loading {args.model}"):
+        model, tokenizer = prepare_model(args)
+    console.print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s; {len(rows)} problems from {args.dataset}")
+    sampling = SamplingParams(0.0) if args.greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
+    t0 = time.perf_counter()
+    result = evaluate(model, tokenizer, rows, n_samples=args.n, sampling=sampling,
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, suffix=args.suffix,
+                      seed=args.seed, system=args.system)
+    seconds = time.perf_counter() - t0
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", encoding="utf-8") as f:
+            for p in result["per_problem"]:
+                f.write(json.dumps(p, ensure_ascii=False) + "\n")
+    console.print(summary_table(result, f"{args.model}{' + ' + args.adapter if args.adapter else ''} on {args.dataset}"))
+    summary = {k: v for k, v in result.items() if k != "per_problem"}
+    print(json.dumps({**summary, "seconds": round(seconds, 1), "dataset": args.dataset, "model": args.model,
+                      "adapter": args.adapter, "out": args.out}))
+    return 0

@@ -1,0 +1,83 @@
+"""evaluate / qerl eval: end to end on a tiny random model (fast) and the real SmolLM2 (slow)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from qerl.eval import add_eval_arguments, evaluate, run_eval
+from qerl.rollout.sampling import SamplingParams
+from tiny import tiny_model, tiny_tokenizer
+
+ROWS = [{"question": "1+1?", "answer": "2"}, {"question": "2+3?", "answer": "#### 5"}, {"question": "7?", "answer": "7"}]
+
+
+def reward_by_length(prompts, completions, answer, **columns):
+    """Deterministic stand-in reward for a random model: 1.0 when the completion has an even length."""
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+def test_evaluate_tiny_model_sampled():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    out = evaluate(model, tok, ROWS, n_samples=3, sampling=SamplingParams(0.6, top_p=0.95), max_new_tokens=8,
+                   batch_size=4, reward=reward_by_length, progress=False)
+    assert out["n_problems"] == 3 and out["n_samples"] == 3
+    per = out["per_problem"]
+    assert [p["question"] for p in per] == [r["question"] for r in ROWS]
+    assert all(len(p["completions"]) == len(p["rewards"]) == 3 for p in per)
+    expected = sum(sum(float(len(c) % 2 == 0) for c in p["completions"]) / 3 for p in per) / 3
+    assert out["pass@1"] == pytest.approx(expected)
+    assert out["mean_length"] <= 8 and 0 <= out["truncated"] <= 1
+    again = evaluate(model, tok, ROWS, n_samples=3, sampling=SamplingParams(0.6, top_p=0.95), max_new_tokens=8,
+                     batch_size=4, reward=reward_by_length, progress=False)
+    assert [p["completions"] for p in again["per_problem"]] == [p["completions"] for p in per]  # seeded
+
+
+def test_evaluate_greedy_is_one_sample_and_math_reward_scores():
+    model, tok = tiny_model("qwen2"), tiny_tokenizer()
+    out = evaluate(model, tok, ROWS, n_samples=4, sampling=SamplingParams(0.0), max_new_tokens=6,
+                   progress=False)
+    assert out["n_samples"] == 1
+    # a random model's text essentially never holds the answer: whatever it wrote, math_reward decided
+    from qerl.rewards import math_reward
+
+    for p, r in zip(out["per_problem"], ROWS):
+        assert p["rewards"] == math_reward([""], p["completions"], [r["answer"]])
+
+
+def test_run_eval_command(tmp_path, monkeypatch, capsys):
+    """qerl eval end to end on a tiny model saved to disk, quantized to NVFP4 on load, JSONL out."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    args = add_eval_arguments(argparse.ArgumentParser()).parse_args(
+        [str(tmp_path / "m"), "--dataset", str(data), "--n", "2", "--max-new-tokens", "5", "--format", "nvfp4",
+         "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path / "res.jsonl")])
+    assert run_eval(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["n_problems"] == 3 and summary["n_samples"] == 2 and 0 <= summary["pass@1"] <= 1
+    lines = [json.loads(x) for x in (tmp_path / "res.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and all(len(x["completions"]) == 2 for x in lines)
+
+
+def test_evaluate_rejects_no_rows():
+    with pytest.raises(ValueError, match="no problems"):
+        evaluate(tiny_model(), tiny_tokenizer(), [], progress=False)
+
+
+@pytest.mark.slow
+def test_smollm2_gsm8k_greedy():
+    """The real SmolLM2-135M-Instruct on 8 GSM8K test problems, greedy: runs end to end; every reward is
+    what math-verify says of the completion; at this size accuracy is low (a few %), so only bounds."""
+    from qerl.data import load_problems
+    from qerl.models import load_causal_lm
+
+    model, tok = load_causal_lm("smollm2-135m-instruct", dtype="bf16", device="cpu")
+    rows = load_problems("gsm8k-offline", split="test", limit=8)
+    out = evaluate(model, tok, rows, sampling=SamplingParams(0.0), max_new_tokens=200, progress=False)
+    assert out["n_problems"] == 8 and 0.0 <= out["pass@1"] <= 0.5
+    assert out["mean_length"] > 20  # it writes a solution, not nothing
+    assert all(r in (0.0, 1.0) for p in out["per_problem"] for r in p["rewards"])
