@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 log = logging.getLogger("qerl.rewards")
 
 RewardFunc = Callable[..., list]
+STARTUP_TIMEOUT_S = 120.0
 
 
 def func_name(f) -> str:
@@ -61,6 +62,10 @@ class _ProcessWorker:
         self.outbox = Connection(to_child_w, readable=False)
         self.inbox = Connection(from_child_r, writable=False)
         self.outbox.send(list(sys.path))
+        # start-up (interpreter, imports, math-verify warm-up: ~1 s) is not charged to a call's timeout
+        if not self.inbox.poll(STARTUP_TIMEOUT_S) or self.inbox.recv()[0] != "ready":
+            self.close()
+            raise RuntimeError(f"reward worker process did not start within {STARTUP_TIMEOUT_S}s")
 
     def submit(self, payload: bytes) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -179,8 +184,11 @@ class RewardRunner:
                                 "stopped if it hangs", self.names[i], e)
                     self._warned_unpicklable.add(i)
             else:
-                self.workers[i].submit(payload)
-                return self.workers[i]
+                try:
+                    self.workers[i].submit(payload)
+                    return self.workers[i]
+                except (RuntimeError, OSError) as e:
+                    return "error", f"could not start a worker process: {e}"
         return _ThreadCall(func, prompts, completions, columns)
 
     def score(self, prompts: Sequence, completions: Sequence, columns: dict[str, list] | None = None):
@@ -200,8 +208,8 @@ class RewardRunner:
         prompts, completions = list(prompts), list(completions)
         columns = {k: list(v) for k, v in columns.items()}
         t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
         pending = [self._start(i, prompts, completions, columns) for i in range(len(self.funcs))]
+        deadline = time.monotonic() + self.timeout_s
         per_func, stats = {}, {}
         self.last_errors = {}
         for i, p in enumerate(pending):
