@@ -32,7 +32,7 @@ def test_reasoning_gym_defaults_overrides_and_splits():
     assert [r["question"] for r in test] != [r["question"] for r in rows]
     big = load_problems("reasoning-gym:chain_sum?size=5&seed=3&min_digits=3&max_digits=3")
     assert len(big) == 5 and all(len(n) == 3 for r in big for n in r["metadata"]["expression"].split(" ")[::2])
-    assert load_problems("reasoning-gym", limit=2)[0]["task"] == "chain_sum"
+    assert load_problems("reasoning-gym", limit=2)[0]["task"] == "basic_arithmetic"
 
 
 def test_reasoning_gym_errors():

@@ -31,15 +31,16 @@ ANSWER_KEYS = ("answer", "final_answer", "ground_truth", "solution", "target", "
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "bigmath": ("SynthLabsAI/Big-Math-RL-Verified", None)}
 GYM_TEST_SEED_OFFSET = 1_000_003
 DEFAULT_GYM_SIZE = 2000
-# Task configs chosen so SmolLM2-135M-Instruct solves a fraction of the problems (see docs / the eval
-# numbers in the commit): an RL signal needs groups that are neither all right nor all wrong.
+# Task configs chosen so SmolLM2-135M-Instruct solves a fraction of the problems: an RL signal needs
+# groups that are neither all right nor all wrong. Measured pass@1 (bf16, T 0.6, top-p 0.95, GSM8K suffix,
+# 160 new tokens, 32 test problems x 2 samples): basic_arithmetic 0.20, chain_sum 0.13.
 GYM_DEFAULTS = {
     "basic_arithmetic": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
                              allow_parentheses=False, allow_negation=False),
     "chain_sum": dict(min_terms=2, max_terms=3, min_digits=1, max_digits=2),
     "products": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
 }
-DEFAULT_GYM_TASK = "chain_sum"
+DEFAULT_GYM_TASK = "basic_arithmetic"
 
 
 class DatasetError(ValueError):
