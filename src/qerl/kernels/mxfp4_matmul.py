@@ -19,7 +19,7 @@ def mxfp4_linear(
     if triton_gate.use_triton(x):
         from . import triton_nvfp4 as tk
 
-        if triton_gate.rows(x) <= triton_gate.FUSED_MAX_M:
+        if triton_gate.fused_wins(triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2):
             return tk.mxfp4_linear_triton(x, weight_packed, weight_scale, bias)
         w = tk.mxfp4_dequantize_triton(weight_packed, weight_scale, dtype=x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
@@ -32,7 +32,7 @@ def mxfp4_linear_grad_input(grad_out: torch.Tensor, weight_packed: torch.Tensor,
     if triton_gate.use_triton(grad_out):
         from . import triton_nvfp4 as tk
 
-        if triton_gate.rows(grad_out) <= triton_gate.GRAD_FUSED_MAX_M:
+        if triton_gate.fused_wins(triton_gate.rows(grad_out), weight_packed.shape[0], weight_packed.shape[1] * 2):
             return tk.mxfp4_grad_input_triton(grad_out, weight_packed, weight_scale)
         return grad_out @ tk.mxfp4_dequantize_triton(weight_packed, weight_scale, dtype=grad_out.dtype)
     return grad_out @ dequantize_mxfp4(weight_packed, weight_scale, dtype=grad_out.dtype)

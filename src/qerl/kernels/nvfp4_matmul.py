@@ -27,7 +27,7 @@ def nvfp4_linear(
     if triton_gate.use_triton(x):
         from . import triton_nvfp4 as tk
 
-        if triton_gate.rows(x) <= triton_gate.FUSED_MAX_M:
+        if triton_gate.fused_wins(triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2):
             return tk.nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias)
         w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
@@ -45,7 +45,7 @@ def nvfp4_linear_grad_input(
     if triton_gate.use_triton(grad_out):
         from . import triton_nvfp4 as tk
 
-        if triton_gate.rows(grad_out) <= triton_gate.GRAD_FUSED_MAX_M:
+        if triton_gate.fused_wins(triton_gate.rows(grad_out), weight_packed.shape[0], weight_packed.shape[1] * 2):
             return tk.nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)
         w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
         return grad_out @ w

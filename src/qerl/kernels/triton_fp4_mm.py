@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fp4_decode import fp4_decode, fp4_load, round_to
+from .triton_fp4_decode import fp4_decode, fp4_decode_bf16_asm, fp4_load, round_to
 
 
 # Tests set POISON to fill every buffer the kernels write (outputs, split-K partials) with NaN first, so
@@ -38,6 +38,23 @@ class TileConfig:
     warps: int = 4
     stages: int = 3
     prefetch: bool = True
+    asm: bool = True  # use the inline-PTX decode where `asm_ok` allows it
+
+
+@triton.jit
+def _STEP_NUM(ASM: tl.constexpr):
+    """Numerator of the per-tensor step factor: 2^71 for the inline-PTX bf16 decode, else 2^22."""
+    if ASM:
+        return 2.3611832414348226e21
+    return 4194304.0
+
+
+@triton.jit
+def _decode(p, s, step_mul, BR: tl.constexpr, BC: tl.constexpr, GROUP: tl.constexpr, MX: tl.constexpr,
+            OUT_DTYPE: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
+    if ASM:
+        return fp4_decode_bf16_asm(p, s, step_mul, BR, BC, GROUP)
+    return fp4_decode(p, s, step_mul, BR, BC, GROUP, MX, OUT_DTYPE, INTERP)
 
 
 @triton.jit
@@ -56,7 +73,8 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
                        M, N, K, stride_xm, stride_w, stride_s, stride_om, stride_os, k_per_split,
                        HAS_GS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                       MX: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr):
+                       MX: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                       INTERP: tl.constexpr):
     """out[M, N] = x[M, K] @ W[N, K]^T (+ bias), or float32 partials out[split, M, N] when PARTIAL.
 
     PREFETCH: issue the loads of step i+1 before decoding and multiplying step i (software pipelining
@@ -71,7 +89,7 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
     pid_k = tl.program_id(2)
     step_mul = 1.0
     if HAS_GS:
-        step_mul = 4194304.0 / tl.load(gs_ptr)  # 2^22 / global_scale: see triton_fp4_decode
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr)  # 2^22 (or 2^71) / global_scale: see triton_fp4_decode
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     m_mask = offs_m < M
@@ -93,7 +111,7 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
         else:
             x = _load_rows(x_ptrs, k0, offs_m, M, offs_k, k_hi, EVEN_K)
             p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, k0, N, k_hi, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
-        w = fp4_decode(p, s, step_mul, BN, BK, GROUP, MX, x_ptr.dtype.element_ty, INTERP)
+        w = _decode(p, s, step_mul, BN, BK, GROUP, MX, x_ptr.dtype.element_ty, ASM, INTERP)
         if INTERP:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
         else:
@@ -117,7 +135,7 @@ def _fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
                            HAS_GS: tl.constexpr, PARTIAL: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                            MX: tl.constexpr, PREFETCH: tl.constexpr, EVEN_N: tl.constexpr,
-                           EVEN_K: tl.constexpr, INTERP: tl.constexpr):
+                           EVEN_K: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
     """out[M, K] = g[M, N] @ W[N, K], or float32 partials out[split, M, K] when PARTIAL.
 
     The reduction runs over W's rows (N): each step decodes a [BN, BK] tile of W, no transpose needed.
@@ -129,7 +147,7 @@ def _fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
     pid_s = tl.program_id(2)
     step_mul = 1.0
     if HAS_GS:
-        step_mul = 4194304.0 / tl.load(gs_ptr)
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     m_mask = offs_m < M
@@ -149,7 +167,7 @@ def _fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
         else:
             g = _load_rows(g_ptrs, n0, offs_m, M, offs_n, n_hi, EVEN_N)
             p, s = fp4_load(w_ptr, s_ptr, n0, col0, n_hi, K, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
-        w = fp4_decode(p, s, step_mul, BN, BK, GROUP, MX, g_ptr.dtype.element_ty, INTERP)
+        w = _decode(p, s, step_mul, BN, BK, GROUP, MX, g_ptr.dtype.element_ty, ASM, INTERP)
         if INTERP:
             acc = tl.dot(g.to(tl.float32), w.to(tl.float32), acc)
         else:
@@ -171,8 +189,13 @@ def _split_extent(total: int, block: int, split: int) -> tuple[int, int]:
     return per, triton.cdiv(total, per)
 
 
+def asm_ok(device: torch.device, dtype: torch.dtype, mx: bool, step_fits_bf16: bool) -> bool:
+    """The inline-PTX bf16 decode: CUDA, bf16, NVFP4, and a global scale known to keep step * 2^126 finite."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and not mx and step_fits_bf16
+
+
 def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
-               bias: torch.Tensor | None, group: int, mx: bool, cfg: TileConfig) -> torch.Tensor:
+               bias: torch.Tensor | None, group: int, mx: bool, cfg: TileConfig, fits: bool = False) -> torch.Tensor:
     """x [M, K] bf16/fp16 (row stride any, unit column stride) -> x @ W^T + bias, [M, N] in x.dtype.
 
     packed uint8 [N, K/2]; scale uint8 [N, K/group] (E4M3 bits, or E8M0 exponents when mx);
@@ -194,7 +217,7 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         out.stride(-2), out.stride(0) if partial else 0, per,
         HAS_GS=global_scale is not None, HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_K=k % cfg.bk == 0,
-        INTERP=x.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
+        ASM=cfg.asm and asm_ok(x.device, x.dtype, mx, fits), INTERP=x.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
     if not partial:
         return out
     y = out.sum(0)
@@ -204,7 +227,7 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
 
 
 def fp4_grad_input(g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
-                   group: int, mx: bool, cfg: TileConfig) -> torch.Tensor:
+                   group: int, mx: bool, cfg: TileConfig, fits: bool = False) -> torch.Tensor:
     """g [M, N] bf16/fp16 -> g @ W, [M, K] in g.dtype. Weight tensors as in `fp4_linear`."""
     m, n = g.shape
     k = packed.shape[1] * 2
@@ -221,29 +244,29 @@ def fp4_grad_input(g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
         out.stride(-2), out.stride(0) if partial else 0, per,
         HAS_GS=global_scale is not None, PARTIAL=partial,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_N=n % cfg.bn == 0,
-        EVEN_K=k % cfg.bk == 0, INTERP=g.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
+        EVEN_K=k % cfg.bk == 0, ASM=cfg.asm and asm_ok(g.device, g.dtype, mx, fits), INTERP=g.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
     return out.sum(0).to(g.dtype) if partial else out
 
 
 @triton.jit
 def _fp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_w, stride_s, stride_o,
                         HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                        MX: tl.constexpr, INTERP: tl.constexpr):
+                        MX: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
     """out[N, K] (16-bit) = W: one pass, packed bytes in, 16-bit weight out (the cuBLAS fallback's input)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     step_mul = 1.0
     if HAS_GS:
-        step_mul = 4194304.0 / tl.load(gs_ptr)
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr)
     p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, pid_k * BK, N, K, stride_w, stride_s, BN, BK, GROUP, True)
-    w = fp4_decode(p, s, step_mul, BN, BK, GROUP, MX, out_ptr.dtype.element_ty, INTERP)
+    w = _decode(p, s, step_mul, BN, BK, GROUP, MX, out_ptr.dtype.element_ty, ASM, INTERP)
     rows = pid_n * BN + tl.arange(0, BN)
     cols = pid_k * BK + tl.arange(0, BK)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], w, mask=(rows[:, None] < N) & (cols[None, :] < K))
 
 
 def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
-                   group: int, mx: bool, dtype: torch.dtype) -> torch.Tensor:
+                   group: int, mx: bool, dtype: torch.dtype, fits: bool = False) -> torch.Tensor:
     """packed uint8 [N, K/2], scales uint8 [N, K/group] -> W [N, K] in dtype (a new tensor)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     out = _alloc((n, k), packed.device, dtype)
@@ -252,5 +275,5 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _fp4_dequant_kernel[grid](packed, scale, gs, out, n, k, packed.stride(0), scale.stride(0), out.stride(0),
                               HAS_GS=global_scale is not None, BN=bn, BK=bk, GROUP=group, MX=mx,
-                              INTERP=packed.device.type != "cuda", num_warps=4)
+                              ASM=asm_ok(packed.device, dtype, mx, fits), INTERP=packed.device.type != "cuda", num_warps=4)
     return out

@@ -2,8 +2,10 @@
 
 The fused kernels run when the activation is a CUDA bf16/fp16 tensor and Triton can be imported.
 QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmarks).
-FUSED_MAX_M: above this many rows the forward dequantizes W once on the device (one Triton pass into a
-temporary the caching allocator reuses) and calls cuBLAS; set from the measurements in docs/benchmarks.md.
+`fused_wins` picks, per call, between the fused kernel and "dequantize W on the device in one Triton pass
+into a temporary (the caching allocator reuses the block), then cuBLAS", from the H200 measurements in
+docs/benchmarks.md: fused wins up to M = 16 on every Qwen2.5 shape, and up to M = 64 on shapes with at
+least 32M weights; above that (prefill, the loss pass, the training backward) dequantize + cuBLAS wins.
 """
 
 import importlib.util
@@ -11,8 +13,9 @@ import os
 
 import torch
 
-FUSED_MAX_M = 1 << 62  # no fallback until measured otherwise
-GRAD_FUSED_MAX_M = 1 << 62
+FUSED_MAX_M = 16  # always fused up to here
+FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
+BIG_WEIGHT = 32 * 1024 * 1024
 _HAVE_TRITON: bool | None = None
 
 
@@ -27,6 +30,11 @@ def use_triton(x: torch.Tensor) -> bool:
     """True when x should go through the Triton kernels."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available())
+
+
+def fused_wins(m: int, n: int, k: int) -> bool:
+    """Fused kernel (True) or dequantize + cuBLAS (False) for an [m, .] x [N, K] product, either direction."""
+    return m <= FUSED_MAX_M or (m <= FUSED_MAX_M_BIG and n * k >= BIG_WEIGHT)
 
 
 def rows(x: torch.Tensor) -> int:
