@@ -4,6 +4,8 @@ A code is 4 bits: bit 3 is the sign, bits 0-2 index the magnitudes {0, 0.5, 1, 1
 Packing follows compressed-tensors / vLLM: element 2i goes in the LOW nibble of byte i.
 """
 
+import functools
+
 import torch
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -15,7 +17,15 @@ _E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, F
 
 
 def e2m1_values(device=None) -> torch.Tensor:
-    """All 16 code values, float32 [16]; index = code (codes 8..15 are the negatives, 8 is -0)."""
+    """All 16 code values, float32 [16]; index = code (codes 8..15 are the negatives, 8 is -0).
+
+    Cached per device: a host-to-device copy per call would break CUDA-graph capture of the fallback path.
+    Treat the result as read-only."""
+    return _e2m1_table(str(torch.device(device if device is not None else "cpu")))
+
+
+@functools.lru_cache(maxsize=None)
+def _e2m1_table(device: str) -> torch.Tensor:
     mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
     return torch.cat([mags, -mags])
 

@@ -11,6 +11,8 @@ The bytes of `weight_packed` [N, K/2] are bnb's packed [N*K/2, 1]; `weight_absma
 `quant_state.absmax` (no double quantization).
 """
 
+import functools
+
 import torch
 
 from .errors import check_weight
@@ -30,7 +32,12 @@ _ABSMAX_FLOOR = 1e-38
 
 
 def nf4_values(device=None) -> torch.Tensor:
-    """The 16 NF4 values, float32 [16]; index = code."""
+    """The 16 NF4 values, float32 [16]; index = code. Cached per device (CUDA-graph safe); read-only."""
+    return _nf4_table(str(torch.device(device if device is not None else "cpu")))
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_table(device: str) -> torch.Tensor:
     return torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
 
 

@@ -6,9 +6,10 @@ kernels (imported only then, so CPU users need no Triton). Without a fused kerne
 into a temporary that is freed when the call returns, so the 4-bit tensors stay the only persistent copy.
 """
 
+from .dequant_cache import dequantized_weights
 from .dispatch import quantized_linear, quantized_linear_grad_input
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
-__all__ = ["quantized_linear", "quantized_linear_grad_input", "nvfp4_linear", "nvfp4_linear_grad_input",
+__all__ = ["dequantized_weights", "quantized_linear", "quantized_linear_grad_input", "nvfp4_linear", "nvfp4_linear_grad_input",
            "mxfp4_linear", "mxfp4_linear_grad_input"]

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import get_format
+from .dequant_cache import cached_dense_weight
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
@@ -21,6 +22,9 @@ def quantized_linear(
     fmt: str, x: torch.Tensor, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] -> x @ W^T + bias, [..., N] in x.dtype; W given as the format's tensors."""
+    dense = cached_dense_weight(fmt, tensors, x.dtype)
+    if dense is not None:
+        return F.linear(x, dense, None if bias is None else bias.to(x.dtype))
     if fmt == "nvfp4":
         return nvfp4_linear(x, **tensors, bias=bias)
     if fmt == "mxfp4":
@@ -30,6 +34,9 @@ def quantized_linear(
 
 def quantized_linear_grad_input(fmt: str, grad_out: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """grad_out [..., N] -> grad_out @ W, [..., K] in grad_out.dtype."""
+    dense = cached_dense_weight(fmt, tensors, grad_out.dtype)
+    if dense is not None:
+        return grad_out @ dense
     if fmt == "nvfp4":
         return nvfp4_linear_grad_input(grad_out, **tensors)
     if fmt == "mxfp4":

@@ -9,6 +9,8 @@ compressed-tensors module state. LoRA parameters are `lora_A.weight` [r, K] and 
 backward recomputes x-gradients from the 4-bit tensors instead of saving a 16-bit W.
 """
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -84,3 +86,18 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         r = self.lora_A.out_features if self.lora_A is not None else 0
         return f"in={self.in_features}, out={self.out_features}, format={self.weight_format}, lora_r={r}"
+
+
+@contextmanager
+def lora_disabled(model: nn.Module):
+    """Inside, every QuantLinear computes its base only: the reference policy pi_ref of GRPO's KL term,
+    with no second copy of the model."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    previous = [m.lora_enabled for m in layers]
+    for m in layers:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m, p in zip(layers, previous):
+            m.lora_enabled = p

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import quantized_linear
+from ..kernels import dequantized_weights, quantized_linear
 from ..nn.quant_linear import QuantLinear
 from .kv_cache import KVCache
 from .sampling import SamplingParams, next_token
@@ -424,6 +424,13 @@ class RolloutEngine:
             with aqn:
                 return self.generate(prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask,
                                      generator, aqn)
+        # CPU: dequantize each weight once for this call instead of once per token (dropped on return).
+        with dequantized_weights(enabled=self.device.type == "cpu"):
+            return self._generate(prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask,
+                                  generator, aqn)
+
+    def _generate(self, prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask, generator,
+                  aqn) -> Rollout:
         rows = _prompt_rows(prompts, attention_mask)
         n, P = len(rows), max(len(r) for r in rows)
         if min(len(r) for r in rows) == 0:

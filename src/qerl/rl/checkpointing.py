@@ -1,0 +1,68 @@
+"""Training checkpoints: the adapter (PEFT) plus everything the run's future depends on.
+
+`<run>/checkpoints/step-000010/` holds `adapter/` and `trainer_state.pt` (optimizer, LR scheduler,
+step, data position, every RNG, and the resolved config); written atomically, the last `keep_last` kept.
+"""
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import __version__
+from ..models.adapter import save_adapter
+from ..models.atomic import atomic_directory
+
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d{6})$")
+
+
+def rng_state(generator: torch.Generator) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "sampler": generator.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, generator: torch.Generator) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["sampler"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, keep_last: int) -> Path:
+    out = run_dir / "checkpoints" / f"step-{step:06d}"
+    with atomic_directory(out, overwrite=True) as tmp:
+        save_adapter(model, tmp / "adapter")
+        torch.save({"format_version": FORMAT_VERSION, "qerl_version": __version__, "torch_version": torch.__version__,
+                    "step": step, **trainer_state}, tmp / "trainer_state.pt")
+    for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temp directories of an interrupted write are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "trainer_state.pt").is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    try:
+        state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{checkpoint / 'trainer_state.pt'}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{checkpoint}: checkpoint format {state.get('format_version')} != {FORMAT_VERSION} "
+                         f"(written by qerl {state.get('qerl_version')})")
+    return state

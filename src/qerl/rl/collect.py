@@ -1,0 +1,133 @@
+"""One step's experience: sample G completions per prompt (with AQN noise), score them, shape rewards,
+keep the groups that carry signal (DAPO dynamic sampling) and compute group advantages."""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..nn.noisy_norm import NoisyNorms
+from ..rollout.engine import Rollout, RolloutEngine
+from ..rollout.sampling import SamplingParams
+from .advantages import group_advantages, mixed_groups, overlong_penalty
+
+
+@dataclass
+class Experience:
+    """Everything the update needs, rows = prompts x G (each prompt's G completions adjacent).
+
+    prompt_ids/prompt_mask [N, P] left-padded; completion_ids [N, T]; completion_mask [N, T] bool (loss
+    mask: overlong-filtered rows are all False); sampling_logp / entropies [N, T] fp32 from the sampler;
+    rewards / advantages [N] fp32; lengths [N] int64 (tokens generated, before filtering).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    sampling_logp: torch.Tensor
+    entropies: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    lengths: torch.Tensor
+    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without a stop
+    texts: list[str] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _pad_cat(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
+        out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+    return torch.cat(out)
+
+
+def _merge(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tensor]:
+    return {
+        "prompt_ids": _pad_cat([r.prompt_ids for r in rollouts], pad_id, left=True),
+        "prompt_mask": _pad_cat([r.prompt_mask for r in rollouts], False, left=True),
+        "completion_ids": _pad_cat([r.completion_ids for r in rollouts], pad_id, left=False),
+        "completion_mask": _pad_cat([r.completion_mask for r in rollouts], False, left=False),
+        "sampling_logp": _pad_cat([r.logprobs for r in rollouts], 0.0, left=False),
+        "entropies": _pad_cat([r.entropies for r in rollouts], 0.0, left=False),
+    }
+
+
+def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_runner, *, group_size: int,
+                       prompts_per_step: int, max_new_tokens: int, sampling: SamplingParams, sigma: float,
+                       aqn_per_forward: bool, generator: torch.Generator, scale_rewards: bool = True,
+                       dynamic_sampling: bool = False, max_refills: int = 0, overlong_filter: bool = False,
+                       overlong_buffer: int = 0) -> Experience:
+    """Sample, score and select one step's groups.
+
+    problems: callable n -> list of rows ({"question", "answer", ...}); encode_prompt: row -> (prompt
+    text, token ids). Dynamic sampling draws further batches of `prompts_per_step` prompts (at most
+    `max_refills` more) until that many groups with mixed rewards are found; with fewer, the step trains
+    on what it has and reports it.
+    """
+    kept, kept_rewards, kept_texts = [], [], []
+    stats = {"groups_sampled": 0.0, "gen_tokens": 0.0, "gen_seconds": 0.0}
+    reward_sums: dict[str, list[float]] = {"sampled": [0.0, 0.0]}
+    need = prompts_per_step
+    for _ in range(1 + (max_refills if dynamic_sampling else 0)):
+        rows = problems(prompts_per_step)
+        encoded = [encode_prompt(r) for r in rows]
+        prompt_texts = [text for text, _ in encoded for _ in range(group_size)]
+        prompt_ids = [ids for _, ids in encoded for _ in range(group_size)]
+        aqn = NoisyNorms(engine.model, sigma, per_forward=aqn_per_forward, generator=generator) if sigma > 0 else None
+        start = time.perf_counter()
+        rollout = engine.generate(prompt_ids, max_new_tokens, sampling, generator=generator, aqn=aqn)
+        stats["gen_seconds"] += time.perf_counter() - start
+        stats["gen_tokens"] += float(rollout.completion_mask.sum())
+        columns = {k: [r.get(k) for r in rows for _ in range(group_size)] for k in rows[0] if k != "question"}
+        rewards, per_func, reward_stats = reward_runner.score(prompt_texts, rollout.texts, columns)
+        for k, v in reward_stats.items():
+            stats[k] = stats.get(k, 0.0) + float(v)
+        for name, values in [("sampled", rewards), *per_func.items()]:
+            valid = [v for v in values if v is not None]
+            acc = reward_sums.setdefault(name, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + sum(valid), acc[1] + len(valid)
+        r = torch.tensor(rewards, dtype=torch.float32, device=rollout.completion_ids.device)
+        stats["groups_sampled"] += len(rows)
+        if not dynamic_sampling:
+            kept, kept_rewards, kept_texts = [rollout], [r], list(rollout.texts)
+            break
+        keep = mixed_groups(r, group_size)
+        idx = keep.repeat_interleave(group_size).nonzero().squeeze(1)
+        if idx.numel():
+            kept.append(_select(rollout, idx))
+            kept_rewards.append(r[idx])
+            kept_texts += [rollout.texts[i] for i in idx.tolist()]
+        need -= int(keep.sum())
+        if need <= 0:
+            break
+    if not kept:
+        raise NoSignalError(f"dynamic sampling found no group with mixed rewards in {int(stats['groups_sampled'])} "
+                            "prompts: the task is too easy or too hard for the model (or raise algo.max_refills)")
+    merged = _merge(kept, engine.pad_token_id)
+    rewards = torch.cat(kept_rewards)
+    truncated = torch.tensor([f == "length" for r in kept for f in r.finish_reason], device=rewards.device)
+    n = min(rewards.numel(), prompts_per_step * group_size)  # the last refill may overshoot
+    merged = {k: v[:n] for k, v in merged.items()}
+    rewards, truncated, kept_texts = rewards[:n], truncated[:n], kept_texts[:n]
+    lengths = merged["completion_mask"].sum(1)
+    rewards = rewards + overlong_penalty(lengths, max_new_tokens, overlong_buffer).to(rewards.device)
+    advantages = group_advantages(rewards, group_size, scale=scale_rewards)
+    loss_mask = merged["completion_mask"] & ~(truncated & overlong_filter).unsqueeze(1)
+    stats["groups_kept"] = float(n // group_size)
+    for name, (total, count) in reward_sums.items():
+        stats[f"reward/{name}"] = total / max(count, 1)
+    return Experience(merged["prompt_ids"], merged["prompt_mask"], merged["completion_ids"], loss_mask,
+                      merged["sampling_logp"], merged["entropies"], rewards, advantages, lengths, truncated,
+                      kept_texts, stats)
+
+
+class NoSignalError(RuntimeError):
+    """Dynamic sampling could not find any group with a learning signal."""
+
+
+def _select(r: Rollout, idx: torch.Tensor) -> Rollout:
+    return Rollout(r.prompt_ids[idx], r.prompt_mask[idx], r.completion_ids[idx], r.completion_mask[idx],
+                   r.logprobs[idx], r.entropies[idx], [r.finish_reason[i] for i in idx.tolist()], None)

@@ -1,0 +1,68 @@
+"""Run outputs: `metrics.jsonl` (one line per step, flushed), TensorBoard when installed, PNG plots."""
+
+import json
+import math
+from pathlib import Path
+
+PLOTTED = (("reward/sampled", "reward"), ("entropy", "policy entropy (nats/token)"), ("aqn_sigma", "AQN sigma"),
+           ("response_length", "response length (tokens)"))
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.writer = None
+
+    def log(self, metrics: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+            f.flush()
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.writer.add_scalar(k, v, metrics["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
+    """One PNG per plotted quantity (reward, entropy, sigma, length) over steps; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rows = read_metrics(metrics_path)
+    written = []
+    for key, label in PLOTTED:
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(*zip(*points), marker="o", markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{key.replace('/', '_')}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,275 @@
+"""The RL loop, one process, one model in memory.
+
+Per step: sample prompts -> G completions each from the rollout engine (AQN noise at the scheduled
+sigma, merged into the norm weights) -> rewards -> group advantages -> clipped policy loss on the same
+quantized + LoRA model -> AdamW on the LoRA parameters. The pieces live in their own modules
+(collect, update, losses, logprobs, run_log, checkpointing); this file wires them and keeps the state.
+"""
+
+import importlib
+import random
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from ..config import TrainConfig, save_config, to_dict
+from ..models import add_lora, load_adapter, load_causal_lm, lora_parameters, quant_layers, quantize_model, save_adapter
+from ..nn import LoraConfig
+from ..rollout.engine import RolloutEngine
+from ..rollout.sampling import SamplingParams
+from .aqn import AQNSchedule
+from .checkpointing import list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from .collect import collect_experience
+from .losses import LossSettings
+from .prompt_stream import PromptStream
+from .run_log import RunLog, plot_metrics
+from .update import NonFiniteError, policy_update
+
+
+class TrainingAborted(RuntimeError):
+    """Too many bad steps in a row; the message says what happened and what to change."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_policy(cfg: TrainConfig, device: torch.device):
+    """(model with a frozen quantized base + fresh or loaded LoRA, tokenizer)."""
+    model, tokenizer = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device,
+                                      trust_remote_code=cfg.model.trust_remote_code)
+    lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, use_rslora=cfg.lora.use_rslora,
+                      targets=tuple(cfg.lora.targets))
+    if quant_layers(model):  # an already quantized directory
+        add_lora(model, lora)
+    else:
+        quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets)
+    if cfg.model.adapter:
+        load_adapter(model, cfg.model.adapter)
+    if tokenizer is None:
+        raise ValueError(f"{cfg.model.name}: no tokenizer found; training needs one")
+    model.config.use_cache = False
+    # newer transformers renamed it; 5.17 (our GPU image) only has the old name
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.eval(), tokenizer
+
+
+def resolve_reward(name: str):
+    """A built-in reward by name ("math", "format", ...) or a user function "package.module:function"
+    with the TRL signature f(prompts, completions, **columns) -> list[float | None]."""
+    from ..rewards import get_reward
+
+    if ":" not in name:
+        return get_reward(name)
+    module, _, attr = name.partition(":")
+    try:
+        func = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward {name!r}: cannot import ({e})") from None
+    if not callable(func):
+        raise ValueError(f"reward {name!r} is not callable")
+    return func
+
+
+def _lr_lambda(cfg: TrainConfig):
+    import math
+
+    warmup, total = cfg.optim.warmup_steps, cfg.steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.optim.schedule == "cosine":
+            progress = (step - warmup) / max(1, total - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return factor
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: str | None = None, console: Console | None = None):
+        from ..data import filter_by_length, load_problems
+        from ..rewards import RewardRunner
+
+        self.cfg, self.console = cfg, console or Console(stderr=True)
+        self.device = resolve_device(cfg.model.device)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
+        with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} + LoRA r={cfg.lora.r}"):
+            self.model, self.tokenizer = build_policy(cfg, self.device)
+        self.engine = RolloutEngine(self.model, self.tokenizer,
+                                    max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+        rows = load_problems(cfg.data.train, split="train", limit=cfg.data.limit, seed=cfg.seed,
+                             question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+        rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
+                                system=cfg.data.system)
+        self.stream = PromptStream(rows, cfg.seed)
+        self.rewards = RewardRunner([resolve_reward(name) for name in cfg.rewards], cfg.reward_weights,
+                                    cfg.reward_timeout_s)
+        self.params = list(lora_parameters(self.model).values())
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
+        self.aqn = AQNSchedule(cfg.aqn.num_stages, cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.decay,
+                               cfg.aqn.enabled)
+        self.loss_settings = LossSettings(cfg.algo.name, cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.kl_beta,
+                                          cfg.rollout.max_new_tokens)
+        self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+        self.run_dir = Path(cfg.output_dir)
+        self.step = 0
+        self.bad_in_a_row = self.bad_total = 0
+        if resume:
+            self._resume(resume)
+        elif (self.run_dir / "metrics.jsonl").exists():
+            raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose "
+                                  "another output_dir")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.log = RunLog(self.run_dir, cfg.tensorboard)
+
+    # prompts ----------------------------------------------------------------------------------
+
+    def encode(self, row: dict) -> tuple[str, list[int]]:
+        from ..data.templates import build_prompt, encode_prompt
+
+        text = build_prompt(row["question"], self.tokenizer, suffix=self.cfg.data.suffix, system=self.cfg.data.system)
+        return text, encode_prompt(text, self.tokenizer)
+
+    # one step ---------------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        cfg, t_start = self.cfg, time.perf_counter()
+        sigma = self.aqn.sigma(self.step, cfg.steps)
+        exp = collect_experience(
+            self.engine, self.stream.take, self.encode, self.rewards, group_size=cfg.rollout.group_size,
+            prompts_per_step=cfg.rollout.prompts_per_step, max_new_tokens=cfg.rollout.max_new_tokens,
+            sampling=self.sampling, sigma=sigma, aqn_per_forward=cfg.aqn.per_forward, generator=self.generator,
+            scale_rewards=cfg.algo.scale_rewards and cfg.algo.name != "dr_grpo",
+            dynamic_sampling=cfg.algo.dynamic_sampling, max_refills=cfg.algo.max_refills,
+            overlong_filter=cfg.algo.overlong_filter, overlong_buffer=cfg.algo.overlong_buffer)
+        t_rollout = time.perf_counter() - t_start
+        mask = exp.completion_mask
+        gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=mask.device)
+        metrics = {
+            "step": self.step + 1,
+            **{k: v for k, v in exp.stats.items() if k not in ("gen_tokens", "gen_seconds")},
+            "reward": float(exp.rewards.mean()),
+            "entropy": float((exp.entropies * gen_mask).sum() / gen_mask.sum().clamp(min=1)),
+            "aqn_sigma": sigma,
+            "aqn_stage": self.aqn.stage(self.step, cfg.steps) if cfg.aqn.enabled else 0,
+            "response_length": float(exp.lengths.float().mean()),
+            "truncated_fraction": float(exp.truncated.float().mean()),
+            "tokens_per_s": exp.stats["gen_tokens"] / max(exp.stats["gen_seconds"], 1e-9),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        t_update = time.perf_counter()
+        try:
+            if mask.any():
+                metrics.update(policy_update(
+                    self.model, exp, self.optimizer, self.params, self.loss_settings,
+                    num_updates=cfg.algo.num_updates, micro_batch_size=cfg.optim.micro_batch_size,
+                    max_grad_norm=cfg.optim.max_grad_norm, temperature=cfg.rollout.temperature or 1.0,
+                    old_logprobs=cfg.algo.old_logprobs, tis_cap=cfg.algo.tis_cap))
+            self.bad_in_a_row = 0
+            metrics["skipped"] = 0
+        except NonFiniteError as e:
+            self.bad_in_a_row += 1
+            self.bad_total += 1
+            metrics["skipped"] = 1
+            self.console.print(f"[yellow]step {self.step + 1} skipped: {e} ({self.bad_in_a_row} in a row)")
+            if self.bad_in_a_row >= cfg.optim.max_bad_steps:
+                raise TrainingAborted(
+                    f"{self.bad_in_a_row} steps in a row had a non-finite loss or gradient; lower optim.lr, "
+                    "raise optim.max_grad_norm's strictness, or check the data and rewards") from None
+        self.scheduler.step()
+        self.step += 1
+        metrics["bad_steps_total"] = self.bad_total
+        metrics["time_rollout"] = t_rollout
+        metrics["time_update"] = time.perf_counter() - t_update
+        metrics["time_step"] = time.perf_counter() - t_start
+        metrics["memory_gb"] = peak_memory_gb(self.device)
+        return metrics
+
+    # the run ----------------------------------------------------------------------------------
+
+    def train(self) -> Path:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        cfg = self.cfg
+        columns = (TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        with Progress(*columns, console=self.console, transient=False) as progress:
+            task = progress.add_task("train", total=cfg.steps, completed=self.step, info="")
+            while self.step < cfg.steps:
+                metrics = self.train_step()
+                self.log.log(metrics)
+                line = (f"step {metrics['step']:>4}  reward {metrics['reward']:.3f}  entropy {metrics['entropy']:.3f}  "
+                        f"sigma {metrics['aqn_sigma']:.1e}  kl {metrics.get('kl', 0):.4f}  "
+                        f"clip {metrics.get('clip_fraction', 0):.3f}  len {metrics['response_length']:.0f}  "
+                        f"{metrics['tokens_per_s']:.0f} tok/s  rollout {metrics['time_rollout']:.1f}s  "
+                        f"update {metrics['time_update']:.1f}s  mem {metrics['memory_gb']:.2f} GB")
+                progress.console.print(line, highlight=False)
+                progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.save_checkpoint()
+        self.save_checkpoint()
+        final = save_adapter(self.model, self.run_dir / "adapter", base_model_name_or_path=cfg.model.name,
+                             overwrite=True)
+        self.log.close()
+        if cfg.plots:
+            for path in plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir):
+                self.console.print(f"plot: {path}")
+        self.console.print(f"adapter: {final}")
+        return final
+
+    # checkpoints ------------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "data": self.stream.state(), "rng": rng_state(self.generator), "bad_total": self.bad_total,
+                 "config": to_dict(self.cfg)}
+        return save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.keep_last)
+
+    def _resume(self, resume: str) -> None:
+        checkpoints = list_checkpoints(self.run_dir) if resume == "auto" else [Path(resume)]
+        if not checkpoints:
+            raise FileNotFoundError(f"{self.run_dir}: no complete checkpoint to resume from")
+        checkpoint = checkpoints[-1]
+        state = load_trainer_state(checkpoint)
+        load_adapter(self.model, checkpoint / "adapter")
+        self.params = list(lora_parameters(self.model).values())  # load_adapter attached fresh parameters
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.cfg))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.load_state(state["data"])
+        set_rng_state(state["rng"], self.generator)
+        self.step, self.bad_total = state["step"], state["bad_total"]
+        self._truncate_metrics(self.step)
+        self.console.print(f"resumed from {checkpoint} at step {self.step}")
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metric lines written after the checkpoint (the steps about to be redone)."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            import json
+
+            lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+            path.write_text("".join(l + "\n" for l in lines))

@@ -1,0 +1,98 @@
+"""The policy update: micro-batched loss and backward over one step's experience, mu optimizer steps.
+
+Which log-probs play pi_old (DESIGN.md, AQN): by default ("recompute") the loss policy itself without
+noise -- for mu = 1 that is just logp.detach() of the same forward (ratio 1, no extra pass); for mu > 1 a
+no-grad pass before the first update. The noisy sampler's log-probs mu(o_t) enter only through
+truncated importance sampling, w_t = min(pi_old / mu, tis_cap), which corrects for sampling from the
+noisy policy. With old_logprobs="sampling" the ratio is pi_theta / mu directly (PPO's behaviour-policy
+ratio) and TIS is not applied.
+"""
+
+import math
+
+import torch
+
+from ..kernels import dequantized_weights
+from ..nn.quant_linear import lora_disabled
+from .collect import Experience
+from .logprobs import completion_logprobs
+from .losses import LossSettings, loss_normalizer, policy_loss
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient was NaN/Inf; the optimizer step was skipped."""
+
+
+def _micro_batches(n: int, size: int):
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _logprobs(model, exp: Experience, sl: slice, temperature: float) -> torch.Tensor:
+    return completion_logprobs(model, exp.prompt_ids[sl], exp.prompt_mask[sl], exp.completion_ids[sl],
+                               exp.completion_mask[sl], temperature)
+
+
+@torch.no_grad()
+def _no_grad_logprobs(model, exp: Experience, micro: int, temperature: float) -> torch.Tensor:
+    return torch.cat([_logprobs(model, exp, sl, temperature) for sl in _micro_batches(len(exp.rewards), micro)])
+
+
+def policy_update(model, exp: Experience, optimizer, params, settings: LossSettings, *, num_updates: int,
+                  micro_batch_size: int, max_grad_norm: float, temperature: float, old_logprobs: str,
+                  tis_cap: float | None) -> dict[str, float]:
+    """Run `num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when a loss
+    or the gradient norm is not finite, so the caller can skip and count the step."""
+    n = len(exp.rewards)
+    mask = exp.completion_mask
+    weights = loss_normalizer(mask, settings)
+    batches = _micro_batches(n, micro_batch_size)
+    ref = None
+    if settings.kl_beta > 0:
+        with lora_disabled(model):  # the reference policy: same weights, adapters off; no second copy
+            ref = _no_grad_logprobs(model, exp, micro_batch_size, temperature)
+    old = exp.sampling_logp if old_logprobs == "sampling" else None
+    if old is None and num_updates > 1:
+        old = _no_grad_logprobs(model, exp, micro_batch_size, temperature)
+    use_tis = old_logprobs == "recompute" and tis_cap is not None
+    totals = {"tokens": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "loss": 0.0, "tis_mean": 0.0}
+    grad_norm = 0.0
+    model.train()
+    cache = dequantized_weights(enabled=exp.completion_ids.device.type == "cpu")  # CPU: one dequant per pass
+    cache.__enter__()
+    try:
+        for _ in range(num_updates):
+            optimizer.zero_grad(set_to_none=True)
+            for sl in batches:
+                logp = _logprobs(model, exp, sl, temperature)
+                old_mb = logp.detach() if old is None else old[sl]
+                tis = None
+                if use_tis:
+                    tis = torch.exp(old_mb - exp.sampling_logp[sl]).clamp(max=tis_cap) * mask[sl]
+                    totals["tis_mean"] += float(tis.sum())
+                loss, stats = policy_loss(logp, old_mb, exp.advantages[sl], weights[sl], settings,
+                                          None if ref is None else ref[sl], tis)
+                if not torch.isfinite(loss):
+                    raise NonFiniteError(f"non-finite loss {loss.item()}")
+                loss.backward()
+                totals["loss"] += float(loss)
+                for k, v in stats.items():
+                    totals[k] += float(v)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+            if not math.isfinite(grad_norm):
+                raise NonFiniteError(f"non-finite gradient norm {grad_norm}")
+            optimizer.step()
+    except NonFiniteError:
+        optimizer.zero_grad(set_to_none=True)
+        raise
+    finally:
+        cache.__exit__(None, None, None)
+        model.eval()
+    tokens = max(totals["tokens"], 1.0)
+    return {
+        "loss": totals["loss"] / num_updates,
+        "clip_fraction": totals["clipped"] / tokens,
+        "ratio_mean": totals["ratio"] / tokens,
+        "kl": totals["kl"] / tokens,
+        "tis_weight_mean": totals["tis_mean"] / tokens if use_tis else 1.0,
+        "grad_norm": grad_norm,
+    }

@@ -1,0 +1,90 @@
+"""A short end-to-end `qerl train` on a tiny random model: the loop, outputs, checkpoint and resume."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from tiny import tiny_model, tiny_tokenizer
+
+from qerl.cli import main
+from qerl.config import load_config
+from qerl.models import load_adapter, load_causal_lm
+from qerl.rl.run_log import read_metrics
+from qerl.rl.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "arith.jsonl"
+    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 6) for b in range(1, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _overrides(tiny_dir, data_file, out, **extra):
+    base = {"model.name": str(tiny_dir), "model.format": "nvfp4", "data.train": str(data_file),
+            "data.max_prompt_tokens": 32, "data.suffix": "none", "rollout.prompts_per_step": 2, "rollout.group_size": 4,
+            "rollout.max_new_tokens": 8, "lora.r": 4, "lora.alpha": 8, "optim.lr": 1e-3, "steps": 3,
+            "output_dir": str(out), "tensorboard": False, "aqn.num_stages": 3, "aqn.sigma_start": 0.05,
+            "aqn.sigma_end": 0.01, "reward_timeout_s": 30, "rewards": "[math, 'tiny:digit_reward']"}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo"])
+def test_train_runs_and_writes_outputs(tiny_dir, data_file, tmp_path, algo):
+    extra = {"algo.name": algo}
+    if algo == "grpo":
+        extra.update({"algo.kl_beta": 0.05, "algo.num_updates": 2})
+    if algo == "dapo":
+        extra.update({"algo.clip_high": 0.28, "algo.overlong_filter": True, "algo.overlong_buffer": 2})
+    cfg = load_config(None, _overrides(tiny_dir, data_file, tmp_path / "run", **extra))
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_B" in k}
+    adapter = trainer.train()
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        for key in ("reward", "entropy", "aqn_sigma", "response_length", "tokens_per_s", "time_rollout",
+                    "time_update", "memory_gb", "lr"):
+            assert m[key] is not None, key
+    assert [m["aqn_sigma"] for m in metrics] == pytest.approx([0.0, 0.05, 0.01])
+    assert metrics[0]["entropy"] > 0
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "reward_sampled.png").is_file()
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no LoRA weight moved"
+    model, _ = load_causal_lm(tiny_dir)
+    from qerl.models import quantize_model
+
+    quantize_model(model, "nvfp4")
+    load_adapter(model, adapter)
+
+
+def test_cli_train_and_resume(tiny_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    args = _overrides(tiny_dir, data_file, out, save_every=1, steps=2)
+    assert main(["train", *args]) == 0
+    first = read_metrics(out / "metrics.jsonl")
+    assert len(first) == 2
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["rollout"]["group_size"] == 4
+    # continue the same run for one more step
+    assert main(["train", *_overrides(tiny_dir, data_file, out, save_every=1, steps=3), "--resume"]) == 0
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    # a second run into the same directory without --resume is refused
+    assert main(["train", *args]) == 2
+
+
+def test_bad_config_is_refused(tiny_dir, data_file, tmp_path):
+    assert main(["train", *_overrides(tiny_dir, data_file, tmp_path / "r"), "rollout.group_sise=4"]) == 2
+    assert not (tmp_path / "r").exists()
