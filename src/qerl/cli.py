@@ -41,6 +41,24 @@ def _quantize(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from .config import load_config
+    from .rl.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    if args.output_dir:
+        cfg.output_dir = args.output_dir
+    trainer = Trainer(cfg, resume=args.resume, console=console)
+    trainer.train()
+    return 0
+
+
+def _eval(args) -> int:
+    from .eval.evaluate import run_eval
+
+    return run_eval(args)
+
+
 def _bench(args) -> int:
     import importlib
 
@@ -66,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-check", action="store_true", help="skip the KL / perplexity check against the original")
     q.add_argument("--trust-remote-code", action="store_true", help="allow code from the model directory to run")
     q.set_defaults(func=_quantize)
+
+    t = sub.add_parser("train", help="RL-train a LoRA adapter on a quantized base (GRPO / DAPO / Dr. GRPO + AQN)")
+    t.add_argument("--config", help="YAML config (see configs/); defaults are the small offline demo")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.group_size=16")
+    t.add_argument("--output-dir", help="run directory (overrides output_dir)")
+    t.add_argument("--resume", nargs="?", const="auto", help="continue from the last complete checkpoint (or DIR)")
+    t.set_defaults(func=_train)
+
+    e = sub.add_parser("eval", help="pass@1 of a model (+ adapter) on a math dataset")
+    from .eval.evaluate import add_eval_arguments
+
+    add_eval_arguments(e)
+    e.set_defaults(func=_eval)
 
     b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout")
     b.add_argument("what", choices=["kernels", "rollout"])
