@@ -1,9 +1,10 @@
 """Matmuls against quantized weights. Each entry point takes the format's tensors as stored.
 
 `quantized_linear(fmt, x, tensors, bias)` is what the layers call; it dispatches to the format's entry
-point (`nvfp4_linear`, `mxfp4_linear`, ...). CUDA bf16/fp16 inputs of the FP4 formats go to fused Triton
-kernels (imported only then, so CPU users need no Triton). Without a fused kernel for the device, the fallback dequantizes the weight
-into a temporary that is freed when the call returns, so the 4-bit tensors stay the only persistent copy.
+point (`nvfp4_linear`, `mxfp4_linear`, ...). CUDA bf16/fp16 inputs of the FP4 formats go to Triton
+kernels (imported only then, so CPU users need no Triton): fused dequant-in-registers for decode sizes,
+one-pass device dequantize + cuBLAS above (see `triton_gate`). Everywhere else the fallback dequantizes the
+weight into a temporary that is freed when the call returns, so the 4-bit tensors stay the only persistent copy.
 """
 
 from .dequant_cache import dequantized_weights
