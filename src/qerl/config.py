@@ -191,6 +191,11 @@ def _coerce(value, tp, key: str):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

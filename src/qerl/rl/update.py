@@ -74,7 +74,7 @@ def policy_update(model, exp: Experience, optimizer, params, settings: LossSetti
                 if not torch.isfinite(loss):
                     raise NonFiniteError(f"non-finite loss {loss.item()}")
                 loss.backward()
-                totals["loss"] += float(loss)
+                totals["loss"] += loss.item()
                 for k, v in stats.items():
                     totals[k] += float(v)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
