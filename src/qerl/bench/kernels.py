@@ -143,6 +143,66 @@ def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: in
     return sorted(res, key=lambda r: r[0])
 
 
+DECODE_M = (1, 2, 4, 8, 16)
+
+
+def gemv_candidates():
+    from qerl.kernels.triton_fp4_gemv import GemvConfig as G
+
+    return [G(256, 4, 4), G(512, 4, 4), G(256, 4, 8), G(512, 4, 8), G(256, 4, 4, waves=8), G(128, 4, 2)]
+
+
+def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:
+    """Decode sizes: cuBLAS bf16 vs the fused tensor-core kernel vs the CUDA-core gemv kernel (default
+    config, and the fastest of `candidates`), weights rotated through > 2x L2 as in `bench_shape`."""
+    from qerl.kernels import triton_nvfp4 as tk
+
+    fp4_bytes = n * k // 2 + n * k // 16
+    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
+    bf, q = _weights(n, k, copies)
+    rows = []
+    for m in ms:
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+        t = {"cublas": _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, replays),
+             "fused": _graph_time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies]), calls, replays),
+             "gemv": _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)}
+        best = (t["gemv"], None)
+        for cfg in candidates:
+            try:
+                tc = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies], config=cfg), calls,
+                                 replays)
+            except Exception as e:  # registers / resources
+                print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
+                continue
+            if tc < best[0]:
+                best = (tc, cfg)
+        act = 2 * m * (n + k)
+        rows.append({"N": n, "K": k, "M": m, **{f"t_{a}_us": v * 1e6 for a, v in t.items()},
+                     "t_gemv_best_us": best[0] * 1e6, "best_cfg": None if best[1] is None else list(
+                         (best[1].bn, best[1].bkw, best[1].warps, best[1].split, best[1].waves)),
+                     "x_gemv": t["cublas"] / t["gemv"], "x_gemv_best": t["cublas"] / best[0],
+                     "x_fused": t["cublas"] / t["fused"], "bw_gemv_best": (fp4_bytes + act) / best[0],
+                     "bw_cublas": (2 * n * k + act) / t["cublas"]})
+    del bf, q
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
+             f"command `{meta['command']}`", "",
+             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | gemv best us (cfg) | "
+             "x cuBLAS fused | x cuBLAS gemv | x cuBLAS gemv best | gemv best TB/s | cuBLAS TB/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['t_cublas_us']:.1f} | "
+                     f"{r['t_fused_us']:.1f} | {r['t_gemv_us']:.1f} | {r['t_gemv_best_us']:.1f} {r['best_cfg']} | "
+                     f"{r['x_fused']:.2f} | {r['x_gemv']:.2f} | {r['x_gemv_best']:.2f} | "
+                     f"{r['bw_gemv_best'] / 1e12:.2f} | {r['bw_cublas'] / 1e12:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _markdown(rows: list[dict], meta: dict) -> str:
     copy = meta["copy_bw"]
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
@@ -166,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (forward)")
     p.add_argument("--backward-m", default=",".join(map(str, BACKWARD_M)), help="comma list of M (dY @ W); '' for none")
     p.add_argument("--replays", type=int, default=15)
+    p.add_argument("--decode", action="store_true",
+                   help="decode sizes only (--m default 1,2,4,8,16): cuBLAS vs fused vs the CUDA-core gemv kernel")
     p.add_argument("--sweep", action="store_true", help="time candidate tiles on a few shapes instead")
     p.add_argument("--out", default="kernels_bench", help="output prefix: writes <out>.json and <out>.md")
     args = p.parse_args(argv)
@@ -181,10 +243,14 @@ def main(argv=None) -> int:
             "triton": triton.__version__, "command": " ".join(["qerl bench kernels"] + sys.argv[1:] if argv is None else
                                                              ["qerl bench kernels"] + list(argv)),
             "copy_bw": copy_bandwidth(), "l2_bytes": l2}
+    if args.decode and args.m == ",".join(map(str, M_VALUES)):
+        args.m = ",".join(map(str, DECODE_M))
     ms = [int(v) for v in args.m.split(",") if v]
     bms = [int(v) for v in args.backward_m.split(",") if v]
     if args.sweep:
         return _run_sweep(args, ms, bms, l2)
+    if args.decode:
+        return _run_decode(args, ms, l2, meta)
     rows = []
     for model in args.models.split(","):
         for layer, (n, k) in layer_shapes(model).items():
@@ -199,6 +265,27 @@ def main(argv=None) -> int:
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(args.out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def _run_decode(args, ms, l2, meta) -> int:
+    rows = []
+    cands = gemv_candidates()
+    for model in args.models.split(","):
+        for layer, (n, k) in layer_shapes(model).items():
+            if layer not in args.layers.split(","):
+                continue
+            for r in bench_decode(n, k, ms, l2, args.replays, cands):
+                rows.append({"model": model, "layer": layer, **r})
+                print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
+                      f"gemv {r['t_gemv_us']:.1f} best {r['t_gemv_best_us']:.1f} {r['best_cfg']} "
+                      f"x{r['x_gemv']:.2f} / best x{r['x_gemv_best']:.2f}", flush=True)
+                with open(args.out + "_decode.json", "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = _decode_markdown(rows, meta)
+    with open(args.out + "_decode.md", "w") as f:
         f.write(md)
     print(md)
     return 0

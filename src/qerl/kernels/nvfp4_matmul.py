@@ -1,6 +1,7 @@
 """y = x @ W^T and its input gradient for an NVFP4 weight, without keeping W in 16 bits.
 
-CUDA bf16/fp16 inputs go to the fused Triton kernels (`triton_nvfp4`, imported lazily), which decode W
+CUDA bf16/fp16 inputs go to the Triton kernels: at decode sizes (forward, M <= triton_gate.GEMV_MAX_M)
+the CUDA-core kernel `triton_fp4_gemv`, otherwise the fused tensor-core kernels (`triton_nvfp4`, imported lazily), which decode W
 tile by tile in registers. Everything else takes the plain-torch path, which is also the reference the
 kernels are tested against: dequantize into a temporary that lives for this call only. On the CPU that is
 the intended trade: speed matters less than staying small.
@@ -27,7 +28,10 @@ def nvfp4_linear(
     if triton_gate.use_triton(x):
         from . import triton_nvfp4 as tk
 
-        if triton_gate.fused_wins(triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2):
+        m, n, k = triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2
+        if triton_gate.gemv_wins(m, n, k):
+            return tk.nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias)
+        if triton_gate.fused_wins(m, n, k):
             return tk.nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias)
         w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))

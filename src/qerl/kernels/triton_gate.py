@@ -2,7 +2,8 @@
 
 The fused kernels run when the activation is a CUDA bf16/fp16 tensor and Triton can be imported.
 QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmarks).
-`fused_wins` picks, per call, between the fused kernel and "dequantize W on the device in one Triton pass
+`gemv_wins` sends the forward product at decode sizes (M <= GEMV_MAX_M) to the CUDA-core kernel
+(`triton_fp4_gemv`); above that, `fused_wins` picks, per call, between the fused kernel and "dequantize W on the device in one Triton pass
 into a temporary (the caching allocator reuses the block), then cuBLAS", from the H200 measurements in
 docs/benchmarks.md: fused wins up to M = 16 on every Qwen2.5 shape, and up to M = 64 on shapes with at
 least 32M weights; above that (prefill, the loss pass, the training backward) dequantize + cuBLAS wins.
@@ -13,6 +14,7 @@ import os
 
 import torch
 
+GEMV_MAX_M = 4  # CUDA-core decode kernel (triton_fp4_gemv) up to here, forward only
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
 BIG_WEIGHT = 32 * 1024 * 1024
@@ -30,6 +32,11 @@ def use_triton(x: torch.Tensor) -> bool:
     """True when x should go through the Triton kernels."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available())
+
+
+def gemv_wins(m: int, n: int, k: int) -> bool:
+    """Forward x @ W^T with m rows: the CUDA-core decode kernel (True) or the tensor-core paths."""
+    return 1 <= m <= GEMV_MAX_M
 
 
 def fused_wins(m: int, n: int, k: int) -> bool:

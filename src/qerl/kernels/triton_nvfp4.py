@@ -10,6 +10,7 @@ by `pick_config`; see `triton_fp4_mm` for the kernels. This module imports Trito
 
 import torch
 
+from .triton_fp4_gemv import GEMV_MAX_M, GemvConfig, fp4_gemv
 from .triton_fp4_mm import TileConfig, fp4_dequantize, fp4_grad_input, fp4_linear
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -112,6 +113,19 @@ def nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bia
     """x [..., K] bf16/fp16 -> x @ W^T + bias [..., N]; packed uint8 [N, K/2], scale e4m3 [N, K/16], gs fp32 [1]."""
     return _run_linear(x, weight_packed, weight_scale, _gs(weight_global_scale), bias, 16, False, "nvfp4", config,
                        x.is_cuda and step_fits_bf16(weight_global_scale))
+
+
+def nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias=None, config=None):
+    """Decode sizes (x viewed as [M, K] with M <= 16): the CUDA-core kernel of `triton_fp4_gemv`.
+    Same arguments and result as `nvfp4_linear_triton`."""
+    k = x.shape[-1]
+    _check(x, weight_packed, k, "nvfp4")
+    x2 = _as_2d(x)
+    n = weight_packed.shape[0]
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    y = fp4_gemv(x2, weight_packed, _u8(weight_scale), _gs(weight_global_scale), b, config or GemvConfig(),
+                 _sm_count(x.device))
+    return y.reshape(*x.shape[:-1], n)
 
 
 def nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale, config=None):

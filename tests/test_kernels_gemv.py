@@ -1,0 +1,136 @@
+"""CUDA-core decode kernel (qerl.kernels.triton_fp4_gemv, M = 1..16) against the plain-torch float32 reference.
+
+Same standard as tests/test_kernels_triton.py (whose helpers it reuses): fresh random weights drawn as raw
+codes and scale bytes (all 16 E2M1 codes, subnormal E4M3 scales, zero blocks), extreme global scales,
+odd N, K a multiple of 16 with K % 32 == 16 tails (the kernel's masked path), M in {1, 2, 3, 8, 16},
+split-K on and off, and every buffer the kernels write (output, split-K partials) filled with NaN first.
+CPU: through the Triton interpreter in a subprocess (TRITON_INTERPRET=1); GPU: `-m gpu`, Qwen2.5 shapes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_kernels_triton import REL_TOL, _random_fp4, _rel_err  # noqa: E402
+
+from qerl.formats.nvfp4 import dequantize_nvfp4  # noqa: E402
+
+M_VALUES = (1, 2, 3, 8, 16)
+CPU_SHAPES = [(24, 48), (33, 160), (7, 64), (40, 96)]  # (N, K): K % 32 == 16 in the first two
+GPU_SHAPES = [(4608, 3584), (3584, 18944), (1000, 1040), (517, 784), (7168, 5120), (10240, 8192)]
+
+
+def _check_case(device, m, n, k, gs, dtype, seed, config=None, bias=True, entry=False) -> list[str]:
+    from qerl.kernels import nvfp4_linear, triton_fp4_mm, triton_nvfp4 as tk
+
+    triton_fp4_mm.POISON = True
+    gen = torch.Generator().manual_seed(seed)
+    t = _random_fp4(n, k, 16, False, gen, gs)
+    w = dequantize_nvfp4(**t)
+    amax = w.abs().max().clamp_min(1e-30)
+    x = torch.randn(m, k, generator=gen) / amax
+    b = torch.randn(n, generator=gen) if bias else None
+    xd = x.to(device=device, dtype=dtype)
+    bd = None if b is None else b.to(device=device, dtype=dtype)
+    td = {a: v.to(device) for a, v in t.items()}
+    ref = xd.double().cpu() @ w.double().T + (0 if b is None else bd.double().cpu())
+    if entry:
+        y = nvfp4_linear(xd, **td, bias=bd)
+    else:
+        y = tk.nvfp4_linear_gemv(xd, **td, bias=bd, config=config)
+    err = _rel_err(y, ref)
+    if tuple(y.shape) != (m, n) or y.dtype != dtype or not err < REL_TOL:
+        return [f"gemv M={m} N={n} K={k} gs={gs} {dtype} {config} entry={entry}: rel err {err:.3g}, "
+                f"shape {tuple(y.shape)}, dtype {y.dtype}"]
+    return []
+
+
+def _check_decode_table(device: str) -> list[str]:
+    """All 256 code pairs and all 127 finite E4M3 scales through the kernel: x = rows of the identity, so
+    y[m, n] = W[n, col] exactly up to the final rounding of one fp32 product (to bf16: <= 2^-8 relative)."""
+    from qerl.kernels import triton_fp4_mm, triton_nvfp4 as tk
+
+    triton_fp4_mm.POISON = True
+    fails = []
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).repeat(8, 1)  # [128, 16]: K=32
+    e4m3 = torch.arange(128, dtype=torch.int32).to(torch.uint8)
+    e4m3[127] = 0x38  # 0x7F is NaN
+    t = {"weight_packed": packed, "weight_scale": torch.stack([e4m3, e4m3.flip(0)], 1).view(torch.float8_e4m3fn)}
+    from qerl.kernels.triton_fp4_gemv import GemvConfig
+
+    for gs in (1.0, 2688.0 / 3.7, 1e-20, 1e20):
+        t["weight_global_scale"] = torch.tensor([gs])
+        ref = dequantize_nvfp4(**t)  # [128, 32] float32
+        for half in (0, 1):
+            x = torch.zeros(16, 32)
+            x[:, 16 * half:16 * half + 16] = torch.eye(16)
+            for cfg in (None, GemvConfig(32, 4, 1, 1)):
+                y = tk.nvfp4_linear_gemv(x.to(device, torch.bfloat16), **{a: v.to(device) for a, v in t.items()},
+                                         config=cfg).float().cpu()
+                want = ref[:, 16 * half:16 * half + 16].T
+                bad = ~torch.isclose(y, want, rtol=2.0**-8, atol=0) | ~torch.isfinite(y)
+                if bad.any():
+                    fails.append(f"gemv decode table gs={gs} half={half} {cfg}: {int(bad.sum())} wrong, e.g. "
+                                 f"{y[bad][:3].tolist()} vs {want[bad][:3].tolist()}")
+    return fails
+
+
+def interpreter_suite() -> list[str]:
+    from qerl.kernels.triton_fp4_gemv import GemvConfig
+
+    fails = _check_decode_table("cpu")
+    cfgs = [None, GemvConfig(32, 4, 1, 1), GemvConfig(64, 4, 1, 3), GemvConfig(32, 2, 1, 2)]
+    for i, (n, k) in enumerate(CPU_SHAPES):
+        for j, m in enumerate(M_VALUES):
+            gs = (2688.0, 1e-25, 1e25)[(i + j) % 3]
+            fails += _check_case("cpu", m, n, k, gs, torch.bfloat16, seed=100 * i + j, config=cfgs[(i + j) % 4],
+                                 bias=(i + j) % 2 == 0)
+    fails += _check_case("cpu", 3, 40, 96, 700.0, torch.float16, seed=7)
+    return fails
+
+
+def test_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    code = (f"import sys, json; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import test_kernels_gemv as t; print('RESULT' + json.dumps(t.interpreter_suite()))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    fails = json.loads(lines[-1][len("RESULT"):])
+    assert not fails, "\n".join(fails)
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.gpu
+def test_gpu_decode_table():
+    _cuda()
+    fails = _check_decode_table("cuda")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+def test_gpu_gemv(n, k):
+    _cuda()
+    from qerl.kernels.triton_fp4_gemv import GemvConfig
+
+    fails = []
+    for i, m in enumerate(M_VALUES):
+        for j, gs in enumerate((2688.0 / 0.05, 1e-25, 1e25)):
+            fails += _check_case("cuda", m, n, k, gs, torch.bfloat16, seed=m * 7 + n + j)
+        fails += _check_case("cuda", m, n, k, 2688.0, torch.float16, seed=m + n)
+        fails += _check_case("cuda", m, n, k, 300.0, torch.bfloat16, seed=m + 3, config=GemvConfig(256, 4, 4, 0))
+        fails += _check_case("cuda", m, n, k, 300.0, torch.bfloat16, seed=m + 5, config=GemvConfig(64, 8, 2, 1))
+        fails += _check_case("cuda", m, n, k, 300.0, torch.bfloat16, seed=m + 9, entry=True)  # the routing
+    assert not fails, "\n".join(fails)
