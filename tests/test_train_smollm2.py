@@ -1,6 +1,7 @@
 """A short real run: SmolLM2-135M-Instruct, NVFP4 + LoRA + AQN, GRPO on offline problems (slow)."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 def test_demo_config_trains_two_steps(tmp_path):
     out = tmp_path / "run"
-    code = main(["train", "--config", "configs/smollm2-demo.yaml", "--output-dir", str(out), "steps=2",
+    config = Path(__file__).resolve().parent.parent / "configs" / "smollm2-demo.yaml"
+    code = main(["train", "--config", str(config), "--output-dir", str(out), "steps=2",
                  "rollout.prompts_per_step=2", "rollout.max_new_tokens=48", "aqn.num_stages=2", "tensorboard=false"])
     assert code == 0
     metrics = read_metrics(out / "metrics.jsonl")
