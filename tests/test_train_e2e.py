@@ -88,3 +88,18 @@ def test_cli_train_and_resume(tiny_dir, data_file, tmp_path):
 def test_bad_config_is_refused(tiny_dir, data_file, tmp_path):
     assert main(["train", *_overrides(tiny_dir, data_file, tmp_path / "r"), "rollout.group_sise=4"]) == 2
     assert not (tmp_path / "r").exists()
+
+
+def test_resume_refuses_a_different_model_setup_and_skips_a_broken_checkpoint(tiny_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *_overrides(tiny_dir, data_file, out, save_every=1, steps=2)]) == 0
+    # another LoRA rank than the checkpoint's: refused, naming the key
+    with pytest.raises(ValueError, match=r"lora.r: checkpoint 4, now 8"):
+        Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=3, **{"lora.r": 8})), resume="auto")
+    # the newest checkpoint is corrupt: --resume auto falls back to the previous one and says so
+    checkpoints = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in checkpoints] == ["step-000001", "step-000002"]
+    (checkpoints[-1] / "trainer_state.pt").write_bytes(b"garbage")
+    trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=3)), resume="auto")
+    assert trainer.step == 1
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1]

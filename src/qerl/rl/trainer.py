@@ -102,6 +102,18 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+# Settings a resumed run must share with its checkpoint: they define the model and the adapter's shape.
+_RESUME_KEYS = (("model", "name"), ("model", "format"), ("lora", "r"), ("lora", "alpha"), ("lora", "targets"),
+                ("lora", "use_rslora"), ("data", "train"))
+
+
+def _check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
+    diffs = [f"{a}.{b}: checkpoint {saved[a][b]!r}, now {current[a][b]!r}" for a, b in _RESUME_KEYS
+             if saved[a][b] != current[a][b]]
+    if diffs:
+        raise ValueError(f"{checkpoint} belongs to a different run ({'; '.join(diffs)})")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str | None = None, console: Console | None = None):
         from ..data import filter_by_length, load_problems
@@ -251,8 +263,18 @@ class Trainer:
         checkpoints = list_checkpoints(self.run_dir) if resume == "auto" else [Path(resume)]
         if not checkpoints:
             raise FileNotFoundError(f"{self.run_dir}: no complete checkpoint to resume from")
-        checkpoint = checkpoints[-1]
-        state = load_trainer_state(checkpoint)
+        state, checkpoint = None, None
+        for candidate in reversed(checkpoints):  # newest first; fall back past an unreadable one
+            try:
+                state, checkpoint = load_trainer_state(candidate), candidate
+                break
+            except ValueError as e:
+                if resume != "auto":
+                    raise
+                self.console.print(f"[yellow]skipping checkpoint {candidate}: {e}")
+        if state is None:
+            raise ValueError(f"{self.run_dir}: no readable checkpoint to resume from")
+        _check_same_run(state["config"], to_dict(self.cfg), checkpoint)
         load_adapter(self.model, checkpoint / "adapter")
         self.params = list(lora_parameters(self.model).values())  # load_adapter attached fresh parameters
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
