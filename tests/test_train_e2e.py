@@ -1,6 +1,7 @@
 """A short end-to-end `qerl train` on a tiny random model: the loop, outputs, checkpoint and resume."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,32 @@ def test_resume_refuses_a_different_model_setup_and_skips_a_broken_checkpoint(ti
     trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=3)), resume="auto")
     assert trainer.step == 1
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_dir, data_file, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    args = _overrides(tiny_dir, data_file, out, steps=200)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "training produced no steps"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "continue with --resume" in err
+    steps = [m["step"] for m in read_metrics(metrics)]
+    saved = sorted((out / "checkpoints").iterdir())[-1]
+    assert int(saved.name.split("-")[1]) == steps[-1]  # the step in flight finished and was checkpointed
+    trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=steps[-1] + 1)), resume="auto")
+    assert trainer.step == steps[-1]

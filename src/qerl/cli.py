@@ -112,8 +112,13 @@ def main(argv=None) -> int:
     # qerl shows its own progress; transformers' per-tensor bars and dtype advice are noise here.
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    from .rl.trainer import TrainingInterrupted
+
     try:
         return args.func(args)
+    except TrainingInterrupted as e:
+        console.print(Text(str(e), style="yellow"), soft_wrap=True)
+        return 128 + e.signum
     except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
         # soft_wrap: keep paths unbroken; Text: a message with [brackets] is not rich markup.
         console.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)

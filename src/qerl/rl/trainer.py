@@ -6,9 +6,12 @@ quantized + LoRA model -> AdamW on the LoRA parameters. The pieces live in their
 (collect, update, losses, logprobs, run_log, checkpointing); this file wires them and keeps the state.
 """
 
+import contextlib
 import importlib
 import random
 import resource
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +34,40 @@ from .update import NonFiniteError, policy_update
 
 
 class TrainingAborted(RuntimeError):
-    """Too many bad steps in a row; the message says what happened and what to change."""
+    """Too many bad steps in a row, or out of memory; the message says what happened and what to change."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT / SIGTERM: the step in flight was finished and a checkpoint written."""
+
+    def __init__(self, signum: int, checkpoint: Path):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after a checkpoint at {checkpoint}; "
+                         "continue with --resume")
+        self.signum = signum
+
+
+class StopRequests:
+    """Turn SIGINT/SIGTERM into a request honoured at the next step boundary; a second one aborts at once."""
+
+    def __init__(self, console: Console):
+        self.console, self.signum, self._previous = console, None, {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.console.print(f"[yellow]{signal.Signals(signum).name}: finishing this step, then checkpointing "
+                           "(send it again to abort now)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,7 +105,10 @@ def resolve_reward(name: str):
     from ..rewards import get_reward
 
     if ":" not in name:
-        return get_reward(name)
+        try:
+            return get_reward(name)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
     module, _, attr = name.partition(":")
     try:
         func = getattr(importlib.import_module(module), attr)
@@ -227,10 +266,12 @@ class Trainer:
         cfg = self.cfg
         columns = (TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
-        with Progress(*columns, console=self.console, transient=False) as progress:
+        with contextlib.ExitStack() as stack:
+            progress = stack.enter_context(Progress(*columns, console=self.console, transient=False))
             task = progress.add_task("train", total=cfg.steps, completed=self.step, info="")
+            stop = stack.enter_context(StopRequests(self.console))
             while self.step < cfg.steps:
-                metrics = self.train_step()
+                metrics = self._guarded_step()
                 self.log.log(metrics)
                 line = (f"step {metrics['step']:>4}  reward {metrics['reward']:.3f}  entropy {metrics['entropy']:.3f}  "
                         f"sigma {metrics['aqn_sigma']:.1e}  kl {metrics.get('kl', 0):.4f}  "
@@ -239,6 +280,8 @@ class Trainer:
                         f"update {metrics['time_update']:.1f}s  mem {metrics['memory_gb']:.2f} GB")
                 progress.console.print(line, highlight=False)
                 progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
+                if stop.signum is not None:
+                    raise TrainingInterrupted(stop.signum, self.save_checkpoint())
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint()
         self.save_checkpoint()
@@ -250,6 +293,16 @@ class Trainer:
                 self.console.print(f"plot: {path}")
         self.console.print(f"adapter: {final}")
         return final
+
+    def _guarded_step(self) -> dict:
+        try:
+            return self.train_step()
+        except torch.OutOfMemoryError:
+            raise TrainingAborted(
+                f"out of GPU memory at step {self.step + 1}: lower optim.micro_batch_size "
+                f"(now {self.cfg.optim.micro_batch_size}), rollout.prompts_per_step x rollout.group_size "
+                f"(now {self.cfg.rollout.prompts_per_step} x {self.cfg.rollout.group_size}) or rollout.max_new_tokens "
+                f"(now {self.cfg.rollout.max_new_tokens}); the last checkpoint is intact") from None
 
     # checkpoints ------------------------------------------------------------------------------
 
