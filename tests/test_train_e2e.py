@@ -133,3 +133,36 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_dir, data_file, 
     assert int(saved.name.split("-")[1]) == steps[-1]  # the step in flight finished and was checkpointed
     trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=steps[-1] + 1)), resume="auto")
     assert trainer.step == steps[-1]
+
+
+TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_step", "memory_gb", "reward/time_s")
+
+
+def _deterministic(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, data_file, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    common = {"save_every": 1, "steps": 5, "lora.dropout": 0.1}
+    reference = tmp_path / "ref"
+    assert main(["train", *_overrides(tiny_dir, data_file, reference, **common)]) == 0
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", *_overrides(tiny_dir, data_file, out, **common)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # no handler runs: mid-step, maybe mid-checkpoint
+    proc.wait()
+    assert main(["train", *_overrides(tiny_dir, data_file, out, **common), "--resume"]) == 0
+    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(reference / "metrics.jsonl"))
