@@ -166,3 +166,37 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, data_file
     proc.wait()
     assert main(["train", *_overrides(tiny_dir, data_file, out, **common), "--resume"]) == 0
     assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(reference / "metrics.jsonl"))
+
+
+def test_non_finite_steps_are_skipped_counted_then_abort(tiny_dir, data_file, tmp_path):
+    from qerl.models import lora_parameters
+    from qerl.rl.trainer import TrainingAborted
+
+    cfg = load_config(None, _overrides(tiny_dir, data_file, tmp_path / "run", **{"optim.max_bad_steps": 2, "steps": 5}))
+    trainer = Trainer(cfg)
+    good = trainer.train_step()
+    assert good["skipped"] == 0
+    name, p = next((n, p) for n, p in lora_parameters(trainer.model).items() if "lora_B" in n)
+    saved = {n: q.detach().clone() for n, q in lora_parameters(trainer.model).items()}
+    with torch.no_grad():
+        p[0, 0] = float("nan")  # a poisoned adapter: every loss is NaN from now on
+    bad = trainer.train_step()
+    assert bad["skipped"] == 1 and bad["bad_steps_total"] == 1
+    for n, q in lora_parameters(trainer.model).items():  # the optimizer did not step on the NaN
+        if n != name:
+            assert torch.equal(q, saved[n]), n
+    with pytest.raises(TrainingAborted, match="2 steps in a row"):
+        trainer.train_step()
+
+
+def test_out_of_memory_names_the_knobs(tiny_dir, data_file, tmp_path, monkeypatch):
+    from qerl.rl.trainer import TrainingAborted
+
+    trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "run")))
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(trainer, "train_step", oom)
+    with pytest.raises(TrainingAborted, match="optim.micro_batch_size .*rollout.prompts_per_step x rollout.group_size"):
+        trainer.train()

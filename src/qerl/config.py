@@ -67,6 +67,8 @@ class AQNSection:
     num_stages: int = 10
     decay: str = "exponential"  # exponential | linear | cosine | logarithmic
     per_forward: bool = False  # redraw noise before every forward (default: once per rollout batch)
+    target_entropy: float | None = None  # beyond the paper: scale sigma to hold this mean token entropy
+    controller_gain: float = 0.5
 
 
 @dataclass
@@ -159,6 +161,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"algo.tis_cap must be >= 1 or null, got {cfg.algo.tis_cap}")
     if cfg.algo.overlong_buffer >= cfg.rollout.max_new_tokens:
         raise ConfigError("algo.overlong_buffer must be smaller than rollout.max_new_tokens")
+    if cfg.aqn.target_entropy is not None and not (cfg.aqn.target_entropy > 0 and cfg.aqn.controller_gain > 0):
+        raise ConfigError("aqn.target_entropy and aqn.controller_gain must be > 0")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.rewards):

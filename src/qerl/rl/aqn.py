@@ -69,3 +69,30 @@ class AQNSchedule:
             return 0.0
         return stage_sigma(self.stage(step, total_steps), self.num_stages, self.sigma_start, self.sigma_end,
                            self.decay)
+
+
+@dataclass
+class EntropyController:
+    """Beyond the paper: scale the scheduled sigma to hold a target policy entropy.
+
+    After each step, multiplier <- clip(multiplier * exp(gain * (target - entropy) / target), lo, hi): too
+    little entropy (collapsing exploration) raises the noise, too much lowers it. sigma used =
+    schedule sigma x multiplier, so stage 0 (sigma 0) stays noise-free.
+    """
+
+    target: float
+    gain: float = 0.5
+    lo: float = 0.1
+    hi: float = 10.0
+    multiplier: float = 1.0
+
+    def __post_init__(self):
+        if self.target <= 0 or self.gain <= 0 or not 0 < self.lo <= 1 <= self.hi:
+            raise ValueError("EntropyController needs target > 0, gain > 0 and lo <= 1 <= hi")
+
+    def update(self, entropy: float) -> float:
+        """Feed the step's mean token entropy; returns the new multiplier."""
+        if math.isfinite(entropy):
+            step = math.exp(self.gain * (self.target - entropy) / self.target)
+            self.multiplier = min(self.hi, max(self.lo, self.multiplier * step))
+        return self.multiplier

@@ -24,7 +24,7 @@ from ..models import add_lora, load_adapter, load_causal_lm, lora_parameters, qu
 from ..nn import LoraConfig
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
-from .aqn import AQNSchedule
+from .aqn import AQNSchedule, EntropyController
 from .checkpointing import list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from .collect import collect_experience
 from .losses import LossSettings
@@ -91,6 +91,8 @@ def build_policy(cfg: TrainConfig, device: torch.device):
     if tokenizer is None:
         raise ValueError(f"{cfg.model.name}: no tokenizer found; training needs one")
     model.config.use_cache = False
+    if not cfg.optim.gradient_checkpointing:
+        return model.eval(), tokenizer
     # newer transformers renamed it; 5.17 (our GPU image) only has the old name
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -180,6 +182,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
         self.aqn = AQNSchedule(cfg.aqn.num_stages, cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.decay,
                                cfg.aqn.enabled)
+        self.controller = (EntropyController(cfg.aqn.target_entropy, cfg.aqn.controller_gain)
+                           if cfg.aqn.target_entropy is not None else None)
         self.loss_settings = LossSettings(cfg.algo.name, cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.kl_beta,
                                           cfg.rollout.max_new_tokens)
         self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
@@ -207,7 +211,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg, t_start = self.cfg, time.perf_counter()
-        sigma = self.aqn.sigma(self.step, cfg.steps)
+        sigma = self.aqn.sigma(self.step, cfg.steps) * (self.controller.multiplier if self.controller else 1.0)
         exp = collect_experience(
             self.engine, self.stream.take, self.encode, self.rewards, group_size=cfg.rollout.group_size,
             prompts_per_step=cfg.rollout.prompts_per_step, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -230,6 +234,8 @@ class Trainer:
             "tokens_per_s": exp.stats["gen_tokens"] / max(exp.stats["gen_seconds"], 1e-9),
             "lr": self.scheduler.get_last_lr()[0],
         }
+        if self.controller is not None:
+            metrics["aqn_multiplier"] = self.controller.update(metrics["entropy"])
         t_update = time.perf_counter()
         try:
             if mask.any():
@@ -309,6 +315,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "data": self.stream.state(), "rng": rng_state(self.generator), "bad_total": self.bad_total,
+                 "aqn_multiplier": self.controller.multiplier if self.controller else 1.0,
                  "config": to_dict(self.cfg)}
         return save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.keep_last)
 
@@ -337,6 +344,8 @@ class Trainer:
         self.stream.load_state(state["data"])
         set_rng_state(state["rng"], self.generator)
         self.step, self.bad_total = state["step"], state["bad_total"]
+        if self.controller is not None:
+            self.controller.multiplier = state["aqn_multiplier"]
         self._truncate_metrics(self.step)
         self.console.print(f"resumed from {checkpoint} at step {self.step}")
 

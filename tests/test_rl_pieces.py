@@ -1,0 +1,139 @@
+"""Pieces of the RL loop on real (tiny) components: dynamic sampling, the entropy controller, the prompt
+stream, non-finite steps, out-of-memory and config errors."""
+
+import math
+import zlib
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from qerl.config import ConfigError, load_config
+from qerl.models import quantize_model
+from qerl.nn import LoraConfig
+from qerl.rewards import RewardRunner
+from qerl.rl.aqn import EntropyController
+from qerl.rl.collect import NoSignalError, collect_experience
+from qerl.rl.prompt_stream import PromptStream
+from qerl.rollout.engine import RolloutEngine
+from qerl.rollout.sampling import SamplingParams
+
+
+def kind_reward(prompts, completions, kind, **columns):
+    """easy: always 1, hard: always 0, mixed: depends on the sampled text (so a group of 4 differs)."""
+    out = []
+    for text, k in zip(completions, kind):
+        out.append(1.0 if k == "easy" else 0.0 if k == "hard" else float(zlib.crc32(text.encode()) % 2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model = quantize_model(tiny_model("llama", dtype=torch.bfloat16), "nvfp4", LoraConfig(r=4, alpha=8))
+    return RolloutEngine(model, tiny_tokenizer(), max_seq_len=64)
+
+
+def _encode(row):
+    tok = tiny_tokenizer()
+    return row["question"], tok(row["question"]).input_ids
+
+
+def _collect(engine, rows, **kw):
+    stream = PromptStream(rows, seed=0)
+    runner = RewardRunner([kind_reward], timeout_s=30, isolation="inline")
+    gen = torch.Generator().manual_seed(0)
+    args = dict(group_size=4, prompts_per_step=2, max_new_tokens=12, sampling=SamplingParams(1.0), sigma=0.0,
+                aqn_per_forward=False, generator=gen)
+    args.update(kw)
+    return collect_experience(engine, stream.take, _encode, runner, **args), stream
+
+
+def test_dynamic_sampling_keeps_only_mixed_groups_and_refills(engine):
+    kinds = ["easy", "hard", "mixed", "easy", "hard", "mixed", "hard", "easy"]
+    rows = [{"question": f"q{i} {k}", "answer": "1", "kind": k} for i, k in enumerate(kinds)]
+    exp, _ = _collect(engine, rows, dynamic_sampling=True, max_refills=6)
+    assert exp.stats["groups_kept"] == 2
+    assert exp.stats["groups_sampled"] > 2  # it had to sample more prompts to refill the batch
+    groups = exp.rewards.view(-1, 4)
+    assert ((groups != groups[:, :1]).any(dim=1)).all()  # every kept group has a learning signal
+    assert exp.advantages.abs().sum() > 0
+    assert len(exp.texts) == 8 and exp.completion_ids.shape[0] == 8
+
+
+def test_dynamic_sampling_without_any_signal_says_so(engine):
+    rows = [{"question": f"q{i}", "answer": "1", "kind": "easy"} for i in range(4)]
+    with pytest.raises(NoSignalError, match="no group with mixed rewards"):
+        _collect(engine, rows, dynamic_sampling=True, max_refills=2)
+
+
+def test_without_dynamic_sampling_flat_groups_get_zero_advantage(engine):
+    rows = [{"question": f"q{i}", "answer": "1", "kind": "easy"} for i in range(4)]
+    exp, _ = _collect(engine, rows)
+    assert exp.stats["groups_kept"] == 2 and torch.equal(exp.advantages, torch.zeros(8))
+
+
+def test_overlong_filter_masks_truncated_completions(engine):
+    rows = [{"question": f"q{i} mixed", "answer": "1", "kind": "mixed"} for i in range(4)]
+    exp, _ = _collect(engine, rows, max_new_tokens=3, overlong_filter=True)
+    assert exp.truncated.any()
+    assert not exp.completion_mask[exp.truncated].any()
+
+
+def test_entropy_controller():
+    c = EntropyController(target=1.0, gain=0.5)
+    assert c.update(0.5) > 1.0  # too little entropy: more noise
+    m = c.multiplier
+    assert c.update(2.0) < m  # too much: less
+    for _ in range(100):
+        c.update(0.0)
+    assert c.multiplier == 10.0  # bounded
+    assert c.update(float("nan")) == 10.0  # a NaN entropy changes nothing
+    with pytest.raises(ValueError):
+        EntropyController(target=0.0)
+
+
+def test_prompt_stream_reshuffles_and_resumes():
+    rows = [{"question": str(i)} for i in range(5)]
+    a = PromptStream(rows, seed=3)
+    first = [r["question"] for r in a.take(7)]
+    assert sorted(first[:5]) == [str(i) for i in range(5)]  # one full epoch before any repeat
+    state = a.state()
+    rest = [r["question"] for r in a.take(6)]
+    b = PromptStream(rows, seed=3)
+    b.load_state(state)
+    assert [r["question"] for r in b.take(6)] == rest
+    with pytest.raises(ValueError, match="5 problems"):
+        PromptStream(rows[:4], seed=3).load_state(state)
+    with pytest.raises(ValueError, match="empty"):
+        PromptStream([], seed=0)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.group_size=1", "group_size must be >= 2"),
+    ("algo.name=ppo", "algo.name"),
+    ("optim.lr=0", "optim.lr must be > 0"),
+    ("aqn.decay=quadratic", "aqn.decay"),
+    ("lora.dropout=1.5", "lora.dropout"),
+    ("rollout.top_p=0", "top_p"),
+    ("steps=2.5", "steps: expected an integer"),
+    ("model.format=int8", "model.format"),
+    ("rewards=[]", "at least one reward"),
+    ("reward_weights=[1, 2]", "reward_weights has 2 entries"),
+    ("algo.overlong_buffer=999", "overlong_buffer"),
+    ("nonsense=1", "unknown key"),
+])
+def test_config_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+    bad.write_text("rollout: 3")
+    with pytest.raises(ConfigError, match="rollout: expected a mapping"):
+        load_config(bad)
