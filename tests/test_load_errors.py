@@ -117,3 +117,19 @@ def test_cli_bad_input_exits_cleanly_and_writes_nothing(tmp_path):
     assert result.returncode == 2
     assert "no such file or directory" in result.stderr
     assert not out.exists()
+
+
+def test_code_in_a_model_directory_never_runs_by_default(tmp_path):
+    """A config that points at custom code (auto_map) must not import it unless trust_remote_code=True."""
+    marker = tmp_path / "executed"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    try:
+        load_causal_lm(tmp_path)
+    except Exception:
+        pass  # whatever happens (no tokenizer here), the code must not have run
+    assert not marker.exists()

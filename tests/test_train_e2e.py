@@ -200,3 +200,14 @@ def test_out_of_memory_names_the_knobs(tiny_dir, data_file, tmp_path, monkeypatc
     monkeypatch.setattr(trainer, "train_step", oom)
     with pytest.raises(TrainingAborted, match="optim.micro_batch_size .*rollout.prompts_per_step x rollout.group_size"):
         trainer.train()
+
+
+def test_a_half_written_checkpoint_is_ignored(tiny_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *_overrides(tiny_dir, data_file, out, save_every=1, steps=2)]) == 0
+    # what a crash in the middle of writing step 3 leaves behind: a hidden temp directory, partly filled
+    partial = out / "checkpoints" / ".step-000003.tmp-x1y2"
+    (partial / "adapter").mkdir(parents=True)
+    (partial / "trainer_state.pt").write_bytes(b"\0" * 10)
+    trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=3)), resume="auto")
+    assert trainer.step == 2
