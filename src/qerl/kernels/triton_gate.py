@@ -14,7 +14,7 @@ import os
 
 import torch
 
-GEMV_MAX_M = 4  # CUDA-core decode kernel (triton_fp4_gemv) up to here, forward only
+GEMV_MAX_M = 1  # CUDA-core decode kernel (triton_fp4_gemv) up to here, forward only (H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
 BIG_WEIGHT = 32 * 1024 * 1024
