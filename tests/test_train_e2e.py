@@ -73,8 +73,9 @@ def test_train_runs_and_writes_outputs(tiny_dir, data_file, tmp_path, algo):
 
 def test_cli_train_and_resume(tiny_dir, data_file, tmp_path):
     out = tmp_path / "run"
-    args = _overrides(tiny_dir, data_file, out, save_every=1, steps=2)
+    args = _overrides(tiny_dir, data_file, out, save_every=1, steps=2, keep_best="true")
     assert main(["train", *args]) == 0
+    assert (out / "checkpoints" / "best" / "adapter" / "adapter_model.safetensors").is_file()
     first = read_metrics(out / "metrics.jsonl")
     assert len(first) == 2
     saved = yaml.safe_load((out / "config.yaml").read_text())

@@ -116,6 +116,7 @@ class TrainConfig:
     output_dir: str = "runs/qerl"
     save_every: int = 0  # 0 = only at the end
     keep_last: int = 2
+    keep_best: bool = False  # also keep checkpoints/best: the highest mean reward since the previous save
     tensorboard: bool = True
     plots: bool = True
 

@@ -37,8 +37,9 @@ def set_rng_state(state: dict, generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, keep_last: int) -> Path:
-    out = run_dir / "checkpoints" / f"step-{step:06d}"
+def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, keep_last: int, name: str | None = None) -> Path:
+    """Write checkpoints/step-NNNNNN (or checkpoints/<name>) atomically; prune to the last keep_last steps."""
+    out = run_dir / "checkpoints" / (name or f"step-{step:06d}")
     with atomic_directory(out, overwrite=True) as tmp:
         save_adapter(model, tmp / "adapter")
         torch.save({"format_version": FORMAT_VERSION, "qerl_version": __version__, "torch_version": torch.__version__,

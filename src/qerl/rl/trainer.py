@@ -190,6 +190,7 @@ class Trainer:
         self.run_dir = Path(cfg.output_dir)
         self.step = 0
         self.bad_in_a_row = self.bad_total = 0
+        self.best_reward, self._rewards_since_save = float("-inf"), []
         if resume:
             self._resume(resume)
         elif (self.run_dir / "metrics.jsonl").exists():
@@ -279,6 +280,7 @@ class Trainer:
             while self.step < cfg.steps:
                 metrics = self._guarded_step()
                 self.log.log(metrics)
+                self._rewards_since_save.append(metrics["reward"])
                 line = (f"step {metrics['step']:>4}  reward {metrics['reward']:.3f}  entropy {metrics['entropy']:.3f}  "
                         f"sigma {metrics['aqn_sigma']:.1e}  kl {metrics.get('kl', 0):.4f}  "
                         f"clip {metrics.get('clip_fraction', 0):.3f}  len {metrics['response_length']:.0f}  "
@@ -316,8 +318,16 @@ class Trainer:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "data": self.stream.state(), "rng": rng_state(self.generator), "bad_total": self.bad_total,
                  "aqn_multiplier": self.controller.multiplier if self.controller else 1.0,
+                 "best_reward": self.best_reward,
                  "config": to_dict(self.cfg)}
-        return save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.keep_last)
+        path = save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.keep_last)
+        recent = self._rewards_since_save
+        if self.cfg.keep_best and recent and sum(recent) / len(recent) > self.best_reward:
+            self.best_reward = sum(recent) / len(recent)
+            state["best_reward"] = self.best_reward
+            save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.keep_last, name="best")
+        self._rewards_since_save = []
+        return path
 
     def _resume(self, resume: str) -> None:
         checkpoints = list_checkpoints(self.run_dir) if resume == "auto" else [Path(resume)]
@@ -343,7 +353,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state(state["data"])
         set_rng_state(state["rng"], self.generator)
-        self.step, self.bad_total = state["step"], state["bad_total"]
+        self.step, self.bad_total, self.best_reward = state["step"], state["bad_total"], state["best_reward"]
         if self.controller is not None:
             self.controller.multiplier = state["aqn_multiplier"]
         self._truncate_metrics(self.step)
