@@ -40,6 +40,17 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def _running_mean(values, window: int) -> list[float]:
+    """Mean of the last `window` values at each point (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
     """One PNG per plotted quantity (reward, entropy, sigma, length) over steps; [] without matplotlib."""
     try:
@@ -56,7 +67,11 @@ def plot_metrics(metrics_path: Path, out_dir: Path) -> list[Path]:
         if not points:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(*zip(*points), marker="o", markersize=3)
+        steps, values = zip(*points)
+        ax.plot(steps, values, marker="o", markersize=3, alpha=0.5 if len(points) >= 5 else 1.0, label="per step")
+        if len(points) >= 5:  # per-step RL metrics are noisy: show the trend too
+            ax.plot(steps, _running_mean(values, max(3, len(points) // 6)), linewidth=2, label="running mean")
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

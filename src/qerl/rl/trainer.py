@@ -29,7 +29,7 @@ from .checkpointing import list_checkpoints, load_trainer_state, rng_state, save
 from .collect import collect_experience
 from .losses import LossSettings
 from .prompt_stream import PromptStream
-from .run_log import RunLog, plot_metrics
+from .run_log import RunLog, plot_metrics, read_metrics
 from .update import NonFiniteError, policy_update
 
 
@@ -299,6 +299,10 @@ class Trainer:
         if cfg.plots:
             for path in plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir):
                 self.console.print(f"plot: {path}")
+        rewards = [m["reward"] for m in read_metrics(self.run_dir / "metrics.jsonl")]
+        k = max(1, len(rewards) // 4)
+        self.console.print(f"reward: mean of the first {k} steps {sum(rewards[:k]) / k:.3f} -> "
+                           f"last {k} steps {sum(rewards[-k:]) / k:.3f}")
         self.console.print(f"adapter: {final}")
         return final
 
