@@ -1,9 +1,6 @@
 """Pieces of the RL loop on real (tiny) components: dynamic sampling, the entropy controller, the prompt
 stream, non-finite steps, out-of-memory and config errors."""
 
-import math
-import zlib
-
 import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
@@ -20,11 +17,9 @@ from qerl.rollout.sampling import SamplingParams
 
 
 def kind_reward(prompts, completions, kind, **columns):
-    """easy: always 1, hard: always 0, mixed: depends on the sampled text (so a group of 4 differs)."""
-    out = []
-    for text, k in zip(completions, kind):
-        out.append(1.0 if k == "easy" else 0.0 if k == "hard" else float(zlib.crc32(text.encode()) % 2))
-    return out
+    """easy: always 1, hard: always 0, mixed: 1 and 0 alternating along the batch (a group's G completions
+    are adjacent, so a mixed group always has both)."""
+    return [1.0 if k == "easy" else 0.0 if k == "hard" else float(i % 2) for i, k in enumerate(kind)]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +44,10 @@ def _collect(engine, rows, **kw):
 
 
 def test_dynamic_sampling_keeps_only_mixed_groups_and_refills(engine):
-    kinds = ["easy", "hard", "mixed", "easy", "hard", "mixed", "hard", "easy"]
+    # one mixed problem in eight: a draw of two prompts holds at most one, so refills are always needed
+    kinds = ["easy", "hard", "mixed", "easy", "hard", "hard", "hard", "easy"]
     rows = [{"question": f"q{i} {k}", "answer": "1", "kind": k} for i, k in enumerate(kinds)]
-    exp, _ = _collect(engine, rows, dynamic_sampling=True, max_refills=6)
+    exp, _ = _collect(engine, rows, dynamic_sampling=True, max_refills=12)
     assert exp.stats["groups_kept"] == 2
     assert exp.stats["groups_sampled"] > 2  # it had to sample more prompts to refill the batch
     groups = exp.rewards.view(-1, 4)
