@@ -4,7 +4,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from qerl.eval import add_eval_arguments, evaluate, run_eval
 from qerl.rollout.sampling import SamplingParams

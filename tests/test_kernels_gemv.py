@@ -7,15 +7,14 @@ split-K on and off, and every buffer the kernels write (output, split-K partials
 CPU: through the Triton interpreter in a subprocess (TRITON_INTERPRET=1); GPU: `-m gpu`, Qwen2.5 shapes.
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from kernel_testing import require_cuda, run_interpreter_suite  # noqa: E402
 from test_kernels_triton import REL_TOL, _random_fp4, _rel_err  # noqa: E402
 
 from qerl.formats.nvfp4 import dequantize_nvfp4  # noqa: E402
@@ -95,26 +94,13 @@ def interpreter_suite() -> list[str]:
 
 
 def test_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    code = (f"import sys, json; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import test_kernels_gemv as t; print('RESULT' + json.dumps(t.interpreter_suite()))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    fails = json.loads(lines[-1][len("RESULT"):])
+    fails = run_interpreter_suite("test_kernels_gemv")
     assert not fails, "\n".join(fails)
-
-
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("triton")
 
 
 @pytest.mark.gpu
 def test_gpu_decode_table():
-    _cuda()
+    require_cuda()
     fails = _check_decode_table("cuda")
     assert not fails, "\n".join(fails)
 
@@ -122,7 +108,7 @@ def test_gpu_decode_table():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gpu_gemv(n, k):
-    _cuda()
+    require_cuda()
     from qerl.kernels.triton_fp4_gemv import GemvConfig
 
     fails = []

@@ -10,13 +10,13 @@ codes, subnormal E4M3 scales, zero blocks and extreme global scales occur; every
 write is filled with NaN first (triton_fp4_mm.POISON), so an unwritten element fails the check.
 """
 
-import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from kernel_testing import require_cuda, run_interpreter_suite
 
 from qerl.formats.mxfp4 import dequantize_mxfp4
 from qerl.formats.nvfp4 import dequantize_nvfp4
@@ -144,19 +144,8 @@ def interpreter_suite() -> list[str]:
     return fails
 
 
-def _run_interpreter(which: str) -> list[str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    code = (f"import sys, json; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import test_kernels_triton as t; print('RESULT' + json.dumps(t.{which}()))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT"):])
-
-
 def test_interpreter():
-    pytest.importorskip("triton")
-    fails = _run_interpreter("interpreter_suite")
+    fails = run_interpreter_suite("test_kernels_triton", timeout=600)
     assert not fails, "\n".join(fails)
 
 
@@ -173,15 +162,9 @@ def test_import_without_triton_and_cpu_path_is_reference():
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("triton")
-
-
 @pytest.mark.gpu
 def test_gpu_decode_table():
-    _cuda()
+    require_cuda()
     fails = _check_decode_table("cuda")
     assert not fails, "\n".join(fails)
 
@@ -190,7 +173,7 @@ def test_gpu_decode_table():
 @pytest.mark.parametrize("mx", [False, True], ids=["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
 def test_gpu_kernels(m, n, k, mx):
-    _cuda()
+    require_cuda()
     if mx and k % 32:
         pytest.skip("MXFP4 needs K % 32 == 0")
     fails = []
@@ -205,7 +188,7 @@ def test_gpu_kernels(m, n, k, mx):
 @pytest.mark.gpu
 def test_gpu_entry_points_and_autograd():
     """nvfp4_linear / quantized_linear route CUDA bf16 to the kernels; QuantLinear's backward matches."""
-    _cuda()
+    require_cuda()
     from qerl.kernels import nvfp4_linear, quantized_linear_grad_input
     from qerl.formats.nvfp4 import quantize_nvfp4
     from qerl.nn.quant_linear import QuantLinear

@@ -10,7 +10,7 @@ by `pick_config`; see `triton_fp4_mm` for the kernels. This module imports Trito
 
 import torch
 
-from .triton_fp4_gemv import GEMV_MAX_M, GemvConfig, fp4_gemv
+from .triton_fp4_gemv import GemvConfig, fp4_gemv
 from .triton_fp4_mm import TileConfig, fp4_dequantize, fp4_grad_input, fp4_linear
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)

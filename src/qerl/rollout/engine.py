@@ -18,7 +18,6 @@ Shapes: B batch (padded up to a bucket), P prompt length (left-padded), S cache 
 KV key/value heads, G = H / KV, hd head dim, D hidden, V vocabulary.
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
