@@ -212,3 +212,14 @@ def test_a_half_written_checkpoint_is_ignored(tiny_dir, data_file, tmp_path):
     (partial / "trainer_state.pt").write_bytes(b"\0" * 10)
     trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=3)), resume="auto")
     assert trainer.step == 2
+
+
+def test_a_checkpoint_of_another_format_version_is_refused(tiny_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", *_overrides(tiny_dir, data_file, out, save_every=1, steps=1)]) == 0
+    state_file = next((out / "checkpoints").glob("step-*")) / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    state["format_version"], state["qerl_version"] = 99, "9.9.9"
+    torch.save(state, state_file)
+    with pytest.raises(ValueError, match=r"checkpoint format 99 != 1 \(written by qerl 9.9.9\)"):
+        Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=2)), resume=str(state_file.parent))
