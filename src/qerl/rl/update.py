@@ -40,12 +40,22 @@ def _no_grad_logprobs(model, exp: Experience, micro: int, temperature: float) ->
 def policy_update(model, exp: Experience, optimizer, params, settings: LossSettings, *, num_updates: int,
                   micro_batch_size: int, max_grad_norm: float, temperature: float, old_logprobs: str,
                   tis_cap: float | None) -> dict[str, float]:
-    """Run `num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when a loss
-    or the gradient norm is not finite, so the caller can skip and count the step."""
-    n = len(exp.rewards)
+    """Run `num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when the
+    gradient norm is not finite -- a NaN/Inf loss makes it so -- and the step is skipped: the caller counts it.
+
+    Statistics stay on the device until the end: one host sync per optimizer step (the grad norm check).
+    """
+    on_cpu = exp.completion_ids.device.type == "cpu"
+    with dequantized_weights(enabled=on_cpu):  # CPU: dequantize each weight once for the whole update
+        return _update(model, exp, optimizer, params, settings, num_updates, micro_batch_size, max_grad_norm,
+                       temperature, old_logprobs, tis_cap)
+
+
+def _update(model, exp, optimizer, params, settings, num_updates, micro_batch_size, max_grad_norm, temperature,
+            old_logprobs, tis_cap) -> dict[str, float]:
     mask = exp.completion_mask
     weights = loss_normalizer(mask, settings)
-    batches = _micro_batches(n, micro_batch_size)
+    batches = _micro_batches(len(exp.rewards), micro_batch_size)
     ref = None
     if settings.kl_beta > 0:
         with lora_disabled(model):  # the reference policy: same weights, adapters off; no second copy
@@ -54,11 +64,10 @@ def policy_update(model, exp: Experience, optimizer, params, settings: LossSetti
     if old is None and num_updates > 1:
         old = _no_grad_logprobs(model, exp, micro_batch_size, temperature)
     use_tis = old_logprobs == "recompute" and tis_cap is not None
-    totals = {"tokens": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "loss": 0.0, "tis_mean": 0.0}
+    zero = torch.zeros((), device=mask.device)
+    totals = {k: zero.clone() for k in ("tokens", "clipped", "ratio", "kl", "loss", "tis_mean")}
     grad_norm = 0.0
     model.train()
-    cache = dequantized_weights(enabled=exp.completion_ids.device.type == "cpu")  # CPU: one dequant per pass
-    cache.__enter__()
     try:
         for _ in range(num_updates):
             optimizer.zero_grad(set_to_none=True)
@@ -68,31 +77,29 @@ def policy_update(model, exp: Experience, optimizer, params, settings: LossSetti
                 tis = None
                 if use_tis:
                     tis = torch.exp(old_mb - exp.sampling_logp[sl]).clamp(max=tis_cap) * mask[sl]
-                    totals["tis_mean"] += float(tis.sum())
+                    totals["tis_mean"] += tis.sum()
                 loss, stats = policy_loss(logp, old_mb, exp.advantages[sl], weights[sl], settings,
                                           None if ref is None else ref[sl], tis)
-                if not torch.isfinite(loss):
-                    raise NonFiniteError(f"non-finite loss {loss.item()}")
                 loss.backward()
-                totals["loss"] += loss.item()
+                totals["loss"] += loss.detach()
                 for k, v in stats.items():
-                    totals[k] += float(v)
+                    totals[k] += v
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
             if not math.isfinite(grad_norm):
-                raise NonFiniteError(f"non-finite gradient norm {grad_norm}")
+                raise NonFiniteError(f"non-finite gradient norm {grad_norm} (loss {totals['loss'].item()})")
             optimizer.step()
     except NonFiniteError:
         optimizer.zero_grad(set_to_none=True)
         raise
     finally:
-        cache.__exit__(None, None, None)
         model.eval()
-    tokens = max(totals["tokens"], 1.0)
+    t = {k: v.item() for k, v in totals.items()}
+    tokens = max(t["tokens"], 1.0)
     return {
-        "loss": totals["loss"] / num_updates,
-        "clip_fraction": totals["clipped"] / tokens,
-        "ratio_mean": totals["ratio"] / tokens,
-        "kl": totals["kl"] / tokens,
-        "tis_weight_mean": totals["tis_mean"] / tokens if use_tis else 1.0,
+        "loss": t["loss"] / num_updates,
+        "clip_fraction": t["clipped"] / tokens,
+        "ratio_mean": t["ratio"] / tokens,
+        "kl": t["kl"] / tokens,
+        "tis_weight_mean": t["tis_mean"] / tokens if use_tis else 1.0,
         "grad_norm": grad_norm,
     }
