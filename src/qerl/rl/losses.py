@@ -30,15 +30,21 @@ class LossSettings:
     max_new_tokens: int = 1  # T_max for Dr. GRPO's constant normaliser
 
 
-def loss_normalizer(mask: torch.Tensor, s: LossSettings) -> torch.Tensor:
-    """Per-token weights [B, T] fp32 such that loss = -(weights * o).sum() for the FULL batch `mask` [B, T]."""
+def loss_normalizer(mask: torch.Tensor, s: LossSettings, total_rows: int | None = None,
+                    total_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token weights [B, T] fp32 such that loss = -(weights * o).sum() for the FULL batch `mask` [B, T].
+
+    total_rows / total_tokens: the whole batch's sequence and token counts when `mask` is one data-parallel
+    rank's share (default: this mask's own), so the ranks' summed gradients equal the full batch's.
+    """
     m = mask.float()
+    rows = mask.shape[0] if total_rows is None else total_rows
     if s.algo == "grpo":
-        return m / m.sum(dim=1, keepdim=True).clamp(min=1) / mask.shape[0]
+        return m / m.sum(dim=1, keepdim=True).clamp(min=1) / rows
     if s.algo == "dapo":
-        return m / m.sum().clamp(min=1)
+        return m / (m.sum() if total_tokens is None else total_tokens).clamp(min=1)
     if s.algo == "dr_grpo":
-        return m / (mask.shape[0] * s.max_new_tokens)
+        return m / (rows * s.max_new_tokens)
     raise ValueError(f"unknown algorithm {s.algo!r}; choose one of {ALGOS}")
 
 

@@ -15,6 +15,7 @@ import torch
 from ..kernels import dequantized_weights
 from ..nn.quant_linear import lora_disabled
 from .collect import Experience
+from .distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
 
@@ -39,7 +40,7 @@ def _no_grad_logprobs(model, exp: Experience, micro: int, temperature: float) ->
 
 def policy_update(model, exp: Experience, optimizer, params, settings: LossSettings, *, num_updates: int,
                   micro_batch_size: int, max_grad_norm: float, temperature: float, old_logprobs: str,
-                  tis_cap: float | None) -> dict[str, float]:
+                  tis_cap: float | None, dist_ctx: DistContext = DistContext()) -> dict[str, float]:
     """Run `num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when the
     gradient norm is not finite -- a NaN/Inf loss makes it so -- and the step is skipped: the caller counts it.
 
@@ -48,13 +49,15 @@ def policy_update(model, exp: Experience, optimizer, params, settings: LossSetti
     on_cpu = exp.completion_ids.device.type == "cpu"
     with dequantized_weights(enabled=on_cpu):  # CPU: dequantize each weight once for the whole update
         return _update(model, exp, optimizer, params, settings, num_updates, micro_batch_size, max_grad_norm,
-                       temperature, old_logprobs, tis_cap)
+                       temperature, old_logprobs, tis_cap, dist_ctx)
 
 
 def _update(model, exp, optimizer, params, settings, num_updates, micro_batch_size, max_grad_norm, temperature,
-            old_logprobs, tis_cap) -> dict[str, float]:
+            old_logprobs, tis_cap, dist_ctx) -> dict[str, float]:
     mask = exp.completion_mask
-    weights = loss_normalizer(mask, settings)
+    # the whole (all-rank) batch's counts, so that summed gradients equal one big batch's
+    counts = all_reduce_sum(torch.tensor([float(mask.shape[0]), float(mask.sum())], device=dist_ctx.device), dist_ctx)
+    weights = loss_normalizer(mask, settings, total_rows=int(counts[0]), total_tokens=counts[1].to(mask.device))
     batches = _micro_batches(len(exp.rewards), micro_batch_size)
     ref = None
     if settings.kl_beta > 0:
@@ -84,6 +87,7 @@ def _update(model, exp, optimizer, params, settings, num_updates, micro_batch_si
                 totals["loss"] += loss.detach()
                 for k, v in stats.items():
                     totals[k] += v
+            all_reduce_gradients(params, dist_ctx)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
             if not math.isfinite(grad_norm):
                 raise NonFiniteError(f"non-finite gradient norm {grad_norm} (loss {totals['loss'].item()})")
