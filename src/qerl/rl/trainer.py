@@ -25,6 +25,7 @@ from ..nn import LoraConfig
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
 from .aqn import AQNSchedule, EntropyController
+from .distributed import barrier, init_distributed, mean_metrics
 from .checkpointing import list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from .collect import collect_experience
 from .losses import LossSettings
@@ -162,10 +163,17 @@ class Trainer:
 
         self.cfg, self.console = cfg, console or Console(stderr=True)
         self.device = resolve_device(cfg.model.device)
+        self.dist = init_distributed(self.device)
+        if self.dist.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
+        if cfg.rollout.prompts_per_step % self.dist.world:
+            raise ValueError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple of the "
+                             f"number of processes ({self.dist.world})")
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # same on every rank: identical LoRA initialisation
+        # each rank samples its own completions (and AQN noise)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed + 1_000_003 * self.dist.rank)
         with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} + LoRA r={cfg.lora.r}"):
             self.model, self.tokenizer = build_policy(cfg, self.device)
         self.engine = RolloutEngine(self.model, self.tokenizer,
@@ -196,9 +204,12 @@ class Trainer:
         elif (self.run_dir / "metrics.jsonl").exists():
             raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose "
                                   "another output_dir")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
-        self.log = RunLog(self.run_dir, cfg.tensorboard)
+        self.log = None
+        if self.dist.is_main:  # one writer
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+            self.log = RunLog(self.run_dir, cfg.tensorboard)
+        barrier(self.dist)
 
     # prompts ----------------------------------------------------------------------------------
 
@@ -208,14 +219,19 @@ class Trainer:
         text = build_prompt(row["question"], self.tokenizer, suffix=self.cfg.data.suffix, system=self.cfg.data.system)
         return text, encode_prompt(text, self.tokenizer)
 
+    def _my_problems(self, n: int) -> list[dict]:
+        """This rank's n prompts: every rank draws the same n x world and keeps its own interleaved slice,
+        so the data position stays identical on all ranks."""
+        return self.stream.take(n * self.dist.world)[self.dist.rank::self.dist.world]
+
     # one step ---------------------------------------------------------------------------------
 
     def train_step(self) -> dict:
         cfg, t_start = self.cfg, time.perf_counter()
         sigma = self.aqn.sigma(self.step, cfg.steps) * (self.controller.multiplier if self.controller else 1.0)
         exp = collect_experience(
-            self.engine, self.stream.take, self.encode, self.rewards, group_size=cfg.rollout.group_size,
-            prompts_per_step=cfg.rollout.prompts_per_step, max_new_tokens=cfg.rollout.max_new_tokens,
+            self.engine, self._my_problems, self.encode, self.rewards, group_size=cfg.rollout.group_size,
+            prompts_per_step=cfg.rollout.prompts_per_step // self.dist.world, max_new_tokens=cfg.rollout.max_new_tokens,
             sampling=self.sampling, sigma=sigma, aqn_per_forward=cfg.aqn.per_forward, generator=self.generator,
             scale_rewards=cfg.algo.scale_rewards and cfg.algo.name != "dr_grpo",
             dynamic_sampling=cfg.algo.dynamic_sampling, max_refills=cfg.algo.max_refills,
@@ -239,12 +255,12 @@ class Trainer:
             metrics["aqn_multiplier"] = self.controller.update(metrics["entropy"])
         t_update = time.perf_counter()
         try:
-            if mask.any():
+            if mask.any() or self.dist.enabled:  # every rank must join the gradient all-reduce
                 metrics.update(policy_update(
                     self.model, exp, self.optimizer, self.params, self.loss_settings,
                     num_updates=cfg.algo.num_updates, micro_batch_size=cfg.optim.micro_batch_size,
                     max_grad_norm=cfg.optim.max_grad_norm, temperature=cfg.rollout.temperature or 1.0,
-                    old_logprobs=cfg.algo.old_logprobs, tis_cap=cfg.algo.tis_cap))
+                    old_logprobs=cfg.algo.old_logprobs, tis_cap=cfg.algo.tis_cap, dist_ctx=self.dist))
             self.bad_in_a_row = 0
             metrics["skipped"] = 0
         except NonFiniteError as e:
@@ -263,7 +279,7 @@ class Trainer:
         metrics["time_update"] = time.perf_counter() - t_update
         metrics["time_step"] = time.perf_counter() - t_start
         metrics["memory_gb"] = peak_memory_gb(self.device)
-        return metrics
+        return mean_metrics(metrics, self.dist)
 
     # the run ----------------------------------------------------------------------------------
 
@@ -279,6 +295,10 @@ class Trainer:
             stop = stack.enter_context(StopRequests(self.console))
             while self.step < cfg.steps:
                 metrics = self._guarded_step()
+                signum = self._agreed_stop(stop)
+                if not self.dist.is_main:
+                    self._after_step_on_other_ranks(signum)
+                    continue
                 self.log.log(metrics)
                 self._rewards_since_save.append(metrics["reward"])
                 line = (f"step {metrics['step']:>4}  reward {metrics['reward']:.3f}  entropy {metrics['entropy']:.3f}  "
@@ -288,11 +308,13 @@ class Trainer:
                         f"update {metrics['time_update']:.1f}s  mem {metrics['memory_gb']:.2f} GB")
                 progress.console.print(line, highlight=False)
                 progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
-                if stop.signum is not None:
-                    raise TrainingInterrupted(stop.signum, self.save_checkpoint())
+                if signum:
+                    raise TrainingInterrupted(signum, self.save_checkpoint())
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint()
         self.save_checkpoint()
+        if not self.dist.is_main:
+            return self.run_dir / "adapter"
         final = save_adapter(self.model, self.run_dir / "adapter", base_model_name_or_path=cfg.model.name,
                              overwrite=True)
         self.log.close()
@@ -318,7 +340,31 @@ class Trainer:
 
     # checkpoints ------------------------------------------------------------------------------
 
+    def _agreed_stop(self, stop) -> int:
+        """The signal number to stop on (0 = go on), the same on every rank: a signal seen by any rank stops
+        all of them at the same step boundary."""
+        signum = torch.tensor([float(stop.signum or 0)], device=self.dist.device)
+        if self.dist.enabled:
+            torch.distributed.all_reduce(signum, op=torch.distributed.ReduceOp.MAX)
+        return int(signum.item())
+
+    def _after_step_on_other_ranks(self, signum: int) -> None:
+        """Ranks > 0 write nothing, but join rank 0's checkpoint barriers at the same steps."""
+        cfg = self.cfg
+        if signum:
+            raise TrainingInterrupted(signum, self.save_checkpoint())
+        if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+            self.save_checkpoint()
+
     def save_checkpoint(self) -> Path:
+        """Rank 0 writes; every rank waits until the checkpoint is complete."""
+        path = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
+        if self.dist.is_main:
+            path = self._write_checkpoint()
+        barrier(self.dist)
+        return path
+
+    def _write_checkpoint(self) -> Path:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "data": self.stream.state(), "rng": rng_state(self.generator), "bad_total": self.bad_total,
                  "aqn_multiplier": self.controller.multiplier if self.controller else 1.0,
@@ -357,6 +403,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state(state["data"])
         set_rng_state(state["rng"], self.generator)
+        if self.dist.rank > 0:  # the checkpoint holds rank 0's sampler; the others derive theirs
+            self.generator.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank + state["step"])
         self.step, self.bad_total, self.best_reward = state["step"], state["bad_total"], state["best_reward"]
         if self.controller is not None:
             self.controller.multiplier = state["aqn_multiplier"]
