@@ -17,7 +17,7 @@ from torch import nn
 from ..formats import get_format
 from ..nn import QuantLinear
 from .atomic import atomic_directory
-from .convert import quant_layers
+from .convert import quant_layers, set_module
 from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
 
 MAX_SHARD_BYTES = 5 * 1024**3
@@ -186,8 +186,7 @@ def load_quantized(path, dtype=None, device=None):
         bias = state.pop(f"{name}.bias", None)
         layer = QuantLinear(mod.in_features, mod.out_features, fmt, tensors,
                             None if bias is None else bias.to(dtype))
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+        set_module(model, name, layer)
     if not any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ModelLoadError(f"{path}: config says {fmt} but no quantized layer was found in the weights")
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
@@ -213,5 +212,4 @@ def _materialize_rotary(model: nn.Module, device: torch.device) -> None:
         if any(b.is_meta for b in mod.buffers(recurse=False)) and "rotary" in type(mod).__name__.lower():
             with torch.device(device):
                 fresh = type(mod)(config=model.config)
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, fresh)
+            set_module(model, name, fresh)

@@ -53,7 +53,8 @@ def shared_global_scales(linears: dict[str, nn.Linear], fmt: str) -> dict[str, t
     return scales
 
 
-def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted `path` (e.g. `model.layers.0.mlp.up_proj`) by `module`."""
     parent_path, _, leaf = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, leaf, module)
 
@@ -91,7 +92,7 @@ def quantize_model(
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
             layer = QuantLinear(lin.in_features, lin.out_features, fmt, tensors, lin.bias, lora)
-            _set_module(model, name, layer)
+            set_module(model, name, layer)
             progress.advance(task)
     model.config.qerl_weight_format = fmt
     return model
@@ -150,7 +151,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             dense.weight.copy_(weight)
             if layer.bias is not None:
                 dense.bias.copy_(layer.bias)
-        _set_module(model, name, dense)
+        set_module(model, name, dense)
     if hasattr(model.config, "qerl_weight_format"):
         del model.config.qerl_weight_format
     return model

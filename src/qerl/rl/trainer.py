@@ -8,6 +8,8 @@ quantized + LoRA model -> AdamW on the LoRA parameters. The pieces live in their
 
 import contextlib
 import importlib
+import json
+import math
 import random
 import resource
 import signal
@@ -123,8 +125,6 @@ def resolve_reward(name: str):
 
 
 def _lr_lambda(cfg: TrainConfig):
-    import math
-
     warmup, total = cfg.optim.warmup_steps, cfg.steps
 
     def factor(step: int) -> float:
@@ -415,7 +415,5 @@ class Trainer:
         """Drop metric lines written after the checkpoint (the steps about to be redone)."""
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
-            import json
-
             lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
             path.write_text("".join(l + "\n" for l in lines))
