@@ -94,7 +94,8 @@ def quantize_model(
             layer = QuantLinear(lin.in_features, lin.out_features, fmt, tensors, lin.bias, lora)
             set_module(model, name, layer)
             progress.advance(task)
-    model.config.qerl_weight_format = fmt
+    if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
+        model.config.qerl_weight_format = fmt
     return model
 
 

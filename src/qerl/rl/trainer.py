@@ -94,14 +94,18 @@ def build_policy(cfg: TrainConfig, device: torch.device):
     if tokenizer is None:
         raise ValueError(f"{cfg.model.name}: no tokenizer found; training needs one")
     model.config.use_cache = False
-    if not cfg.optim.gradient_checkpointing:
-        return model.eval(), tokenizer
+    if cfg.optim.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model.eval(), tokenizer
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward (non-reentrant: works with frozen inputs)."""
     # newer transformers renamed it; 5.17 (our GPU image) only has the old name
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.eval(), tokenizer
 
 
 def resolve_reward(name: str):
