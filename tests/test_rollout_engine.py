@@ -143,6 +143,32 @@ def test_left_padded_batch_equals_one_prompt_at_a_time():
         torch.testing.assert_close(alone.logprobs[0], batch.logprobs[i], atol=1e-5, rtol=1e-5)
 
 
+def test_batch_split_into_passes_equals_one_pass():
+    """max_batch=2 runs 5 rows as passes of 2, 2, 1 (different prompt widths and early stops per pass);
+    the concatenated rollout equals the one-pass rollout row for row, padding included."""
+    model = tiny_model("qwen2")
+    prompts = prompts_of([2, 13, 7, 1, 9], seed=3)
+    one = RolloutEngine(model, max_seq_len=64).generate(prompts, 10, SamplingParams(temperature=0))
+    split_engine = RolloutEngine(model, max_seq_len=64, max_batch=2)
+    assert split_engine.rows_per_pass(5, 23) == 2
+    split = split_engine.generate(prompts, 10, SamplingParams(temperature=0))
+    assert completions(split) == completions(one)
+    assert split.finish_reason == one.finish_reason
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
+        assert torch.equal(getattr(split, name), getattr(one, name)), name
+    torch.testing.assert_close(split.logprobs, one.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_release_memory_then_generate_again():
+    model = tiny_model("llama")
+    engine = RolloutEngine(model, max_seq_len=64)
+    prompts = prompts_of([4, 9, 3], seed=5)
+    a = engine.generate(prompts, 8, SamplingParams(temperature=0), ignore_eos=True)
+    assert engine.release_memory() > 0 and engine.cache is None
+    b = engine.generate(prompts, 8, SamplingParams(temperature=0), ignore_eos=True)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
 def test_right_padded_tensor_input_is_accepted():
     model = tiny_model("llama")
     engine = RolloutEngine(model, max_seq_len=64)

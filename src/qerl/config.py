@@ -27,6 +27,7 @@ class ModelSection:
     device: str = "auto"  # auto = cuda when available
     adapter: str | None = None  # start from this PEFT adapter
     trust_remote_code: bool = False
+    quantize_embeddings: bool = False  # also store the input embedding in `format` (untied models only)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    release_kv_cache: bool = True  # free the KV cache + decode graphs before the update (memory for the backward)
 
 
 @dataclass

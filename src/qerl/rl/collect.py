@@ -35,26 +35,6 @@ class Experience:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def _pad_cat(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
-    width = max(t.shape[1] for t in tensors)
-    out = []
-    for t in tensors:
-        pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
-        out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
-    return torch.cat(out)
-
-
-def _merge(rollouts: list[Rollout], pad_id: int) -> dict[str, torch.Tensor]:
-    return {
-        "prompt_ids": _pad_cat([r.prompt_ids for r in rollouts], pad_id, left=True),
-        "prompt_mask": _pad_cat([r.prompt_mask for r in rollouts], False, left=True),
-        "completion_ids": _pad_cat([r.completion_ids for r in rollouts], pad_id, left=False),
-        "completion_mask": _pad_cat([r.completion_mask for r in rollouts], False, left=False),
-        "sampling_logp": _pad_cat([r.logprobs for r in rollouts], 0.0, left=False),
-        "entropies": _pad_cat([r.entropies for r in rollouts], 0.0, left=False),
-    }
-
-
 def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_runner, *, group_size: int,
                        prompts_per_step: int, max_new_tokens: int, sampling: SamplingParams, sigma: float,
                        aqn_per_forward: bool, generator: torch.Generator, scale_rewards: bool = True,
@@ -106,7 +86,9 @@ def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_ru
     if not kept:
         raise NoSignalError(f"dynamic sampling found no group with mixed rewards in {int(stats['groups_sampled'])} "
                             "prompts: the task is too easy or too hard for the model (or raise algo.max_refills)")
-    merged = _merge(kept, engine.pad_token_id)
+    both = Rollout.concat(kept, engine.pad_token_id)
+    merged = {"prompt_ids": both.prompt_ids, "prompt_mask": both.prompt_mask, "completion_ids": both.completion_ids,
+              "completion_mask": both.completion_mask, "sampling_logp": both.logprobs, "entropies": both.entropies}
     rewards = torch.cat(kept_rewards)
     truncated = torch.tensor([f == "length" for r in kept for f in r.finish_reason], device=rewards.device)
     n = min(rewards.numel(), prompts_per_step * group_size)  # the last refill may overshoot

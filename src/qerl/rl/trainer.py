@@ -22,7 +22,8 @@ import torch
 from rich.console import Console
 
 from ..config import TrainConfig, save_config, to_dict
-from ..models import add_lora, load_adapter, load_causal_lm, lora_parameters, quant_layers, quantize_model, save_adapter
+from ..models import (add_lora, load_adapter, load_causal_lm, lora_parameters, quant_layers, quantize_input_embeddings,
+                      quantize_model, save_adapter)
 from ..nn import LoraConfig
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
@@ -85,10 +86,13 @@ def build_policy(cfg: TrainConfig, device: torch.device):
                                       trust_remote_code=cfg.model.trust_remote_code)
     lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, use_rslora=cfg.lora.use_rslora,
                       targets=tuple(cfg.lora.targets))
-    if quant_layers(model):  # an already quantized directory
+    if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
         add_lora(model, lora)
+        if cfg.model.quantize_embeddings:
+            quantize_input_embeddings(model, model.config.qerl_weight_format)
     else:
-        quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets)
+        quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets,
+                       embeddings=cfg.model.quantize_embeddings)
     if cfg.model.adapter:
         load_adapter(model, cfg.model.adapter)
     if tokenizer is None:
@@ -240,6 +244,8 @@ class Trainer:
             scale_rewards=cfg.algo.scale_rewards and cfg.algo.name != "dr_grpo",
             dynamic_sampling=cfg.algo.dynamic_sampling, max_refills=cfg.algo.max_refills,
             overlong_filter=cfg.algo.overlong_filter, overlong_buffer=cfg.algo.overlong_buffer)
+        if cfg.rollout.release_kv_cache:
+            self.engine.release_memory()
         t_rollout = time.perf_counter() - t_start
         mask = exp.completion_mask
         gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=mask.device)

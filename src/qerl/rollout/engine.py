@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import dequantized_weights, quantized_linear
+from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_linear import QuantLinear
 from .kv_cache import KVCache
 from .sampling import SamplingParams, next_token
@@ -61,6 +62,29 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         """[B] int64 number of completion tokens per row."""
         return self.completion_mask.sum(-1)
+
+    @staticmethod
+    def concat(parts: Sequence["Rollout"], pad_token_id: int) -> "Rollout":
+        """Rows of all parts in order; prompts re-left-padded and completions re-right-padded to the widest."""
+        return Rollout(
+            _pad_cat([r.prompt_ids for r in parts], pad_token_id, left=True),
+            _pad_cat([r.prompt_mask for r in parts], False, left=True),
+            _pad_cat([r.completion_ids for r in parts], pad_token_id, left=False),
+            _pad_cat([r.completion_mask for r in parts], False, left=False),
+            _pad_cat([r.logprobs for r in parts], 0.0, left=False),
+            _pad_cat([r.entropies for r in parts], 0.0, left=False),
+            [f for r in parts for f in r.finish_reason],
+            None if any(r.texts is None for r in parts) else [t for r in parts for t in r.texts])
+
+
+def _pad_cat(tensors: Sequence[torch.Tensor], value, left: bool) -> torch.Tensor:
+    """Concatenate [n_i, L_i] tensors along rows, padding each to max L_i on the left or right."""
+    width = max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
+        out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+    return torch.cat(out)
 
 
 # ----------------------------------------------------------------------------------------------- rope
@@ -207,8 +231,9 @@ class CausalLMRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
-        self.dtype = self.embed.weight.dtype
-        self.device = self.embed.weight.device
+        # nn.Embedding, or qerl's QuantEmbedding (4-bit table, no `.weight`; called as a module all the same)
+        self.dtype = self.embed.dtype if isinstance(self.embed, QuantEmbedding) else self.embed.weight.dtype
+        self.device = self.embed.device if isinstance(self.embed, QuantEmbedding) else self.embed.weight.device
         self.max_len = max_len
         self.cos, self.sin = rope_tables(config, max_len, self.dtype, self.device)
         groups = []
@@ -297,12 +322,14 @@ class RolloutEngine:
 
     max_seq_len bounds prompt + completion and sizes the KV cache. cuda_graphs (default: on for CUDA
     models) captures one decode step per (batch bucket, attended cache length); the attended length grows
-    in blocks of kv_block slots, so early steps do not read the whole cache.
+    in blocks of kv_block slots, so early steps do not read the whole cache. A batch larger than what
+    fits runs as several passes: at most `max_batch` rows per pass, or on CUDA by default as many as the
+    KV cache and step buffers of `memory_fraction` of the free memory hold.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-                 check_every: int = 32):
+                 check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85):
         self.runner = CausalLMRunner(model, max_seq_len)
         self.model, self.tokenizer = model, tokenizer
         self.device = self.runner.device
@@ -310,6 +337,7 @@ class RolloutEngine:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.kv_block = kv_block
         self.check_every = check_every
+        self.max_batch, self.memory_fraction = max_batch, memory_fraction
         self.pad_token_id = _first_not_none(pad_token_id, getattr(tokenizer, "pad_token_id", None),
                                             getattr(model.config, "pad_token_id", None), 0)
         eos = _first_not_none(eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
@@ -423,14 +451,48 @@ class RolloutEngine:
             with aqn:
                 return self.generate(prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask,
                                      generator, aqn)
+        rows = _prompt_rows(prompts, attention_mask)
+        if not rows:
+            raise ValueError("generate needs at least one prompt")
+        if generator is None and seed is not None:
+            generator = torch.Generator(self.device).manual_seed(seed)
+        per_pass = self.rows_per_pass(len(rows), max(map(len, rows)) + max_new_tokens)
         # CPU: dequantize each weight once for this call instead of once per token (dropped on return).
         with dequantized_weights(enabled=self.device.type == "cpu"):
-            return self._generate(prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask,
-                                  generator, aqn)
+            parts = [self._generate(rows[i:i + per_pass], max_new_tokens, sampling, stop, ignore_eos, generator, aqn)
+                     for i in range(0, len(rows), per_pass)]
+        return parts[0] if len(parts) == 1 else Rollout.concat(parts, self.pad_token_id)
 
-    def _generate(self, prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask, generator,
-                  aqn) -> Rollout:
-        rows = _prompt_rows(prompts, attention_mask)
+    def rows_per_pass(self, n: int, seq_len: int) -> int:
+        """Rows one generate pass may hold: n, or the largest batch bucket that `max_batch` (default on
+        CUDA: the free memory) allows. seq_len (prompt + new tokens) is only checked against max_seq_len."""
+        if seq_len > self.max_seq_len:
+            return n  # _generate raises the clear error
+        limit = self.max_batch
+        if limit is None and self.device.type == "cuda":
+            limit = self._rows_that_fit()
+        if limit is None or n <= limit:
+            return n
+        if limit < 1:
+            raise torch.OutOfMemoryError(
+                f"not even one row's KV cache ({self._bytes_per_row() / 2**30:.2f} GiB for max_seq_len "
+                f"{self.max_seq_len}) fits in free GPU memory; lower max_new_tokens or the prompt length")
+        return max(b for b in BATCH_BUCKETS if b <= limit)
+
+    def _bytes_per_row(self) -> int:
+        r = self.runner
+        elem = torch.finfo(r.dtype).bits // 8
+        kv = 2 * len(r.layers) * r.n_kv * r.head_dim * self.max_seq_len * elem
+        return kv + self.model.config.vocab_size * (elem + 3 * 4)  # + step logits and fp32 sampling temporaries
+
+    def _rows_that_fit(self) -> int:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if self.cache is not None:  # _setup frees it before allocating the new one
+            free += self.cache.nbytes()
+        return int(free * self.memory_fraction) // self._bytes_per_row()
+
+    def _generate(self, rows: list[list[int]], max_new_tokens, sampling, stop, ignore_eos, gen, aqn) -> Rollout:
         n, P = len(rows), max(len(r) for r in rows)
         if min(len(r) for r in rows) == 0:
             raise ValueError("every prompt needs at least one token")
@@ -442,9 +504,6 @@ class RolloutEngine:
         Bb = bucket_batch(n)
         self._setup(Bb)
         self._sync_lora()
-        gen = generator
-        if gen is None and seed is not None:
-            gen = torch.Generator(self.device).manual_seed(seed)
 
         # left-pad, plus dummy rows (one pad token) up to the bucket
         tokens = torch.full((Bb, P), self.pad_token_id, dtype=torch.int64)
@@ -529,6 +588,19 @@ class RolloutEngine:
             self._reset_graphs()
             self._graph_sig = sig
         lora.refresh()
+
+    def release_memory(self) -> int:
+        """Free the KV cache, the static step buffers and the captured graphs (returns the cache bytes
+        freed), e.g. before the training backward needs the memory; the next `generate` allocates and
+        captures them again (one graph capture per attended-length block: about 1-3% of a long rollout)."""
+        freed = self.cache.nbytes() if self.cache is not None else 0
+        self.cache = None
+        self._reset_graphs()
+        for name in ("step_tokens", "step_slot", "pad_len", "slots", "step_logits"):
+            self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
 
     def invalidate_graphs(self) -> None:
         """Call after replacing (not updating in place) any parameter or buffer the model reads."""
