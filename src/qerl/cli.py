@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(e)
     e.set_defaults(func=_eval)
 
-    b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout")
-    b.add_argument("what", choices=["kernels", "rollout"])
+    b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout, step (one end-to-end RL step)")
+    b.add_argument("what", choices=["kernels", "rollout", "step"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=_bench)
     return parser

@@ -1,0 +1,320 @@
+"""End-to-end RL step: rollout -> reference / old log-probs -> loss + backward -> optimizer, on random-weight
+Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN).
+
+A step is what `qerl train` does per step, with forced lengths (EOS ignored) and random 0/1 rewards:
+`prompts` x `group` completions of exactly `--completion` tokens after `--prompt`-token prompts, then one
+policy update (GRPO, KL to the LoRA-disabled reference when --kl-beta > 0, gradient checkpointing,
+micro-batches of --micro-batch sequences), then AdamW. Reported per cell: seconds per phase, step seconds,
+speedup vs bf16 LoRA at the same model and batch, peak GPU memory; "OOM" when it does not fit.
+`--memory-cap-gib 78` limits this process's GPU memory (the usable memory of an 80 GB H100) to test fit.
+
+The model is built layer by layer on the GPU (meta device, then one decoder layer materialised, randomly
+initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed does not depend on
+weight values.
+
+Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the prompts and the LoRA
+gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
+gradient of a fixed batch equals the single-process gradient of the whole batch.
+
+    python benchmarks/e2e.py --models 7b --variants bf16,nf4,nvfp4,nvfp4+aqn --prompts 2,4,8 --out e2e.json
+    torchrun --nproc-per-node 2 benchmarks/e2e.py --models 7b --variants nvfp4 --prompts 8 --check-dist
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import time
+
+import torch
+
+from .rollout import QWEN25, qwen25_config
+
+
+def model_config(size: str, layers: int | None = None):
+    if size not in QWEN25:
+        raise ValueError(f"unknown model size {size!r}; choose from {sorted(QWEN25)}")
+    return qwen25_config(size, layers)
+
+
+@torch.no_grad()
+def _init_(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """HF-like random init in place: biases 0, other vectors (norm weights) 1, matrices N(0, 0.02)."""
+    for name, p in module.named_parameters():
+        if p.ndim == 1:
+            p.fill_(0.0 if name.endswith("bias") else 1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=generator)
+
+
+def build_random_policy(config, fmt: str, lora_r: int, device: torch.device, seed: int = 0):
+    """A random-weight causal LM whose decoder linears are QuantLinear(fmt) + LoRA r (fmt "bf16" = the
+    16-bit LoRA baseline through the same layer), built one decoder layer at a time on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models.convert import quantize_model
+    from ..nn import LoraConfig
+
+    g = torch.Generator(device).manual_seed(seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    lora = LoraConfig(r=lora_r, alpha=2 * lora_r)
+    for part in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        part.to_empty(device=device)
+        _init_(part, g)
+    # rotary tables are non-persistent buffers computed in __init__: rebuild the module on the device
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    for layer in model.model.layers:
+        layer.to_empty(device=device)
+        _init_(layer, g)
+        quantize_model(layer, fmt, lora)
+    model.config.qerl_weight_format = fmt
+    model.requires_grad_(False)
+    with torch.no_grad():  # a trained-looking adapter (B = 0 would be as fast, but be honest)
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.requires_grad_(True)
+                if "lora_B" in name:
+                    p.normal_(0, 1e-3, generator=g)
+    model.config.use_cache = False
+    return model.eval()
+
+
+class StepRunner:
+    """One model + engine + optimizer; `step()` runs one timed RL step on this rank's share of prompts."""
+
+    def __init__(self, model, args, dist_ctx, sigma: float):
+        from ..rl.losses import LossSettings
+        from ..rl.trainer import enable_gradient_checkpointing
+        from ..rollout.engine import RolloutEngine
+
+        self.model, self.args, self.dist, self.sigma = model, args, dist_ctx, sigma
+        enable_gradient_checkpointing(model)
+        self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.completion)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
+        self.settings = LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.completion)
+        self.generator = torch.Generator(model.device).manual_seed(1 + dist_ctx.rank)
+
+    def step(self, prompts: int, completion: int) -> dict:
+        """prompts: this rank's number of prompts; returns seconds per phase and peak memory (GB)."""
+        from ..nn.noisy_norm import NoisyNorms
+        from ..rl.advantages import group_advantages
+        from ..rl.collect import Experience
+        from ..rl.update import policy_update
+        from ..rollout.sampling import SamplingParams
+
+        args, G = self.args, self.args.group
+        vocab = self.model.config.vocab_size
+        ids = torch.randint(0, vocab - 1000, (prompts, args.prompt), generator=torch.Generator().manual_seed(prompts))
+        rows = ids.repeat_interleave(G, 0)
+        on_gpu = self.model.device.type == "cuda"
+        sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        times = {}
+        start = time.perf_counter()
+        aqn = NoisyNorms(self.model, self.sigma, generator=self.generator) if self.sigma > 0 else None
+        r = self.engine.generate(rows, completion, SamplingParams(temperature=1.0), ignore_eos=True,
+                                 generator=self.generator, aqn=aqn)
+        self.engine.release_memory()  # as the trainer does (rollout.release_kv_cache)
+        sync()
+        times["rollout"] = time.perf_counter() - start
+        rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
+        lengths = r.completion_mask.sum(1)
+        exp = Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs, r.entropies,
+                         rewards, group_advantages(rewards, G), lengths, torch.zeros_like(lengths, dtype=torch.bool))
+        policy_update(self.model, exp, self.optimizer, self.params, self.settings, num_updates=1,
+                      micro_batch_size=args.micro_batch, max_grad_norm=1.0, temperature=1.0,
+                      old_logprobs="recompute", tis_cap=2.0, dist_ctx=self.dist, timings=times)
+        sync()
+        times["step"] = time.perf_counter() - start
+        times["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if on_gpu else 0.0
+        times["tokens"] = int(lengths.sum()) * self.dist.world
+        return times
+
+
+def check_distributed(runner: StepRunner, prompts: int) -> float:
+    """||g_dist - g_one|| / ||g_one|| for a fixed global batch: all-reduced gradient over ranks' shares vs
+    the single-process gradient of the whole batch (computed on every rank; only rank 0's is reported)."""
+    from ..rl.advantages import group_advantages
+    from ..rl.collect import Experience
+    from ..rl.distributed import DistContext
+    from ..rl.update import policy_update
+
+    args, G, world, rank = runner.args, runner.args.group, runner.dist.world, runner.dist.rank
+    g = torch.Generator().manual_seed(1234)
+    n, T, dev = prompts * G, args.completion, runner.model.device
+    lengths = torch.randint(T // 2, T + 1, (n,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]
+    rewards = torch.randint(0, 2, (n,), generator=g).float()
+    full = Experience(torch.randint(0, 100000, (n, args.prompt), generator=g), torch.ones(n, args.prompt, dtype=torch.bool),
+                      torch.randint(0, 100000, (n, T), generator=g), mask, torch.zeros(n, T), torch.zeros(n, T),
+                      rewards, group_advantages(rewards, G), lengths, torch.zeros(n, dtype=torch.bool))
+    full = Experience(*(getattr(full, f).to(dev) for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
+
+    def grads(exp, ctx):
+        sgd = torch.optim.SGD(runner.params, lr=0.0)  # lr 0: the weights stay, the gradient stays in .grad
+        policy_update(runner.model, exp, sgd, runner.params, runner.settings, num_updates=1,
+                      micro_batch_size=args.micro_batch, max_grad_norm=1e9, temperature=1.0,
+                      old_logprobs="recompute", tis_cap=2.0, dist_ctx=ctx)
+        return torch.cat([p.grad.flatten().float() for p in runner.params])
+
+    one = grads(full, DistContext())
+    share = torch.arange(n, device=dev).view(prompts, G)[rank::world].flatten()  # whole groups per rank
+    mine = Experience(*(getattr(full, f)[share] for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
+    both = grads(mine, runner.dist)
+    return float((both - one).norm() / one.norm().clamp(min=1e-30))
+
+
+def _variant(v: str) -> tuple[str, bool]:
+    fmt, _, flag = v.partition("+")
+    if fmt not in ("bf16", "nf4", "nvfp4", "mxfp4") or flag not in ("", "aqn"):
+        raise ValueError(f"unknown variant {v!r}: FORMAT[+aqn], FORMAT in bf16, nf4, nvfp4, mxfp4")
+    return fmt, flag == "aqn"
+
+
+def free_gpu():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run(args, dist_ctx) -> list[dict]:
+    results = []
+    device = torch.device("cuda", dist_ctx.local_rank)
+    for size in args.models:
+        config = model_config(size, args.layers)
+        for variant in args.variants:
+            fmt, aqn = _variant(variant)
+            cell = dict(model=size, variant=variant, world=dist_ctx.world)
+            runner = None
+            try:
+                t = time.perf_counter()
+                model = build_random_policy(config, fmt, args.lora_r, device)
+                cell["build_s"] = time.perf_counter() - t
+                cell["weights_gb"] = sum(x.numel() * x.element_size()
+                                         for x in [*model.parameters(), *model.buffers()]) / 1e9
+                runner = StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0)
+            except torch.OutOfMemoryError:
+                results.append({**cell, "error": "OOM (model)"})
+                _print(results[-1], dist_ctx)
+                runner = model = None
+                free_gpu()
+                continue
+            for prompts in args.prompts:
+                row = {**cell, "prompts": prompts, "sequences": prompts * args.group}
+                if prompts % dist_ctx.world:
+                    row["error"] = f"prompts not a multiple of {dist_ctx.world} ranks"
+                else:
+                    try:
+                        mine = prompts // dist_ctx.world
+                        runner.step(mine, min(args.warmup_completion, args.completion))  # compile, capture, autotune
+                        steps = [runner.step(mine, args.completion) for _ in range(args.steps)]
+                        row.update({k: sorted(s[k] for s in steps)[len(steps) // 2] for k in steps[0]})
+                        if args.check_dist and dist_ctx.world > 1:
+                            row["dist_grad_rel_err"] = check_distributed(runner, prompts)
+                    except torch.OutOfMemoryError:
+                        row["error"] = "OOM"
+                        runner.optimizer.zero_grad(set_to_none=True)
+                        runner.engine.release_memory()
+                        free_gpu()
+                results.append(row)
+                _print(row, dist_ctx)
+            del runner, model
+            free_gpu()
+    return results
+
+
+def _print(row, dist_ctx):
+    if dist_ctx.is_main:
+        print(json.dumps(row), flush=True)
+
+
+PHASES = ("rollout", "reference", "loss_backward", "optimizer", "step")
+
+
+def table(results, device, args) -> str:
+    base = {(r["model"], r["prompts"]): r["step"] for r in results if r.get("variant") == "bf16" and "step" in r}
+    lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, completion {args.completion}, "
+             f"G {args.group}, LoRA r {args.lora_r}, micro-batch {args.micro_batch}, KL beta {args.kl_beta}, "
+             f"GPUs {results[0]['world'] if results else 1}"
+             + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
+             "| model | variant | prompts x G | rollout s | reference s | loss+backward s | optimizer s | step s "
+             "| vs bf16 | tokens/s | peak GB | weights GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        head = f"| {r['model']} | {r['variant']} | {r.get('prompts', '-')} x {args.group} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error']} | | | | | | | | {r.get('weights_gb', 0):.1f} |")
+            continue
+        b = base.get((r["model"], r["prompts"]))
+        speed = f"{b / r['step']:.2f}x" if b else "-"
+        lines.append(f"{head} {r['rollout']:.2f} | {r.get('reference', 0):.2f} | {r['loss_backward']:.2f} | "
+                     f"{r['optimizer']:.3f} | {r['step']:.2f} | {speed} | {r['tokens'] / r['step']:.0f} | "
+                     f"{r['peak_gb']:.1f} | {r['weights_gb']:.1f} |")
+    if any("dist_grad_rel_err" in r for r in results):
+        errs = [r["dist_grad_rel_err"] for r in results if "dist_grad_rel_err" in r]
+        lines.append(f"\ndata-parallel gradient vs single process (relative L2 error): max {max(errs):.2e}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="7b", help=f"comma list of {','.join(QWEN25)}")
+    ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn", help="FORMAT[+aqn], FORMAT in bf16,nf4,nvfp4,mxfp4")
+    ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
+    ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--completion", type=int, default=2048, help="forced completion length (the paper: 2048)")
+    ap.add_argument("--warmup-completion", type=int, default=32, help="completion length of the untimed warm-up step")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per cell (median reported)")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
+    ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")
+    ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke tests)")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="limit this process's GPU memory")
+    ap.add_argument("--check-dist", action="store_true", help="under torchrun: check the all-reduced gradient")
+    ap.add_argument("--out", default=None, help="write all results as JSON here")
+    args = ap.parse_args(argv)
+    args.models = args.models.split(",")
+    args.variants = args.variants.split(",")
+    args.prompts = [int(p) for p in args.prompts.split(",")]
+    for size in args.models:
+        model_config(size, 1)
+    for v in args.variants:
+        try:
+            _variant(v)
+        except ValueError as e:
+            ap.error(str(e))
+    return ap, args
+
+
+def main(argv=None) -> int:
+    from ..rl.distributed import barrier, init_distributed
+
+    ap, args = parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("the step benchmark needs a CUDA GPU")
+    dist_ctx = init_distributed(torch.device("cuda"))
+    torch.cuda.set_device(dist_ctx.local_rank)
+    if args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(dist_ctx.local_rank).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+    results = run(args, dist_ctx)
+    barrier(dist_ctx)
+    if dist_ctx.is_main:
+        device = torch.cuda.get_device_name()
+        print(table(results, device, args))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=device, date=str(datetime.date.today()), torch=torch.__version__,
+                               args=vars(args), results=results), f, indent=1)
+    if dist_ctx.enabled:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""The end-to-end step benchmark's pieces on CPU: layer-by-layer random model build, one full RL step
+(rollout, reference, loss + backward, optimizer) with per-phase timings, the table with OOM rows."""
+
+import argparse
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from qerl.bench.step import StepRunner, build_random_policy, parse_args, table
+from qerl.nn import QuantLinear
+from qerl.rl.distributed import DistContext
+
+TINY = dict(vocab_size=1200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
+            eos_token_id=1)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_random_policy_is_quantized_layer_by_layer_and_finite(fmt):
+    model = build_random_policy(Qwen2Config(**TINY), fmt, lora_r=4, device=torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 7 and all(m.weight_format == fmt for m in layers)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    logits = model(torch.randint(0, 1000, (2, 7))).logits
+    assert torch.isfinite(logits).all() and logits.float().std() > 0
+
+
+def test_one_step_runs_every_phase_and_moves_the_adapter():
+    model = build_random_policy(Qwen2Config(**TINY), "nvfp4", lora_r=4, device=torch.device("cpu"))
+    args = argparse.Namespace(prompt=5, completion=6, group=2, micro_batch=3, kl_beta=0.04)
+    runner = StepRunner(model, args, DistContext(), sigma=1e-2)
+    before = [p.detach().clone() for p in runner.params]
+    t = runner.step(prompts=2, completion=6)
+    assert {"rollout", "reference", "loss_backward", "optimizer", "step"} <= set(t)
+    assert t["tokens"] == 2 * 2 * 6 and t["step"] >= t["rollout"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, runner.params))
+    assert runner.engine.cache is None  # freed for the backward
+
+
+def test_table_marks_oom_and_speedup_vs_bf16():
+    _, args = parse_args(["--models", "7b", "--variants", "bf16,nvfp4", "--prompts", "2"])
+    ok = dict(rollout=2.0, reference=0.5, loss_backward=1.0, optimizer=0.01, step=4.0, tokens=4096, peak_gb=30.0,
+              weights_gb=15.0, world=1, model="7b", prompts=2)
+    rows = [dict(ok, variant="bf16"), dict(ok, variant="nvfp4", step=2.0), dict(model="7b", variant="nf4", prompts=2,
+                                                                              world=1, error="OOM")]
+    text = table(rows, "cpu", args)
+    assert "| 7b | nvfp4 | 2 x 8 |" in text and "2.00x" in text and "OOM" in text
+
+
+def test_bad_variant_or_size_is_refused():
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "fp8"])
+    with pytest.raises(ValueError, match="unknown model size"):
+        parse_args(["--models", "9b"])
