@@ -28,6 +28,8 @@ QWEN25 = {  # Qwen2.5 shapes (config.json of the hub releases); vocab 152064, un
                 num_key_value_heads=8),
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8),
+    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8),
 }
 
 
@@ -42,8 +44,10 @@ def qwen25_config(size: str, layers: int | None = None):
                        eos_token_id=151645, pad_token_id=151643, **shape)
 
 
-def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int):
-    """Random bf16 model on the GPU; fmt None = plain HF modules, else qerl QuantLinear(fmt) + LoRA."""
+def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int, embeddings: bool = False):
+    """Random bf16 model on the GPU; fmt None = plain HF modules, else qerl QuantLinear(fmt) + LoRA.
+
+    embeddings: also store the input embedding in fmt (`QuantEmbedding`; 4-bit formats only)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -54,7 +58,7 @@ def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int):
         from ..models.convert import quantize_model
         from ..nn import LoraConfig
 
-        quantize_model(model, fmt=fmt, lora=LoraConfig(r=lora_r, alpha=2 * lora_r))
+        quantize_model(model, fmt=fmt, lora=LoraConfig(r=lora_r, alpha=2 * lora_r), embeddings=embeddings)
         with torch.no_grad():  # a trained-looking adapter (B = 0 would be the same speed, but be honest)
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -64,12 +68,20 @@ def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int):
 
 
 def policy_bytes(model) -> tuple[int, int]:
-    """(bytes a decode step reads for weights: everything but the input embedding; total policy bytes)."""
+    """(bytes a decode step reads for weights: everything but the input embedding; total policy bytes).
+
+    A step looks up B rows of the input embedding, not the table, so an untied table is not counted as
+    read, whether dense (nn.Embedding) or 4-bit (QuantEmbedding: its packed codes and scales)."""
+    from ..models.convert import input_embeddings_tied
+    from ..nn import QuantEmbedding
+
     total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    emb = model.model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
-    read = total - (0 if tied else emb.numel() * emb.element_size())
-    return read, total
+    emb = model.get_input_embeddings()
+    if isinstance(emb, QuantEmbedding):
+        emb_bytes = sum(t.numel() * t.element_size() for t in emb.buffers())
+    else:  # (the tie test also holds for a model built on the meta device, where every data_ptr is 0)
+        emb_bytes = 0 if input_embeddings_tied(model) else emb.weight.numel() * emb.weight.element_size()
+    return total - emb_bytes, total
 
 
 def copy_bandwidth() -> float:
@@ -154,7 +166,8 @@ def run_size(size, args, copy_bw, results):
     kvb = kv_bytes_per_token(cfg)
     for variant in args.variants:
         fmt = None if variant in ("hf", "bf16") else variant.split("+")[0]
-        model = build_model(size, args.layers, fmt, args.lora_r)
+        embeddings = args.quantize_embeddings and fmt not in (None, "bf16")
+        model = build_model(size, args.layers, fmt, args.lora_r, embeddings)
         read_bytes, total_bytes = policy_bytes(model)
         engine = None if variant == "hf" else RolloutEngine(model, max_seq_len=args.prompt + args.new,
                                                            cuda_graphs=not args.eager)
@@ -169,7 +182,8 @@ def run_size(size, args, copy_bw, results):
                 floor_s = (read_bytes + batch * avg_ctx * kvb) / copy_bw
                 r.update(weight_gb_s=read_bytes / (r["step_ms"] / 1e3) / 1e9,
                          floor_frac=floor_s / (r["step_ms"] / 1e3))
-            r.update(model=size, variant=variant, batch=batch, policy_gb=total_bytes / 1e9)
+            r.update(model=size, variant=variant, batch=batch, policy_gb=total_bytes / 1e9,
+                     quantized_embeddings=embeddings)
             results.append(r)
             print(json.dumps(r), flush=True)
         del engine, model
@@ -184,7 +198,8 @@ def table(results, device, copy_bw) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['error']} | | | | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['e2e_tok_s']:.0f} | {r['decode_tok_s']:.0f}"
+        variant = r["variant"] + ("+qemb" if r.get("quantized_embeddings") else "")  # 4-bit input embedding
+        lines.append(f"| {r['model']} | {variant} | {r['batch']} | {r['e2e_tok_s']:.0f} | {r['decode_tok_s']:.0f}"
                      f" | {r['step_ms']:.2f} | {r['weight_gb_s']:.0f} | {100 * r['floor_frac']:.0f}% "
                      f"| {r['peak_gb']:.1f} | {r['policy_gb']:.2f} |")
     return "\n".join(lines)
@@ -203,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--quantize-embeddings", action="store_true",
+                    help="<fmt>+lora variants with a 4-bit fmt also store the input embedding in fmt")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -2,12 +2,14 @@
 
 from .adapter import AdapterError, load_adapter, save_adapter
 from .checkpoint import load_quantized, save_quantized
-from .convert import add_lora, dequantize_model, lora_parameters, memory_report, quant_layers, quantize_model
+from .convert import (add_lora, dequantize_model, lora_parameters, memory_report, quant_embeddings, quant_layers,
+                      quantize_input_embeddings, quantize_model)
 from .load import ModelLoadError, load_causal_lm
 from .registry import DEFAULT_MODEL, EMBEDDED
 
 __all__ = [
     "AdapterError", "DEFAULT_MODEL", "EMBEDDED", "ModelLoadError", "add_lora", "dequantize_model", "load_adapter", "load_causal_lm",
-    "load_quantized", "lora_parameters", "memory_report", "quant_layers", "quantize_model", "save_adapter",
+    "load_quantized", "lora_parameters", "memory_report", "quant_embeddings", "quant_layers", "quantize_input_embeddings",
+    "quantize_model", "save_adapter",
     "save_quantized",
 ]

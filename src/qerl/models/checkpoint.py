@@ -5,6 +5,11 @@ vLLM and llm-compressor read): `<module>.weight_packed`, `.weight_scale`, `.weig
 only) and a `quantization_config` in config.json. NF4 is written in the bitsandbytes serialization that
 transformers reads (`<module>.weight` packed + `.weight.absmax`, `.weight.quant_map`,
 `.weight.quant_state.bitsandbytes__nf4`). LoRA weights never go in here: they are saved as a PEFT adapter.
+
+A quantized input embedding (`QuantEmbedding`, opt-in) is written as the dense table it looks up,
+`<module>.weight` in its lookup dtype (bf16 for a bf16 model), and is not a quantization target: the
+directory stays a standard checkpoint. Quantizing that table again on load (`quantize_input_embeddings`)
+gives back the same codes and scales when the original table was bf16 (see tests/test_quant_embedding.py).
 """
 
 import json
@@ -15,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..formats import get_format
-from ..nn import QuantLinear
+from ..nn import QuantEmbedding, QuantLinear
 from .atomic import atomic_directory
 from .convert import quant_layers, set_module
 from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
@@ -69,6 +74,11 @@ def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v for k, v in model.state_dict().items() if ".lora_A." not in k and ".lora_B." not in k}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    for name, emb in model.named_modules():
+        if isinstance(emb, QuantEmbedding):  # dense on disk: not a compressed-tensors / bnb target
+            for t in emb.quantized_tensors():
+                state.pop(f"{name}.{t}")
+            state[f"{name}.weight"] = emb.dequantized_weight()
     if fmts == {"nf4"}:
         for name, layer in layers.items():
             state.pop(f"{name}.weight_packed")

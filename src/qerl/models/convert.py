@@ -1,6 +1,7 @@
 """Model surgery: swap a causal LM's target linears for frozen quantized LoRA layers.
 
-Embeddings, norms and lm_head stay in 16 bits. Siblings that serving engines fuse into one matmul
+Embeddings, norms and lm_head stay in 16 bits (opt-in: `embeddings=True` stores an untied input embedding
+in the same 4-bit format as a `QuantEmbedding`). Siblings that serving engines fuse into one matmul
 (q/k/v, gate/up) share one global scale, the smallest of theirs, so a fused weight has one divisor.
 Quantization is round-to-nearest with no calibration data; `WeightQuantizer` is the seam where
 AWQ/GPTQ-style calibrated quantizers plug in later.
@@ -13,7 +14,8 @@ from rich.progress import Progress
 from torch import nn
 
 from ..formats import get_format
-from ..nn import DEFAULT_TARGETS, LoraConfig, QuantLinear
+from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
+from ..nn.quant_embedding import check_embedding_shape
 
 # Leaf names that share one global scale when they sit under the same parent module.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -66,13 +68,18 @@ def quantize_model(
     targets: Iterable[str] = DEFAULT_TARGETS,
     quantizer: WeightQuantizer | None = None,
     show_progress: bool = False,
+    embeddings: bool = False,
 ) -> nn.Module:
     """Replace the target linears of `model` in place by `QuantLinear` (frozen base + optional LoRA).
 
     All remaining parameters are frozen; only LoRA weights keep requires_grad. Each dense weight is
     dropped as soon as its layer is quantized, so peak memory stays near one model copy.
+    embeddings=True also stores the input embedding in `fmt` (`quantize_input_embeddings`; untied models
+    only, checked before anything is changed). `quantizer` is not applied to it (round-to-nearest).
     """
     spec = get_format(fmt)
+    if embeddings:
+        check_input_embeddings_quantizable(model, fmt)
     linears = find_targets(model, targets)
     for name, lin in linears.items():
         if lin.in_features % spec.block:
@@ -94,9 +101,59 @@ def quantize_model(
             layer = QuantLinear(lin.in_features, lin.out_features, fmt, tensors, lin.bias, lora)
             set_module(model, name, layer)
             progress.advance(task)
+    if embeddings:
+        quantize_input_embeddings(model, fmt)
     if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
         model.config.qerl_weight_format = fmt
     return model
+
+
+def input_embeddings_tied(model: nn.Module) -> bool:
+    """True when lm_head shares the input embedding's table (same tensor, or the config ties them)."""
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    w, e = getattr(out, "weight", None), getattr(emb, "weight", None)
+    same = w is not None and e is not None and (w is e or (
+        w.device.type != "meta" and w.untyped_storage().data_ptr() == e.untyped_storage().data_ptr()))
+    return same or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def check_input_embeddings_quantizable(model: nn.Module, fmt: str) -> None:
+    """Raise ValueError unless `quantize_input_embeddings(model, fmt)` can work; changes nothing."""
+    if not hasattr(model, "get_input_embeddings"):
+        raise ValueError(f"{type(model).__name__} has no input embedding (get_input_embeddings) to quantize")
+    emb = model.get_input_embeddings()
+    if isinstance(emb, QuantEmbedding):
+        return
+    if not isinstance(emb, nn.Embedding):
+        raise ValueError(f"input embedding is a {type(emb).__name__}, not an nn.Embedding; cannot quantize it")
+    if get_format(fmt).name == "bf16":
+        raise ValueError("quantized embeddings need a 4-bit format (nvfp4, mxfp4, nf4); format bf16 keeps them 16-bit")
+    if input_embeddings_tied(model):
+        raise ValueError(
+            "the input embedding is tied to lm_head (one shared table, as in SmolLM2): quantizing it would "
+            "need lm_head to use the 4-bit table too, but the loss and the rollout read `model.lm_head.weight` "
+            "as a dense matrix. Quantized embeddings are for untied models (e.g. Qwen2.5-7B); leave the option off"
+        )
+    check_embedding_shape(emb.num_embeddings, emb.embedding_dim, get_format(fmt).name)
+
+
+def quantize_input_embeddings(model: nn.Module, fmt: str = "nvfp4") -> QuantEmbedding:
+    """Replace the (untied) input embedding by a frozen `QuantEmbedding` in `fmt`, in place; returns it.
+
+    Idempotent: an embedding that is already a QuantEmbedding is kept as it is (whatever its format).
+    The dense table is dropped once quantized. Tied embeddings (lm_head sharing the table) are refused.
+    """
+    check_input_embeddings_quantizable(model, fmt)
+    emb = model.get_input_embeddings()
+    if isinstance(emb, QuantEmbedding):
+        return emb
+    q = QuantEmbedding.from_embedding(emb, fmt)
+    model.set_input_embeddings(q)
+    return q
+
+
+def quant_embeddings(model: nn.Module) -> dict[str, QuantEmbedding]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantEmbedding)}
 
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
@@ -121,11 +178,14 @@ def memory_report(model: nn.Module) -> dict[str, float]:
     """Bytes held by the model (parameters + buffers), split into the quantized base, the rest, and LoRA.
 
     `base_bytes_per_param` counts every stored byte of the quantized layers (codes, scales, global
-    scales, biases) per base weight they represent.
+    scales, biases) per base weight they represent. A quantized input embedding (`QuantEmbedding`) is part
+    of the quantized base: its V x D entries and its bytes are included.
     """
     layers = quant_layers(model)
-    q_bytes = sum(t.numel() * t.element_size() for m in layers.values() for t in m.buffers())
-    q_params = sum(m.in_features * m.out_features for m in layers.values())
+    embeds = quant_embeddings(model)
+    q_bytes = sum(t.numel() * t.element_size() for m in [*layers.values(), *embeds.values()] for t in m.buffers())
+    q_params = (sum(m.in_features * m.out_features for m in layers.values())
+                + sum(m.num_embeddings * m.embedding_dim for m in embeds.values()))
     lora = sum(p.numel() * p.element_size() for p in lora_parameters(model).values())
     # parameters() and buffers() each skip duplicates, so tied embeddings count once.
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -143,7 +203,11 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     """Replace every QuantLinear by a dense nn.Linear holding its dequantized base (LoRA dropped), in place.
 
     For interoperability (e.g. loading a qerl adapter with `peft` on the exact base qerl trained on).
+    A `QuantEmbedding` becomes an nn.Embedding holding its dequantized table, in `dtype` or else its lookup
+    dtype (the table the quantized model actually looked up).
     """
+    for name, emb in quant_embeddings(model).items():
+        set_module(model, name, emb.to_embedding(dtype))
     for name, layer in quant_layers(model).items():
         weight = layer.dequantized_weight(dtype or torch.float32)
         dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
