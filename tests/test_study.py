@@ -1,0 +1,237 @@
+"""The multi-arm, multi-seed study (qerl.bench.study, benchmarks/smollm2_rl.py): arm parsing, aggregation,
+skipping finished jobs, the deadline, and one real end-to-end run on a tiny model on the CPU."""
+
+import json
+import math
+import sys
+import time
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from qerl.bench import study
+from qerl.bench.study import Arm, Job, StudyError
+
+# arms and seeds -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,arm", [
+    ("bf16", Arm("bf16", False)),
+    ("bf16+aqn", Arm("bf16", True)),
+    ("nvfp4+aqn", Arm("nvfp4", True, "exponential")),
+    ("nvfp4+aqn:exponential", Arm("nvfp4", True, "exponential")),
+    ("nvfp4+aqn:linear", Arm("nvfp4", True, "linear")),
+    (" nf4 ", Arm("nf4", False)),
+])
+def test_parse_arm(text, arm):
+    assert study.parse_arm(text) == arm
+
+
+def test_arm_names_and_overrides():
+    assert study.parse_arm("nvfp4+aqn:exponential").name == "nvfp4+aqn"
+    arm = study.parse_arm("nvfp4+aqn:cosine")
+    assert (arm.name, arm.slug) == ("nvfp4+aqn:cosine", "nvfp4_aqn_cosine")
+    assert arm.overrides() == ["model.format=nvfp4", "aqn.enabled=true", "aqn.decay=cosine"]
+    assert study.parse_arm("bf16").overrides()[1] == "aqn.enabled=false"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("fp8", "unknown format"),
+    ("nvfp4:linear", "only makes sense with AQN"),
+    ("nvfp4+aqn:steep", "unknown AQN decay"),
+    ("nvfp4+noise", "expected FORMAT"),
+    ("NVFP4", "expected FORMAT"),
+    ("", "expected FORMAT"),
+])
+def test_parse_arm_refuses(text, match):
+    with pytest.raises(StudyError, match=match):
+        study.parse_arm(text)
+
+
+def test_parse_arms_and_seeds():
+    assert [a.name for a in study.parse_arms("nvfp4+aqn,nvfp4,bf16")] == ["nvfp4+aqn", "nvfp4", "bf16"]
+    with pytest.raises(StudyError, match="twice"):
+        study.parse_arms("nvfp4+aqn,nvfp4+aqn:exponential")
+    with pytest.raises(StudyError, match="no arm"):
+        study.parse_arms(" , ")
+    assert study.parse_seeds("0,1,2") == [0, 1, 2]
+    for bad in ("", "a", "0,0", "-1"):
+        with pytest.raises(StudyError):
+            study.parse_seeds(bad)
+
+
+def test_set_may_not_override_what_the_study_sets():
+    study.check_overrides(["optim.lr=1e-4", "aqn.num_stages=5"])
+    with pytest.raises(StudyError, match="aqn.decay"):
+        study.check_overrides(["aqn.decay=linear"])
+
+
+def test_jobs_are_seed_major(tmp_path):
+    jobs = study.make_jobs(study.parse_arms("nvfp4,bf16+aqn"), [0, 1], tmp_path)
+    assert [j.name for j in jobs] == ["nvfp4_s0", "bf16_aqn_s0", "nvfp4_s1", "bf16_aqn_s1"]
+    assert jobs[1].result_path == tmp_path / "bf16_aqn_s0" / "result.json"
+
+
+# aggregation ---------------------------------------------------------------------------------------
+
+
+def _run(arm, seed, **values):
+    base = {key: 0.0 for key, _, _ in study.AGGREGATED}
+    base.update(values)
+    steps = [{"step": s + 1, "reward": 0.1 * s + seed, "entropy": 0.5} for s in range(5)]
+    return {"arm": arm, "seed": seed, **base, "metrics": steps}
+
+
+def test_aggregate_mean_and_sample_std():
+    runs = [_run("nvfp4", 0, pass1_after=0.2), _run("nvfp4", 1, pass1_after=0.4), _run("nvfp4", 2, pass1_after=0.6),
+            _run("bf16", 0, pass1_after=0.8, memory_gb=None)]
+    agg = study.aggregate(runs, ["bf16", "nvfp4", "nf4"])
+    assert list(agg) == ["bf16", "nvfp4"]  # arm order kept, arms without runs left out
+    stat = agg["nvfp4"]["pass1_after"]
+    assert stat["n"] == 3 and stat["mean"] == pytest.approx(0.4) and stat["std"] == pytest.approx(0.2)
+    assert agg["nvfp4"]["seeds"] == [0, 1, 2]
+    assert agg["bf16"]["pass1_after"] == {"mean": 0.8, "std": None, "n": 1}  # n = 1: no spread
+    assert agg["bf16"]["memory_gb"] == {"mean": None, "std": None, "n": 0}
+    table = study.markdown_table(agg)
+    assert "| nvfp4 | 3 |" in table and "0.400 ± 0.200" in table
+    assert "0.800 ± -" in table
+    assert table.splitlines()[1].count("---") == len(study.AGGREGATED) + 2
+    assert json.loads(json.dumps(agg)) == agg  # plain JSON: no NaN
+
+
+def test_mean_std_ignores_missing_values():
+    assert study.mean_std([1.0, None, float("nan"), 3.0]) == {"mean": 2.0, "std": pytest.approx(math.sqrt(2)), "n": 2}
+
+
+def test_summarize_first_and_last_fifth():
+    metrics = [{"step": i + 1, "reward": float(i), "entropy": 1.0, "time_rollout": 1.0, "time_update": 2.0,
+                "memory_gb": float(i)} for i in range(10)]
+    s = study.summarize(metrics)
+    assert (s["reward_first"], s["reward_last"]) == (0.5, 8.5)
+    assert (s["time_update"], s["memory_gb"]) == (2.0, 9.0)
+
+
+def test_plots_include_the_ablation_only_with_two_decays(tmp_path):
+    runs = [_run(a, s) for a in ("nvfp4", "nvfp4+aqn", "nvfp4+aqn:linear", "bf16") for s in (0, 1)]
+    agg = study.aggregate(runs)
+    assert study.ablation_arms(list(agg)) == ["nvfp4", "nvfp4+aqn", "nvfp4+aqn:linear"]
+    names = {p.name for p in study.plot_study(runs, agg, tmp_path)}
+    assert names == {"study_reward.png", "study_entropy.png", "study_pass1.png", "study_ablation_reward.png"}
+    assert study.ablation_arms(["nvfp4", "nvfp4+aqn", "bf16+aqn:linear"]) == []
+
+
+# finished jobs, failures, the deadline --------------------------------------------------------------
+
+SETTINGS = {"model": "m", "steps": 3}
+
+
+def _write_result(job: Job, settings=SETTINGS):
+    job.dir.mkdir(parents=True, exist_ok=True)
+    study.write_json_atomic(job.result_path, {"arm": job.arm.name, "seed": job.seed, "settings": settings})
+
+
+def test_finished_jobs_are_skipped(tmp_path):
+    jobs = study.make_jobs(study.parse_arms("nvfp4,bf16"), [0], tmp_path)
+    _write_result(jobs[1])
+    todo, done = study.split_finished(jobs, SETTINGS)
+    assert (todo, done) == ([jobs[0]], [jobs[1]])
+    with pytest.raises(StudyError, match="other settings"):
+        study.split_finished(jobs, {**SETTINGS, "steps": 4})
+
+
+# children: write result.json (argv[1]) and exit; or fail; or sleep past the deadline
+_WRITE = "import json, sys; json.dump({'ok': 1}, open(sys.argv[1], 'w'))"
+_FAIL = "import sys; print('working'); raise ValueError('boom')"
+_SLEEP = "import time; time.sleep(60)"
+
+
+def _fake(codes: dict):
+    return lambda job: [sys.executable, "-c", codes[job.arm.name], str(job.result_path)]
+
+
+def test_run_jobs_reports_failures_and_clears_stale_dirs(tmp_path):
+    jobs = study.make_jobs(study.parse_arms("nvfp4,bf16,nf4"), [0], tmp_path)
+    jobs[0].dir.mkdir(parents=True)
+    (jobs[0].dir / "metrics.jsonl").write_text("{}\n")  # a run killed earlier, no result.json
+    codes = {"nvfp4": _WRITE, "bf16": _FAIL, "nf4": "pass"}
+    outcomes = study.run_jobs(jobs, _fake(codes), parallel=2, poll_s=0.05, log=lambda *a: None)
+    assert [o["status"] for o in outcomes] == ["done", "failed", "failed"]
+    assert not (jobs[0].dir / "metrics.jsonl").exists()
+    assert outcomes[1]["error"] == "ValueError: boom" and "working" in outcomes[1]["log_tail"]
+    assert "without writing result.json" in outcomes[2]["error"]
+
+
+def test_deadline_kills_running_and_skips_waiting_jobs(tmp_path):
+    jobs = study.make_jobs(study.parse_arms("nvfp4,bf16,nf4"), [0], tmp_path)
+    codes = {"nvfp4": _WRITE, "bf16": _SLEEP, "nf4": _WRITE}
+    t0 = time.monotonic()
+    outcomes = study.run_jobs(jobs, _fake(codes), parallel=2, deadline=t0 + 3.0, poll_s=0.05, log=lambda *a: None)
+    assert time.monotonic() - t0 < 10
+    # nvfp4 finishes and frees its slot; nf4 is started only if the deadline is not in reach
+    assert outcomes[0]["status"] == "done"
+    assert outcomes[1]["status"] == "killed" and "deadline" in outcomes[1]["error"]
+    assert outcomes[2]["status"] in ("done", "not run")
+
+    late = study.run_jobs(jobs, _fake(codes), parallel=1, deadline=time.monotonic() - 1, log=lambda *a: None)
+    assert [o["status"] for o in late] == ["not run"] * 3
+
+
+def test_main_refuses_bad_arguments(capsys):
+    assert study.main(["--arms", "nvfp4:linear"]) == 2
+    assert "only makes sense with AQN" in capsys.readouterr().err
+    assert study.main(["--arms", "nvfp4", "--set", "seed=3"]) == 2
+    assert study.main(["--arms", "nvfp4", "--set", "optim.nonsense=1"]) == 2
+    assert "optim.nonsense" in capsys.readouterr().err
+    assert study.main(["--arms", "nvfp4", "--test", "missing/test.jsonl"]) == 2
+    assert "--test missing/test.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_mps_is_optional(monkeypatch):
+    monkeypatch.setattr(study.shutil, "which", lambda name: None)
+    lines = []
+    with study.MPSDaemon(True, log=lines.append) as mps:
+        assert not mps.started
+    assert "not found" in lines[0]
+
+
+# end to end ------------------------------------------------------------------------------------------
+
+
+def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    """Two arms x one seed as two concurrent subprocesses on the CPU, then a second call that only aggregates."""
+    model_dir = tmp_path / "model"
+    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 6) for b in range(1, 6)]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "study"
+    settings = {"data.max_prompt_tokens": 32, "data.suffix": "none", "rollout.prompts_per_step": 2,
+                "rollout.group_size": 4, "rollout.max_new_tokens": 8, "lora.r": 4, "lora.alpha": 8, "optim.lr": 1e-3,
+                "aqn.num_stages": 2, "optim.micro_batch_size": 8, "optim.gradient_checkpointing": "false",
+                "plots": "false"}
+    argv = ["--model", str(model_dir), "--train", str(data), "--test", str(data), "--eval-limit", "4", "--eval-n", "1",
+            "--arms", "nvfp4+aqn,bf16", "--seeds", "0", "--steps", "2", "--parallel", "2", "--out", str(out),
+            "--deadline-s", "240", *[x for k, v in settings.items() for x in ("--set", f"{k}={v}")]]
+    code = study.main(argv)
+    printed = capsys.readouterr().out
+    logs = {p.name: p.read_text()[-3000:] for p in out.glob("*/job.log")}
+    assert code == 0, (printed, logs)
+    for name in ("nvfp4_aqn_s0", "bf16_s0"):
+        result = json.loads((out / name / "result.json").read_text())
+        assert [m["step"] for m in result["metrics"]] == [1, 2]
+        assert 0 <= result["pass1_after"] <= 1 and result["seconds"] > 0
+        assert (out / name / "metrics.jsonl").is_file()
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["parallel"] == 2 and len(summary["runs"]) == 2
+    assert [j["status"] for j in summary["jobs"]] == ["done", "done"]
+    assert summary["aggregate"]["bf16"]["pass1_after"]["n"] == 1
+    assert all((out / f"study_{k}.png").is_file() for k in ("reward", "entropy", "pass1"))
+    assert "| nvfp4+aqn | 1 |" in printed and "inflated" in printed
+
+    t0 = time.monotonic()
+    assert study.main(argv) == 0  # everything finished: nothing runs again
+    assert time.monotonic() - t0 < 30
+    printed = capsys.readouterr().out
+    assert printed.count("[cached]") == 2 and "[start]" not in printed
