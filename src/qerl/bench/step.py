@@ -55,6 +55,7 @@ def build_random_policy(config, fmt: str, lora_r: int, device: torch.device, see
     from ..models.convert import quantize_model
     from ..nn import LoraConfig
 
+    torch.manual_seed(seed)  # LoRA A is drawn from the default generators: identical on every rank
     g = torch.Generator(device).manual_seed(seed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -140,7 +141,7 @@ def check_distributed(runner: StepRunner, prompts: int) -> float:
     the single-process gradient of the whole batch (computed on every rank; only rank 0's is reported)."""
     from ..rl.advantages import group_advantages
     from ..rl.collect import Experience
-    from ..rl.distributed import DistContext
+    from ..rl.distributed import DistContext, all_reduce_sum
     from ..rl.update import policy_update
 
     args, G, world, rank = runner.args, runner.args.group, runner.dist.world, runner.dist.rank
@@ -161,6 +162,10 @@ def check_distributed(runner: StepRunner, prompts: int) -> float:
                       old_logprobs="recompute", tis_cap=2.0, dist_ctx=ctx)
         return torch.cat([p.grad.flatten().float() for p in runner.params])
 
+    flat = torch.cat([p.detach().flatten().float() for p in runner.params])
+    mean = all_reduce_sum(flat.clone(), runner.dist) / world
+    if not torch.equal(mean, flat):  # the check compares one policy's gradients, not several
+        raise RuntimeError("ranks hold different LoRA weights; the gradient check needs identical policies")
     one = grads(full, DistContext())
     share = torch.arange(n, device=dev).view(prompts, G)[rank::world].flatten()  # whole groups per rank
     mine = Experience(*(getattr(full, f)[share] for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
@@ -198,7 +203,7 @@ def run(args, dist_ctx) -> list[dict]:
                 runner = StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0)
             except torch.OutOfMemoryError:
                 results.append({**cell, "error": "OOM (model)"})
-                _print(results[-1], dist_ctx)
+                _report(results, args, dist_ctx)
                 runner = model = None
                 free_gpu()
                 continue
@@ -220,15 +225,21 @@ def run(args, dist_ctx) -> list[dict]:
                         runner.engine.release_memory()
                         free_gpu()
                 results.append(row)
-                _print(row, dist_ctx)
+                _report(results, args, dist_ctx)
             del runner, model
             free_gpu()
     return results
 
 
-def _print(row, dist_ctx):
-    if dist_ctx.is_main:
-        print(json.dumps(row), flush=True)
+def _report(results, args, dist_ctx):
+    """Print the newest cell and rewrite --out with every cell so far (a run cut short keeps its cells)."""
+    if not dist_ctx.is_main:
+        return
+    print(json.dumps(results[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()),
+                           torch=torch.__version__, args=vars(args), results=results), f, indent=1)
 
 
 PHASES = ("rollout", "reference", "loss_backward", "optimizer", "step")
@@ -307,10 +318,6 @@ def main(argv=None) -> int:
     if dist_ctx.is_main:
         device = torch.cuda.get_device_name()
         print(table(results, device, args))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(device=device, date=str(datetime.date.today()), torch=torch.__version__,
-                               args=vars(args), results=results), f, indent=1)
     if dist_ctx.enabled:
         torch.distributed.destroy_process_group()
     return 0
