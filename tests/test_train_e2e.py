@@ -223,3 +223,18 @@ def test_a_checkpoint_of_another_format_version_is_refused(tiny_dir, data_file, 
     torch.save(state, state_file)
     with pytest.raises(ValueError, match=r"checkpoint format 99 != 1 \(written by qerl 9.9.9\)"):
         Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=2)), resume=str(state_file.parent))
+
+
+def test_resume_check_reads_a_key_missing_from_an_older_checkpoint_as_its_old_meaning():
+    import copy
+
+    from qerl.config import TrainConfig, to_dict
+    from qerl.rl.trainer import _check_same_run
+
+    current = to_dict(TrainConfig())
+    saved = copy.deepcopy(current)
+    del saved["model"]["quantize_embeddings"]  # written before the option existed
+    _check_same_run(saved, current, Path("ckpt"))
+    current["model"]["quantize_embeddings"] = True
+    with pytest.raises(ValueError, match=r"model.quantize_embeddings: checkpoint False, now True"):
+        _check_same_run(saved, current, Path("ckpt"))

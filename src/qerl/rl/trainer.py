@@ -153,13 +153,17 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 # Settings a resumed run must share with its checkpoint: they define the model and the adapter's shape.
-_RESUME_KEYS = (("model", "name"), ("model", "format"), ("lora", "r"), ("lora", "alpha"), ("lora", "targets"),
-                ("lora", "use_rslora"), ("data", "train"))
+_RESUME_KEYS = (("model", "name"), ("model", "format"), ("model", "quantize_embeddings"), ("lora", "r"),
+                ("lora", "alpha"), ("lora", "targets"), ("lora", "use_rslora"), ("data", "train"))
+_ADDED_LATER = {("model", "quantize_embeddings"): False}  # what a checkpoint written before the key meant
 
 
 def _check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
-    diffs = [f"{a}.{b}: checkpoint {saved[a][b]!r}, now {current[a][b]!r}" for a, b in _RESUME_KEYS
-             if saved[a][b] != current[a][b]]
+    def old(a, b):
+        return saved[a][b] if b in saved[a] else _ADDED_LATER[(a, b)]
+
+    diffs = [f"{a}.{b}: checkpoint {old(a, b)!r}, now {current[a][b]!r}" for a, b in _RESUME_KEYS
+             if old(a, b) != current[a][b]]
     if diffs:
         raise ValueError(f"{checkpoint} belongs to a different run ({'; '.join(diffs)})")
 
