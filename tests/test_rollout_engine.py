@@ -159,6 +159,23 @@ def test_batch_split_into_passes_equals_one_pass():
     torch.testing.assert_close(split.logprobs, one.logprobs, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_per_pass_sized_from_free_memory():
+    """The pass size follows the memory a cache may use (CUDA's free memory; given here), in batch buckets,
+    never allocating a bucket larger than what fits; not even one row is a clear out-of-memory error."""
+    engine = RolloutEngine(tiny_model("llama"), max_seq_len=64, memory_fraction=1.0)
+    row = engine._bytes_per_row()
+    assert row == 2 * 2 * 2 * 16 * 64 * 4 + 96 * (4 + 12)  # k+v, 2 layers, 2 kv heads x 16, fp32; + logits
+    engine._free_bytes = lambda: 45 * row
+    assert engine.rows_per_pass(32, 20) == 32
+    assert engine.rows_per_pass(40, 20) == 32  # 40 rows would allocate the 64-row bucket
+    assert engine.rows_per_pass(300, 20) == 32
+    engine._free_bytes = lambda: row // 2
+    with pytest.raises(torch.OutOfMemoryError, match="not even one row"):
+        engine.rows_per_pass(4, 20)
+    engine._free_bytes = lambda: None  # CPU: never split
+    assert engine.rows_per_pass(300, 20) == 300
+
+
 def test_release_memory_then_generate_again():
     model = tiny_model("llama")
     engine = RolloutEngine(model, max_seq_len=64)

@@ -464,14 +464,17 @@ class RolloutEngine:
         return parts[0] if len(parts) == 1 else Rollout.concat(parts, self.pad_token_id)
 
     def rows_per_pass(self, n: int, seq_len: int) -> int:
-        """Rows one generate pass may hold: n, or the largest batch bucket that `max_batch` (default on
-        CUDA: the free memory) allows. seq_len (prompt + new tokens) is only checked against max_seq_len."""
+        """Rows one generate pass may hold: n, or fewer when its batch bucket (what the cache is allocated
+        for) exceeds `max_batch` or, by default on CUDA, what `memory_fraction` of the free memory holds.
+        seq_len (prompt + new tokens) is only checked against max_seq_len."""
         if seq_len > self.max_seq_len:
             return n  # _generate raises the clear error
         limit = self.max_batch
-        if limit is None and self.device.type == "cuda":
-            limit = self._rows_that_fit()
-        if limit is None or n <= limit:
+        if limit is None:
+            free = self._free_bytes()
+            if free is not None:
+                limit = int(free * self.memory_fraction) // self._bytes_per_row()
+        if limit is None or bucket_batch(n) <= limit:
             return n
         if limit < 1:
             raise torch.OutOfMemoryError(
@@ -480,17 +483,23 @@ class RolloutEngine:
         return max(b for b in BATCH_BUCKETS if b <= limit)
 
     def _bytes_per_row(self) -> int:
+        """Memory one batch row needs during generate: its K and V over max_seq_len in every layer, plus
+        the step logits and the fp32 sampling temporaries over the vocabulary."""
         r = self.runner
         elem = torch.finfo(r.dtype).bits // 8
         kv = 2 * len(r.layers) * r.n_kv * r.head_dim * self.max_seq_len * elem
-        return kv + self.model.config.vocab_size * (elem + 3 * 4)  # + step logits and fp32 sampling temporaries
+        return kv + self.model.config.vocab_size * (elem + 3 * 4)
 
-    def _rows_that_fit(self) -> int:
+    def _free_bytes(self) -> int | None:
+        """Device memory a new cache may use (free + cached by the allocator + the current cache, which
+        `_setup` frees first); None off CUDA, where the batch is not split by memory."""
+        if self.device.type != "cuda":
+            return None
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if self.cache is not None:  # _setup frees it before allocating the new one
+        if self.cache is not None:
             free += self.cache.nbytes()
-        return int(free * self.memory_fraction) // self._bytes_per_row()
+        return free
 
     def _generate(self, rows: list[list[int]], max_new_tokens, sampling, stop, ignore_eos, gen, aqn) -> Rollout:
         n, P = len(rows), max(len(r) for r in rows)
