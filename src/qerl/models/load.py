@@ -89,6 +89,20 @@ def load_gguf(path, dtype=None, device=None):
     return _to(model, device), tokenizer
 
 
+def plain_hf_directory(name_or_path) -> Path | None:
+    """The directory of the 16-bit Hugging Face checkpoint that `name_or_path` (an embedded name or a local
+    directory) names, when qerl can stream it (`models.stream`); None for anything else (GGUF, quantized
+    directories, hub ids, unsupported architectures: `load_causal_lm` handles or refuses those)."""
+    source = str(name_or_path)
+    path = registry.embedded_hf_dir(source) if source in registry.EMBEDDED else Path(source).expanduser()
+    if not (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))):
+        return None
+    config = _read_config(path)
+    if config.get("quantization_config") or config.get("model_type") not in SUPPORTED_ARCHITECTURES:
+        return None
+    return path
+
+
 def _to(model: nn.Module, device) -> nn.Module:
     return model.to(device) if device is not None else model
 

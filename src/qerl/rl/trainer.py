@@ -24,6 +24,8 @@ from rich.console import Console
 from ..config import TrainConfig, save_config, to_dict
 from ..models import (add_lora, load_adapter, load_causal_lm, lora_parameters, quant_layers, quantize_input_embeddings,
                       quantize_model, save_adapter)
+from ..models.load import plain_hf_directory
+from ..models.stream import stream_quantized
 from ..nn import LoraConfig
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
@@ -81,18 +83,28 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_policy(cfg: TrainConfig, device: torch.device):
-    """(model with a frozen quantized base + fresh or loaded LoRA, tokenizer)."""
-    model, tokenizer = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device,
-                                      trust_remote_code=cfg.model.trust_remote_code)
+    """(model with a frozen quantized base + fresh or loaded LoRA, tokenizer).
+
+    A 16-bit safetensors directory (or the embedded model) is quantized while it loads, one decoder layer
+    at a time, so the 16-bit model never has to fit in memory; other sources load whole, then quantize.
+    """
     lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, use_rslora=cfg.lora.use_rslora,
                       targets=tuple(cfg.lora.targets))
-    if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
-        add_lora(model, lora)
-        if cfg.model.quantize_embeddings:
-            quantize_input_embeddings(model, model.config.qerl_weight_format)
+    directory = plain_hf_directory(cfg.model.name)
+    if directory is not None:
+        model, tokenizer = stream_quantized(directory, cfg.model.format, lora, targets=cfg.lora.targets,
+                                            dtype=cfg.model.dtype, device=device, embeddings=cfg.model.quantize_embeddings,
+                                            trust_remote_code=cfg.model.trust_remote_code)
     else:
-        quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets,
-                       embeddings=cfg.model.quantize_embeddings)
+        model, tokenizer = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device,
+                                          trust_remote_code=cfg.model.trust_remote_code)
+        if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
+            add_lora(model, lora)
+            if cfg.model.quantize_embeddings:
+                quantize_input_embeddings(model, model.config.qerl_weight_format)
+        else:
+            quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets,
+                           embeddings=cfg.model.quantize_embeddings)
     if cfg.model.adapter:
         load_adapter(model, cfg.model.adapter)
     if tokenizer is None:

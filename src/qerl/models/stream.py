@@ -1,0 +1,113 @@
+"""Load a Hugging Face safetensors checkpoint straight into a quantized model, one decoder layer at a time.
+
+`load_causal_lm` + `quantize_model` first hold the whole model in 16 bits: 145 GB for a 72B model, more than
+an H200 (141 GB) and more than many hosts. Here the model skeleton lives on the meta device; each decoder
+layer is materialised on the target device, filled from the memory-mapped safetensors files, quantized
+(its dense weights dropped), and only then is the next one read. Peak memory: the quantized model plus one
+16-bit decoder layer on the device, one tensor on the host. The result equals `load_causal_lm` followed by
+`quantize_model` bit for bit (the fused q/k/v and gate/up groups that share a global scale live in one layer).
+"""
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+from torch import nn
+
+from ..nn import DEFAULT_TARGETS, LoraConfig
+from .convert import quantize_input_embeddings, quantize_model
+from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
+
+
+class _Checkpoint:
+    """Every tensor of a directory's *.safetensors files by name, read one at a time (memory-mapped)."""
+
+    def __init__(self, directory: Path, stack: ExitStack):
+        from safetensors import safe_open
+
+        self.where, self.used = {}, set()
+        for f in check_safetensors(directory):
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+            for key in handle.keys():
+                self.where[key] = handle
+
+    def fill(self, module: nn.Module, prefix: str, device, dtype: torch.dtype) -> None:
+        """Materialise `module` on `device` and copy every parameter / persistent buffer `prefix + name`
+        from the checkpoint (cast to dtype where floating point). Missing tensors are an error."""
+        persistent = set(module.state_dict().keys())
+        transient = {n for n, _ in module.named_buffers() if n not in persistent}
+        if transient:  # to_empty would leave them as garbage; none of the supported layers has any
+            raise ModelLoadError(f"{prefix or 'model'}: computed buffers {sorted(transient)} cannot be streamed")
+        module.to_empty(device=device)
+        missing = []
+        with torch.no_grad():
+            for name, t in module.state_dict(keep_vars=True).items():
+                key = prefix + name
+                handle = self.where.get(key)
+                if handle is None:
+                    missing.append(key)
+                    continue
+                src = handle.get_tensor(key)
+                if src.shape != t.shape:
+                    raise ModelLoadError(f"{key}: checkpoint shape {tuple(src.shape)}, model {tuple(t.shape)}")
+                t.copy_(src.to(dtype) if src.is_floating_point() else src)
+                self.used.add(key)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = None,
+                     targets=DEFAULT_TARGETS, dtype=None, device=None, embeddings: bool = False,
+                     trust_remote_code: bool = False, show_progress: bool = False):
+    """(model, tokenizer) from a Hugging Face directory of safetensors, quantized to `fmt` while loading.
+
+    Same result as `load_causal_lm(directory)` then `quantize_model(model, fmt, lora, targets,
+    embeddings=...)`, without ever holding the 16-bit model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    directory = Path(directory)
+    device = torch.device(device or "cpu")
+    dtype = resolve_dtype(dtype, device)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    _check_architecture(config, directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    body = model.model
+    tied = getattr(config, "tie_word_embeddings", False)
+    with ExitStack() as stack:
+        ckpt = _Checkpoint(directory, stack)
+        ckpt.fill(body.embed_tokens, "model.embed_tokens.", device, dtype)
+        with Progress(disable=not show_progress, transient=True) as progress:
+            task = progress.add_task(f"loading + quantizing to {fmt}", total=len(body.layers))
+            for i, layer in enumerate(body.layers):
+                ckpt.fill(layer, f"model.layers.{i}.", device, dtype)
+                quantize_model(layer, fmt, lora, targets=targets)
+                progress.advance(task)
+        ckpt.fill(body.norm, "model.norm.", device, dtype)
+        if tied:
+            model.lm_head.weight = body.embed_tokens.weight
+        else:
+            ckpt.fill(model.lm_head, "lm_head.", device, dtype)
+        unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
+        unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # old checkpoints stored it
+        if unused:
+            raise ModelLoadError(f"{directory}: {len(unused)} checkpoint tensor(s) the model has no place for, "
+                                 f"e.g. {unused[:3]}")
+    # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
+    with torch.device(device):
+        body.rotary_emb = type(body.rotary_emb)(config=config)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    if embeddings:
+        quantize_input_embeddings(model, fmt)
+    model.config.qerl_weight_format = fmt
+    if (directory / "generation_config.json").is_file():  # EOS ids the engine stops on
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model.eval(), tokenizer
+
