@@ -61,3 +61,20 @@ def test_missing_or_extra_tensors_are_named(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="no place for, e.g. \\['model.layers.9.mlp.up_proj.weight'\\]"):
         stream_quantized(tmp_path, "nvfp4")
+
+
+def test_cli_quantize_no_check_streams_the_same_directory(tmp_path):
+    """`qerl quantize --no-check` (streamed, layer by layer) writes the same tensors as the checked path."""
+    from qerl.cli import main
+
+    src = tmp_path / "src"
+    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    outs = {}
+    for flag in ([], ["--no-check"]):
+        out = tmp_path / ("streamed" if flag else "checked")
+        assert main(["quantize", str(src), "--format", "nvfp4", "--out", str(out), *flag]) == 0
+        outs[bool(flag)] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert outs[True].keys() == outs[False].keys()
+    for k in outs[True]:
+        assert torch.equal(outs[True][k], outs[False][k]), k

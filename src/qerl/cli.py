@@ -15,14 +15,24 @@ console = Console(stderr=True)
 def _quantize(args) -> int:
     from .eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
     from .models import load_causal_lm, memory_report, quantize_model, save_quantized
+    from .models.load import plain_hf_directory
+    from .models.stream import stream_quantized
 
     t0 = time.perf_counter()
-    with console.status(f"loading {args.model}"):
-        model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    console.print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
-    ids = tokenizer(fidelity_text(), return_tensors="pt").input_ids if (tokenizer and not args.no_check) else None
-    ref = next_token_logprobs(model, ids) if ids is not None else None
-    quantize_model(model, args.format, targets=args.targets.split(","), show_progress=True)
+    targets = args.targets.split(",")
+    directory = plain_hf_directory(args.model) if args.no_check else None
+    ref = ids = None
+    if directory is not None:  # no reference needed: never hold the 16-bit model
+        model, tokenizer = stream_quantized(directory, args.format, targets=targets, dtype=args.dtype,
+                                            trust_remote_code=args.trust_remote_code, show_progress=True)
+        console.print(f"loaded and quantized {args.model} layer by layer in {time.perf_counter() - t0:.1f}s")
+    else:
+        with console.status(f"loading {args.model}"):
+            model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        console.print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
+        ids = tokenizer(fidelity_text(), return_tensors="pt").input_ids if (tokenizer and not args.no_check) else None
+        ref = next_token_logprobs(model, ids) if ids is not None else None
+        quantize_model(model, args.format, targets=targets, show_progress=True)
     report = memory_report(model)
     out = save_quantized(model, tokenizer, args.out, overwrite=args.overwrite)
     table = Table(title=f"{args.model} -> {args.format}", show_header=False)
