@@ -106,15 +106,23 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def prepare_model(args):
     """Load, quantize when asked, attach the adapter -> (model, tokenizer)."""
     from ..models import load_adapter, load_causal_lm, quant_layers, quantize_model
+    from ..models.load import plain_hf_directory
+    from ..models.stream import stream_quantized
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, device=device,
-                                      trust_remote_code=args.trust_remote_code)
+    # an adapter attaches to QuantLinear layers; "bf16" is the unquantized layer with the same code path
+    fmt = args.format or ("bf16" if args.adapter else None)
+    directory = plain_hf_directory(args.model) if fmt else None
+    if directory is not None:  # quantize while loading: the 16-bit model is never held whole
+        model, tokenizer = stream_quantized(directory, fmt, dtype=args.dtype, device=device,
+                                            trust_remote_code=args.trust_remote_code)
+    else:
+        model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, device=device,
+                                          trust_remote_code=args.trust_remote_code)
+        if not quant_layers(model) and fmt:
+            quantize_model(model, fmt)
     if tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer found; evaluation needs one")
-    if not quant_layers(model) and (args.format or args.adapter):
-        # an adapter attaches to QuantLinear layers; "bf16" is the unquantized layer with the same code path
-        quantize_model(model, args.format or "bf16")
     if args.adapter:
         load_adapter(model, args.adapter)
     return model.eval(), tokenizer
