@@ -2,7 +2,7 @@
 
 The fused kernels run when the activation is a CUDA bf16/fp16 tensor and Triton can be imported.
 QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmarks).
-`gemv_wins` sends the forward product at decode sizes (M <= GEMV_MAX_M) to the CUDA-core kernel
+`gemv_wins` sends the forward product at decode sizes (M <= GEMV_ROUTE_MAX_M) to the CUDA-core kernel
 (`triton_fp4_gemv`); above that, `fused_wins` picks, per call, between the fused kernel and "dequantize W on the device in one Triton pass
 into a temporary (the caching allocator reuses the block), then cuBLAS", from the H200 measurements in
 docs/benchmarks.md: fused wins up to M = 16 on every Qwen2.5 shape, and up to M = 64 on shapes with at
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-GEMV_MAX_M = 1  # CUDA-core decode kernel (triton_fp4_gemv) up to here, forward only (H200: wins only at M=1)
+GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
 BIG_WEIGHT = 32 * 1024 * 1024
@@ -36,7 +36,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def gemv_wins(m: int, n: int, k: int) -> bool:
     """Forward x @ W^T with m rows: the CUDA-core decode kernel (True) or the tensor-core paths."""
-    return 1 <= m <= GEMV_MAX_M
+    return 1 <= m <= GEMV_ROUTE_MAX_M
 
 
 def fused_wins(m: int, n: int, k: int) -> bool:
