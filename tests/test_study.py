@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from qerl.bench import study
+from qerl.bench import study, study_arms, study_jobs, study_report
 from qerl.bench.study import Arm, Job, StudyError
 
 # arms and seeds -----------------------------------------------------------------------------------
@@ -25,15 +25,15 @@ from qerl.bench.study import Arm, Job, StudyError
     (" nf4 ", Arm("nf4", False)),
 ])
 def test_parse_arm(text, arm):
-    assert study.parse_arm(text) == arm
+    assert study_arms.parse_arm(text) == arm
 
 
 def test_arm_names_and_overrides():
-    assert study.parse_arm("nvfp4+aqn:exponential").name == "nvfp4+aqn"
-    arm = study.parse_arm("nvfp4+aqn:cosine")
+    assert study_arms.parse_arm("nvfp4+aqn:exponential").name == "nvfp4+aqn"
+    arm = study_arms.parse_arm("nvfp4+aqn:cosine")
     assert (arm.name, arm.slug) == ("nvfp4+aqn:cosine", "nvfp4_aqn_cosine")
     assert arm.overrides() == ["model.format=nvfp4", "aqn.enabled=true", "aqn.decay=cosine"]
-    assert study.parse_arm("bf16").overrides()[1] == "aqn.enabled=false"
+    assert study_arms.parse_arm("bf16").overrides()[1] == "aqn.enabled=false"
 
 
 @pytest.mark.parametrize("text,match", [
@@ -46,7 +46,7 @@ def test_arm_names_and_overrides():
 ])
 def test_parse_arm_refuses(text, match):
     with pytest.raises(StudyError, match=match):
-        study.parse_arm(text)
+        study_arms.parse_arm(text)
 
 
 def test_parse_arms_and_seeds():
@@ -77,7 +77,7 @@ def test_jobs_are_seed_major(tmp_path):
 
 
 def _run(arm, seed, **values):
-    base = {key: 0.0 for key, _, _ in study.AGGREGATED}
+    base = {key: 0.0 for key, _, _ in study_report.AGGREGATED}
     base.update(values)
     steps = [{"step": s + 1, "reward": 0.1 * s + seed, "entropy": 0.5} for s in range(5)]
     return {"arm": arm, "seed": seed, **base, "metrics": steps}
@@ -86,22 +86,22 @@ def _run(arm, seed, **values):
 def test_aggregate_mean_and_sample_std():
     runs = [_run("nvfp4", 0, pass1_after=0.2), _run("nvfp4", 1, pass1_after=0.4), _run("nvfp4", 2, pass1_after=0.6),
             _run("bf16", 0, pass1_after=0.8, memory_gb=None)]
-    agg = study.aggregate(runs, ["bf16", "nvfp4", "nf4"])
+    agg = study_report.aggregate(runs, ["bf16", "nvfp4", "nf4"])
     assert list(agg) == ["bf16", "nvfp4"]  # arm order kept, arms without runs left out
     stat = agg["nvfp4"]["pass1_after"]
     assert stat["n"] == 3 and stat["mean"] == pytest.approx(0.4) and stat["std"] == pytest.approx(0.2)
     assert agg["nvfp4"]["seeds"] == [0, 1, 2]
     assert agg["bf16"]["pass1_after"] == {"mean": 0.8, "std": None, "n": 1}  # n = 1: no spread
     assert agg["bf16"]["memory_gb"] == {"mean": None, "std": None, "n": 0}
-    table = study.markdown_table(agg)
+    table = study_report.markdown_table(agg)
     assert "| nvfp4 | 3 |" in table and "0.400 ± 0.200" in table
     assert "0.800 ± -" in table
-    assert table.splitlines()[1].count("---") == len(study.AGGREGATED) + 2
+    assert table.splitlines()[1].count("---") == len(study_report.AGGREGATED) + 2
     assert json.loads(json.dumps(agg)) == agg  # plain JSON: no NaN
 
 
 def test_mean_std_ignores_missing_values():
-    assert study.mean_std([1.0, None, float("nan"), 3.0]) == {"mean": 2.0, "std": pytest.approx(math.sqrt(2)), "n": 2}
+    assert study_report.mean_std([1.0, None, float("nan"), 3.0]) == {"mean": 2.0, "std": pytest.approx(math.sqrt(2)), "n": 2}
 
 
 def test_summarize_first_and_last_fifth():
@@ -114,11 +114,11 @@ def test_summarize_first_and_last_fifth():
 
 def test_plots_include_the_ablation_only_with_two_decays(tmp_path):
     runs = [_run(a, s) for a in ("nvfp4", "nvfp4+aqn", "nvfp4+aqn:linear", "bf16") for s in (0, 1)]
-    agg = study.aggregate(runs)
-    assert study.ablation_arms(list(agg)) == ["nvfp4", "nvfp4+aqn", "nvfp4+aqn:linear"]
-    names = {p.name for p in study.plot_study(runs, agg, tmp_path)}
+    agg = study_report.aggregate(runs)
+    assert study_report.ablation_arms(list(agg)) == ["nvfp4", "nvfp4+aqn", "nvfp4+aqn:linear"]
+    names = {p.name for p in study_report.plot_study(runs, agg, tmp_path)}
     assert names == {"study_reward.png", "study_entropy.png", "study_pass1.png", "study_ablation_reward.png"}
-    assert study.ablation_arms(["nvfp4", "nvfp4+aqn", "bf16+aqn:linear"]) == []
+    assert study_report.ablation_arms(["nvfp4", "nvfp4+aqn", "bf16+aqn:linear"]) == []
 
 
 # finished jobs, failures, the deadline --------------------------------------------------------------
@@ -128,7 +128,7 @@ SETTINGS = {"model": "m", "steps": 3}
 
 def _write_result(job: Job, settings=SETTINGS):
     job.dir.mkdir(parents=True, exist_ok=True)
-    study.write_json_atomic(job.result_path, {"arm": job.arm.name, "seed": job.seed, "settings": settings})
+    study_jobs.write_json_atomic(job.result_path, {"arm": job.arm.name, "seed": job.seed, "settings": settings})
 
 
 def test_finished_jobs_are_skipped(tmp_path):
@@ -155,7 +155,7 @@ def test_run_jobs_reports_failures_and_clears_stale_dirs(tmp_path):
     jobs[0].dir.mkdir(parents=True)
     (jobs[0].dir / "metrics.jsonl").write_text("{}\n")  # a run killed earlier, no result.json
     codes = {"nvfp4": _WRITE, "bf16": _FAIL, "nf4": "pass"}
-    outcomes = study.run_jobs(jobs, _fake(codes), parallel=2, poll_s=0.05, log=lambda *a: None)
+    outcomes = study_jobs.run_jobs(jobs, _fake(codes), parallel=2, poll_s=0.05, log=lambda *a: None)
     assert [o["status"] for o in outcomes] == ["done", "failed", "failed"]
     assert not (jobs[0].dir / "metrics.jsonl").exists()
     assert outcomes[1]["error"] == "ValueError: boom" and "working" in outcomes[1]["log_tail"]
@@ -166,14 +166,14 @@ def test_deadline_kills_running_and_skips_waiting_jobs(tmp_path):
     jobs = study.make_jobs(study.parse_arms("nvfp4,bf16,nf4"), [0], tmp_path)
     codes = {"nvfp4": _WRITE, "bf16": _SLEEP, "nf4": _WRITE}
     t0 = time.monotonic()
-    outcomes = study.run_jobs(jobs, _fake(codes), parallel=2, deadline=t0 + 3.0, poll_s=0.05, log=lambda *a: None)
+    outcomes = study_jobs.run_jobs(jobs, _fake(codes), parallel=2, deadline=t0 + 3.0, poll_s=0.05, log=lambda *a: None)
     assert time.monotonic() - t0 < 10
     # nvfp4 finishes and frees its slot; nf4 is started only if the deadline is not in reach
     assert outcomes[0]["status"] == "done"
     assert outcomes[1]["status"] == "killed" and "deadline" in outcomes[1]["error"]
     assert outcomes[2]["status"] in ("done", "not run")
 
-    late = study.run_jobs(jobs, _fake(codes), parallel=1, deadline=time.monotonic() - 1, log=lambda *a: None)
+    late = study_jobs.run_jobs(jobs, _fake(codes), parallel=1, deadline=time.monotonic() - 1, log=lambda *a: None)
     assert [o["status"] for o in late] == ["not run"] * 3
 
 
@@ -188,9 +188,9 @@ def test_main_refuses_bad_arguments(capsys):
 
 
 def test_mps_is_optional(monkeypatch):
-    monkeypatch.setattr(study.shutil, "which", lambda name: None)
+    monkeypatch.setattr(study_jobs.shutil, "which", lambda name: None)
     lines = []
-    with study.MPSDaemon(True, log=lines.append) as mps:
+    with study_jobs.MPSDaemon(True, log=lines.append) as mps:
         assert not mps.started
     assert "not found" in lines[0]
 

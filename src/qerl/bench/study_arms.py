@@ -1,0 +1,64 @@
+"""A study arm, FORMAT[+aqn][:DECAY]: the weight format, whether AQN is on, and its sigma decay."""
+
+import re
+from dataclasses import dataclass
+
+FORMATS = ("nvfp4", "mxfp4", "nf4", "bf16")  # qerl.formats.FORMATS, without importing torch here
+DECAYS = ("exponential", "linear", "cosine", "logarithmic")  # qerl.rl.aqn.DECAYS
+DEFAULT_DECAY = "exponential"
+
+
+class StudyError(ValueError):
+    """A bad arm, seed list or setting; the message says which and what is allowed."""
+
+
+
+
+@dataclass(frozen=True)
+class Arm:
+    format: str
+    aqn: bool = False
+    decay: str = DEFAULT_DECAY
+
+    @property
+    def name(self) -> str:
+        """Canonical spelling: the default decay is left out."""
+        return self.format + ("+aqn" if self.aqn else "") + (f":{self.decay}" if self.decay != DEFAULT_DECAY else "")
+
+    @property
+    def slug(self) -> str:
+        """The name as a directory name."""
+        return self.name.replace("+", "_").replace(":", "_")
+
+    def overrides(self) -> list[str]:
+        return [f"model.format={self.format}", f"aqn.enabled={'true' if self.aqn else 'false'}",
+                f"aqn.decay={self.decay}"]
+
+
+_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?P<aqn>\+aqn)?(?::(?P<decay>[a-z]+))?$")
+
+
+def parse_arm(text: str) -> Arm:
+    m = _ARM.match(text.strip())
+    if not m:
+        raise StudyError(f"arm {text!r}: expected FORMAT[+aqn][:DECAY], e.g. nvfp4, nvfp4+aqn, nvfp4+aqn:linear")
+    fmt, aqn, decay = m["format"], bool(m["aqn"]), m["decay"]
+    if fmt not in FORMATS:
+        raise StudyError(f"arm {text!r}: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if decay is not None and not aqn:
+        raise StudyError(f"arm {text!r}: a decay only makes sense with AQN; write {fmt}+aqn:{decay}")
+    if decay is not None and decay not in DECAYS:
+        raise StudyError(f"arm {text!r}: unknown AQN decay {decay!r}; choose one of {', '.join(DECAYS)}")
+    return Arm(fmt, aqn, decay or DEFAULT_DECAY)
+
+
+def parse_arms(text: str) -> list[Arm]:
+    arms = [parse_arm(a) for a in text.split(",") if a.strip()]
+    if not arms:
+        raise StudyError("--arms: no arm given")
+    seen = set()
+    for arm in arms:
+        if arm in seen:
+            raise StudyError(f"--arms: {arm.name} is given twice")
+        seen.add(arm)
+    return arms
