@@ -78,3 +78,29 @@ def test_cli_quantize_no_check_streams_the_same_directory(tmp_path):
     assert outs[True].keys() == outs[False].keys()
     for k in outs[True]:
         assert torch.equal(outs[True][k], outs[False][k]), k
+
+
+def test_hub_id_streams_from_its_snapshot(tmp_path, monkeypatch):
+    """A hub id is fetched as a safetensors snapshot (only the files streaming needs) and then streamed;
+    when the snapshot cannot be fetched (offline) the caller falls back to load_causal_lm's path."""
+    import huggingface_hub
+
+    from qerl.models import load
+
+    snap = tmp_path / "snapshot"
+    tiny_model("llama", dtype=torch.bfloat16).save_pretrained(snap)
+    tiny_tokenizer().save_pretrained(snap)
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns=None):  # the network is not reachable from CI
+        calls.append((repo_id, allow_patterns))
+        if repo_id != "org/tiny":
+            raise OSError("offline")
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert load.plain_hf_directory("org/tiny") == snap
+    assert calls == [("org/tiny", list(load.HUB_PATTERNS))]
+    assert load.plain_hf_directory("org/unreachable") is None
+    assert load.plain_hf_directory(str(tmp_path / "no-such-dir")) is None  # a path, never sent to the hub
+    assert len(calls) == 2

@@ -89,18 +89,45 @@ def load_gguf(path, dtype=None, device=None):
     return _to(model, device), tokenizer
 
 
+# what a hub snapshot needs for streaming: weights, config, generation config and tokenizer files
+HUB_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken")
+
+
 def plain_hf_directory(name_or_path) -> Path | None:
-    """The directory of the 16-bit Hugging Face checkpoint that `name_or_path` (an embedded name or a local
-    directory) names, when qerl can stream it (`models.stream`); None for anything else (GGUF, quantized
-    directories, hub ids, unsupported architectures: `load_causal_lm` handles or refuses those)."""
+    """The directory of the 16-bit Hugging Face checkpoint that `name_or_path` names, when qerl can stream it
+    (`models.stream`): an embedded name, a local directory, or a hub id (its safetensors snapshot is
+    downloaded into the Hugging Face cache first). None for anything else -- GGUF, quantized directories,
+    unsupported architectures, a hub id that cannot be fetched -- which `load_causal_lm` handles or refuses
+    with its own message."""
     source = str(name_or_path)
-    path = registry.embedded_hf_dir(source) if source in registry.EMBEDDED else Path(source).expanduser()
+    if source in registry.EMBEDDED:
+        path = registry.embedded_hf_dir(source)
+    else:
+        path = Path(source).expanduser()
+        if not path.exists() and _looks_like_hub_id(source):
+            path = _hub_snapshot(source)
+            if path is None:
+                return None
     if not (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))):
         return None
     config = _read_config(path)
     if config.get("quantization_config") or config.get("model_type") not in SUPPORTED_ARCHITECTURES:
         return None
     return path
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(".gguf")
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """Download (or find in the cache) the files of `repo_id` needed to stream it; None when that fails."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=list(HUB_PATTERNS)))
+    except Exception:  # offline, unknown repo, gated...: load_causal_lm tries again and explains
+        return None
 
 
 def _to(model: nn.Module, device) -> nn.Module:
