@@ -55,3 +55,16 @@ def test_bad_variant_or_size_is_refused():
         parse_args(["--variants", "fp8"])
     with pytest.raises(ValueError, match="unknown model size"):
         parse_args(["--models", "9b"])
+
+
+def test_gradient_check_in_one_process_is_exact_and_reports_a_noise_floor():
+    """With one rank the 'distributed' gradient is the single-process one (error 0); the noise floor compares
+    two micro-batch sizes of the same batch, which differ only by bf16 rounding."""
+    from qerl.bench.step import check_distributed
+
+    model = build_random_policy(Qwen2Config(**TINY), "nvfp4", lora_r=4, device=torch.device("cpu"))
+    args = argparse.Namespace(prompt=5, completion=6, group=2, micro_batch=4, kl_beta=0.04)
+    runner = StepRunner(model, args, DistContext(), sigma=0.0)
+    err, floor = check_distributed(runner, prompts=4)
+    assert err == 0.0
+    assert 0.0 <= floor < 0.05

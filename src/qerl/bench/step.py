@@ -136,9 +136,11 @@ class StepRunner:
         return times
 
 
-def check_distributed(runner: StepRunner, prompts: int) -> float:
-    """||g_dist - g_one|| / ||g_one|| for a fixed global batch: all-reduced gradient over ranks' shares vs
-    the single-process gradient of the whole batch (computed on every rank; only rank 0's is reported)."""
+def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
+    """(error, noise floor) for a fixed global batch. error = ||g_dist - g_one|| / ||g_one||: the all-reduced
+    gradient over the ranks' shares against the single-process gradient of the whole batch (computed on
+    every rank; rank 0's is reported). noise floor = the same distance between two single-process
+    gradients of the whole batch that differ only in micro-batch size: what bf16 rounding alone moves."""
     from ..rl.advantages import group_advantages
     from ..rl.collect import Experience
     from ..rl.distributed import DistContext, all_reduce_sum
@@ -146,19 +148,19 @@ def check_distributed(runner: StepRunner, prompts: int) -> float:
 
     args, G, world, rank = runner.args, runner.args.group, runner.dist.world, runner.dist.rank
     g = torch.Generator().manual_seed(1234)
-    n, T, dev = prompts * G, args.completion, runner.model.device
+    n, T, dev, vocab = prompts * G, args.completion, runner.model.device, runner.model.config.vocab_size
     lengths = torch.randint(T // 2, T + 1, (n,), generator=g)
     mask = torch.arange(T)[None] < lengths[:, None]
     rewards = torch.randint(0, 2, (n,), generator=g).float()
-    full = Experience(torch.randint(0, 100000, (n, args.prompt), generator=g), torch.ones(n, args.prompt, dtype=torch.bool),
-                      torch.randint(0, 100000, (n, T), generator=g), mask, torch.zeros(n, T), torch.zeros(n, T),
+    full = Experience(torch.randint(0, vocab, (n, args.prompt), generator=g), torch.ones(n, args.prompt, dtype=torch.bool),
+                      torch.randint(0, vocab, (n, T), generator=g), mask, torch.zeros(n, T), torch.zeros(n, T),
                       rewards, group_advantages(rewards, G), lengths, torch.zeros(n, dtype=torch.bool))
     full = Experience(*(getattr(full, f).to(dev) for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
 
-    def grads(exp, ctx):
+    def grads(exp, ctx, micro=args.micro_batch):
         sgd = torch.optim.SGD(runner.params, lr=0.0)  # lr 0: the weights stay, the gradient stays in .grad
         policy_update(runner.model, exp, sgd, runner.params, runner.settings, num_updates=1,
-                      micro_batch_size=args.micro_batch, max_grad_norm=1e9, temperature=1.0,
+                      micro_batch_size=micro, max_grad_norm=1e9, temperature=1.0,
                       old_logprobs="recompute", tis_cap=2.0, dist_ctx=ctx)
         return torch.cat([p.grad.flatten().float() for p in runner.params])
 
@@ -170,7 +172,12 @@ def check_distributed(runner: StepRunner, prompts: int) -> float:
     share = torch.arange(n, device=dev).view(prompts, G)[rank::world].flatten()  # whole groups per rank
     mine = Experience(*(getattr(full, f)[share] for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
     both = grads(mine, runner.dist)
-    return float((both - one).norm() / one.norm().clamp(min=1e-30))
+    reshuffled = grads(full, DistContext(), micro=max(1, args.micro_batch // 2))
+
+    def rel(a):
+        return float((a - one).norm() / one.norm().clamp(min=1e-30))
+
+    return rel(both), rel(reshuffled)
 
 
 def _variant(v: str) -> tuple[str, bool]:
@@ -218,7 +225,7 @@ def run(args, dist_ctx) -> list[dict]:
                         steps = [runner.step(mine, args.completion) for _ in range(args.steps)]
                         row.update({k: sorted(s[k] for s in steps)[len(steps) // 2] for k in steps[0]})
                         if args.check_dist and dist_ctx.world > 1:
-                            row["dist_grad_rel_err"] = check_distributed(runner, prompts)
+                            row["dist_grad_rel_err"], row["dist_grad_noise_floor"] = check_distributed(runner, prompts)
                     except torch.OutOfMemoryError:
                         row["error"] = "OOM"
                         runner.optimizer.zero_grad(set_to_none=True)
@@ -266,7 +273,9 @@ def table(results, device, args) -> str:
                      f"{r['peak_gb']:.1f} | {r['weights_gb']:.1f} |")
     if any("dist_grad_rel_err" in r for r in results):
         errs = [r["dist_grad_rel_err"] for r in results if "dist_grad_rel_err" in r]
-        lines.append(f"\ndata-parallel gradient vs single process (relative L2 error): max {max(errs):.2e}")
+        floor = [r["dist_grad_noise_floor"] for r in results if "dist_grad_noise_floor" in r]
+        lines.append(f"\ndata-parallel gradient vs single process (relative L2 error): max {max(errs):.2e}"
+                     + (f"; single process, micro-batch halved: max {max(floor):.2e}" if floor else ""))
     return "\n".join(lines)
 
 
