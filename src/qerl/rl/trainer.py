@@ -85,8 +85,9 @@ def resolve_device(name: str) -> torch.device:
 def build_policy(cfg: TrainConfig, device: torch.device):
     """(model with a frozen quantized base + fresh or loaded LoRA, tokenizer).
 
-    A 16-bit safetensors directory (or the embedded model) is quantized while it loads, one decoder layer
-    at a time, so the 16-bit model never has to fit in memory; other sources load whole, then quantize.
+    A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is quantized
+    while it loads, one decoder layer at a time, so the 16-bit model never has to fit in memory; other
+    sources (GGUF, already quantized directories) load whole.
     """
     lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, use_rslora=cfg.lora.use_rslora,
                       targets=tuple(cfg.lora.targets))
