@@ -50,34 +50,22 @@ def _init_(module: torch.nn.Module, generator: torch.Generator) -> None:
 def build_random_policy(config, fmt: str, lora_r: int, device: torch.device, seed: int = 0):
     """A random-weight causal LM whose decoder linears are QuantLinear(fmt) + LoRA r (fmt "bf16" = the
     16-bit LoRA baseline through the same layer), built one decoder layer at a time on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    from ..models.convert import quantize_model
+    from ..models.stream import build_layer_by_layer
     from ..nn import LoraConfig
 
     torch.manual_seed(seed)  # LoRA A is drawn from the default generators: identical on every rank
     g = torch.Generator(device).manual_seed(seed)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    lora = LoraConfig(r=lora_r, alpha=2 * lora_r)
-    for part in (model.model.embed_tokens, model.model.norm, model.lm_head):
-        part.to_empty(device=device)
-        _init_(part, g)
-    # rotary tables are non-persistent buffers computed in __init__: rebuild the module on the device
-    with torch.device(device):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    for layer in model.model.layers:
-        layer.to_empty(device=device)
-        _init_(layer, g)
-        quantize_model(layer, fmt, lora)
-    model.config.qerl_weight_format = fmt
-    model.requires_grad_(False)
+
+    def fill(module, prefix):
+        module.to_empty(device=device)
+        _init_(module, g)
+
+    model = build_layer_by_layer(config, fmt, LoraConfig(r=lora_r, alpha=2 * lora_r), fill, dtype=torch.bfloat16,
+                                 device=device)
     with torch.no_grad():  # a trained-looking adapter (B = 0 would be as fast, but be honest)
         for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.requires_grad_(True)
-                if "lora_B" in name:
-                    p.normal_(0, 1e-3, generator=g)
+            if "lora_B" in name:
+                p.normal_(0, 1e-3, generator=g)
     model.config.use_cache = False
     return model.eval()
 

@@ -57,6 +57,39 @@ class _Checkpoint:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
+def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, targets=DEFAULT_TARGETS,
+                         dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False):
+    """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`), built one decoder
+    layer at a time: `fill(module, prefix)` materialises a part of the meta-device skeleton on `device` and
+    gives it its values (from a checkpoint, or random for benchmarks); each layer is quantized right after,
+    so at most one 16-bit layer exists. Only LoRA parameters require grad."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device or "cpu")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    body = model.model
+    fill(body.embed_tokens, "model.embed_tokens.")
+    with Progress(disable=not show_progress, transient=True) as progress:
+        task = progress.add_task(f"building + quantizing to {fmt}", total=len(body.layers))
+        for i, layer in enumerate(body.layers):
+            fill(layer, f"model.layers.{i}.")
+            quantize_model(layer, fmt, lora, targets=targets)
+            progress.advance(task)
+    fill(body.norm, "model.norm.")
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = body.embed_tokens.weight
+    else:
+        fill(model.lm_head, "lm_head.")
+    # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
+    with torch.device(device):
+        body.rotary_emb = type(body.rotary_emb)(config=config)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    model.config.qerl_weight_format = fmt
+    return model
+
+
 def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = None,
                      targets=DEFAULT_TARGETS, dtype=None, device=None, embeddings: bool = False,
                      trust_remote_code: bool = False, show_progress: bool = False):
@@ -65,44 +98,24 @@ def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = No
     Same result as `load_causal_lm(directory)` then `quantize_model(model, fmt, lora, targets,
     embeddings=...)`, without ever holding the 16-bit model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     directory = Path(directory)
     device = torch.device(device or "cpu")
     dtype = resolve_dtype(dtype, device)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     _check_architecture(config, directory)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    body = model.model
-    tied = getattr(config, "tie_word_embeddings", False)
     with ExitStack() as stack:
         ckpt = _Checkpoint(directory, stack)
-        ckpt.fill(body.embed_tokens, "model.embed_tokens.", device, dtype)
-        with Progress(disable=not show_progress, transient=True) as progress:
-            task = progress.add_task(f"loading + quantizing to {fmt}", total=len(body.layers))
-            for i, layer in enumerate(body.layers):
-                ckpt.fill(layer, f"model.layers.{i}.", device, dtype)
-                quantize_model(layer, fmt, lora, targets=targets)
-                progress.advance(task)
-        ckpt.fill(body.norm, "model.norm.", device, dtype)
-        if tied:
-            model.lm_head.weight = body.embed_tokens.weight
-        else:
-            ckpt.fill(model.lm_head, "lm_head.", device, dtype)
+        model = build_layer_by_layer(config, fmt, lora, lambda module, prefix: ckpt.fill(module, prefix, device, dtype),
+                                     targets=targets, dtype=dtype, device=device, show_progress=show_progress)
         unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
         unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # old checkpoints stored it
         if unused:
             raise ModelLoadError(f"{directory}: {len(unused)} checkpoint tensor(s) the model has no place for, "
                                  f"e.g. {unused[:3]}")
-    # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
-    with torch.device(device):
-        body.rotary_emb = type(body.rotary_emb)(config=config)
-    for name, p in model.named_parameters():
-        p.requires_grad_(".lora_" in name)
     if embeddings:
         quantize_input_embeddings(model, fmt)
-    model.config.qerl_weight_format = fmt
     if (directory / "generation_config.json").is_file():  # EOS ids the engine stops on
         model.generation_config = GenerationConfig.from_pretrained(directory)
     try:
@@ -110,4 +123,3 @@ def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = No
     except (OSError, ValueError):
         tokenizer = None
     return model.eval(), tokenizer
-
