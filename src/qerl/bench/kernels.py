@@ -189,6 +189,75 @@ def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) ->
     return rows
 
 
+SWAP_M = (1, 2, 4, 8, 16, 32, 64)
+
+
+def swap_candidates(m: int):
+    """(config, waves) pairs for the Gluon swap-AB kernel at m rows: tile shapes x programs per SM."""
+    bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
+    tiles = [(128, bm, 128, 16, 4), (128, bm, 64, 16, 4), (64, bm, 128, 16, 4), (128, bm, 128, 16, 3),
+             (256, bm, 64, 16, 3)]
+    return [(t, w) for t in tiles for w in (1.0, 2.0, 4.0)]
+
+
+def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dict]:
+    """Decode sizes: cuBLAS bf16 vs the Triton kernels the dispatch used before (fused tl.dot; gemv at
+    M = 1) vs the Gluon swap-AB kernel with its default tile and the fastest of `swap_candidates`."""
+    from qerl.kernels import gluon_nvfp4 as gk
+    from qerl.kernels import triton_nvfp4 as tk
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fp4_bytes = n * k // 2 + n * k // 16
+    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
+    bf, q = _weights(n, k, copies)
+    rows = []
+    for m in ms:
+        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+        t = {"cublas": _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, replays),
+             "fused": _graph_time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies]), calls, replays),
+             "swap": _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies]), calls, replays)}
+        if m == 1:
+            t["gemv"] = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)
+        best = (t["swap"], None)
+        for cfg, waves in swap_candidates(m):
+            split = gk.split_for(m, n, k, cfg, sms, waves)[0] if k % (2 * cfg[2]) == 0 else None
+            if split is None:
+                continue
+            try:
+                tc = _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies], config=cfg, split=split),
+                                 calls, replays)
+            except Exception as e:  # shared memory / registers
+                print(f"  {cfg} waves {waves}: failed {type(e).__name__}: {str(e)[:100]}")
+                continue
+            if tc < best[0]:
+                best = (tc, [*cfg, split])
+        act = 2 * m * (n + k)
+        rows.append({"N": n, "K": k, "M": m, **{f"t_{a}_us": v * 1e6 for a, v in t.items()},
+                     "t_swap_best_us": best[0] * 1e6, "best_cfg": best[1],
+                     "x_swap": t["cublas"] / t["swap"], "x_swap_best": t["cublas"] / best[0],
+                     "x_fused": t["cublas"] / t["fused"], "bw_swap": (fp4_bytes + act) / t["swap"],
+                     "bw_cublas": (2 * n * k + act) / t["cublas"]})
+    del bf, q
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _swap_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
+             f"command `{meta['command']}`", "",
+             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap us | swap best us "
+             "(BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS swap | x cuBLAS swap best | swap TB/s | cuBLAS TB/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        gemv = f"{r['t_gemv_us']:.1f}" if "t_gemv_us" in r else ""
+        lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['t_cublas_us']:.1f} | "
+                     f"{r['t_fused_us']:.1f} | {gemv} | {r['t_swap_us']:.1f} | {r['t_swap_best_us']:.1f} "
+                     f"{r['best_cfg']} | {r['x_fused']:.2f} | {r['x_swap']:.2f} | {r['x_swap_best']:.2f} | "
+                     f"{r['bw_swap'] / 1e12:.2f} | {r['bw_cublas'] / 1e12:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _decode_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`", "",
@@ -229,6 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode", action="store_true",
                    help="decode sizes only (--m default 1,2,4,8,16): cuBLAS vs fused vs the CUDA-core gemv kernel")
     p.add_argument("--sweep", action="store_true", help="time candidate tiles on a few shapes instead")
+    p.add_argument("--swap", action="store_true",
+                   help="decode sizes (--m default 1..64): the Gluon swap-AB kernel, its tile sweep, vs cuBLAS/Triton")
     p.add_argument("--out", default="kernels_bench", help="output prefix: writes <out>.json and <out>.md")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -245,12 +316,16 @@ def main(argv=None) -> int:
             "copy_bw": copy_bandwidth(), "l2_bytes": l2}
     if args.decode and args.m == ",".join(map(str, M_VALUES)):
         args.m = ",".join(map(str, DECODE_M))
+    if args.swap and args.m == ",".join(map(str, M_VALUES)):
+        args.m = ",".join(map(str, SWAP_M))
     ms = [int(v) for v in args.m.split(",") if v]
     bms = [int(v) for v in args.backward_m.split(",") if v]
     if args.sweep:
         return _run_sweep(args, ms, bms, l2)
     if args.decode:
         return _run_decode(args, ms, l2, meta)
+    if args.swap:
+        return _run_swap(args, ms, l2, meta)
     rows = []
     for model in args.models.split(","):
         for layer, (n, k) in layer_shapes(model).items():
@@ -286,6 +361,26 @@ def _run_decode(args, ms, l2, meta) -> int:
                     json.dump({"meta": meta, "rows": rows}, f, indent=1)
     md = _decode_markdown(rows, meta)
     with open(args.out + "_decode.md", "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def _run_swap(args, ms, l2, meta) -> int:
+    rows = []
+    for model in args.models.split(","):
+        for layer, (n, k) in layer_shapes(model).items():
+            if layer not in args.layers.split(","):
+                continue
+            for r in bench_swap(n, k, ms, l2, args.replays):
+                rows.append({"model": model, "layer": layer, **r})
+                print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
+                      f"swap {r['t_swap_us']:.1f} best {r['t_swap_best_us']:.1f} {r['best_cfg']} "
+                      f"x{r['x_swap']:.2f} / best x{r['x_swap_best']:.2f}", flush=True)
+                with open(args.out + "_swap.json", "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = _swap_markdown(rows, meta)
+    with open(args.out + "_swap.md", "w") as f:
         f.write(md)
     print(md)
     return 0

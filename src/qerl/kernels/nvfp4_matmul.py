@@ -1,6 +1,7 @@
 """y = x @ W^T and its input gradient for an NVFP4 weight, without keeping W in 16 bits.
 
-CUDA bf16/fp16 inputs go to the Triton kernels: at decode sizes (forward, M <= triton_gate.GEMV_ROUTE_MAX_M)
+CUDA bf16/fp16 inputs go to the Triton kernels: at decode sizes (forward, M <= triton_gate.SWAP_MAX_M) the
+Gluon swap-AB kernel (`gluon_nvfp4`) where it applies, else (M <= triton_gate.GEMV_ROUTE_MAX_M)
 the CUDA-core kernel `triton_fp4_gemv`, otherwise the fused tensor-core kernels (`triton_nvfp4`, imported lazily), which decode W
 tile by tile in registers. Everything else takes the plain-torch path, which is also the reference the
 kernels are tested against: dequantize into a temporary that lives for this call only. On the CPU that is
@@ -29,6 +30,10 @@ def nvfp4_linear(
         from . import triton_nvfp4 as tk
 
         m, n, k = triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2
+        if triton_gate.swap_wins(m, n, k):
+            y = tk.nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias)
+            if y is not None:
+                return y
         if triton_gate.gemv_wins(m, n, k):
             return tk.nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias)
         if triton_gate.fused_wins(m, n, k):

@@ -149,20 +149,6 @@ def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
                  round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=omask)
 
 
-@triton.jit
-def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, S, MN, N, stride_s,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
-    """out[i] = sum_s part[s, i] (+ bias[i % N]), rounded once to out's dtype; out is [M, N] contiguous."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, S):
-        acc += tl.load(part_ptr + s * stride_s + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
-
-
 def as_words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] -> int32 [N, K/8], the same bytes (a view when contiguous and 4-byte aligned)."""
     p = packed if packed.is_contiguous() and packed.data_ptr() % 16 == 0 else packed.contiguous()
@@ -197,19 +183,12 @@ def fp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, glob
     even = k8 % cfg.bkw == 0
     partial = split > 1
     alloc = triton_fp4_mm._alloc
-    out = alloc((m, n), x.device, x.dtype)
-    part = alloc((split, m, n), x.device, torch.float32) if partial else out
-    b = bias if bias is not None else out
-    interp = x.device.type != "cuda"
+    part = alloc((split, m, n), x.device, torch.float32) if partial else alloc((m, n), x.device, x.dtype)
+    b = bias if bias is not None else part
     grid = (triton.cdiv(n, cfg.bn), split)
     _fp4_gemv_kernel[grid](
         x, words, scale_u8, global_scale, b, part, n, k8, x.stride(0), words.stride(0), scale_u8.stride(0),
         part.stride(-2), part.stride(0) if partial else 0, per,
         M=m, BMP=triton.next_power_of_2(m), BN=cfg.bn, BKW=cfg.bkw, HAS_BIAS=bias is not None and not partial,
-        PARTIAL=partial, EVEN=even, INTERP=interp, num_warps=cfg.warps)
-    if partial:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, b, out, split, m * n, n, part.stride(0), HAS_BIAS=bias is not None, BLOCK=block, INTERP=interp,
-            num_warps=4)
-    return out
+        PARTIAL=partial, EVEN=even, INTERP=x.device.type != "cuda", num_warps=cfg.warps)
+    return triton_fp4_mm.splitk_reduce(part, bias, x.dtype) if partial else part

@@ -183,6 +183,32 @@ def _fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
                  round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
 
 
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, S, MN, N, stride_s,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    """out[i] = sum_s part[s, i] (+ bias[i % N]), rounded once to out's dtype; out is [M, N] contiguous."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(part_ptr + s * stride_s + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
+
+
+def splitk_reduce(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 split-K partials [S, M, N] -> sum over S (+ bias [N]) as [M, N] in dtype, in one launch
+    (instead of sum, add and cast: at decode sizes each launch costs about as much as the work)."""
+    s, m, n = part.shape
+    out = _alloc((m, n), part.device, dtype)
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, bias if bias is not None else out, out, s, m * n, n, part.stride(0), HAS_BIAS=bias is not None,
+        BLOCK=block, INTERP=part.device.type != "cuda", num_warps=4)
+    return out
+
+
 def _split_extent(total: int, block: int, split: int) -> tuple[int, int]:
     """(extent per split, a multiple of block; number of non-empty splits)."""
     per = triton.cdiv(triton.cdiv(total, split), block) * block
@@ -218,12 +244,7 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         HAS_GS=global_scale is not None, HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_K=k % cfg.bk == 0,
         ASM=cfg.asm and asm_ok(x.device, x.dtype, mx, fits), INTERP=x.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
-    if not partial:
-        return out
-    y = out.sum(0)
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    return splitk_reduce(out, bias, x.dtype) if partial else out
 
 
 def fp4_grad_input(g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
@@ -245,7 +266,7 @@ def fp4_grad_input(g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
         HAS_GS=global_scale is not None, PARTIAL=partial,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_N=n % cfg.bn == 0,
         EVEN_K=k % cfg.bk == 0, ASM=cfg.asm and asm_ok(g.device, g.dtype, mx, fits), INTERP=g.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
-    return out.sum(0).to(g.dtype) if partial else out
+    return splitk_reduce(out, None, g.dtype) if partial else out
 
 
 @triton.jit

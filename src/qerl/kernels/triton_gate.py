@@ -14,6 +14,7 @@ import os
 
 import torch
 
+SWAP_MAX_M = 32  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
@@ -32,6 +33,11 @@ def use_triton(x: torch.Tensor) -> bool:
     """True when x should go through the Triton kernels."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available())
+
+
+def swap_wins(m: int, n: int, k: int) -> bool:
+    """Forward x @ W^T with m rows: try the Gluon swap-AB kernel first (it declines shapes it cannot take)."""
+    return 1 <= m <= SWAP_MAX_M
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:

@@ -128,6 +128,38 @@ def nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias=
     return y.reshape(*x.shape[:-1], n)
 
 
+_GLUON: list = []  # [module or None]: the Gluon kernel module, imported on first use
+
+
+def gluon_module():
+    """`gluon_nvfp4`, or None when this Triton has no usable Gluon (import or API errors)."""
+    if not _GLUON:
+        try:
+            from . import gluon_nvfp4
+        except (ImportError, AttributeError):  # no triton.experimental.gluon, or a different API
+            gluon_nvfp4 = None
+        _GLUON.append(gluon_nvfp4)
+    return _GLUON[0]
+
+
+def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=None, config=None, split=None):
+    """Decode sizes through the Gluon swap-AB kernel (`gluon_nvfp4`), or None when it does not apply (not
+    bf16, K % 128 != 0, a global scale too small for the bf16 step, no Gluon). Same result as
+    `nvfp4_linear_triton` otherwise."""
+    gk = gluon_module()
+    if gk is None or not gk.supported(x, weight_packed, step_fits_bf16(weight_global_scale)):
+        return None
+    x2 = _as_2d(x)
+    scale = _u8(weight_scale)
+    if scale.stride(0) % 4:
+        return None
+    n = weight_packed.shape[0]
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    y = gk.nvfp4_linear_swap(x2, weight_packed.contiguous(), scale, _gs(weight_global_scale), b,
+                             _sm_count(x.device), config, split)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale, config=None):
     """grad_out [..., N] bf16/fp16 -> grad_out @ W [..., K]."""
     return _run_grad_input(grad_out, weight_packed, weight_scale, _gs(weight_global_scale), 16, False, "nvfp4",

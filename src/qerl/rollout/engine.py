@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import dequantized_weights, quantized_linear
+from ..kernels.fused_ops import add_norm, rope_qk
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_linear import QuantLinear
 from .kv_cache import KVCache
@@ -118,13 +119,6 @@ def rope_tables(config, max_len: int, dtype: torch.dtype, device) -> tuple[torch
     freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype).to(device), (emb.sin() * scale).to(dtype).to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, L, hd]; cos, sin [B, L, hd] -> rotated x, same shape (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 # ------------------------------------------------------------------------------------------ linears
@@ -246,6 +240,7 @@ class CausalLMRunner:
 
     def attention(self, i: int, x: torch.Tensor, cos, sin, cache: KVCache, mask, slot) -> torch.Tensor:
         """x [B, L, D] (already normed) -> attention output [B, L, D]; writes this layer's k/v.
+        cos, sin [B, L, hd]: the RoPE tables at each token's position.
 
         slot None: prefill of slots 0..L-1, attending over the L new keys. Otherwise decode (L = 1) of
         slot `slot`, attending over the first mask.shape[-1] slots of the cache.
@@ -258,8 +253,8 @@ class CausalLMRunner:
         v = v.view(B, L, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rope_qk(q, k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if slot is None:
             cache.write_prefill(i, k, v)
         else:
@@ -278,11 +273,13 @@ class CausalLMRunner:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask, slot=None):
         """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> last-position logits [B, V]."""
         cos, sin = self.cos[positions], self.sin[positions]  # [B, L, hd]
-        h = self.embed(tokens)
+        # residual adds fused with the norm that follows them (one launch each on CUDA, see fused_ops)
+        h, x = add_norm(self.embed(tokens), None, self.layers[0].input_layernorm)
         for i, layer in enumerate(self.layers):
-            h = h + self.attention(i, layer.input_layernorm(h), cos, sin, cache, mask, slot)
-            h = h + self.mlp(i, layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h[:, -1]))
+            h, x = add_norm(h, self.attention(i, x, cos, sin, cache, mask, slot), layer.post_attention_layernorm)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = add_norm(h, self.mlp(i, x), nxt)
+        return self.lm_head(x[:, -1])
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):

@@ -1,0 +1,307 @@
+"""Gluon kernel: NVFP4 weight x bf16 activations at decode sizes, W as the A operand of mma.sync ("swap AB").
+
+out[M, N] = x[M, K] @ W[N, K]^T is computed as out^T = W @ x^T, so the weight rows fill the MMA's 16-row
+side and the few activation rows its 8-column side. What makes it fast on Hopper (no FP4 tensor cores):
+  - the decoded bf16 weights never touch shared memory: raw packed bytes and scale bytes go global ->
+    shared by cp.async (an NS-stage pipeline) and are read straight into the A-operand register layout
+    (`DotOperandLayout(0, mma v2, k_width=KW)`, 16 consecutive bytes per thread = two scale groups), then
+    decoded in registers -- plain `triton.language` cannot express that layout (its dot-operand hoisting
+    stops at the scale multiply, so the decoded tile round-trips through shared memory);
+  - even/odd split: byte j of a row holds k = 2j (low nibble) and 2j+1 (high nibble); the low nibbles form
+    A_lo [BN, BKH], the high ones A_hi, and out^T += A_lo @ x_lo^T + A_hi @ x_hi^T;
+  - decode by inline PTX, two nibbles 16 bits apart per step: t = q & 0x000F000F, (t * 0x1040) &
+    0x81C081C0 = s<<15 | mag<<6 in each half (the E2M1 value * 2^-126 as bf16, see triton_fp4_decode),
+    one mul.rn.bf16x2 by step * 2^126: ~2.1 instructions per weight, ~3.4-3.9 per weight for the whole
+    loop at M <= 16 (SASS). The pairing permutes k inside each 4-byte group (SIGMA = [0, 2, 1, 3]); x is
+    permuted the same way when split into x_lo / x_hi, so the product is unchanged;
+  - the per-group scale is held once per register run: its layout is derived from the A layout and the
+    broadcast to [BN, BKH] is checked to move no data (`convert_layout(..., assert_trivial=True)`).
+Requirements (checked by `supported`): bf16 x, K % 128 == 0, scale rows 4-byte aligned, global_scale > 128
+(step * 2^126 finite in bf16, as for the inline-PTX decode of the Triton kernels). One source for Triton
+3.6 and newer (two API names differ, resolved below). Written with a helper session; GPU-tested only:
+Gluon does not run under the Triton interpreter.
+"""
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .triton_fp4_mm import _alloc, splitk_reduce
+
+# API names that differ between Triton 3.6 and 3.9 (everything else used here is common to both)
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # 3.9: barrier, 3.6: thread_barrier
+_async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+_commit = async_copy.commit_group
+_wait = async_copy.wait_group
+
+
+@gluon.constexpr_function
+def _split_group_layout(al, BN, BKH):
+    """A-operand linear layout over [BN, BKH] -> the same layout over [BN, BKH // 8, 8] (j = 8 g + i)."""
+    al = gl._unwrap_if_constexpr(al) if hasattr(gl, "_unwrap_if_constexpr") else al
+
+    def tr(b):
+        return [b[0], b[1] // 8, b[1] % 8]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[tr(b) for b in al.reg_bases],
+        lane_bases=[tr(b) for b in al.lane_bases],
+        warp_bases=[tr(b) for b in al.warp_bases],
+        block_bases=[tr(b) for b in al.block_bases],
+        shape=[BN, BKH // 8, 8],
+    )
+
+
+@gluon.jit
+def _decode_asm(q, stepb):
+    """q: uint8 bytes (A layout), stepb: bf16 step*2^126 broadcast over each 8-byte group.
+    Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups)."""
+    return gl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, u, q8;
+        shr.u32 q8, $4, 8;
+        and.b32 t, $4, 0x000F000F;
+        mul.lo.u32 t, t, 0x1040;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $0, t, $5;
+        and.b32 u, q8, 0x000F000F;
+        mul.lo.u32 u, u, 0x1040;
+        and.b32 u, u, 0x81C081C0;
+        mul.rn.bf16x2 $1, u, $5;
+        and.b32 t, $4, 0x00F000F0;
+        mul.lo.u32 t, t, 0x104;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $2, t, $5;
+        and.b32 u, q8, 0x00F000F0;
+        mul.lo.u32 u, u, 0x104;
+        and.b32 u, u, 0x81C081C0;
+        mul.rn.bf16x2 $3, u, $5;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[q, stepb],
+        dtype=(gl.bfloat16, gl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@gluon.jit
+def _step_bf16(s, c):
+    """uint8 E4M3 scale bytes -> bf16(e4m3 * c * 2^67); c = 2^67 / global_scale (so the result is step * 2^126).
+    E4M3 -> fp16 bits s<<15 | (b & 0x7F)<<7 is value * 2^-8, exact for all finite E4M3 (subnormals too)."""
+    b = s.to(gl.int32)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    f = h.to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+    return ((f * c) * 1.4757395258967641e20).to(gl.bfloat16)
+
+
+@gluon.jit
+def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0,
+             BM: gl.constexpr, BKH: gl.constexpr, MASK_K: gl.constexpr, NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> xs[0] = x_lo [BM, BKH], xs[1] = x_hi, in the k order of the decode."""
+    BK: gl.constexpr = 2 * BKH
+    TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
+    xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+    xk = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    xmask = gl.expand_dims(xm < M, 1)
+    if MASK_K:
+        xmask = xmask & gl.expand_dims(xk < K, 0)
+    else:
+        xmask = xmask & gl.expand_dims(xk >= 0, 0)
+    xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
+    # real k = 8 g + 4 b1 + 2 b0 + h (byte j = 4 g + 2 b1 + b0); logical j' = 4 g + 2 b0 + b1
+    x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
+    x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # [m, g, b0, b1, h]
+    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
+    xl_s.store(xlo)
+    xh_s.store(xhi)
+
+
+@gluon.jit
+def _issue_w(wq_s, ws_s, w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k0, valid,
+             BN: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr):
+    """cp.async of the raw bytes [BN, BKH] and scale bytes [BN, BKH/8] of columns [k0, k0 + 2 BKH) into one
+    pipeline stage. Rows >= N are clamped to N - 1 (their outputs are never stored). valid (scalar) is False
+    past the end of this program's K range (zero-fill, no memory access)."""
+    G: gl.constexpr = BKH // 8
+    TC: gl.constexpr = BKH // 16
+    CP: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TC, TC], [NW, 1], [1, 0])
+    SV: gl.constexpr = G if G <= SALIGN else SALIGN
+    SP: gl.constexpr = gl.BlockedLayout([1, SV], [32, 1], [NW, 1], [1, 0])
+    rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CP)), N - 1)
+    jj = gl.arange(0, BKH, layout=gl.SliceLayout(0, CP))
+    wp = w_ptr + gl.expand_dims(rows * stride_w, 1) + gl.expand_dims(k0 // 2 + jj, 0)
+    wm = gl.full([BN, BKH], 1, gl.int1, CP) & valid
+    _async_load(wq_s, wp, mask=wm)
+    srows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SP)), N - 1)
+    gg = gl.arange(0, G, layout=gl.SliceLayout(0, SP))
+    # SALIGN: a power of two dividing stride_s (the launcher's), so each row's scale run is SALIGN-aligned
+    sp = s_ptr + gl.expand_dims(gl.multiple_of(srows * stride_s, SALIGN), 1) + gl.expand_dims(k0 // 16 + gg, 0)
+    sm = gl.full([BN, G], 1, gl.int1, SP) & valid
+    _async_load(ws_s, sp, mask=sm)
+
+
+@gluon.jit
+def _mma_tile(acc, wq_s, ws_s, xl_s, xh_s, c, BN: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
+              NW: gl.constexpr):
+    """Bytes and scales from one pipeline stage (ld.shared straight into the A-operand layout), decode in
+    registers, two mma.sync products against x_lo^T / x_hi^T."""
+    G: gl.constexpr = BKH // 8
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    L3: gl.constexpr = _split_group_layout(gl.to_linear_layout(A, [BN, BKH]), BN, BKH)
+    S: gl.constexpr = gl.SliceLayout(2, L3)
+    q = wq_s.load(A)
+    sc = ws_s.load(S)
+    st = _step_bf16(sc, c)
+    stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([BN, G, 8], 0, gl.bfloat16, L3))[0], [BN, BKH])
+    stb = gl.convert_layout(stb, A, assert_trivial=True)
+    lo, hi = _decode_asm(q, stb)
+    xlo = xl_s.permute((1, 0)).load(B)
+    xhi = xh_s.permute((1, 0)).load(B)
+    acc = mma_v2(lo, xlo, acc)
+    acc = mma_v2(hi, xhi, acc)
+    return acc
+
+
+@gluon.jit
+def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
+                      stride_os, tiles_per_split,
+                      BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr, NS: gl.constexpr,
+                      PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0. PARTIAL: out is fp32 [S, M, N] (split-K
+    partials), else bf16 [M, N] (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
+    columns, T = tiles_per_split. NS-stage cp.async pipeline for the raw weight/scale bytes; x is staged
+    through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead."""
+    BK: gl.constexpr = 2 * BKH
+    G: gl.constexpr = BKH // 8
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    XS: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    WS: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+    SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    xls = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BKH], XS)  # x_lo, double buffered
+    xhs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BKH], XS)  # x_hi
+    wqs = gl.allocate_shared_memory(gl.uint8, [NS, BN, BKH], WS)
+    wss = gl.allocate_shared_memory(gl.uint8, [NS, BN, G], SS)
+    c = 1.4757395258967641e20 / gl.load(gs_ptr)  # 2^67 / global_scale (2^134 would overflow fp32)
+    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    t_lo = pid_k * tiles_per_split
+    n = gl.minimum(K // BK - t_lo, tiles_per_split)
+    k_lo = t_lo * BK
+    for s in gl.static_range(NS - 1):
+        _issue_w(wqs.index(s), wss.index(s), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + s * BK, s < n,
+                 BN, BKH, NW, SALIGN)
+        _commit()
+    _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, BM, BKH, False, NW)
+    for i in range(n):
+        _wait(NS - 2)
+        _barrier()  # stage i (all threads' copies) and x tile i visible; stage (i-1)%NS and x buffer (i+1)%2 free
+        j = i + NS - 1
+        _issue_w(wqs.index(j % NS), wss.index(j % NS), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + j * BK,
+                 j < n, BN, BKH, NW, SALIGN)
+        _commit()
+        acc = _mma_tile(acc, wqs.index(i % NS), wss.index(i % NS), xls.index(i % 2), xhs.index(i % 2), c,
+                        BN, BKH, KW, NW)
+        if i + 1 < n:
+            _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
+                     k_lo + (i + 1) * BK, BM, BKH, False, NW)
+    _wait(0)
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    omask = gl.expand_dims(on < N, 1) & gl.expand_dims(om < M, 0)
+    optr = out_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * stride_om, 0)
+    if PARTIAL:
+        gl.store(optr + pid_k * stride_os, acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += gl.expand_dims(gl.load(b_ptr + on, mask=on < N, other=0.0).to(gl.float32), 1)
+        gl.store(optr, acc.to(gl.bfloat16), mask=omask)
+
+
+# (BN, BM, BKH, KW, NS): weight rows per program, activation rows (MMA n, >= 8), packed bytes per row per
+# step (BK = 2 BKH columns), register run per thread, pipeline stages
+SwapConfig = tuple[int, int, int, int, int]
+
+
+def pick_config(m: int, n: int, k: int) -> SwapConfig:
+    """Tile for an [m, k] x [n, k]^T product (k % 128 == 0)."""
+    if m <= 8:
+        bm, bkh, ns = 8, 128, 4
+    elif m <= 16:
+        bm, bkh, ns = 16, 128, 4
+    elif m <= 32:
+        bm, bkh, ns = 32, 64, 4
+    else:
+        bm, bkh, ns = 64, 64, 3
+    if k % (2 * bkh):
+        bkh = 64
+    return 128, bm, bkh, 16, ns
+
+
+def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0) -> tuple[int, int]:
+    """(number of K splits, K tiles per split): about `waves` programs per SM."""
+    bn, bm, bkh = cfg[:3]
+    tiles = k // (2 * bkh)
+    grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    s = max(1, min(tiles, math.ceil(waves * sms / grid_nm)))
+    per = triton.cdiv(tiles, s)
+    return triton.cdiv(tiles, per), per
+
+
+def supported(x: torch.Tensor, packed: torch.Tensor, step_fits: bool) -> bool:
+    """Whether this kernel takes x [M, K] @ W^T: bf16 CUDA x, K % 128 == 0, a global scale that keeps the
+    bf16 step finite."""
+    k = x.shape[-1]
+    return x.is_cuda and x.dtype == torch.bfloat16 and k % 128 == 0 and packed.shape[1] * 2 == k and step_fits
+
+
+def _scale_align(stride: int) -> int:
+    a = 16
+    while stride % a:
+        a //= 2
+    return a
+
+
+def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
+                      bias: torch.Tensor | None, sms: int, config: SwapConfig | None = None,
+                      split: int | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (unit column stride) -> x @ W^T + bias, [M, N] bf16. packed uint8 [N, K/2] contiguous,
+    scale_u8 uint8 [N, K/16] (E4M3 bits) contiguous, global_scale fp32 [1], bias bf16 [N] or None.
+    split: number of K splits (None: about two programs per SM)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    cfg = config or pick_config(m, n, k)
+    bn, bm, bkh, kw, ns = cfg
+    if k % (2 * bkh):
+        raise ValueError(f"K={k} is not a multiple of the tile's {2 * bkh} columns")
+    salign = _scale_align(scale_u8.stride(0))
+    if salign < 4:
+        raise ValueError(f"scale rows must be 4-byte aligned (K % 64 == 0), got row stride {scale_u8.stride(0)}")
+    tiles = k // (2 * bkh)
+    if split is None:
+        s, per = split_for(m, n, k, cfg, sms)
+    else:
+        per = triton.cdiv(tiles, max(1, min(split, tiles)))
+        s = triton.cdiv(tiles, per)
+    partial = s > 1
+    out = _alloc((s, m, n), x.device, torch.float32) if partial else _alloc((m, n), x.device, torch.bfloat16)
+    b = bias if bias is not None else out
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), s)
+    nvfp4_swap_kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
+                            scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
+                            BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
+                            HAS_BIAS=bias is not None and not partial, num_warps=4)
+    return splitk_reduce(out, bias, torch.bfloat16) if partial else out
