@@ -17,7 +17,8 @@ import re
 import torch
 
 GROUPS = (  # first match wins; kernel names as CUPTI reports them
-    ("fp4 fused", r"_fp4_|fp4_gemv|_gemv_kernel|_swap"),
+    ("fp4 kernels", r"_fp4_|fp4_gemv|_gemv_kernel|_swap|_splitk_reduce"),
+    ("fused norm/rope", r"_add_rms_norm|_rope_kernel"),
     ("dequant", r"dequant"),
     ("cublas gemm", r"gemm|gemv|cutlass|sm90_xmma|ampere_|nvjet|splitK|cublas"),
     ("attention", r"flash|fmha|attention|sdpa|efficient"),

@@ -200,9 +200,9 @@ def swap_candidates(m: int):
     return [(t, w) for t in tiles for w in (1.0, 2.0, 4.0)]
 
 
-def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dict]:
+def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = True) -> list[dict]:
     """Decode sizes: cuBLAS bf16 vs the Triton kernels the dispatch used before (fused tl.dot; gemv at
-    M = 1) vs the Gluon swap-AB kernel with its default tile and the fastest of `swap_candidates`."""
+    M = 1) vs the Gluon swap-AB kernel with its default tile and (tiles) the fastest of `swap_candidates`."""
     from qerl.kernels import gluon_nvfp4 as gk
     from qerl.kernels import triton_nvfp4 as tk
 
@@ -220,7 +220,7 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dict]:
         if m == 1:
             t["gemv"] = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)
         best = (t["swap"], None)
-        for cfg, waves in swap_candidates(m):
+        for cfg, waves in swap_candidates(m) if tiles else []:
             split = gk.split_for(m, n, k, cfg, sms, waves)[0] if k % (2 * cfg[2]) == 0 else None
             if split is None:
                 continue
@@ -300,6 +300,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time candidate tiles on a few shapes instead")
     p.add_argument("--swap", action="store_true",
                    help="decode sizes (--m default 1..64): the Gluon swap-AB kernel, its tile sweep, vs cuBLAS/Triton")
+    p.add_argument("--no-tile-sweep", action="store_true", help="with --swap: only the default tile")
     p.add_argument("--out", default="kernels_bench", help="output prefix: writes <out>.json and <out>.md")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -372,7 +373,7 @@ def _run_swap(args, ms, l2, meta) -> int:
         for layer, (n, k) in layer_shapes(model).items():
             if layer not in args.layers.split(","):
                 continue
-            for r in bench_swap(n, k, ms, l2, args.replays):
+            for r in bench_swap(n, k, ms, l2, args.replays, not args.no_tile_sweep):
                 rows.append({"model": model, "layer": layer, **r})
                 print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
                       f"swap {r['t_swap_us']:.1f} best {r['t_swap_best_us']:.1f} {r['best_cfg']} "

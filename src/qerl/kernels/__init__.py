@@ -1,9 +1,10 @@
 """Matmuls against quantized weights. Each entry point takes the format's tensors as stored.
 
 `quantized_linear(fmt, x, tensors, bias)` is what the layers call; it dispatches to the format's entry
-point (`nvfp4_linear`, `mxfp4_linear`, ...). CUDA bf16/fp16 inputs of the FP4 formats go to Triton
-kernels (imported only then, so CPU users need no Triton): fused dequant-in-registers for decode sizes,
-one-pass device dequantize + cuBLAS above (see `triton_gate`). Everywhere else the fallback dequantizes the
+point (`nvfp4_linear`, `mxfp4_linear`, ...). CUDA bf16/fp16 inputs of the FP4 formats go to Triton/Gluon
+kernels (imported only then, so CPU users need no Triton): dequant-in-registers for decode sizes (NVFP4:
+the Gluon swap-AB kernel `gluon_nvfp4`), one-pass device dequantize + cuBLAS above (see `triton_gate`).
+`fused_ops` holds the rollout engine's fused residual-add + RMSNorm and RoPE. Everywhere else the fallback dequantizes the
 weight into a temporary that is freed when the call returns, so the 4-bit tensors stay the only persistent copy.
 """
 

@@ -234,19 +234,21 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
 SwapConfig = tuple[int, int, int, int, int]
 
 
-def pick_config(m: int, n: int, k: int) -> SwapConfig:
-    """Tile for an [m, k] x [n, k]^T product (k % 128 == 0)."""
+def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
+    """(tile, programs per SM) for an [m, k] x [n, k]^T product (k % 128 == 0). From the tile sweep of
+    `qerl bench kernels --swap` on an H200 (docs/benchmarks.md): the tile that was fastest most often per
+    row bucket over Qwen2.5-7B/32B/72B shapes; the split aims at ~2-3 programs per SM."""
     if m <= 8:
-        bm, bkh, ns = 8, 128, 4
+        cfg, waves = (64, 8, 128, 16, 4), 3.0
     elif m <= 16:
-        bm, bkh, ns = 16, 128, 4
+        cfg, waves = (128, 16, 128, 16, 3), 3.0
     elif m <= 32:
-        bm, bkh, ns = 32, 64, 4
+        cfg, waves = (128, 32, 128, 16, 3), 2.0
     else:
-        bm, bkh, ns = 64, 64, 3
-    if k % (2 * bkh):
-        bkh = 64
-    return 128, bm, bkh, 16, ns
+        cfg, waves = (128, 64, 64, 16, 4), 3.0
+    if k % (2 * cfg[2]):
+        cfg = (*cfg[:2], 64, *cfg[3:])
+    return cfg, waves
 
 
 def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0) -> tuple[int, int]:
@@ -278,12 +280,13 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
                       split: int | None = None) -> torch.Tensor:
     """x [M, K] bf16 (unit column stride) -> x @ W^T + bias, [M, N] bf16. packed uint8 [N, K/2] contiguous,
     scale_u8 uint8 [N, K/16] (E4M3 bits) contiguous, global_scale fp32 [1], bias bf16 [N] or None.
-    split: number of K splits (None: about two programs per SM)."""
+    config: (BN, BM, BKH, KW, NS), None for `pick_config`'s; split: number of K splits (None: the pick's
+    programs per SM, 2 with an explicit config)."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
-    cfg = config or pick_config(m, n, k)
+    cfg, waves = (config, 2.0) if config is not None else pick_config(m, n, k)
     bn, bm, bkh, kw, ns = cfg
     if k % (2 * bkh):
         raise ValueError(f"K={k} is not a multiple of the tile's {2 * bkh} columns")
@@ -292,7 +295,7 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         raise ValueError(f"scale rows must be 4-byte aligned (K % 64 == 0), got row stride {scale_u8.stride(0)}")
     tiles = k // (2 * bkh)
     if split is None:
-        s, per = split_for(m, n, k, cfg, sms)
+        s, per = split_for(m, n, k, cfg, sms, waves)
     else:
         per = triton.cdiv(tiles, max(1, min(split, tiles)))
         s = triton.cdiv(tiles, per)

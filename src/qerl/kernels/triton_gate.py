@@ -2,11 +2,14 @@
 
 The fused kernels run when the activation is a CUDA bf16/fp16 tensor and Triton can be imported.
 QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmarks).
-`gemv_wins` sends the forward product at decode sizes (M <= GEMV_ROUTE_MAX_M) to the CUDA-core kernel
-(`triton_fp4_gemv`); above that, `fused_wins` picks, per call, between the fused kernel and "dequantize W on the device in one Triton pass
-into a temporary (the caching allocator reuses the block), then cuBLAS", from the H200 measurements in
-docs/benchmarks.md: fused wins up to M = 16 on every Qwen2.5 shape, and up to M = 64 on shapes with at
-least 32M weights; above that (prefill, the loss pass, the training backward) dequantize + cuBLAS wins.
+Forward x @ W^T, by rows M (H200 measurements in docs/benchmarks.md):
+  - M <= SWAP_MAX_M (64): the Gluon swap-AB kernel (`gluon_nvfp4`, NVFP4 only) when it applies (bf16, K %
+    128 == 0, global scale > 128); it beats the other paths at every Qwen2.5 shape there;
+  - otherwise M <= GEMV_ROUTE_MAX_M (1): the CUDA-core kernel (`triton_fp4_gemv`);
+  - then `fused_wins` picks between the fused tl.dot kernel and "dequantize W on the device in one Triton
+    pass into a temporary (the caching allocator reuses the block), then cuBLAS": fused up to M = 16, and up
+    to M = 64 for weights of >= 32M elements; above that (prefill, the loss pass, the training backward)
+    dequantize + cuBLAS. The input gradient uses `fused_wins` alone.
 """
 
 import importlib.util
@@ -14,7 +17,8 @@ import os
 
 import torch
 
-SWAP_MAX_M = 32  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies
+SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies (H200: beats
+# the fused kernel and dequantize + cuBLAS at every Qwen2.5 shape for M <= 64, cuBLAS bf16 up to M = 16-32)
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements

@@ -5,7 +5,9 @@ per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_nor
 `post_attention_layernorm`, `gate_proj`/`up_proj`/`down_proj` with the MLP's `act_fn`, final `norm`,
 `lm_head` -- so a LoRA update or an AQN perturbation of a norm weight is what samples next. What the
 engine brings itself: rotary embeddings computed from the HF config, attention over a static KV cache
-(torch SDPA), and the sampling.
+(torch SDPA), and the sampling. On CUDA each residual add with the RMSNorm after it, and RoPE on q/k, run as
+one Triton launch (`qerl.kernels.fused_ops`; the norm's own weight and eps are read on every call, so AQN's
+in-place noise is seen); elsewhere the same ops run eagerly.
 
 Quantized layers (`QuantLinear`) are called through their parts: the base matmul on the stored 4-bit (or
 bf16) tensors, read by reference, plus the LoRA delta from a snapshot of A and scaling*B cast to the
