@@ -21,19 +21,25 @@ SHAPES = [(1, 200, 256), (3, 1000, 384), (8, 77, 1152), (13, 4608, 3584), (16, 3
           (32, 64, 640), (33, 1000, 1024), (64, 96, 3584)]
 
 
-def _case(m, n, k, seed, global_scale, bias, config=None, split=None):
+def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0):
     from qerl.kernels import triton_fp4_mm, triton_nvfp4 as tk
 
     gen = torch.Generator().manual_seed(seed)
     w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, global_scale).items()}
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     b = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16).cuda() if bias else None
+    lora = None
+    if lora_r:  # h as a column slice of a wider matrix, as the engine passes it
+        h = torch.randn(m, lora_r + 5, generator=gen).to(torch.bfloat16).cuda()[:, 3:3 + lora_r]
+        lora = (h, (torch.randn(n, lora_r, generator=gen) * 0.1).to(torch.bfloat16).cuda())
     triton_fp4_mm.POISON = True
-    y = tk.nvfp4_linear_swap(x, **w, bias=b, config=config, split=split)
+    y = tk.nvfp4_linear_swap(x, **w, bias=b, config=config, split=split, lora=lora)
     assert y is not None, "the kernel declined a shape it supports"
     ref = x.float() @ dequantize_nvfp4(**w, dtype=torch.float32).t()
     if b is not None:
         ref += b.float()
+    if lora is not None:
+        ref += lora[0].float() @ lora[1].float().t()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert not torch.isnan(y).any(), "unwritten (NaN-poisoned) or NaN outputs"
     err = _rel_err(y, ref)
@@ -53,6 +59,17 @@ def test_swap_kernel_every_split_and_tile(split):
     for cfg in [(128, 8, 128, 16, 4), (64, 16, 128, 16, 4), (128, 32, 64, 16, 3), (256, 64, 64, 16, 3)]:
         _case(cfg[1] - 1, 700, 1280, seed=split * 100 + cfg[1], global_scale=900.0, bias=True, config=cfg,
               split=split)
+
+
+@pytest.mark.parametrize("r", [8, 16, 40])
+def test_swap_kernel_adds_the_lora_delta(r):
+    """h @ (scaling B)^T in the same launch: with one split (epilogue) and several (split 0 only)."""
+    require_cuda()
+    for split in (1, 3):
+        _case(5, 700, 1280, seed=r + split, global_scale=900.0, bias=True, config=(64, 8, 128, 16, 4),
+              split=split, lora_r=r)
+        _case(40, 333, 1024, seed=r + split + 50, global_scale=900.0, bias=False, config=(128, 64, 64, 16, 4),
+              split=split, lora_r=r)
 
 
 def test_swap_kernel_declines_what_it_cannot_take():

@@ -146,3 +146,20 @@ def test_from_linear_with_shared_global_scale():
     for other in ("mxfp4", "nf4"):  # formats with no global scale refuse one
         with pytest.raises(ValueError, match="no global scale"):
             QuantLinear.from_linear(q, other, global_scale=shared)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4", "bf16"])
+def test_quantized_linear_adds_a_lora_delta(fmt):
+    """quantized_linear(..., lora=(h, b)) == base + h @ b^T (the engine's path for adapters)."""
+    from qerl.formats import get_format
+    from qerl.kernels import quantized_linear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g)
+    tensors = get_format(fmt).quantize(w)
+    x = torch.randn(2, 3, 64, generator=g)
+    bias = torch.randn(48, generator=g)
+    h, b = torch.randn(6, 9, generator=g)[:, 1:5], torch.randn(48, 4, generator=g)
+    base = quantized_linear(fmt, x, tensors, bias)
+    out = quantized_linear(fmt, x, tensors, bias, lora=(h, b))
+    torch.testing.assert_close(out, base + (h @ b.t()).view(2, 3, 48), rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from ..formats import get_format
 from .dequant_cache import cached_dense_weight
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
-from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
+from .nvfp4_matmul import add_lora, nvfp4_linear, nvfp4_linear_grad_input
 
 
 def _dequantize_linear(fmt: str, x: torch.Tensor, tensors: dict, bias: torch.Tensor | None) -> torch.Tensor:
@@ -19,17 +19,19 @@ def _dequantize_grad_input(fmt: str, grad_out: torch.Tensor, tensors: dict) -> t
 
 
 def quantized_linear(
-    fmt: str, x: torch.Tensor, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None
+    fmt: str, x: torch.Tensor, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [..., K] -> x @ W^T + bias, [..., N] in x.dtype; W given as the format's tensors."""
+    """x [..., K] -> x @ W^T + bias (+ h @ b^T for lora = (h [..., R], b [N, R])), [..., N] in x.dtype;
+    W given as the format's tensors. The LoRA term rides in the NVFP4 decode kernel where it applies."""
     dense = cached_dense_weight(fmt, tensors, x.dtype)
     if dense is not None:
-        return F.linear(x, dense, None if bias is None else bias.to(x.dtype))
+        return add_lora(F.linear(x, dense, None if bias is None else bias.to(x.dtype)), lora)
     if fmt == "nvfp4":
-        return nvfp4_linear(x, **tensors, bias=bias)
+        return nvfp4_linear(x, **tensors, bias=bias, lora=lora)
     if fmt == "mxfp4":
-        return mxfp4_linear(x, **tensors, bias=bias)
-    return _dequantize_linear(fmt, x, tensors, bias)
+        return add_lora(mxfp4_linear(x, **tensors, bias=bias), lora)
+    return add_lora(_dequantize_linear(fmt, x, tensors, bias), lora)
 
 
 def quantized_linear_grad_input(fmt: str, grad_out: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

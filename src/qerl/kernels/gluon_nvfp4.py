@@ -173,14 +173,36 @@ def _mma_tile(acc, wq_s, ws_s, xl_s, xh_s, c, BN: gl.constexpr, BKH: gl.constexp
 
 
 @gluon.jit
+def _lora_tile(acc, h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m, on, BN: gl.constexpr, BM: gl.constexpr,
+               RP: gl.constexpr, NW: gl.constexpr):
+    """acc[BN, BM] += lb[rows, :R] @ h[cols, :R]^T, loaded from global memory straight into the MMA operand
+    layouts (the LoRA B rows are the A operand, as the weights are); `on` False adds nothing (splits > 0)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, A))
+    ra = gl.arange(0, RP, layout=gl.SliceLayout(0, A))
+    amask = gl.expand_dims((rows < N) & on, 1) & gl.expand_dims(ra < R, 0)
+    lb = gl.load(lb_ptr + gl.expand_dims(rows * R, 1) + gl.expand_dims(ra, 0), mask=amask, other=0.0)
+    rb = gl.arange(0, RP, layout=gl.SliceLayout(1, B))
+    cols = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, B))
+    bmask = gl.expand_dims(rb < R, 1) & gl.expand_dims((cols < M) & on, 0)
+    ht = gl.load(h_ptr + gl.expand_dims(rb, 1) + gl.expand_dims(cols * stride_hm, 0), mask=bmask, other=0.0)
+    return mma_v2(lb, ht, acc)
+
+
+@gluon.jit
 def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
-                      stride_os, tiles_per_split,
+                      stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                       BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr, NS: gl.constexpr,
-                      PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr):
+                      PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      RP: gl.constexpr):
     """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0. PARTIAL: out is fp32 [S, M, N] (split-K
     partials), else bf16 [M, N] (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
     columns, T = tiles_per_split. NS-stage cp.async pipeline for the raw weight/scale bytes; x is staged
-    through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead."""
+    through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead.
+    RP > 0: also add the LoRA term h[M, R] @ lb[N, R]^T (h row stride stride_hm, lb contiguous, both bf16;
+    R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0."""
     BK: gl.constexpr = 2 * BKH
     G: gl.constexpr = BKH // 8
     pid_n = gl.program_id(0)
@@ -217,6 +239,8 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
             _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
                      k_lo + (i + 1) * BK, BM, BKH, False, NW)
     _wait(0)
+    if RP > 0:
+        acc = _lora_tile(acc, h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m, pid_k == 0, BN, BM, RP, NW)
     on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
     omask = gl.expand_dims(on < N, 1) & gl.expand_dims(om < M, 0)
@@ -277,11 +301,13 @@ def _scale_align(stride: int) -> int:
 
 def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, sms: int, config: SwapConfig | None = None,
-                      split: int | None = None) -> torch.Tensor:
+                      split: int | None = None,
+                      lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] bf16 (unit column stride) -> x @ W^T + bias, [M, N] bf16. packed uint8 [N, K/2] contiguous,
     scale_u8 uint8 [N, K/16] (E4M3 bits) contiguous, global_scale fp32 [1], bias bf16 [N] or None.
     config: (BN, BM, BKH, KW, NS), None for `pick_config`'s; split: number of K splits (None: the pick's
-    programs per SM, 2 with an explicit config)."""
+    programs per SM, 2 with an explicit config). lora: (h [M, R] bf16 with unit column stride, lb [N, R]
+    bf16 contiguous), adds h @ lb^T (a LoRA delta: h = x @ A^T, lb = scaling * B) in the same launch."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(0) % 8 or x.data_ptr() % 16:
@@ -303,8 +329,16 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     out = _alloc((s, m, n), x.device, torch.float32) if partial else _alloc((m, n), x.device, torch.bfloat16)
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), s)
+    h, lb, rp = out, out, 0
+    if lora is not None:
+        h, lb = lora
+        r = h.shape[1]
+        if h.shape[0] != m or lb.shape != (n, r) or h.stride(1) != 1 or not lb.is_contiguous():
+            raise ValueError(f"LoRA operands must be h [{m}, r] (unit column stride) and lb [{n}, r] contiguous")
+        rp = max(16, triton.next_power_of_2(r))  # MMA k step 16; Gluon shapes are powers of two
     nvfp4_swap_kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
                             scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
+                            h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
                             BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
-                            HAS_BIAS=bias is not None and not partial, num_warps=4)
+                            HAS_BIAS=bias is not None and not partial, RP=rp, num_warps=4)
     return splitk_reduce(out, bias, torch.bfloat16) if partial else out

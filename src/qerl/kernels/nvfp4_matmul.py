@@ -21,19 +21,38 @@ def nvfp4_linear(
     weight_scale: torch.Tensor,
     weight_global_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) -> [..., N] in x.dtype.
 
     weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_global_scale fp32 [1].
+    lora: optional (h [..., R], b [N, R]) in x.dtype: adds h @ b^T (a LoRA delta with h = x @ A^T and
+    b = scaling * B), inside the decode kernel's launch where it can, else as one addmm.
     """
     if triton_gate.use_triton(x):
         from . import triton_nvfp4 as tk
 
         m, n, k = triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2
         if triton_gate.swap_wins(m, n, k):
-            y = tk.nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias)
+            y = tk.nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias, lora=lora)
             if y is not None:
                 return y
+    return add_lora(_nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias), lora)
+
+
+def add_lora(y: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """y [..., N] + h @ b^T for lora = (h [..., R], b [N, R]) as one addmm (y unchanged when lora is None)."""
+    if lora is None:
+        return y
+    h, b = lora
+    return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), b.t()).view(y.shape)
+
+
+def _nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias):
+    if triton_gate.use_triton(x):
+        from . import triton_nvfp4 as tk
+
+        m, n, k = triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2
         if triton_gate.gemv_wins(m, n, k):
             return tk.nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias)
         if triton_gate.fused_wins(m, n, k):

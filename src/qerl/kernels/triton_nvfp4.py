@@ -8,6 +8,8 @@ Inputs must be bf16 or fp16 with K % 16 == 0 (K % 32 for MXFP4). The tile shape 
 by `pick_config`; see `triton_fp4_mm` for the kernels. This module imports Triton: import it lazily.
 """
 
+import warnings
+
 import torch
 
 from .triton_fp4_gemv import GemvConfig, fp4_gemv
@@ -142,10 +144,11 @@ def gluon_module():
     return _GLUON[0]
 
 
-def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=None, config=None, split=None):
+def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=None, config=None, split=None,
+                      lora=None):
     """Decode sizes through the Gluon swap-AB kernel (`gluon_nvfp4`), or None when it does not apply (not
     bf16, K % 128 != 0, a global scale too small for the bf16 step, no Gluon). Same result as
-    `nvfp4_linear_triton` otherwise."""
+    `nvfp4_linear_triton` otherwise; lora = (h [..., R], scaling*B [N, R]) also adds h @ (scaling*B)^T."""
     gk = gluon_module()
     if gk is None or not gk.supported(x, weight_packed, step_fits_bf16(weight_global_scale)):
         return None
@@ -153,10 +156,21 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
     scale = _u8(weight_scale)
     if scale.stride(0) % 4:
         return None
+    if torch.cuda.get_device_capability(x.device) < (8, 0):  # mma.sync m16n8k16 bf16 and cp.async need sm_80
+        return None
     n = weight_packed.shape[0]
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    y = gk.nvfp4_linear_swap(x2, weight_packed.contiguous(), scale, _gs(weight_global_scale), b,
-                             _sm_count(x.device), config, split)
+    try:
+        lo = None if lora is None else (_as_2d(lora[0]), lora[1].contiguous())
+        y = gk.nvfp4_linear_swap(x2, weight_packed.contiguous(), scale, _gs(weight_global_scale), b,
+                                 _sm_count(x.device), config, split, lo)
+    except Exception as e:  # a GPU or Triton build this kernel does not compile for (shared memory, API)
+        if config is not None or torch.cuda.is_current_stream_capturing():
+            raise
+        warnings.warn(f"Gluon NVFP4 decode kernel unavailable here ({type(e).__name__}: {str(e)[:200]}); "
+                      "using the Triton kernels", RuntimeWarning, stacklevel=2)
+        _GLUON[0] = None
+        return None
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -131,7 +131,8 @@ class LoraSnapshot:
 
     Linears are registered in groups of siblings that read the same input (q/k/v, gate/up, o, down). For a
     group the A matrices are stacked, [sum r, K], so the whole group's x @ A^T is one GEMM; each member then
-    adds its slice times scaling*B [N, r] onto its base output in one addmm. At decode sizes these small
+    adds its slice times scaling*B [N, r] onto its base output, inside the NVFP4 decode kernel's launch where
+    that kernel applies, else in one addmm. At decode sizes these small
     GEMMs are launch-bound, so fewer of them is what counts. In-place refresh keeps addresses fixed, so
     captured CUDA graphs read the new adapter.
     """
@@ -189,13 +190,13 @@ class LoraSnapshot:
             if not isinstance(mod, QuantLinear):
                 outs.append(mod(x))
                 continue
-            y = quantized_linear(mod.weight_format, x, mod.quantized_tensors(), mod.bias)
             entry = self.b.get(id(mod)) if h is not None else None
+            lora = None
             if entry is not None and self._enabled(mod):
                 r0, r1, b = entry
-                # one fused GEMM for "y + h @ B^T" (addmm) instead of a matmul and an add
-                y = torch.addmm(y.reshape(-1, y.shape[-1]), h[:, r0:r1], b.t()).view(y.shape)
-            outs.append(y)
+                lora = (h[:, r0:r1], b)
+            # the "+ h @ (scaling B)^T" rides in the NVFP4 decode kernel's launch, else it is one addmm
+            outs.append(quantized_linear(mod.weight_format, x, mod.quantized_tensors(), mod.bias, lora=lora))
         return outs
 
     def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
