@@ -1,0 +1,311 @@
+"""Gluon kernel: NVFP4 weight x bf16 activations, "swap AB" on Hopper wgmma with the A operand in registers.
+
+Drop-in variant of `nvfp4_swap_kernel` (qerl/kernels/gluon_nvfp4.py; same arguments, grid and semantics):
+out^T[N, M] = W @ x^T with the decoded weight tile [BN, BKH] (BN = 64 or 128 rows per warpgroup) as the
+register A operand of `warpgroup_mma` (wgmma.m64nBMk16) and x_lo^T / x_hi^T [BKH, BM] as the B operand from
+an NVMMA-swizzled shared tile. Everything else is as in the mma.sync kernel: raw bytes/scale bytes by cp.async
+(NS stages), even/odd nibble split with the SIGMA permutation, inline-PTX decode (2 nibbles per step),
+per-group scale broadcast checked trivial.
+
+Register layout. The wgmma A fragment (DotOperandLayout(0, NVMMA v3, k_width=2)) gives each thread, per row,
+k pairs {2t, 2t+1} + 8 b + 16 c (t = lane % 4): only 2 consecutive k. To read 16 consecutive bytes per thread
+from the raw stage (one ld.shared.v4) a bit-permutation PI of the byte index is used as the *logical* k: the
+byte tile is loaded in layout P (= the A layout with k -> PI(k), its k registers first), decoded there, and
+then relabelled by reshape/permute (no data movement) to the logical order of the A layout. The x tile is
+permuted the same way before it is stored, so the product is unchanged (the sum over k is order-free).
+PI maps the A layout's register k-bits (1, 8, 16, 32) -> byte bits (0, 1, 2, 3), its lane k-bits (2, 4) -> 4,
+5 and a further register k-bit (64, BKH = 128) -> 6.
+
+ASYNC (`nvfp4_swap_wgmma_async_kernel`, same arguments): wgmma issued with is_async=True; the wait
+for tile i-1 is placed after the load + decode of tile i, so the decode overlaps the tensor cores.
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
+
+# API names that differ between Triton 3.6 and 3.9
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+_async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+_commit = async_copy.commit_group
+_wait = async_copy.wait_group
+
+
+@gluon.constexpr_function
+def _pi_bits(al, BKH):
+    """PI as a list: logical k bit b -> byte-index bit p[b], from the linear layout of the wgmma A operand
+    over [BN, BKH]: A's register k-bits (in register order) -> byte bits 0..3, its lane k-bits -> 4, 5,
+    further register k-bits -> 6, ..."""
+    al = gl._unwrap_if_constexpr(al) if hasattr(gl, "_unwrap_if_constexpr") else al
+    nb = BKH.bit_length() - 1
+    regk = [b[1] for b in al.reg_bases if b[0] == 0 and b[1] != 0]
+    lanek = [b[1] for b in al.lane_bases if b[0] == 0 and b[1] != 0]
+    assert len(regk) >= 4 and len(lanek) == 2, (al.reg_bases, al.lane_bases)
+    order = regk[:4] + lanek + regk[4:]
+    assert sorted(order) == [1 << i for i in range(nb)], order
+    return [order.index(1 << b) for b in range(nb)]
+
+
+@gluon.constexpr_function
+def _phys_layout(al, p, BN, BKH):
+    """Layout P of the raw byte tile [BN, BKH] (byte index j = PI(k)): A's bases with k -> PI(k), the
+    k register bases first (so registers 0..15 are 16 consecutive bytes)."""
+    al = gl._unwrap_if_constexpr(al) if hasattr(gl, "_unwrap_if_constexpr") else al
+    p = p.value if type(p).__name__ == "constexpr" else p  # 3.6 passes the list wrapped
+    p = [v.value if type(v).__name__ == "constexpr" else v for v in p]
+
+    def tr(b):
+        return [b[0], sum(1 << p[i] for i in range(len(p)) if b[1] >> i & 1)]
+
+    kr = [tr(b) for b in al.reg_bases if b[0] == 0 and b[1] != 0]
+    kr.sort(key=lambda b: b[1])
+    other = [tr(b) for b in al.reg_bases if not (b[0] == 0 and b[1] != 0)]
+    return gl.DistributedLinearLayout(
+        reg_bases=kr + other,
+        lane_bases=[tr(b) for b in al.lane_bases],
+        warp_bases=[tr(b) for b in al.warp_bases],
+        block_bases=[tr(b) for b in al.block_bases],
+        shape=[BN, BKH],
+    )
+
+
+@gluon.constexpr_function
+def _perm_order(p):
+    """permute order taking [R, 2, ..., 2] (byte-index bits, MSB first) to logical-k bits (MSB first)."""
+    p = p.value if type(p).__name__ == "constexpr" else p  # 3.6 passes the list wrapped
+    p = [v.value if type(v).__name__ == "constexpr" else v for v in p]
+    nb = len(p)
+    return [0] + [nb - p[nb - d] for d in range(1, nb + 1)]
+
+
+@gluon.constexpr_function
+def _bits_shape(R, BKH):
+    return [R] + [2] * (BKH.bit_length() - 1)
+
+
+@gluon.jit
+def _to_logical(t, p: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
+    """[R, BKH] tensor indexed by byte j -> the same data indexed by logical k (j = PI(k)); a relabelling."""
+    o: gl.constexpr = _perm_order(p)
+    t = gl.reshape(t, _bits_shape(R, BKH))
+    # explicit tuples: Triton 3.6's permute does not unwrap a constexpr list
+    if BKH == 64:
+        t = gl.permute(t, (o[0], o[1], o[2], o[3], o[4], o[5], o[6]))
+    else:
+        gl.static_assert(BKH == 128, "BKH must be 64 or 128")
+        t = gl.permute(t, (o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]))
+    return gl.reshape(t, [R, BKH])
+
+
+@gluon.constexpr_function
+def _split_group_layout(al, BN, BKH):
+    """Linear layout over [BN, BKH] -> the same layout over [BN, BKH // 8, 8] (j = 8 g + i)."""
+    al = gl._unwrap_if_constexpr(al) if hasattr(gl, "_unwrap_if_constexpr") else al
+
+    def tr(b):
+        return [b[0], b[1] // 8, b[1] % 8]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[tr(b) for b in al.reg_bases],
+        lane_bases=[tr(b) for b in al.lane_bases],
+        warp_bases=[tr(b) for b in al.warp_bases],
+        block_bases=[tr(b) for b in al.block_bases],
+        shape=[BN, BKH // 8, 8],
+    )
+
+
+@gluon.jit
+def _decode_asm(q, stepb):
+    """q: uint8 bytes, stepb: bf16 step*2^126 broadcast over each 8-byte group.
+    Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups)."""
+    return gl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, u, q8;
+        shr.u32 q8, $4, 8;
+        and.b32 t, $4, 0x000F000F;
+        mul.lo.u32 t, t, 0x1040;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $0, t, $5;
+        and.b32 u, q8, 0x000F000F;
+        mul.lo.u32 u, u, 0x1040;
+        and.b32 u, u, 0x81C081C0;
+        mul.rn.bf16x2 $1, u, $5;
+        and.b32 t, $4, 0x00F000F0;
+        mul.lo.u32 t, t, 0x104;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $2, t, $5;
+        and.b32 u, q8, 0x00F000F0;
+        mul.lo.u32 u, u, 0x104;
+        and.b32 u, u, 0x81C081C0;
+        mul.rn.bf16x2 $3, u, $5;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r",
+        args=[q, stepb],
+        dtype=(gl.bfloat16, gl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@gluon.jit
+def _step_bf16(s, c):
+    """uint8 E4M3 scale bytes -> bf16(e4m3 * c * 2^67); c = 2^67 / global_scale (so the result is step * 2^126)."""
+    b = s.to(gl.int32)
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    f = h.to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+    return ((f * c) * 1.4757395258967641e20).to(gl.bfloat16)
+
+
+@gluon.jit
+def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0, p: gl.constexpr,
+             BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> x_lo [BM, BKH], x_hi, in the logical k order of the A operand."""
+    BK: gl.constexpr = 2 * BKH
+    TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
+    xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+    xk = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    xmask = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk >= 0, 0)
+    xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
+    # real k = 8 g + 4 b1 + 2 b0 + h (byte j = 4 g + 2 b1 + b0); decoded element j' = 4 g + 2 b0 + b1
+    x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
+    x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # [m, g, b0, b1, h]
+    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
+    xl_s.store(_to_logical(xlo, p, BM, BKH))
+    xh_s.store(_to_logical(xhi, p, BM, BKH))
+    fence_async_shared()  # generic-proxy stores -> wgmma (async proxy) reads, after the next barrier
+
+
+@gluon.jit
+def _issue_w(wq_s, ws_s, w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k0, valid,
+             BN: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr):
+    """cp.async of the raw bytes [BN, BKH] and scale bytes [BN, BKH/8] of columns [k0, k0 + 2 BKH)."""
+    G: gl.constexpr = BKH // 8
+    TC: gl.constexpr = BKH // 16
+    CP: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TC, TC], [NW, 1], [1, 0])
+    SV: gl.constexpr = G if G <= SALIGN else SALIGN
+    SP: gl.constexpr = gl.BlockedLayout([1, SV], [32, 1], [NW, 1], [1, 0])
+    rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CP)), N - 1)
+    jj = gl.arange(0, BKH, layout=gl.SliceLayout(0, CP))
+    wp = w_ptr + gl.expand_dims(rows * stride_w, 1) + gl.expand_dims(k0 // 2 + jj, 0)
+    wm = gl.full([BN, BKH], 1, gl.int1, CP) & valid
+    _async_load(wq_s, wp, mask=wm)
+    srows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SP)), N - 1)
+    gg = gl.arange(0, G, layout=gl.SliceLayout(0, SP))
+    sp = s_ptr + gl.expand_dims(gl.multiple_of(srows * stride_s, SALIGN), 1) + gl.expand_dims(k0 // 16 + gg, 0)
+    sm = gl.full([BN, G], 1, gl.int1, SP) & valid
+    _async_load(ws_s, sp, mask=sm)
+
+
+@gluon.jit
+def _decode_tile(wq_s, ws_s, c, A: gl.constexpr, al: gl.constexpr, p: gl.constexpr, BN: gl.constexpr, BKH: gl.constexpr):
+    """Bytes + scales of one stage -> (lo, hi) bf16 [BN, BKH] in the wgmma A-operand layout (logical k)."""
+    G: gl.constexpr = BKH // 8
+    P: gl.constexpr = _phys_layout(al, p, BN, BKH)
+    L3: gl.constexpr = _split_group_layout(P, BN, BKH)
+    S: gl.constexpr = gl.SliceLayout(2, L3)
+    q = wq_s.load(P)
+    sc = ws_s.load(S)
+    st = _step_bf16(sc, c)
+    stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([BN, G, 8], 0, gl.bfloat16, L3))[0], [BN, BKH])
+    stb = gl.convert_layout(stb, P, assert_trivial=True)
+    lo, hi = _decode_asm(q, stb)
+    lo = gl.convert_layout(_to_logical(lo, p, BN, BKH), A)
+    hi = gl.convert_layout(_to_logical(hi, p, BN, BKH), A)
+    return lo, hi
+
+
+@gluon.jit
+def _body(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
+          stride_os, tiles_per_split,
+          BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, NS: gl.constexpr, PARTIAL: gl.constexpr,
+          NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr, ASYNC: gl.constexpr):
+    BK: gl.constexpr = 2 * BKH
+    G: gl.constexpr = BKH // 8
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    al: gl.constexpr = gl.to_linear_layout(A, [BN, BKH])
+    p: gl.constexpr = _pi_bits(al, BKH)
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BKH], gl.bfloat16)
+    WS: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8 if BKH >= 128 else BKH // 16,
+                                               order=[1, 0])
+    SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    xls = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BKH], XS)  # x_lo (logical k), double buffered
+    xhs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BKH], XS)  # x_hi
+    wqs = gl.allocate_shared_memory(gl.uint8, [NS, BN, BKH], WS)
+    wss = gl.allocate_shared_memory(gl.uint8, [NS, BN, G], SS)
+    c = 1.4757395258967641e20 / gl.load(gs_ptr)  # 2^67 / global_scale
+    acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+    if ASYNC:
+        acc = warpgroup_mma_init(acc)
+    t_lo = pid_k * tiles_per_split
+    n = gl.minimum(K // BK - t_lo, tiles_per_split)
+    k_lo = t_lo * BK
+    for s in gl.static_range(NS - 1):
+        _issue_w(wqs.index(s), wss.index(s), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + s * BK, s < n,
+                 BN, BKH, NW, SALIGN)
+        _commit()
+    _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, p, BM, BKH, NW)
+    for i in range(n):
+        _wait(NS - 2)
+        _barrier()  # stage i and x tile i visible; stage (i-1)%NS free; x buffer (i+1)%2 free (wgmma i-1 waited)
+        j = i + NS - 1
+        _issue_w(wqs.index(j % NS), wss.index(j % NS), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + j * BK,
+                 j < n, BN, BKH, NW, SALIGN)
+        _commit()
+        lo, hi = _decode_tile(wqs.index(i % NS), wss.index(i % NS), c, A, al, p, BN, BKH)
+        if ASYNC:
+            acc = warpgroup_mma_wait(0, deps=[acc])  # tile i-1 done (its decode overlapped the one above)
+            acc = warpgroup_mma(lo, xls.index(i % 2).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(hi, xhs.index(i % 2).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(lo, xls.index(i % 2).permute((1, 0)), acc)
+            acc = warpgroup_mma(hi, xhs.index(i % 2).permute((1, 0)), acc)
+        if i + 1 < n:
+            _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
+                     k_lo + (i + 1) * BK, p, BM, BKH, NW)
+    if ASYNC:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    _wait(0)
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    omask = gl.expand_dims(on < N, 1) & gl.expand_dims(om < M, 0)
+    optr = out_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * stride_om, 0)
+    if PARTIAL:
+        gl.store(optr + pid_k * stride_os, acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += gl.expand_dims(gl.load(b_ptr + on, mask=on < N, other=0.0).to(gl.float32), 1)
+        gl.store(optr, acc.to(gl.bfloat16), mask=omask)
+
+
+@gluon.jit
+def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s,
+                            stride_om, stride_os, tiles_per_split,
+                            BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
+                            NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
+                            HAS_BIAS: gl.constexpr):
+    """Same grid, arguments and semantics as `nvfp4_swap_kernel` (KW is ignored: the wgmma A layout fixes the
+    register run at 16 bytes). Needs NW % 4 == 0, BN % (16 NW) == 0, BM in 8..256 (multiple of 8),
+    BKH in {64, 128}."""
+    _body(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
+          stride_os, tiles_per_split, BN, BM, BKH, NS, PARTIAL, NW, SALIGN, HAS_BIAS, False)
+
+
+@gluon.jit
+def nvfp4_swap_wgmma_async_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w,
+                                  stride_s, stride_om, stride_os, tiles_per_split,
+                                  BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
+                                  NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr,
+                                  SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """`nvfp4_swap_wgmma_kernel` with async wgmma (decode of tile i overlaps the wgmma of tile i - 1)."""
+    _body(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
+          stride_os, tiles_per_split, BN, BM, BKH, NS, PARTIAL, NW, SALIGN, HAS_BIAS, True)
