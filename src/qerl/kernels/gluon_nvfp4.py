@@ -193,19 +193,16 @@ def _lora_tile(acc, h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m, on, BN: gl.
 
 @gluon.jit
 def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
-                      stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R, y_ptr, cnt_ptr,
+                      stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                       BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr, NS: gl.constexpr,
                       PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      RP: gl.constexpr, FUSE_REDUCE: gl.constexpr):
+                      RP: gl.constexpr):
     """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0. PARTIAL: out is fp32 [S, M, N] (split-K
     partials), else bf16 [M, N] (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
     columns, T = tiles_per_split. NS-stage cp.async pipeline for the raw weight/scale bytes; x is staged
     through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead.
     RP > 0: also add the LoRA term h[M, R] @ lb[N, R]^T (h row stride stride_hm, lb contiguous, both bf16;
-    R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0.
-    FUSE_REDUCE (with PARTIAL): the last program to finish an output tile (an arrival counter per tile in
-    cnt_ptr, int32, zero between launches) sums the S partials, adds the bias, writes bf16 y [M, N] (row
-    stride N) and resets the counter, so no second launch is needed."""
+    R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0."""
     BK: gl.constexpr = 2 * BKH
     G: gl.constexpr = BKH // 8
     pid_n = gl.program_id(0)
@@ -250,21 +247,6 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
     optr = out_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * stride_om, 0)
     if PARTIAL:
         gl.store(optr + pid_k * stride_os, acc, mask=omask)
-        if FUSE_REDUCE:
-            # classic serial split-K: all threads' partial stores, a CTA barrier, then one acq_rel arrival
-            # at GPU scope; the program that arrives last reads every partial (L2, .cg) and finishes the tile
-            _barrier()
-            tile = pid_m * gl.num_programs(0) + pid_n
-            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == gl.num_programs(2) - 1:
-                total = gl.zeros([BN, BM], gl.float32, layout=mma)
-                for ks in range(gl.num_programs(2)):
-                    total += gl.load(optr + ks * stride_os, mask=omask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += gl.expand_dims(gl.load(b_ptr + on, mask=on < N, other=0.0).to(gl.float32), 1)
-                gl.store(y_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * N, 0), total.to(gl.bfloat16),
-                         mask=omask)
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += gl.expand_dims(gl.load(b_ptr + on, mask=on < N, other=0.0).to(gl.float32), 1)
@@ -317,26 +299,6 @@ def _scale_align(stride: int) -> int:
     return a
 
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream id) -> int32 arrival counters
-FUSED_REDUCE = True  # split-K partials summed by the last program of each tile (False: a second launch)
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """Zeroed int32 arrival counters for `tiles` output tiles, one buffer per (device, stream): kernels on one
-    stream run one after another and each leaves its counters at zero. None (use the reduce launch) when
-    fusing is off, or a new buffer would have to be allocated while a CUDA graph is being captured."""
-    if not FUSED_REDUCE:
-        return None
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).stream_id)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return buf
-
-
 def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, sms: int, config: SwapConfig | None = None,
                       split: int | None = None,
@@ -367,8 +329,6 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     out = _alloc((s, m, n), x.device, torch.float32) if partial else _alloc((m, n), x.device, torch.bfloat16)
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), s)
-    cnt = _tile_counters(x.device, grid[0] * grid[1]) if partial else None
-    y = _alloc((m, n), x.device, torch.bfloat16) if cnt is not None else out
     h, lb, rp = out, out, 0
     if lora is not None:
         h, lb = lora
@@ -379,10 +339,6 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     nvfp4_swap_kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
                             scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
                             h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
-                            y, cnt if cnt is not None else out,
                             BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
-                            HAS_BIAS=bias is not None and (not partial or cnt is not None), RP=rp,
-                            FUSE_REDUCE=cnt is not None, num_warps=4)
-    if partial and cnt is None:
-        return splitk_reduce(out, bias, torch.bfloat16)
-    return y
+                            HAS_BIAS=bias is not None and not partial, RP=rp, num_warps=4)
+    return splitk_reduce(out, bias, torch.bfloat16) if partial else out
