@@ -9,7 +9,6 @@ and the current mma.sync swap kernel.  Run:  python benchmarks/experimental/wgmm
 """
 
 import math
-import statistics
 import sys
 import time
 
@@ -19,6 +18,8 @@ import triton
 from qerl.formats.nvfp4 import dequantize_nvfp4
 from qerl.kernels import triton_fp4_mm
 from qerl.kernels import triton_nvfp4 as tk
+from qerl.bench.kernels import _graph_time
+from qerl.kernels.gluon_nvfp4 import _scale_align, split_for
 from qerl.kernels.triton_fp4_mm import _alloc, splitk_reduce
 
 sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.abspath(__file__)))
@@ -27,13 +28,6 @@ import fp4_wgmma  # noqa: E402
 KERNELS = {"sync": fp4_wgmma.nvfp4_swap_wgmma_kernel, "async": fp4_wgmma.nvfp4_swap_wgmma_async_kernel}
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 L2 = 50 * 2**20
-
-
-def _scale_align(stride):
-    a = 16
-    while stride % a:
-        a //= 2
-    return a
 
 
 def wg_linear(x, packed, scale_u8, gs, bias, cfg, split=None, waves=2.0, mode="sync"):
@@ -45,8 +39,7 @@ def wg_linear(x, packed, scale_u8, gs, bias, cfg, split=None, waves=2.0, mode="s
         raise ValueError("K not a multiple of the tile")
     tiles = k // (2 * bkh)
     if split is None:
-        grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-        split = max(1, min(tiles, math.ceil(waves * SMS / grid_nm)))
+        split = split_for(m, n, k, (bn, bm, bkh, 16, ns), SMS, waves)[0]
     per = triton.cdiv(tiles, max(1, min(split, tiles)))
     s = triton.cdiv(tiles, per)
     partial = s > 1
@@ -122,26 +115,7 @@ def check():
 
 
 def graph_time(fn, calls, replays=10):
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    g.replay()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / calls)
-    return statistics.median(times)
+    return _graph_time(fn, calls, replays)
 
 
 def bench(quick):

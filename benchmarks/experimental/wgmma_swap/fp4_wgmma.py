@@ -20,18 +20,14 @@ ASYNC (`nvfp4_swap_wgmma_async_kernel`, same arguments): wgmma issued with is_as
 for tile i-1 is placed after the load + decode of tile i, so the decode overlaps the tensor cores.
 """
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
 
-# API names that differ between Triton 3.6 and 3.9
-_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-_async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
-_commit = async_copy.commit_group
-_wait = async_copy.wait_group
+# shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
+from qerl.kernels.gluon_nvfp4 import (_barrier, _commit, _decode_asm, _issue_w, _split_group_layout,
+                                      _step_bf16, _wait)
 
 
 @gluon.constexpr_function
@@ -100,67 +96,6 @@ def _to_logical(t, p: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
     return gl.reshape(t, [R, BKH])
 
 
-@gluon.constexpr_function
-def _split_group_layout(al, BN, BKH):
-    """Linear layout over [BN, BKH] -> the same layout over [BN, BKH // 8, 8] (j = 8 g + i)."""
-    al = gl._unwrap_if_constexpr(al) if hasattr(gl, "_unwrap_if_constexpr") else al
-
-    def tr(b):
-        return [b[0], b[1] // 8, b[1] % 8]
-
-    return gl.DistributedLinearLayout(
-        reg_bases=[tr(b) for b in al.reg_bases],
-        lane_bases=[tr(b) for b in al.lane_bases],
-        warp_bases=[tr(b) for b in al.warp_bases],
-        block_bases=[tr(b) for b in al.block_bases],
-        shape=[BN, BKH // 8, 8],
-    )
-
-
-@gluon.jit
-def _decode_asm(q, stepb):
-    """q: uint8 bytes, stepb: bf16 step*2^126 broadcast over each 8-byte group.
-    Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups)."""
-    return gl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, u, q8;
-        shr.u32 q8, $4, 8;
-        and.b32 t, $4, 0x000F000F;
-        mul.lo.u32 t, t, 0x1040;
-        and.b32 t, t, 0x81C081C0;
-        mul.rn.bf16x2 $0, t, $5;
-        and.b32 u, q8, 0x000F000F;
-        mul.lo.u32 u, u, 0x1040;
-        and.b32 u, u, 0x81C081C0;
-        mul.rn.bf16x2 $1, u, $5;
-        and.b32 t, $4, 0x00F000F0;
-        mul.lo.u32 t, t, 0x104;
-        and.b32 t, t, 0x81C081C0;
-        mul.rn.bf16x2 $2, t, $5;
-        and.b32 u, q8, 0x00F000F0;
-        mul.lo.u32 u, u, 0x104;
-        and.b32 u, u, 0x81C081C0;
-        mul.rn.bf16x2 $3, u, $5;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[q, stepb],
-        dtype=(gl.bfloat16, gl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
-
-
-@gluon.jit
-def _step_bf16(s, c):
-    """uint8 E4M3 scale bytes -> bf16(e4m3 * c * 2^67); c = 2^67 / global_scale (so the result is step * 2^126)."""
-    b = s.to(gl.int32)
-    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    f = h.to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
-    return ((f * c) * 1.4757395258967641e20).to(gl.bfloat16)
-
-
 @gluon.jit
 def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0, p: gl.constexpr,
              BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
@@ -179,27 +114,6 @@ def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0, p: gl.constexpr,
     xl_s.store(_to_logical(xlo, p, BM, BKH))
     xh_s.store(_to_logical(xhi, p, BM, BKH))
     fence_async_shared()  # generic-proxy stores -> wgmma (async proxy) reads, after the next barrier
-
-
-@gluon.jit
-def _issue_w(wq_s, ws_s, w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k0, valid,
-             BN: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr):
-    """cp.async of the raw bytes [BN, BKH] and scale bytes [BN, BKH/8] of columns [k0, k0 + 2 BKH)."""
-    G: gl.constexpr = BKH // 8
-    TC: gl.constexpr = BKH // 16
-    CP: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TC, TC], [NW, 1], [1, 0])
-    SV: gl.constexpr = G if G <= SALIGN else SALIGN
-    SP: gl.constexpr = gl.BlockedLayout([1, SV], [32, 1], [NW, 1], [1, 0])
-    rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CP)), N - 1)
-    jj = gl.arange(0, BKH, layout=gl.SliceLayout(0, CP))
-    wp = w_ptr + gl.expand_dims(rows * stride_w, 1) + gl.expand_dims(k0 // 2 + jj, 0)
-    wm = gl.full([BN, BKH], 1, gl.int1, CP) & valid
-    _async_load(wq_s, wp, mask=wm)
-    srows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SP)), N - 1)
-    gg = gl.arange(0, G, layout=gl.SliceLayout(0, SP))
-    sp = s_ptr + gl.expand_dims(gl.multiple_of(srows * stride_s, SALIGN), 1) + gl.expand_dims(k0 // 16 + gg, 0)
-    sm = gl.full([BN, G], 1, gl.int1, SP) & valid
-    _async_load(ws_s, sp, mask=sm)
 
 
 @gluon.jit

@@ -152,18 +152,28 @@ def gemv_candidates():
     return [G(256, 4, 4), G(512, 4, 4), G(256, 4, 8), G(512, 4, 8), G(256, 4, 4, waves=8), G(128, 4, 2)]
 
 
+def _rotated_weights(n: int, k: int, l2_bytes: int):
+    """(FP4 bytes of one weight, copies, bf16 weights, NVFP4 weights): enough copies to exceed 2x L2."""
+    fp4_bytes = n * k // 2 + n * k // 16
+    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
+    return (fp4_bytes, copies, *_weights(n, k, copies))
+
+
+def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int):
+    """Two activations [m, k] to alternate, and calls per graph: all weight copies, >= ~2 ms of work."""
+    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    return xs, copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+
+
 def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:
     """Decode sizes: cuBLAS bf16 vs the fused tensor-core kernel vs the CUDA-core gemv kernel (default
     config, and the fastest of `candidates`), weights rotated through > 2x L2 as in `bench_shape`."""
     from qerl.kernels import triton_nvfp4 as tk
 
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
-    bf, q = _weights(n, k, copies)
+    fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
     rows = []
     for m in ms:
-        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+        xs, calls = _decode_inputs(m, k, fp4_bytes, copies)
         t = {"cublas": _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, replays),
              "fused": _graph_time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies]), calls, replays),
              "gemv": _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)}
@@ -207,13 +217,10 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
     from qerl.kernels import triton_nvfp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
-    bf, q = _weights(n, k, copies)
+    fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
     rows = []
     for m in ms:
-        xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+        xs, calls = _decode_inputs(m, k, fp4_bytes, copies)
         t = {"cublas": _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, replays),
              "fused": _graph_time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies]), calls, replays),
              "swap": _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies]), calls, replays)}
@@ -346,45 +353,36 @@ def main(argv=None) -> int:
     return 0
 
 
-def _run_decode(args, ms, l2, meta) -> int:
+def _run_per_shape(args, meta, bench, kind: str, markdown) -> int:
+    """Run bench(n, k) -> rows for every selected layer shape; progress lines, then <out>_<kind>.json/.md."""
     rows = []
-    cands = gemv_candidates()
     for model in args.models.split(","):
         for layer, (n, k) in layer_shapes(model).items():
             if layer not in args.layers.split(","):
                 continue
-            for r in bench_decode(n, k, ms, l2, args.replays, cands):
+            for r in bench(n, k):
                 rows.append({"model": model, "layer": layer, **r})
                 print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
-                      f"gemv {r['t_gemv_us']:.1f} best {r['t_gemv_best_us']:.1f} {r['best_cfg']} "
-                      f"x{r['x_gemv']:.2f} / best x{r['x_gemv_best']:.2f}", flush=True)
-                with open(args.out + "_decode.json", "w") as f:
+                      f"{kind} {r[f't_{kind}_us']:.1f} best {r[f't_{kind}_best_us']:.1f} {r['best_cfg']} "
+                      f"x{r[f'x_{kind}']:.2f} / best x{r[f'x_{kind}_best']:.2f}", flush=True)
+                with open(f"{args.out}_{'decode' if kind == 'gemv' else kind}.json", "w") as f:
                     json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    md = _decode_markdown(rows, meta)
-    with open(args.out + "_decode.md", "w") as f:
+    md = markdown(rows, meta)
+    with open(f"{args.out}_{'decode' if kind == 'gemv' else kind}.md", "w") as f:
         f.write(md)
     print(md)
     return 0
+
+
+def _run_decode(args, ms, l2, meta) -> int:
+    cands = gemv_candidates()
+    return _run_per_shape(args, meta, lambda n, k: bench_decode(n, k, ms, l2, args.replays, cands), "gemv",
+                          _decode_markdown)
 
 
 def _run_swap(args, ms, l2, meta) -> int:
-    rows = []
-    for model in args.models.split(","):
-        for layer, (n, k) in layer_shapes(model).items():
-            if layer not in args.layers.split(","):
-                continue
-            for r in bench_swap(n, k, ms, l2, args.replays, not args.no_tile_sweep):
-                rows.append({"model": model, "layer": layer, **r})
-                print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
-                      f"swap {r['t_swap_us']:.1f} best {r['t_swap_best_us']:.1f} {r['best_cfg']} "
-                      f"x{r['x_swap']:.2f} / best x{r['x_swap_best']:.2f}", flush=True)
-                with open(args.out + "_swap.json", "w") as f:
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    md = _swap_markdown(rows, meta)
-    with open(args.out + "_swap.md", "w") as f:
-        f.write(md)
-    print(md)
-    return 0
+    return _run_per_shape(args, meta, lambda n, k: bench_swap(n, k, ms, l2, args.replays, not args.no_tile_sweep),
+                          "swap", _swap_markdown)
 
 
 def _run_sweep(args, ms, bms, l2) -> int:
