@@ -15,7 +15,9 @@ side and the few activation rows its 8-column side. What makes it fast on Hopper
     loop at M <= 16 (SASS). The pairing permutes k inside each 4-byte group (SIGMA = [0, 2, 1, 3]); x is
     permuted the same way when split into x_lo / x_hi, so the product is unchanged;
   - the per-group scale is held once per register run: its layout is derived from the A layout and the
-    broadcast to [BN, BKH] is checked to move no data (`convert_layout(..., assert_trivial=True)`).
+    broadcast to [BN, BKH] is checked to move no data (`convert_layout(..., assert_trivial=True)`);
+  - a LoRA term h @ (scaling B)^T can ride along as one more MMA in the epilogue (`lora=`), which saves the
+    rollout engine one addmm launch per linear.
 Requirements (checked by `supported`): bf16 x, K % 128 == 0, scale rows 4-byte aligned, global_scale > 128
 (step * 2^126 finite in bf16, as for the inline-PTX decode of the Triton kernels). One source for Triton
 3.6 and newer (two API names differ, resolved below). Written with a helper session; GPU-tested only:
