@@ -164,6 +164,8 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
         lo = None if lora is None else (_as_2d(lora[0]), lora[1].contiguous())
         y = gk.nvfp4_linear_swap(x2, weight_packed.contiguous(), scale, _gs(weight_global_scale), b,
                                  _sm_count(x.device), config, split, lo)
+    except (ValueError, TypeError):  # bad arguments (e.g. LoRA operand shapes): the caller's error
+        raise
     except Exception as e:  # a GPU or Triton build this kernel does not compile for (shared memory, API)
         if config is not None or torch.cuda.is_current_stream_capturing():
             raise
