@@ -61,7 +61,7 @@ def test_swap_kernel_every_split_and_tile(split):
               split=split)
 
 
-@pytest.mark.parametrize("r", [8, 16, 40])
+@pytest.mark.parametrize("r", [8, 16, 40, 96, 160])
 def test_swap_kernel_adds_the_lora_delta(r):
     """h @ (scaling B)^T in the same launch: with one split (epilogue) and several (split 0 only)."""
     require_cuda()

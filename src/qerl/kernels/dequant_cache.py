@@ -36,7 +36,7 @@ def cached_dense_weight(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch
     first = next(iter(tensors.values()))
     if cache is None or first.is_cuda:
         return None
-    key = (first.data_ptr(), fmt, dtype)
+    key = (first.data_ptr(), tuple(first.shape), fmt, dtype)  # shape too: a fused sibling group starts where its first member does
     w = cache.get(key)
     if w is None:
         w = cache[key] = get_format(fmt).dequantize(**tensors, dtype=dtype)

@@ -131,6 +131,9 @@ def nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias=
 
 
 _GLUON: list = []  # [module or None]: the Gluon kernel module, imported on first use
+# Widest LoRA rank sum the Gluon kernel's epilogue takes (its B tile [BN, R] lives in registers); wider
+# (e.g. a fused q/k/v group at r >= 64) adds the term in one addmm after the kernel instead
+LORA_IN_KERNEL_MAX_R = 128
 
 
 def gluon_module():
@@ -152,6 +155,11 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
     gk = gluon_module()
     if gk is None or not gk.supported(x, weight_packed, step_fits_bf16(weight_global_scale)):
         return None
+    if lora is not None and lora[0].shape[-1] > LORA_IN_KERNEL_MAX_R:
+        from .nvfp4_matmul import add_lora
+
+        y = nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias, config, split)
+        return None if y is None else add_lora(y, lora)
     x2 = _as_2d(x)
     scale = _u8(weight_scale)
     if scale.stride(0) % 4:

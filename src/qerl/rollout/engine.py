@@ -14,7 +14,8 @@ bf16) tensors, read by reference, plus the LoRA delta from a snapshot of A and s
 activation dtype once per `generate` call (r x K, a few MB for a 7B model). The snapshot is refreshed
 from the trainer's fp32 masters at the start of every call, so the adapter just updated is the one that
 samples; it saves two casts per layer per token and lets a CUDA graph read fixed addresses. Dropout is
-never applied while sampling.
+never applied while sampling. On CUDA the quantized q/k/v and gate/up siblings are stored back to back
+once (`qerl.models.siblings`), so each group decodes as one base matmul with one LoRA product.
 
 Shapes: B batch (padded up to a bucket), P prompt length (left-padded), S cache length, H query heads,
 KV key/value heads, G = H / KV, hd head dim, D hidden, V vocabulary.
@@ -29,6 +30,7 @@ from torch import nn
 
 from ..kernels import dequantized_weights, quantized_linear
 from ..kernels.fused_ops import add_norm, rope_qk
+from ..models.siblings import fuse_sibling_storage, fused_tensors
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_linear import QuantLinear
 from .kv_cache import KVCache
@@ -132,17 +134,27 @@ class LoraSnapshot:
     Linears are registered in groups of siblings that read the same input (q/k/v, gate/up, o, down). For a
     group the A matrices are stacked, [sum r, K], so the whole group's x @ A^T is one GEMM; each member then
     adds its slice times scaling*B [N, r] onto its base output, inside the NVFP4 decode kernel's launch where
-    that kernel applies, else in one addmm. At decode sizes these small
-    GEMMs are launch-bound, so fewer of them is what counts. In-place refresh keeps addresses fixed, so
-    captured CUDA graphs read the new adapter.
+    that kernel applies, else in one addmm. At decode sizes these small GEMMs are launch-bound, so fewer of
+    them is what counts. In-place refresh keeps addresses fixed, so captured CUDA graphs read the new adapter.
+
+    Sibling groups whose weights are stored back to back (`qerl.models.siblings`, done here when fuse=True)
+    run as ONE base matmul over the concatenated rows: their biases are concatenated into a snapshot too,
+    and the B matrices placed block-diagonally in one [sum N, sum r] matrix, so the LoRA term of the whole
+    group is one product as well.
     """
 
-    def __init__(self, groups: Sequence[Sequence[nn.Module]], dtype: torch.dtype):
+    def __init__(self, groups: Sequence[Sequence[nn.Module]], dtype: torch.dtype, fuse: bool = False):
         self.dtype = dtype
         self.groups = [tuple(g) for g in groups]
         self.index = {id(m): gi for gi, g in enumerate(self.groups) for m in g}
         self.a: dict[int, torch.Tensor] = {}  # group index -> stacked A [sum r, K]
         self.b: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(module) -> (row0, row1 of A, scaling*B)
+        # group index -> fused base tensors, output sizes, concatenated bias | None, block scaling*B | None
+        self.fused: dict[int, tuple[dict, list[int], torch.Tensor | None, torch.Tensor | None]] = {}
+        if fuse:
+            for g in self.groups:
+                if len(g) > 1:
+                    fuse_sibling_storage(g)
         self.refresh()
 
     @staticmethod
@@ -150,12 +162,20 @@ class LoraSnapshot:
         return isinstance(m, QuantLinear) and m.lora_A is not None and m.lora_enabled
 
     def signature(self) -> tuple:
-        """What the captured graphs depend on: which adapters are on and their shapes."""
+        """What the captured graphs depend on: which adapters are on and their shapes, which groups are fused."""
         return tuple((self._enabled(m), tuple(m.lora_A.weight.shape) if self._enabled(m) else None)
-                     for g in self.groups for m in g)
+                     for g in self.groups for m in g) + tuple(
+            len(g) > 1 and fused_tensors(g) is not None for g in self.groups)
 
     def clear(self) -> None:
-        self.a.clear(), self.b.clear()
+        self.a.clear(), self.b.clear(), self.fused.clear()
+
+    @staticmethod
+    def _keep(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """new's values at old's address when the shapes agree (what a captured graph reads)."""
+        if old is not None and old.shape == new.shape:
+            return old.copy_(new)
+        return new
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -163,28 +183,50 @@ class LoraSnapshot:
             on = [m for m in group if self._enabled(m)]
             if not on:
                 self.a.pop(gi, None)
-                continue
-            a = torch.cat([m.lora_A.weight for m in on]).to(self.dtype)
-            if gi in self.a and self.a[gi].shape == a.shape:
-                self.a[gi].copy_(a)
             else:
-                self.a[gi] = a
+                self.a[gi] = self._keep(self.a.get(gi), torch.cat([m.lora_A.weight for m in on]).to(self.dtype))
             row = 0
             for m in on:
                 r = m.lora_A.weight.shape[0]
-                b = (m.lora_B.weight.float() * m.scaling).to(self.dtype)
-                old = self.b.get(id(m))
-                if old is not None and old[2].shape == b.shape:
-                    old[2].copy_(b)
-                    b = old[2]
+                b = self._keep(self.b[id(m)][2] if id(m) in self.b else None,
+                               (m.lora_B.weight.float() * m.scaling).to(self.dtype))
                 self.b[id(m)] = (row, row + r, b)
                 row += r
+            self._refresh_fused(gi, group, on)
+
+    def _refresh_fused(self, gi: int, group: tuple, on: list) -> None:
+        tensors = fused_tensors(group) if len(group) > 1 else None
+        if tensors is None:
+            self.fused.pop(gi, None)
+            return
+        _, _, old_bias, old_lb = self.fused.get(gi, (None, None, None, None))
+        sizes = [m.out_features for m in group]
+        bias = None
+        if group[0].bias is not None:
+            bias = self._keep(old_bias, torch.cat([m.bias for m in group]).to(self.dtype))
+        lb = None
+        if on:
+            block = torch.zeros(sum(sizes), self.a[gi].shape[0], dtype=self.dtype, device=self.a[gi].device)
+            n0 = 0
+            for m, n in zip(group, sizes):
+                if id(m) in self.b and self._enabled(m):
+                    r0, r1, b = self.b[id(m)]
+                    block[n0:n0 + n, r0:r1] = b
+                n0 += n
+            lb = self._keep(old_lb, block)
+        self.fused[gi] = (tensors, sizes, bias, lb)
 
     def linears(self, mods: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., K] -> [mod(x) for mod in mods] (one registered group), without dropout."""
         gi = self.index.get(id(mods[0]))
         a = self.a.get(gi)
         h = None if a is None else x.reshape(-1, x.shape[-1]) @ a.t()  # [M, sum r]
+        fused = self.fused.get(gi)
+        if fused is not None and tuple(mods) == self.groups[gi]:
+            tensors, sizes, bias, lb = fused
+            lora = None if h is None or lb is None else (h, lb)
+            y = quantized_linear(mods[0].weight_format, x, tensors, bias, lora=lora)
+            return list(y.split(sizes, dim=-1))  # column slices: views, no copy
         outs = []
         for mod in mods:
             if not isinstance(mod, QuantLinear):
@@ -209,7 +251,7 @@ class LoraSnapshot:
 class CausalLMRunner:
     """The forward pass of a HF Llama/Mistral/Qwen2/Qwen3 causal LM over a KVCache, from its own modules."""
 
-    def __init__(self, model: nn.Module, max_len: int):
+    def __init__(self, model: nn.Module, max_len: int, fuse_siblings: bool = False):
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
@@ -237,7 +279,7 @@ class CausalLMRunner:
         for layer in self.layers:
             at, mlp = layer.self_attn, layer.mlp
             groups += [(at.q_proj, at.k_proj, at.v_proj), (at.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
-        self.lora = LoraSnapshot(groups, self.dtype)
+        self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse_siblings)
 
     # one decoder layer ---------------------------------------------------------------------------
 
@@ -324,13 +366,18 @@ class RolloutEngine:
     models) captures one decode step per (batch bucket, attended cache length); the attended length grows
     in blocks of kv_block slots, so early steps do not read the whole cache. A batch larger than what
     fits runs as several passes: at most `max_batch` rows per pass, or on CUDA by default as many as the
-    KV cache and step buffers of `memory_fraction` of the free memory hold.
+    KV cache and step buffers of `memory_fraction` of the free memory hold. fuse_siblings (default: on
+    for CUDA models) stores each q/k/v and gate/up group of quantized linears back to back, once, so each
+    group decodes as one matmul (`qerl.models.siblings`: same memory, the modules keep working alone).
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-                 check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85):
-        self.runner = CausalLMRunner(model, max_seq_len)
+                 check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85,
+                 fuse_siblings: bool | None = None):
+        device = next(model.parameters()).device
+        fuse = (device.type == "cuda") if fuse_siblings is None else fuse_siblings
+        self.runner = CausalLMRunner(model, max_seq_len, fuse_siblings=fuse)
         self.model, self.tokenizer = model, tokenizer
         self.device = self.runner.device
         self.max_seq_len = max_seq_len
