@@ -1,14 +1,20 @@
-"""The engine's fused residual-add + RMSNorm and RoPE Triton kernels against the eager torch code they replace.
+"""The engine's fused Triton kernels (residual add + RMSNorm, RoPE, SiLU * up, decode RoPE + KV-cache write)
+against the eager torch code they replace.
 
-Reference: HF's own `Qwen2RMSNorm` module and the rotate-half formula (`fused_ops.rope_reference`). The
-kernels round where torch rounds, so the residual sum and RoPE must match bit for bit; the norm may differ
-only through the fp32 summation order of its mean (a last-bit difference in a few elements). Run on the
-CPU through the Triton interpreter (subprocess, as in test_kernels_triton) and directly on a GPU.
-Outputs are filled with NaN first (torch.empty is replaced), so an unwritten element fails.
+Reference: HF's own `Qwen2RMSNorm` module, the rotate-half formula (`fused_ops.rope_reference`), F.silu and
+KVCache.write_step's index_copy_. The kernels round where torch rounds, so the residual sum, RoPE, the cache
+writes and silu * up must match bit for bit; the norm may differ only through the fp32 summation order of
+its mean (a last-bit difference in a few elements). Run on the CPU through the Triton interpreter
+(subprocess, as in test_kernels_triton) and directly on a GPU, which is the real check of silu: its exp is
+libdevice's there, the same as torch's CUDA kernel, and float64-rounded exp in the interpreter.
+Outputs are filled with NaN first (triton_fp4_mm.POISON), so an unwritten element fails.
 """
+
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernel_testing import require_cuda, run_interpreter_suite
 
@@ -16,6 +22,17 @@ from kernel_testing import require_cuda, run_interpreter_suite
 NORM_SHAPES = [(1, 24), (3, 100), (5, 576), (2, 3584)]
 # (B, L, heads, hd): odd head counts, hd whose half is not a power of two (80 -> 40)
 ROPE_SHAPES = [(1, 1, 3, 64), (2, 5, 7, 80), (3, 1, 28, 128), (1, 4, 4, 32)]
+# (M, I) for silu * up: odd I, one past the kernel's 1024-column block, Qwen2.5-0.5B's 4864
+SILU_SHAPES = [(1, 37), (3, 1025), (2, 4864)]
+# (B, H, KV, hd, max_len, slot): odd head counts, GQA and MHA, slot first / middle / last
+ROPE_STORE_CASES = [(1, 3, 1, 64, 5, 0), (2, 7, 1, 128, 9, 4), (3, 5, 5, 64, 6, 5), (2, 14, 2, 128, 17, 16)]
+
+
+def _poison():
+    """Kernel outputs start as NaN (reset after each test by conftest)."""
+    from qerl.kernels import triton_fp4_mm
+
+    triton_fp4_mm.POISON = True
 
 
 def _rms_module(d: int, eps: float, dtype, device, gen):
@@ -30,6 +47,7 @@ def _rms_module(d: int, eps: float, dtype, device, gen):
 def check_norm(device: str, dtype=torch.bfloat16, seed: int = 0) -> list[str]:
     from qerl.kernels.triton_fused_ops import add_rms_norm
 
+    _poison()
     fails = []
     gen = torch.Generator().manual_seed(seed)
     for rows, d in NORM_SHAPES:
@@ -78,9 +96,107 @@ def check_rope(device: str, dtype=torch.bfloat16, seed: int = 1) -> list[str]:
     return fails
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other is NaN (silu(-inf) is NaN in torch too)."""
+    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def _silu_inputs(M: int, I: int, dtype, gen, batch_dims: bool) -> torch.Tensor:
+    """gate | up [M, 2I] (or [M, 1, 2I]): ordinary values, zeros, large positive and negative ones."""
+    big = 6e4 if dtype == torch.float16 else 1e30
+    gu = torch.randn(M, 2 * I, generator=gen) * 4
+    gu[0, : I // 3] *= 1e3  # silu saturates: g and -0
+    gu[0, I // 3: I // 2] = 0
+    gu[-1, :3] = torch.tensor([big, -big, -120.0])  # exp(-g) overflows to inf for the last two
+    gu[-1, I: I + 3] = big  # products that overflow to inf (fp16)
+    gu = gu.to(dtype)
+    return gu[:, None] if batch_dims else gu
+
+
+def check_silu_mul(device: str, dtype=torch.bfloat16, seed: int = 6) -> list[str]:
+    """silu_mul on column slices of one [M, 2I] tensor, and on every finite and infinite 16-bit gate value,
+    against F.silu(gate) * up on the same device."""
+    from qerl.kernels.triton_fused_ops import silu_mul
+
+    _poison()
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    for i, (M, I) in enumerate(SILU_SHAPES):
+        gu = _silu_inputs(M, I, dtype, gen, batch_dims=i == 1).to(device)
+        gate, up = gu[..., :I], gu[..., I:]
+        out = silu_mul(gate, up)
+        ref = F.silu(gate) * up
+        if not out.is_contiguous() or not _same_bits(out, ref):
+            bad = (out != ref).sum().item()
+            fails.append(f"silu_mul {device} {dtype} {(M, I)}: {bad} elements differ, contiguous={out.is_contiguous()}")
+    # all 2^16 bit patterns but NaN as gate, up = 1 (exact), each with its own rounding of silu
+    g = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    keep = ~torch.isnan(g)
+    if device == "cpu" and dtype == torch.bfloat16:
+        # the interpreter converts bf16 subnormals to and from fp32 wrongly (Triton 3.9 `_convert_float`):
+        # no subnormal gates, nor gates whose silu (~ g / 2 near 0) is subnormal
+        keep &= (g == 0) | (g.float().abs() >= 2 * torch.finfo(torch.float32).tiny)
+    g = g[keep].to(device)
+    out = silu_mul(g, torch.ones_like(g))
+    if not _same_bits(out, F.silu(g)):
+        bad = ((out != F.silu(g)) & ~torch.isnan(F.silu(g))).sum().item()
+        fails.append(f"silu_mul {device} {dtype}: silu differs from torch for {bad} of {g.numel()} gate values")
+    return fails
+
+
+def _rope_store_inputs(B, H, KV, hd, max_len, dtype, device, gen):
+    """q, k, v as head views of column slices of one [B, 1, (H + 2 KV) * hd] tensor, cos/sin [B, 1, hd],
+    caches [B, KV, max_len, hd] full of random values (so an overwritten slot shows)."""
+    qkv = torch.randn(B, 1, (H + 2 * KV) * hd, generator=gen).to(dtype).to(device)
+    q = qkv[..., : H * hd].view(B, 1, H, hd)
+    k = qkv[..., H * hd: (H + KV) * hd].view(B, 1, KV, hd)
+    v = qkv[..., (H + KV) * hd:].view(B, 1, KV, hd)
+    ang = torch.rand(B, 1, hd // 2, generator=gen) * 100
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
+    caches = [torch.randn(B, KV, max_len, hd, generator=gen).to(dtype).to(device) for _ in range(2)]
+    return q, k, v, cos, sin, *caches
+
+
+def check_rope_store(device: str, dtype=torch.bfloat16, seed: int = 7, cases=ROPE_STORE_CASES) -> list[str]:
+    """rope_store_decode: the returned q, and the whole caches (slot written, every other slot untouched),
+    equal to rope_reference + index_copy_; q, k, v unchanged."""
+    from qerl.kernels.fused_ops import rope_reference
+    from qerl.kernels.triton_fused_ops import rope_store_decode
+
+    _poison()
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    for B, H, KV, hd, max_len, slot in cases:
+        q, k, v, cos, sin, kc, vc = _rope_store_inputs(B, H, KV, hd, max_len, dtype, device, gen)
+        inputs = [t.clone() for t in (q, k, v)]
+        ref_k, ref_v = kc.clone(), vc.clone()
+        ref_k[:, :, slot] = rope_reference(k, cos, sin)[:, 0]
+        ref_v[:, :, slot] = v[:, 0]
+        out = rope_store_decode(q, k, v, cos, sin, kc, vc, torch.tensor(slot, device=device))
+        tag = f"rope_store {device} {dtype} {(B, H, KV, hd, max_len, slot)}"
+        if not out.is_contiguous() or not torch.equal(out, rope_reference(q, cos, sin)):
+            fails.append(f"{tag}: rotated q differs (or is not contiguous)")
+        if not torch.equal(kc, ref_k) or not torch.equal(vc, ref_v):
+            bad_k, bad_v = (kc != ref_k).sum().item(), (vc != ref_v).sum().item()
+            fails.append(f"{tag}: cache differs at {bad_k} k, {bad_v} v elements")
+        if not all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))):
+            fails.append(f"{tag}: an input was written")
+    # a slot outside the cache writes nothing (documented: a graph replay cannot raise as index_copy_ does)
+    B, H, KV, hd, max_len, _ = cases[0]
+    q, k, v, cos, sin, kc, vc = _rope_store_inputs(B, H, KV, hd, max_len, dtype, device, gen)
+    before = kc.clone(), vc.clone()
+    for slot in (-1, max_len):
+        rope_store_decode(q, k, v, cos, sin, kc, vc, torch.tensor(slot, device=device))
+    if not torch.equal(kc, before[0]) or not torch.equal(vc, before[1]):
+        fails.append(f"rope_store {device} {dtype}: an out-of-range slot wrote into the cache")
+    return fails
+
+
 def interpreter_suite() -> list[str]:
     return check_norm("cpu") + check_norm("cpu", torch.float32, seed=3) + check_rope("cpu") + \
-        check_rope("cpu", torch.float16, seed=4)
+        check_rope("cpu", torch.float16, seed=4) + check_silu_mul("cpu") + check_silu_mul("cpu", torch.float16) + \
+        check_rope_store("cpu") + check_rope_store("cpu", torch.float16, seed=8, cases=ROPE_STORE_CASES[1:3])
 
 
 def test_interpreter():
@@ -88,10 +204,13 @@ def test_interpreter():
     assert not fails, "\n".join(fails)
 
 
-def test_cpu_path_is_the_eager_reference():
-    """Off CUDA, add_norm / rope_qk are exactly the eager code (no Triton involved)."""
-    from qerl.kernels.fused_ops import add_norm, rope_qk, rope_reference
+def test_cpu_path_is_the_eager_reference(monkeypatch):
+    """Off CUDA, the fused ops are exactly the eager code (the Triton module cannot even be imported)."""
+    from transformers.activations import ACT2FN
 
+    from qerl.kernels.fused_ops import add_norm, rope_qk, rope_qk_store, rope_reference, silu_mul
+
+    monkeypatch.setitem(sys.modules, "qerl.kernels.triton_fused_ops", None)  # importing it raises
     gen = torch.Generator().manual_seed(5)
     norm = _rms_module(48, 1e-5, torch.bfloat16, "cpu", gen)
     h, d = torch.randn(2, 3, 48).bfloat16(), torch.randn(2, 3, 48).bfloat16()
@@ -102,13 +221,68 @@ def test_cpu_path_is_the_eager_reference():
     rq, rk = rope_qk(q, k, cos, sin)
     assert torch.equal(rq, rope_reference(q, cos, sin)) and torch.equal(rk, rope_reference(k, cos, sin))
 
+    gu = torch.randn(3, 2, 2 * 24).bfloat16()
+    gate, up = gu[..., :24], gu[..., 24:]
+    for act in (None, ACT2FN["silu"], torch.nn.SiLU()):
+        assert torch.equal(silu_mul(gate, up, act), F.silu(gate) * up)
+    assert torch.equal(silu_mul(gate, up, ACT2FN["gelu"]), ACT2FN["gelu"](gate) * up)
+
+    q, k, v, cos, sin, kc, vc = _rope_store_inputs(2, 3, 1, 16, 4, torch.bfloat16, "cpu", gen)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    slot = torch.tensor(2)
+    ref_k.index_copy_(2, slot.view(1), rope_reference(k, cos, sin).transpose(1, 2))
+    ref_v.index_copy_(2, slot.view(1), v.transpose(1, 2))
+    assert torch.equal(rope_qk_store(q, k, v, cos, sin, kc, vc, slot), rope_reference(q, cos, sin))
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu(dtype):
     require_cuda()
-    fails = check_norm("cuda", dtype) + check_rope("cuda", dtype)
+    fails = check_norm("cuda", dtype) + check_rope("cuda", dtype) + check_silu_mul("cuda", dtype) + \
+        check_rope_store("cuda", dtype)
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_and_graph_replay(monkeypatch):
+    """On CUDA the public ops take the Triton path with the engine's arguments (HF's act_fn, column slices),
+    with the eager result, and rope_qk_store captured in a CUDA graph writes the slot each replay's slot
+    tensor holds."""
+    require_cuda()
+    from transformers.activations import ACT2FN
+
+    from qerl.kernels import triton_fused_ops
+    from qerl.kernels.fused_ops import rope_qk_store, rope_reference, silu_mul
+
+    calls = []
+    for name in ("silu_mul", "rope_store_decode"):
+        fn = getattr(triton_fused_ops, name)
+        monkeypatch.setattr(triton_fused_ops, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    gen = torch.Generator().manual_seed(9)
+    gu = torch.randn(4, 2 * 96, generator=gen).bfloat16().cuda()
+    gate, up = gu[:, :96], gu[:, 96:]
+    assert torch.equal(silu_mul(gate, up, ACT2FN["silu"]), F.silu(gate) * up)
+    assert calls == ["silu_mul"]
+
+    B, H, KV, hd, max_len = 2, 7, 1, 64, 8
+    q, k, v, cos, sin, kc, vc = _rope_store_inputs(B, H, KV, hd, max_len, torch.bfloat16, "cuda", gen)
+    slot = torch.zeros((), dtype=torch.int64, device="cuda")
+    rope_qk_store(q, k, v, cos, sin, kc.clone(), vc.clone(), slot)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rq = rope_qk_store(q, k, v, cos, sin, kc, vc, slot)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    for s in (3, 0, max_len - 1):
+        slot.fill_(s)
+        graph.replay()
+        ref_k[:, :, s] = rope_reference(k, cos, sin)[:, 0]
+        ref_v[:, :, s] = v[:, 0]
+        assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v), f"slot {s}"
+        assert torch.equal(rq, rope_reference(q, cos, sin))
+    assert calls == ["silu_mul", "rope_store_decode", "rope_store_decode"]
 
 
 @pytest.mark.gpu

@@ -114,3 +114,39 @@ def test_engine_with_fused_groups_samples_the_same(kind, fmt):
     ref_model.model.layers[0].self_attn.k_proj.lora_enabled = False
     a, b = _generate(model, fuse=True), _generate(ref_model, fuse=False)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_fused_groups_on_gpu_match_separate_linears(fmt):
+    """bf16 on CUDA through the real decode kernels (K = 256: the Gluon kernel for NVFP4, with the LoRA
+    term in its epilogue) and CUDA graphs: the fused engine follows the per-module one."""
+    from kernel_testing import require_cuda
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    require_cuda()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    model = quantize_model(model, fmt, LoraConfig(r=16, alpha=32))
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.05)
+    model = model.cuda().to(torch.bfloat16)
+    prompts = prompts_of([5, 9, 3, 7], vocab=128)
+    greedy = SamplingParams(temperature=0.0)
+    sep = RolloutEngine(model, max_seq_len=64, kv_block=16, fuse_siblings=False).generate(prompts, 6, greedy)
+    eng = RolloutEngine(model, max_seq_len=64, kv_block=16, fuse_siblings=True)
+    fused = eng.generate(prompts, 6, greedy)
+    assert len(eng.runner.lora.fused) == 4
+    assert torch.equal(fused.completion_ids[:, :3], sep.completion_ids[:, :3])
+    lp_f, lp_s = fused.logprobs[:, :3], sep.logprobs[:, :3]
+    assert not torch.isnan(lp_f).any() and (lp_f - lp_s).abs().max().item() < 0.05

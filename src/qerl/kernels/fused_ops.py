@@ -2,15 +2,21 @@
 
   add_norm(h, delta, norm) -> (h + delta, norm(h + delta))   residual add + the model's RMSNorm
   rope_qk(q, k, cos, sin)  -> rotated (q, k)                   rotate-half RoPE, [B, L, heads, hd]
+  silu_mul(gate, up)       -> silu(gate) * up                  the MLP's activation and product
+  rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
+                           -> rotated q; rotated k and v written into the caches at the device-side slot
+                              (one decode token: RoPE + KVCache.write_step in one launch)
 
 The Triton path (`triton_fused_ops`) is taken for CUDA bf16/fp16 tensors when the norm is a plain
-Llama/Qwen-style RMSNorm (`weight` of the activation dtype and `variance_epsilon`); it rounds exactly
-where the eager code does, so only the fp32 summation order inside the norm differs. It reads the norm's
-weight tensor on every call, so an AQN perturbation applied in place is seen (CUDA graphs included).
-QERL_DISABLE_TRITON=1 forces the eager path, as for the matmuls.
+Llama/Qwen-style RMSNorm (`weight` of the activation dtype and `variance_epsilon`), the activation is SiLU,
+and the layouts fit (unit stride on the last dim); it rounds exactly where the eager code does, so only the
+fp32 summation order inside the norm differs. It reads the norm's weight tensor on every call, so an AQN
+perturbation applied in place is seen (CUDA graphs included). QERL_DISABLE_TRITON=1 forces the eager path,
+as for the matmuls.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .triton_gate import use_triton
@@ -53,3 +59,56 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         cos, sin = cos.contiguous(), sin.contiguous()
         return rope_(q, cos, sin), rope_(k, cos, sin)
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+
+
+def _is_plain_silu(act_fn: nn.Module | None) -> bool:
+    """act_fn computes F.silu(x) out of place (None stands for it): HF's SiLUActivation or torch's nn.SiLU."""
+    if act_fn is None:
+        return True
+    cls = type(act_fn)
+    if getattr(act_fn, "inplace", False):  # eager would also overwrite gate: keep that side effect eager
+        return False
+    return cls is nn.SiLU or (cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers."))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, act_fn: nn.Module | None = None) -> torch.Tensor:
+    """gate, up [..., I] -> act_fn(gate) * up [..., I] (act_fn None: SiLU), a new tensor of their dtype.
+
+    gate and up may be column slices of one [..., 2I] output (strided rows). The Triton path, bit-identical
+    to the eager SiLU, for CUDA bf16/fp16 with a SiLU act_fn and unit stride on the last dim.
+    """
+    if (_is_plain_silu(act_fn) and use_triton(gate) and up.dtype == gate.dtype and up.shape == gate.shape
+            and up.device == gate.device and gate.stride(-1) == 1 and up.stride(-1) == 1):
+        from .triton_fused_ops import silu_mul as triton_silu_mul
+
+        return triton_silu_mul(gate, up)
+    return (F.silu(gate) if act_fn is None else act_fn(gate)) * up
+
+
+def _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot) -> bool:
+    """The fused decode kernel applies: CUDA 16-bit tensors of one dtype, the layouts it takes."""
+    tensors = (q, k, v, cos, sin, k_cache, v_cache)
+    return (use_triton(q) and all(t.dtype == q.dtype and t.device == q.device for t in tensors)
+            and slot.device == q.device and slot.dtype == torch.int64 and slot.numel() == 1
+            and q.shape[1] == 1 and all(t.stride(-1) == 1 for t in tensors)
+            and sin.stride() == cos.stride() and v_cache.stride() == k_cache.stride())
+
+
+def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """One decode token: q [B, 1, H, hd], k, v [B, 1, KV, hd]; cos, sin [B, 1, hd]; one layer's caches
+    k_cache, v_cache [B, KV, max_len, hd]; slot a 0-d int64 tensor on the caches' device.
+
+    Returns rope(q) [B, 1, H, hd] (a new tensor; q is not written); writes rope(k) into k_cache[:, :, slot]
+    and v into v_cache[:, :, slot]. slot is only read on the device (no sync), so the call can be captured
+    in a CUDA graph and replayed with new slot values. Same result as `rope_reference` on q and k followed
+    by `KVCache.write_step`; the Triton path (CUDA bf16/fp16, one dtype throughout) does it in one launch.
+    """
+    if _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot):
+        from .triton_fused_ops import rope_store_decode
+
+        return rope_store_decode(q, k, v, cos, sin, k_cache, v_cache, slot)
+    rq = rope_reference(q, cos, sin)
+    k_cache.index_copy_(2, slot.view(1), rope_reference(k, cos, sin).transpose(1, 2))
+    v_cache.index_copy_(2, slot.view(1), v.transpose(1, 2))
+    return rq

@@ -1,17 +1,26 @@
-"""Triton kernels for the small per-layer ops of a decode step: residual add + RMSNorm, and RoPE on q and k.
+"""Triton kernels for the small per-layer ops of a decode step.
+
+  add_rms_norm      residual add + RMSNorm
+  rope_             rotate-half RoPE on one tensor, in place
+  silu_mul          silu(gate) * up of the MLP (gate, up: column slices of one fused output)
+  rope_store_decode RoPE on one decode token's q and k, plus the k/v cache writes at a device-side slot
 
 At decode sizes a step is mostly launches: HF's RMSNorm is ~7 kernels (cast, square, mean, add, rsqrt,
-multiply, weight multiply), the residual add one more, rotate-half RoPE ~5 per tensor. These kernels do
-each group in one launch with the SAME roundings as the eager torch code they replace (every bf16/fp16
-intermediate that torch materialises is rounded here too), so results differ only by the order of the
-fp32 sum inside the norm's mean. This module imports Triton: import it lazily (see `fused_ops`).
+multiply, weight multiply), the residual add one more, rotate-half RoPE ~5 per tensor, silu and the
+multiply 2, the cache writes 2. These kernels do each group in one launch with the SAME roundings as the
+eager torch code they replace (every bf16/fp16 intermediate that torch materialises is rounded here too),
+so results differ only by the order of the fp32 sum inside the norm's mean. Outputs are allocated through
+`triton_fp4_mm._alloc`, so tests can fill them with NaN first. This module imports Triton: import it
+lazily (see `fused_ops`).
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .triton_fp4_decode import round_to
+from .triton_fp4_mm import _alloc
 
 
 @triton.jit
@@ -55,8 +64,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     D = h.shape[-1]
     h2 = h.reshape(-1, D)
     rows = h2.shape[0]
-    out = torch.empty_like(h2)
-    res = torch.empty_like(h2) if delta is not None else h2
+    out = _alloc(h2.shape, h2.device, h2.dtype)
+    res = _alloc(h2.shape, h2.device, h2.dtype) if delta is not None else h2
     d2 = delta.reshape(-1, D) if delta is not None else h2
     if h2.stride(-1) != 1 or d2.stride(-1) != 1:
         raise ValueError("add_rms_norm needs a unit stride along the normalised dimension")
@@ -65,6 +74,25 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(D), INTERP=h.device.type != "cuda",
         num_warps=4 if D <= 4096 else 8)
     return res.view(h.shape), out.view(h.shape)
+
+
+@triton.jit
+def _load_cos_sin(cos_ptr, sin_ptr, j, jmask, HALF: tl.constexpr):
+    """The two halves of one position's cos and sin rows (offsets j < HALF), as float32."""
+    c1 = tl.load(cos_ptr + j, mask=jmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + j, mask=jmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rope_halves(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """Float32 halves of x (values of DTYPE) -> the halves of x*cos + rotate_half(x)*sin, in DTYPE."""
+    # rotate_half(x) = cat(-x2, x1); torch rounds x*cos, rot*sin and their sum, each to x's dtype
+    lo = round_to(_rounded(x1 * c1, DTYPE, INTERP) + _rounded(-x2 * s1, DTYPE, INTERP), DTYPE, INTERP)
+    hi = round_to(_rounded(x2 * c2, DTYPE, INTERP) + _rounded(x1 * s2, DTYPE, INTERP), DTYPE, INTERP)
+    return lo, hi
 
 
 @triton.jit
@@ -83,13 +111,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, L, H, stride_xb, stride_xl, stride_xh,
     x1 = tl.load(base + j, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + j, mask=hmask, other=0.0).to(tl.float32)
     cbase = b * stride_cb + pos * stride_cl
-    c1 = tl.load(cos_ptr + cbase + j, mask=jmask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + cbase + HALF + j, mask=jmask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + cbase + j, mask=jmask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + cbase + HALF + j, mask=jmask, other=0.0).to(tl.float32)
-    # rotate_half(x) = cat(-x2, x1); torch rounds x*cos, rot*sin and their sum, each to x's dtype
-    lo = round_to(_rounded(x1 * c1, dtype, INTERP) + _rounded(-x2 * s1, dtype, INTERP), dtype, INTERP)
-    hi = round_to(_rounded(x2 * c2, dtype, INTERP) + _rounded(x1 * s2, dtype, INTERP), dtype, INTERP)
+    c1, c2, s1, s2 = _load_cos_sin(cos_ptr + cbase, sin_ptr + cbase, j, jmask, HALF)
+    lo, hi = _rope_halves(x1, x2, c1, c2, s1, s2, dtype, INTERP)
     tl.store(base + j, lo, mask=hmask)
     tl.store(base + HALF + j, hi, mask=hmask)
 
@@ -103,3 +126,122 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
                            HALF=hd // 2, BLOCK_J=triton.next_power_of_2(hd // 2), BLOCK_H=triton.next_power_of_2(H), INTERP=x.device.type != "cuda",
                            num_warps=4)
     return x
+
+
+@triton.jit
+def _exp_as_cuda(x, INTERP: tl.constexpr):
+    """float32 exp as torch's CUDA kernels get it (`::exp` -> libdevice __nv_expf), not tl.exp (ex2.approx of
+    x * log2(e), a few ulp off). The interpreter has no libdevice: there exp in float64 rounded to float32,
+    which gives torch's CPU silu for every bf16 and fp16 input (numpy's float32 exp misses 3 fp16 values)."""
+    if INTERP:
+        return tl.exp(x.to(tl.float64)).to(tl.float32)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_o,
+                     BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    """Program (row, block): out = round(round(g / (1 + exp(-g))) * u) on BLOCK columns of one row."""
+    row = tl.program_id(0).to(tl.int64)  # prefill rows * row stride can pass 2^31
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    # torch's silu: x / (1 + exp(-x)) in fp32 with an IEEE division (Triton's `/` is div.full, approximate),
+    # rounded to the activation dtype; then the multiply, whose fp32 product of two 16-bit values is exact
+    s = _rounded(tl.math.div_rn(g, 1.0 + _exp_as_cuda(-g, INTERP)), dtype, INTERP)
+    tl.store(out_ptr + row * stride_o + offs, round_to(s * u, dtype, INTERP), mask=mask)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [..., I] bf16/fp16, unit stride along I (rows may be strided) -> silu(gate) * up, a new
+    contiguous [..., I] tensor of their dtype, bit-identical to torch's `F.silu(gate) * up`."""
+    I = gate.shape[-1]
+    if up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("silu_mul needs gate and up of one shape and dtype, with unit stride on the last dim")
+    g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)  # views for column slices of one [..., 2I] output
+    out = _alloc(gate.shape, gate.device, gate.dtype)
+    o2 = out.view(-1, I)
+    if o2.numel():
+        interp = gate.device.type != "cuda"
+        _silu_mul_kernel[(o2.shape[0], triton.cdiv(I, SILU_BLOCK))](
+            g2, u2, o2, I, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=SILU_BLOCK, INTERP=interp,
+            num_warps=4, **({} if interp else {"enable_reflect_ftz": False}))
+    return out
+
+
+@triton.jit
+def _rope_head(src, dst, j, jmask, c1, c2, s1, s2, HALF: tl.constexpr, INTERP: tl.constexpr):
+    """One head: the hd contiguous elements at src, rotated, to dst."""
+    x1 = tl.load(src + j, mask=jmask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + j, mask=jmask, other=0.0).to(tl.float32)
+    lo, hi = _rope_halves(x1, x2, c1, c2, s1, s2, dst.dtype.element_ty, INTERP)
+    tl.store(dst + j, lo, mask=jmask)
+    tl.store(dst + HALF + j, hi, mask=jmask)
+
+
+@triton.jit
+def _copy_head(src, dst, j, jmask, HALF: tl.constexpr):
+    """One head: the hd contiguous elements at src, copied to dst."""
+    tl.store(dst + j, tl.load(src + j, mask=jmask), mask=jmask)
+    tl.store(dst + HALF + j, tl.load(src + HALF + j, mask=jmask), mask=jmask)
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, H, max_len,
+                       stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb,
+                       stride_ob, stride_oh, stride_cacheb, stride_cacheh, stride_caches,
+                       HALF: tl.constexpr, BLOCK_J: tl.constexpr, INTERP: tl.constexpr):
+    """Program (b, head): head < H rotates query head `head` of row b into qo; head = H + kv rotates key
+    head kv into k cache slot *slot_ptr and copies value head kv into the v cache at the same slot."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    j = tl.arange(0, BLOCK_J)
+    jmask = j < HALF
+    c1, c2, s1, s2 = _load_cos_sin(cos_ptr + b * stride_cb, sin_ptr + b * stride_cb, j, jmask, HALF)
+    if head < H:
+        _rope_head(q_ptr + b * stride_qb + head * stride_qh, qo_ptr + b * stride_ob + head * stride_oh,
+                   j, jmask, c1, c2, s1, s2, HALF, INTERP)
+    else:
+        kv = head - H
+        # read on the device, so that a captured CUDA graph writes wherever the replay's slot says
+        slot = tl.load(slot_ptr)
+        if (slot >= 0) & (slot < max_len):  # out of range: write nothing (a graph replay cannot raise)
+            cache = b.to(tl.int64) * stride_cacheb + kv * stride_cacheh + slot * stride_caches
+            _rope_head(k_ptr + b * stride_kb + kv * stride_kh, kc_ptr + cache, j, jmask, c1, c2, s1, s2, HALF, INTERP)
+            _copy_head(v_ptr + b * stride_vb + kv * stride_vh, vc_ptr + cache, j, jmask, HALF)
+
+
+def rope_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """One decode token, one launch. q [B, 1, H, hd], k, v [B, 1, KV, hd] (unit stride on hd, any other
+    strides); cos, sin [B, 1, hd] (unit stride on hd, one layout); k_cache, v_cache [B, KV, max_len, hd]
+    (unit stride on hd, one layout); slot: 0-d (or 1-element) int64 tensor on the device, read by the
+    kernel. All floating tensors of one dtype (bf16/fp16).
+
+    Returns rope(q) as a new contiguous [B, 1, H, hd] tensor; writes rope(k) into k_cache[:, :, slot] and v
+    into v_cache[:, :, slot], other slots untouched. Rounding as `fused_ops.rope_reference`. A slot outside
+    [0, max_len) writes nothing (index_copy_ would raise; a graph replay cannot).
+    """
+    B, L, H, hd = q.shape
+    KV, max_len = k_cache.shape[1], k_cache.shape[2]
+    if L != 1 or k.shape != (B, 1, KV, hd) or v.shape != k.shape or cos.shape != (B, 1, hd) or sin.shape != cos.shape \
+            or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or hd % 2 or slot.numel() != 1:
+        raise ValueError(f"rope_store_decode: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"cos {tuple(cos.shape)} caches {tuple(k_cache.shape)} {tuple(v_cache.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, k_cache)) or sin.stride() != cos.stride() \
+            or v_cache.stride() != k_cache.stride():
+        raise ValueError("rope_store_decode needs unit stride on hd, cos/sin of one layout, caches of one layout")
+    if len({t.dtype for t in (q, k, v, cos, sin, k_cache, v_cache)}) != 1 or slot.dtype != torch.int64:
+        raise ValueError("rope_store_decode needs q, k, v, cos, sin and the caches of one dtype, an int64 slot")
+    out = _alloc((B, 1, H, hd), q.device, q.dtype)
+    _rope_store_kernel[(B, H + KV)](
+        q, k, v, cos, sin, out, k_cache, v_cache, slot, H, max_len,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), cos.stride(0),
+        out.stride(0), out.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HALF=hd // 2, BLOCK_J=triton.next_power_of_2(hd // 2), INTERP=q.device.type != "cuda", num_warps=1)
+    return out

@@ -5,9 +5,11 @@ per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_nor
 `post_attention_layernorm`, `gate_proj`/`up_proj`/`down_proj` with the MLP's `act_fn`, final `norm`,
 `lm_head` -- so a LoRA update or an AQN perturbation of a norm weight is what samples next. What the
 engine brings itself: rotary embeddings computed from the HF config, attention over a static KV cache
-(torch SDPA), and the sampling. On CUDA each residual add with the RMSNorm after it, and RoPE on q/k, run as
-one Triton launch (`qerl.kernels.fused_ops`; the norm's own weight and eps are read on every call, so AQN's
-in-place noise is seen); elsewhere the same ops run eagerly.
+(torch SDPA; on CUDA the decode steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`),
+and the sampling. On CUDA each residual add with the RMSNorm after it, RoPE on q/k (at decode, with the
+k/v cache write) and SiLU(gate) * up run as one Triton launch each (`qerl.kernels.fused_ops`; the norm's
+own weight and eps are read on every call, so AQN's in-place noise is seen); elsewhere the same ops run
+eagerly.
 
 Quantized layers (`QuantLinear`) are called through their parts: the base matmul on the stored 4-bit (or
 bf16) tensors, read by reference, plus the LoRA delta from a snapshot of A and scaling*B cast to the
@@ -29,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import dequantized_weights, quantized_linear
-from ..kernels.fused_ops import add_norm, rope_qk
+from ..kernels.decode_attention import decode_attention
+from ..kernels.fused_ops import add_norm, rope_qk, rope_qk_store, silu_mul
 from ..models.siblings import fuse_sibling_storage, fused_tensors
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_linear import QuantLinear
@@ -151,6 +154,7 @@ class LoraSnapshot:
         self.b: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(module) -> (row0, row1 of A, scaling*B)
         # group index -> fused base tensors, output sizes, concatenated bias | None, block scaling*B | None
         self.fused: dict[int, tuple[dict, list[int], torch.Tensor | None, torch.Tensor | None]] = {}
+        self.fuse = fuse
         if fuse:
             for g in self.groups:
                 if len(g) > 1:
@@ -195,7 +199,7 @@ class LoraSnapshot:
             self._refresh_fused(gi, group, on)
 
     def _refresh_fused(self, gi: int, group: tuple, on: list) -> None:
-        tensors = fused_tensors(group) if len(group) > 1 else None
+        tensors = fused_tensors(group) if self.fuse and len(group) > 1 else None
         if tensors is None:
             self.fused.pop(gi, None)
             return
@@ -298,14 +302,18 @@ class CausalLMRunner:
         v = v.view(B, L, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rope_qk(q, k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if slot is None:
-            cache.write_prefill(i, k, v)
-        else:
-            cache.write_step(i, slot, k, v)
+        if slot is not None:  # decode: RoPE + this slot's k/v written into the cache, one launch on CUDA
+            q = rope_qk_store(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
             S = mask.shape[-1]
+            if q.is_cuda:  # one flash-decoding launch (two with split S) instead of SDPA + mask conversion
+                o = decode_attention(q[:, 0], cache.k[i], cache.v[i], cache.key_valid, slot, S, self.scale)
+                return lin(attn.o_proj, o.reshape(B, L, self.n_heads * self.head_dim))
             k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+            q = q.transpose(1, 2)
+        else:
+            q, k = rope_qk(q, k, cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cache.write_prefill(i, k, v)
         o = grouped_attention(q, k, v, mask, self.scale)  # [B, H, L, hd]
         return lin(attn.o_proj, o.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
@@ -313,7 +321,7 @@ class CausalLMRunner:
         """x [B, L, D] (already normed) -> down(act(gate(x)) * up(x)) [B, L, D]."""
         mlp = self.layers[i].mlp
         gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x)
-        return self.lora.linear(mlp.down_proj, mlp.act_fn(gate) * up)
+        return self.lora.linear(mlp.down_proj, silu_mul(gate, up, mlp.act_fn))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask, slot=None):
         """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> last-position logits [B, V]."""

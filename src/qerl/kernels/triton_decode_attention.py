@@ -1,0 +1,171 @@
+"""Flash-decoding Triton kernel: one query token per row against a layer's static KV cache, GQA-aware.
+
+Pass 1, grid (B, KV, splits): each program takes the G query heads of one kv head (padded to a tl.dot tile
+of >= 16 rows, so each k/v tile is read once for all of them) and one contiguous chunk of the first S
+cache slots, and keeps an online softmax in fp32 (log2 domain). With one split it writes the output;
+otherwise it writes fp32 partials (max, sum, unnormalised acc) and pass 2, one program per (row, head),
+merges them. The decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see
+new values); keys past it, left pads and slots >= S are never loaded, so stale or NaN cache contents
+there cannot leak in. A (row, head) with no visible key outputs zeros. This module imports Triton:
+import it lazily (see `decode_attention`).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fp4_decode import round_to
+
+# Tests set POISON to fill every buffer the kernels write with NaN first, so an element a kernel forgets
+# to write shows up instead of passing as leftover memory.
+POISON = False
+BLOCK_N = 64  # keys per tile
+PROGRAMS_PER_SM = 2
+CPU_SMS = 4  # the interpreter has no SMs; a small number still exercises several splits
+
+
+def _alloc(shape, device, dtype) -> torch.Tensor:
+    if POISON:
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(rows: int, S: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(splits, chunk) for `rows` = B * KV programs per split: about PROGRAMS_PER_SM programs per SM, each
+    chunk a whole number of tiles, and no empty split (chunk * (splits - 1) < S)."""
+    blocks = triton.cdiv(S, block_n)
+    want = max(1, triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), rows))
+    chunk = triton.cdiv(blocks, min(want, blocks)) * block_n
+    return triton.cdiv(S, chunk), chunk
+
+
+@triton.jit
+def _mma(a, b, INTERP: tl.constexpr):
+    """a @ b, fp32 accumulation. The CPU interpreter's 16-bit tl.dot returns garbage (Triton 3.9): there the
+    operands (exact in fp32) are multiplied in fp32."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                  S, H, G, HD, CHUNK, SPLITS, qk_scale,
+                  sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h,
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """Keys [split * CHUNK, min((split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1 of row b."""
+    b = tl.program_id(0).to(tl.int64)  # int64: b * stride can pass 2^31 for big caches
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv * G + g
+    gd_mask = (g < G)[:, None] & (d < HD)[None, :]
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gd_mask, other=0.0)
+    slot = tl.load(slot_ptr).to(tl.int32)
+    lo = split * CHUNK
+    hi = tl.minimum(tl.minimum(lo + CHUNK, S), slot + 1)
+    k_base = k_ptr + b * sk_b + kv * sk_h
+    v_base = v_ptr + b * sv_b + kv * sv_h
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + n
+        ok = (keys < hi) & (tl.load(valid_ptr + b * s_valid + keys, mask=keys < hi, other=0) != 0)
+        kd_mask = ok[:, None] & (d < HD)[None, :]
+        k = tl.load(k_base + keys[:, None] * sk_n + d[None, :], mask=kd_mask, other=0.0)
+        s = _mma(q, tl.trans(k), INTERP) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # no visible key yet: subtract 0 instead of -inf so exp2 gives 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + keys[:, None] * sv_n + d[None, :], mask=kd_mask, other=0.0)
+        acc = acc * alpha[:, None] + _mma(round_to(p, v.dtype, INTERP), v, INTERP)
+        m_i = m_new
+    if DIRECT:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only with acc == 0: zeros
+        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :],
+                 round_to(o, out_ptr.dtype.element_ty, INTERP), mask=gd_mask)
+    else:
+        part = (b * H + heads) * SPLITS + split
+        tl.store(m_ptr + part, m_i, mask=g < G)
+        tl.store(l_ptr + part, l_i, mask=g < G)
+        tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=gd_mask)
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H, HD, SPLITS, so_b, so_h,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
+    """Merge the SPLITS partials of one (row, head): rescale each to the common max, sum, divide."""
+    row = tl.program_id(0).to(tl.int64)  # b * H + h
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < SPLITS
+    m = tl.load(m_ptr + row * SPLITS + s, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(l_ptr + row * SPLITS + s, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + (row * SPLITS + s[:, None]) * HD + d[None, :], mask=s_mask[:, None] & (d < HD)[None, :],
+                  other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+    total = tl.sum(w * l_s, 0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + (row // H) * so_b + (row % H) * so_h + d, round_to(o, out_ptr.dtype.element_ty, INTERP),
+             mask=d < HD)
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor,
+                            slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
+                            block_n: int = BLOCK_N) -> torch.Tensor:
+    """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
+    stride); key_valid [B, max_len] bool; slot 0-d int64 tensor (read on the device); S <= max_len slots
+    scanned -> out [B, H, hd] in q's dtype. splits None: chosen from S and the SM count (tests force it)."""
+    B, H, hd = q.shape
+    KV, max_len = k_cache.shape[1], k_cache.shape[2]
+    if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
+            not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k/v {tuple(k_cache.shape)}")
+    if key_valid.shape != (B, max_len) or key_valid.dtype != torch.bool or slot.numel() != 1 or not 0 < S <= max_len:
+        raise ValueError("decode_attention: bad key_valid, slot or S")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or key_valid.stride(-1) != 1:
+        raise ValueError("decode_attention needs a unit stride along head_dim and key_valid's last dim")
+    G = H // KV
+    if splits is None:
+        splits, chunk = choose_splits(B * KV, S, block_n, q.device)
+    else:
+        chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+        splits = triton.cdiv(S, chunk)
+    out = _alloc((B, H, hd), q.device, q.dtype)
+    direct = splits == 1
+    part_m = part_l = part_acc = out  # unused by the direct path
+    if not direct:
+        part_m = _alloc((B, H, splits), q.device, torch.float32)
+        part_l = _alloc((B, H, splits), q.device, torch.float32)
+        part_acc = _alloc((B, H, splits, hd), q.device, torch.float32)
+    block_d = triton.next_power_of_2(hd)
+    interp = q.device.type != "cuda"
+    _split_kernel[(B, KV, splits)](
+        q, k_cache, v_cache, key_valid.view(torch.uint8), slot, out, part_m, part_l, part_acc,
+        S, H, G, hd, chunk, splits, float(scale) * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
+        num_warps=4)
+    if not direct:
+        _combine_kernel[(B * H,)](part_m, part_l, part_acc, out, H, hd, splits, out.stride(0), out.stride(1),
+                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, INTERP=interp, num_warps=4)
+    return out
