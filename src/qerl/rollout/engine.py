@@ -32,6 +32,7 @@ from torch import nn
 
 from ..kernels import dequantized_weights, quantized_linear
 from ..kernels.decode_attention import decode_attention
+from ..kernels.lora_a import lora_a
 from ..kernels.fused_ops import add_norm, rope_qk, rope_qk_store, silu_mul
 from ..models.siblings import fuse_sibling_storage, fused_tensors
 from ..nn.quant_embedding import QuantEmbedding
@@ -224,7 +225,7 @@ class LoraSnapshot:
         """x [..., K] -> [mod(x) for mod in mods] (one registered group), without dropout."""
         gi = self.index.get(id(mods[0]))
         a = self.a.get(gi)
-        h = None if a is None else x.reshape(-1, x.shape[-1]) @ a.t()  # [M, sum r]
+        h = None if a is None else lora_a(x, a)  # [M, sum r]: one launch at decode sizes on CUDA
         fused = self.fused.get(gi)
         if fused is not None and tuple(mods) == self.groups[gi]:
             tensors, sizes, bias, lb = fused
