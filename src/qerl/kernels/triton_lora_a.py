@@ -20,7 +20,8 @@ st.shared + bar.sync + ld.shared of the ticket; ld.global.cg of the partials.)
 Split choice (`config`): about PROGRAMS_PER_SM programs per SM, each streaming at least MIN_K_PER_SPLIT
 columns of K, and few enough splits that the last program of a tile reads all partials in at most
 RED_ROUNDS dependent rounds of RED_ELEMS elements: that tail is serial latency after the main loop. The
-constants are educated guesses, not measured; `splits` / `block_r` / `block_m` override them.
+constants come from `benchmarks/lora_a_sweep.py` on an H200 (the default is within 0.2 us of the best
+swept (splits, BR) at Qwen2.5-7B decode shapes); `splits` / `block_r` / `block_m` override them.
 """
 
 import torch
@@ -30,12 +31,14 @@ import triton.language as tl
 from .triton_fp4_decode import round_to
 from .triton_fp4_mm import _alloc
 
-MIN_K_PER_SPLIT = 512  # a program streams at least this many K columns (fewer: the split overhead dominates)
+# Defaults from `benchmarks/lora_a_sweep.py` on an H200 (2026-11-22, Qwen2.5-7B r16 decode shapes, M 1/8/64):
+# BR 16 won every cell, ~14 splits at K = 3584, and fewer splits at M = 64 (the serial tail grows with M)
+MIN_K_PER_SPLIT = 256  # a program streams at least this many K columns (fewer: the split overhead dominates)
 PROGRAMS_PER_SM = 2  # target programs per SM in one launch (latency-bound: enough loads in flight)
 BLOCK_M_MAX = 32  # rows per program; M = 33..64 gets 2 M tiles (halves the x bytes per program and the tail)
 CPU_SMS = 2  # stand-in "SM count" for the interpreter (any small number; only shapes the test cases)
 RED_ELEMS = 8192  # partial elements the last program loads at once (64 fp32 registers a thread at 4 warps)
-RED_ROUNDS = 2  # at most this many such dependent loads in the tail
+RED_ROUNDS = 1  # at most this many such dependent loads in the tail
 
 # (device, M, R, splits, BR) -> (workspace fp32 [n_r, splits, M, BR], counters int32 [n_r, n_m]).
 # Kept for the life of the process: captured CUDA graphs hold their addresses.
@@ -139,7 +142,7 @@ def config(M: int, R: int, K: int, device: torch.device, splits: int | None = No
     is empty. A forced `splits` is kept as given (programs past K add zero partials).
     """
     BM = block_m or min(max(16, triton.next_power_of_2(M)), BLOCK_M_MAX)
-    BR = block_r or (16 if R <= 16 else 32)
+    BR = block_r or 16
     BK = 128 if BM <= 32 else 64  # x tile [BM, BK] + A tile [BR, BK] per pipeline stage
     n_r, n_m = triton.cdiv(R, BR), triton.cdiv(M, BM)
     RED_M = min(BM, triton.next_power_of_2(M))
