@@ -21,7 +21,7 @@ SHAPES = [(1, 200, 256), (3, 1000, 384), (8, 77, 1152), (13, 4608, 3584), (16, 3
           (32, 64, 640), (33, 1000, 1024), (64, 96, 3584)]
 
 
-def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0):
+def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0, wgmma=None):
     from qerl.kernels import triton_fp4_mm, triton_nvfp4 as tk
 
     gen = torch.Generator().manual_seed(seed)
@@ -33,7 +33,7 @@ def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0):
         h = torch.randn(m, lora_r + 5, generator=gen).to(torch.bfloat16).cuda()[:, 3:3 + lora_r]
         lora = (h, (torch.randn(n, lora_r, generator=gen) * 0.1).to(torch.bfloat16).cuda())
     triton_fp4_mm.POISON = True
-    y = tk.nvfp4_linear_swap(x, **w, bias=b, config=config, split=split, lora=lora)
+    y = tk.nvfp4_linear_swap(x, **w, bias=b, config=config, split=split, lora=lora, wgmma=wgmma)
     assert y is not None, "the kernel declined a shape it supports"
     ref = x.float() @ dequantize_nvfp4(**w, dtype=torch.float32).t()
     if b is not None:
@@ -51,6 +51,20 @@ def test_swap_kernel_matches_reference(m, n, k):
     require_cuda()
     _case(m, n, k, seed=m * 7 + n, global_scale=2688.0, bias=m % 2 == 1)
     _case(m, n, k, seed=m * 7 + n + 1, global_scale=1e25, bias=False)  # tiny weights: the step stays exact
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
+@pytest.mark.parametrize("m,n,k", [s for s in SHAPES if s[0] >= 8])
+def test_mma_sync_and_wgmma_forms(m, n, k, wgmma):
+    """Both tensor-core forms at every row count the router may send them (the default picks wgmma for
+    33-64 rows on sm_90 only), with bias, a LoRA term and split-K."""
+    require_cuda()
+    if wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    for lora_r in (0, 48):
+        _case(m, n, k, seed=m + n + lora_r, global_scale=2688.0, bias=True, lora_r=lora_r, wgmma=wgmma)
+    _case(m, n, k, seed=m + n + 1, global_scale=900.0, bias=False, split=3, lora_r=16, wgmma=wgmma,
+          config=(128, 64, 64, 16, 4) if wgmma else None)
 
 
 @pytest.mark.parametrize("split", [1, 2, 5])

@@ -1,4 +1,4 @@
-"""GPU check + timing of the wgmma swap-AB NVFP4 kernel (fp4_wgmma.py) against the float32 reference, cuBLAS bf16
+"""GPU check + timing of the wgmma swap-AB NVFP4 kernel (qerl.kernels.gluon_nvfp4_wgmma) against the float32 reference, cuBLAS bf16
 and the current mma.sync swap kernel.  Run:  python benchmarks/experimental/wgmma_swap/check_gpu.py [--quick]
 
 (a) correctness: random raw codes/scales (all 16 codes, zero blocks, 448 and subnormal E4M3 scales), NaN-poisoned
@@ -22,10 +22,9 @@ from qerl.bench.kernels import _graph_time
 from qerl.kernels.gluon_nvfp4 import _scale_align, split_for
 from qerl.kernels.triton_fp4_mm import _alloc, splitk_reduce
 
-sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.abspath(__file__)))
-import fp4_wgmma  # noqa: E402
+from qerl.kernels.gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel
 
-KERNELS = {"sync": fp4_wgmma.nvfp4_swap_wgmma_kernel, "async": fp4_wgmma.nvfp4_swap_wgmma_async_kernel}
+KERNELS = {"sync": False, "async": True}  # mode -> the kernel's ASYNC flag
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 L2 = 50 * 2**20
 
@@ -46,11 +45,11 @@ def wg_linear(x, packed, scale_u8, gs, bias, cfg, split=None, waves=2.0, mode="s
     out = _alloc((s, m, n), x.device, torch.float32) if partial else _alloc((m, n), x.device, torch.bfloat16)
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), s)
-    KERNELS[mode][grid](x, packed, scale_u8, gs, b, out, m, n, k, x.stride(0), packed.stride(0), scale_u8.stride(0),
-                        out.stride(-2), out.stride(0) if partial else 0, per,
-                        BN=bn, BM=bm, BKH=bkh, KW=16, NS=ns, PARTIAL=partial, NW=4,
-                        SALIGN=_scale_align(scale_u8.stride(0)), HAS_BIAS=bias is not None and not partial,
-                        num_warps=4)
+    nvfp4_swap_wgmma_kernel[grid](x, packed, scale_u8, gs, b, out, m, n, k, x.stride(0), packed.stride(0),
+                                  scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
+                                  out, out, 0, 0, BN=bn, BM=bm, BKH=bkh, KW=16, NS=ns, PARTIAL=partial, NW=4,
+                                  SALIGN=_scale_align(scale_u8.stride(0)), HAS_BIAS=bias is not None and not partial,
+                                  RP=0, ASYNC=KERNELS[mode], num_warps=4)
     return splitk_reduce(out, bias, torch.bfloat16) if partial else out
 
 
@@ -135,7 +134,7 @@ def bench(quick):
             t_cub = graph_time(lambda i: torch.nn.functional.linear(x, wb[i % copies_b]), copies_b * 2)
             t_cur = graph_time(lambda i: tk.nvfp4_linear_swap(x, q[i % copies_q][0],
                                                                q[i % copies_q][1].view(torch.float8_e4m3fn),
-                                                               q[i % copies_q][2]), copies_q * 2)
+                                                               q[i % copies_q][2], wgmma=False), copies_q * 2)
             bm = m
             res = []
             for bn, bkh, ns in [(128, 64, 4), (64, 64, 4), (128, 128, 3), (64, 128, 3)]:

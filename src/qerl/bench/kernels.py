@@ -214,6 +214,7 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
     """Decode sizes: cuBLAS bf16 vs the Triton kernels the dispatch used before (fused tl.dot; gemv at
     M = 1) vs the Gluon swap-AB kernel with its default tile and (tiles) the fastest of `swap_candidates`."""
     from qerl.kernels import gluon_nvfp4 as gk
+    from qerl.kernels import triton_gate
     from qerl.kernels import triton_nvfp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -226,6 +227,9 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
              "swap": _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies]), calls, replays)}
         if m == 1:
             t["gemv"] = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)
+        if triton_gate.wgmma_wins(m):  # the default takes the wgmma form here on sm_90: time mma.sync too
+            t["swap_mma_sync"] = _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies], wgmma=False),
+                                             calls, replays)
         best = (t["swap"], None)
         for cfg, waves in swap_candidates(m) if tiles else []:
             split = gk.split_for(m, n, k, cfg, sms, waves)[0] if k % (2 * cfg[2]) == 0 else None
@@ -253,13 +257,15 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
 def _swap_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`", "",
-             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap us | swap best us "
+             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap mma.sync us (if not the "
+             "default) | swap us | swap best us "
              "(BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS swap | x cuBLAS swap best | swap TB/s | cuBLAS TB/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         gemv = f"{r['t_gemv_us']:.1f}" if "t_gemv_us" in r else ""
+        mma = f"{r['t_swap_mma_sync_us']:.1f}" if "t_swap_mma_sync_us" in r else ""
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['t_cublas_us']:.1f} | "
-                     f"{r['t_fused_us']:.1f} | {gemv} | {r['t_swap_us']:.1f} | {r['t_swap_best_us']:.1f} "
+                     f"{r['t_fused_us']:.1f} | {gemv} | {mma} | {r['t_swap_us']:.1f} | {r['t_swap_best_us']:.1f} "
                      f"{r['best_cfg']} | {r['x_fused']:.2f} | {r['x_swap']:.2f} | {r['x_swap_best']:.2f} | "
                      f"{r['bw_swap'] / 1e12:.2f} | {r['bw_cublas'] / 1e12:.2f} |")
     return "\n".join(lines) + "\n"

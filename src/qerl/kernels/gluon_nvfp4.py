@@ -243,8 +243,15 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
     _wait(0)
     if RP > 0:
         acc = _lora_tile(acc, h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m, pid_k == 0, BN, BM, RP, NW)
-    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    _store_out(acc, mma, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k, BN, BM, PARTIAL, HAS_BIAS)
+
+
+@gluon.jit
+def _store_out(acc, L: gl.constexpr, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
+               BN: gl.constexpr, BM: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """acc [BN, BM] (layout L) = out^T tile -> fp32 split-K partial [S, M, N], or bf16 out [M, N] (+ bias)."""
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
     omask = gl.expand_dims(on < N, 1) & gl.expand_dims(om < M, 0)
     optr = out_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * stride_om, 0)
     if PARTIAL:
@@ -277,6 +284,13 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     return cfg, waves
 
 
+def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
+    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`, 33 <= m <= 64 on sm_90): the tile
+    that was fastest or near it on both 7B qkv and gate_up at M = 64 in its H200 sweep (benchmarks/
+    experimental/wgmma_swap/README.md). BN 128 = two 64-row wgmma tiles per warpgroup."""
+    return (128, 64, 64, 16, 4), 2.0
+
+
 def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0) -> tuple[int, int]:
     """(number of K splits, K tiles per split): about `waves` programs per SM."""
     bn, bm, bkh = cfg[:3]
@@ -303,18 +317,19 @@ def _scale_align(stride: int) -> int:
 
 def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, sms: int, config: SwapConfig | None = None,
-                      split: int | None = None,
-                      lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      wgmma: bool = False) -> torch.Tensor:
     """x [M, K] bf16 (unit column stride) -> x @ W^T + bias, [M, N] bf16. packed uint8 [N, K/2] contiguous,
     scale_u8 uint8 [N, K/16] (E4M3 bits) contiguous, global_scale fp32 [1], bias bf16 [N] or None.
     config: (BN, BM, BKH, KW, NS), None for `pick_config`'s; split: number of K splits (None: the pick's
     programs per SM, 2 with an explicit config). lora: (h [M, R] bf16 with unit column stride, lb [N, R]
-    bf16 contiguous), adds h @ lb^T (a LoRA delta: h = x @ A^T, lb = scaling * B) in the same launch."""
+    bf16 contiguous), adds h @ lb^T (a LoRA delta: h = x @ A^T, lb = scaling * B) in the same launch.
+    wgmma: the Hopper-only wgmma variant (`gluon_nvfp4_wgmma`; sm_90, BN a multiple of 64) instead of mma.sync."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
-    cfg, waves = (config, 2.0) if config is not None else pick_config(m, n, k)
+    cfg, waves = (config, 2.0) if config is not None else (pick_config_wgmma if wgmma else pick_config)(m, n, k)
     bn, bm, bkh, kw, ns = cfg
     if k % (2 * bkh):
         raise ValueError(f"K={k} is not a multiple of the tile's {2 * bkh} columns")
@@ -338,9 +353,14 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         if h.shape[0] != m or lb.shape != (n, r) or h.stride(1) != 1 or not lb.is_contiguous():
             raise ValueError(f"LoRA operands must be h [{m}, r] (unit column stride) and lb [{n}, r] contiguous")
         rp = max(16, triton.next_power_of_2(r))  # MMA k step 16; Gluon shapes are powers of two
-    nvfp4_swap_kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
-                            scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
-                            h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
-                            BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
-                            HAS_BIAS=bias is not None and not partial, RP=rp, num_warps=4)
+    kernel, extra = nvfp4_swap_kernel, {}
+    if wgmma:
+        from .gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel
+
+        kernel, extra = nvfp4_swap_wgmma_kernel, {"ASYNC": False}
+    kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
+                 scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
+                 h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
+                 BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
+                 HAS_BIAS=bias is not None and not partial, RP=rp, num_warps=4, **extra)
     return splitk_reduce(out, bias, torch.bfloat16) if partial else out

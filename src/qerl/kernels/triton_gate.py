@@ -4,7 +4,8 @@ The fused kernels run when the activation is a CUDA bf16/fp16 tensor and Triton 
 QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmarks).
 Forward x @ W^T, by rows M (H200 measurements in docs/benchmarks.md):
   - M <= SWAP_MAX_M (64): the Gluon swap-AB kernel (`gluon_nvfp4`, NVFP4 only) when it applies (bf16, K %
-    128 == 0, global scale > 128); it beats the other paths at every Qwen2.5 shape there;
+    128 == 0, global scale > 128); it beats the other paths at every Qwen2.5 shape there; from WGMMA_MIN_M
+    rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`);
   - otherwise M <= GEMV_ROUTE_MAX_M (1): the CUDA-core kernel (`triton_fp4_gemv`);
   - then `fused_wins` picks between the fused tl.dot kernel and "dequantize W on the device in one Triton
     pass into a temporary (the caching allocator reuses the block), then cuBLAS": fused up to M = 16, and up
@@ -19,6 +20,7 @@ import torch
 
 SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies (H200: beats
 # the fused kernel and dequantize + cuBLAS at every Qwen2.5 shape for M <= 64, cuBLAS bf16 up to M = 16-32)
+WGMMA_MIN_M = 33  # from here to SWAP_MAX_M, on sm_90: its wgmma variant (H200: 1.13-1.34x mma.sync at M = 64)
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
@@ -42,6 +44,11 @@ def use_triton(x: torch.Tensor) -> bool:
 def swap_wins(m: int, n: int, k: int) -> bool:
     """Forward x @ W^T with m rows: try the Gluon swap-AB kernel first (it declines shapes it cannot take)."""
     return 1 <= m <= SWAP_MAX_M
+
+
+def wgmma_wins(m: int) -> bool:
+    """Within the swap-AB range: the Hopper wgmma variant of the Gluon kernel (True) or its mma.sync form."""
+    return WGMMA_MIN_M <= m <= SWAP_MAX_M
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:

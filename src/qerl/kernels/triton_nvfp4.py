@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from . import triton_gate
 from .triton_fp4_gemv import GemvConfig, fp4_gemv
 from .triton_fp4_mm import TileConfig, fp4_dequantize, fp4_grad_input, fp4_linear
 
@@ -134,6 +135,7 @@ _GLUON: list = []  # [module or None]: the Gluon kernel module, imported on firs
 # Widest LoRA rank sum the Gluon kernel's epilogue takes (its B tile [BN, R] lives in registers); wider
 # (e.g. a fused q/k/v group at r >= 64) adds the term in one addmm after the kernel instead
 LORA_IN_KERNEL_MAX_R = 128
+_WGMMA_OK = [True]  # False once the wgmma variant failed to compile here (then the mma.sync form serves)
 
 
 def gluon_module():
@@ -148,17 +150,19 @@ def gluon_module():
 
 
 def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=None, config=None, split=None,
-                      lora=None):
+                      lora=None, wgmma=None):
     """Decode sizes through the Gluon swap-AB kernel (`gluon_nvfp4`), or None when it does not apply (not
     bf16, K % 128 != 0, a global scale too small for the bf16 step, no Gluon). Same result as
-    `nvfp4_linear_triton` otherwise; lora = (h [..., R], scaling*B [N, R]) also adds h @ (scaling*B)^T."""
+    `nvfp4_linear_triton` otherwise; lora = (h [..., R], scaling*B [N, R]) also adds h @ (scaling*B)^T.
+    wgmma: None picks the Hopper wgmma variant for triton_gate.WGMMA_MIN_M..SWAP_MAX_M rows on sm_90; True /
+    False force it (tests, benchmarks)."""
     gk = gluon_module()
     if gk is None or not gk.supported(x, weight_packed, step_fits_bf16(weight_global_scale)):
         return None
     if lora is not None and lora[0].shape[-1] > LORA_IN_KERNEL_MAX_R:
         from .nvfp4_matmul import add_lora
 
-        y = nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias, config, split)
+        y = nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias, config, split, wgmma=wgmma)
         return None if y is None else add_lora(y, lora)
     x2 = _as_2d(x)
     scale = _u8(weight_scale)
@@ -168,17 +172,24 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
         return None
     n = weight_packed.shape[0]
     b = None if bias is None else bias.to(x.dtype).contiguous()
+    if wgmma is None:
+        wgmma = _WGMMA_OK[0] and triton_gate.wgmma_wins(x2.shape[0]) and \
+            torch.cuda.get_device_capability(x.device) == (9, 0)
+    lo = None if lora is None else (_as_2d(lora[0]), lora[1].contiguous())
     try:
-        lo = None if lora is None else (_as_2d(lora[0]), lora[1].contiguous())
         y = gk.nvfp4_linear_swap(x2, weight_packed.contiguous(), scale, _gs(weight_global_scale), b,
-                                 _sm_count(x.device), config, split, lo)
+                                 _sm_count(x.device), config, split, lo, wgmma=wgmma)
     except (ValueError, TypeError):  # bad arguments (e.g. LoRA operand shapes): the caller's error
         raise
     except Exception as e:  # a GPU or Triton build this kernel does not compile for (shared memory, API)
         if config is not None or torch.cuda.is_current_stream_capturing():
             raise
-        warnings.warn(f"Gluon NVFP4 decode kernel unavailable here ({type(e).__name__}: {str(e)[:200]}); "
-                      "using the Triton kernels", RuntimeWarning, stacklevel=2)
+        what = "wgmma variant of the Gluon NVFP4 decode kernel" if wgmma else "Gluon NVFP4 decode kernel"
+        warnings.warn(f"{what} unavailable here ({type(e).__name__}: {str(e)[:200]}); using "
+                      f"{'its mma.sync form' if wgmma else 'the Triton kernels'}", RuntimeWarning, stacklevel=2)
+        if wgmma:
+            _WGMMA_OK[0] = False
+            return nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias, config, split, lora)
         _GLUON[0] = None
         return None
     return y.reshape(*x.shape[:-1], n)

@@ -1,6 +1,8 @@
 """Gluon kernel: NVFP4 weight x bf16 activations, "swap AB" on Hopper wgmma with the A operand in registers.
 
-Drop-in variant of `nvfp4_swap_kernel` (qerl/kernels/gluon_nvfp4.py; same arguments, grid and semantics):
+The decode path for 33-64 activation rows on sm_90 (`gluon_nvfp4.nvfp4_linear_swap` picks it; H200: 1.13-1.34x
+the mma.sync kernel at M = 64, where mma.sync issue is the limit). Drop-in variant of `nvfp4_swap_kernel`
+(same arguments, grid and semantics, the LoRA epilogue included):
 out^T[N, M] = W @ x^T with the decoded weight tile [BN, BKH] (BN = 64 or 128 rows per warpgroup) as the
 register A operand of `warpgroup_mma` (wgmma.m64nBMk16) and x_lo^T / x_hi^T [BKH, BM] as the B operand from
 an NVMMA-swizzled shared tile. Everything else is as in the mma.sync kernel: raw bytes/scale bytes by cp.async
@@ -16,8 +18,12 @@ permuted the same way before it is stored, so the product is unchanged (the sum 
 PI maps the A layout's register k-bits (1, 8, 16, 32) -> byte bits (0, 1, 2, 3), its lane k-bits (2, 4) -> 4,
 5 and a further register k-bit (64, BKH = 128) -> 6.
 
-ASYNC (`nvfp4_swap_wgmma_async_kernel`, same arguments): wgmma issued with is_async=True; the wait
-for tile i-1 is placed after the load + decode of tile i, so the decode overlaps the tensor cores.
+ASYNC=True: wgmma issued with is_async=True; the wait for tile i-1 is placed after the load + decode of tile
+i, so the decode could overlap the tensor cores (measured: it does not, ptxas waits before reusing the A
+registers; kept for experiments, the router uses ASYNC=False).
+LoRA (RP > 0): the accumulator is moved to the mma.sync layout and the routed kernel's `_lora_tile` adds
+h @ lb^T there (one layout conversion through shared memory in the epilogue).
+Written in an earlier session (experimental until the LoRA epilogue existed); GPU-tested only.
 """
 
 from triton.experimental import gluon
@@ -26,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
 
 # shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
-from qerl.kernels.gluon_nvfp4 import (_barrier, _commit, _decode_asm, _issue_w, _split_group_layout,
-                                      _step_bf16, _wait)
+from .gluon_nvfp4 import (_barrier, _commit, _decode_asm, _issue_w, _lora_tile, _split_group_layout, _step_bf16,
+                          _store_out, _wait)
 
 
 @gluon.constexpr_function
@@ -135,10 +141,14 @@ def _decode_tile(wq_s, ws_s, c, A: gl.constexpr, al: gl.constexpr, p: gl.constex
 
 
 @gluon.jit
-def _body(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
-          stride_os, tiles_per_split,
-          BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, NS: gl.constexpr, PARTIAL: gl.constexpr,
-          NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr, ASYNC: gl.constexpr):
+def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s,
+                            stride_om, stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
+                            BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
+                            NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, RP: gl.constexpr, ASYNC: gl.constexpr):
+    """Same grid, arguments and semantics as `gluon_nvfp4.nvfp4_swap_kernel` (KW is ignored: the wgmma A
+    layout fixes the register run at 16 bytes). Needs NW == 4 (one warpgroup), BN % 64 == 0, BM in 8..256
+    (multiple of 8), BKH in {64, 128}."""
     BK: gl.constexpr = 2 * BKH
     G: gl.constexpr = BKH // 8
     pid_n = gl.program_id(0)
@@ -189,37 +199,12 @@ def _body(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, strid
     if ASYNC:
         acc = warpgroup_mma_wait(0, deps=[acc])
     _wait(0)
-    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-    omask = gl.expand_dims(on < N, 1) & gl.expand_dims(om < M, 0)
-    optr = out_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * stride_om, 0)
-    if PARTIAL:
-        gl.store(optr + pid_k * stride_os, acc, mask=omask)
+    if RP > 0:
+        mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        acc2 = _lora_tile(gl.convert_layout(acc, mma2), h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m,
+                          pid_k == 0, BN, BM, RP, NW)
+        _store_out(acc2, mma2, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k, BN, BM, PARTIAL,
+                   HAS_BIAS)
     else:
-        if HAS_BIAS:
-            acc += gl.expand_dims(gl.load(b_ptr + on, mask=on < N, other=0.0).to(gl.float32), 1)
-        gl.store(optr, acc.to(gl.bfloat16), mask=omask)
-
-
-@gluon.jit
-def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s,
-                            stride_om, stride_os, tiles_per_split,
-                            BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
-                            NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
-                            HAS_BIAS: gl.constexpr):
-    """Same grid, arguments and semantics as `nvfp4_swap_kernel` (KW is ignored: the wgmma A layout fixes the
-    register run at 16 bytes). Needs NW % 4 == 0, BN % (16 NW) == 0, BM in 8..256 (multiple of 8),
-    BKH in {64, 128}."""
-    _body(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
-          stride_os, tiles_per_split, BN, BM, BKH, NS, PARTIAL, NW, SALIGN, HAS_BIAS, False)
-
-
-@gluon.jit
-def nvfp4_swap_wgmma_async_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w,
-                                  stride_s, stride_om, stride_os, tiles_per_split,
-                                  BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
-                                  NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr,
-                                  SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """`nvfp4_swap_wgmma_kernel` with async wgmma (decode of tile i overlaps the wgmma of tile i - 1)."""
-    _body(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
-          stride_os, tiles_per_split, BN, BM, BKH, NS, PARTIAL, NW, SALIGN, HAS_BIAS, True)
+        _store_out(acc, mma, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k, BN, BM, PARTIAL,
+                   HAS_BIAS)
