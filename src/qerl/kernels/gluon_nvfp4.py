@@ -285,10 +285,11 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`, 33 <= m <= 64 on sm_90): the tile
-    that was fastest or near it on both 7B qkv and gate_up at M = 64 in its H200 sweep (benchmarks/
-    experimental/wgmma_swap/README.md). BN 128 = two 64-row wgmma tiles per warpgroup."""
-    return (128, 64, 64, 16, 4), 2.0
+    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`, 33 <= m <= 64 on sm_90): from an
+    H200 sweep at M = 64 over BN {64, 128, 256} x (BKH, NS) {(64, 4), (64, 3), (128, 3)} x waves {1, 2, 3, 4}
+    on Qwen2.5 7B/32B/72B shapes (docs/benchmarks.md): one 64-row wgmma tile per warpgroup, 3 stages and
+    ~3 programs per SM were fastest or within 3% on every shape."""
+    return (64, 64, 64, 16, 3), 3.0
 
 
 def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0) -> tuple[int, int]:
