@@ -172,7 +172,8 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
         return None
     n = weight_packed.shape[0]
     b = None if bias is None else bias.to(x.dtype).contiguous()
-    if wgmma is None:
+    auto = wgmma is None
+    if auto:
         wgmma = _WGMMA_OK[0] and triton_gate.wgmma_wins(x2.shape[0]) and \
             torch.cuda.get_device_capability(x.device) == (9, 0)
     lo = None if lora is None else (_as_2d(lora[0]), lora[1].contiguous())
@@ -182,8 +183,8 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
     except (ValueError, TypeError):  # bad arguments (e.g. LoRA operand shapes): the caller's error
         raise
     except Exception as e:  # a GPU or Triton build this kernel does not compile for (shared memory, API)
-        if config is not None or torch.cuda.is_current_stream_capturing():
-            raise
+        if config is not None or torch.cuda.is_current_stream_capturing() or (wgmma and not auto):
+            raise  # an explicit choice (tests, benchmarks) must fail loudly, not fall back
         what = "wgmma variant of the Gluon NVFP4 decode kernel" if wgmma else "Gluon NVFP4 decode kernel"
         warnings.warn(f"{what} unavailable here ({type(e).__name__}: {str(e)[:200]}); using "
                       f"{'its mma.sync form' if wgmma else 'the Triton kernels'}", RuntimeWarning, stacklevel=2)
