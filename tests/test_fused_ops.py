@@ -2,7 +2,7 @@
 against the eager torch code they replace.
 
 Reference: HF's own `Qwen2RMSNorm` module, the rotate-half formula (`fused_ops.rope_reference`), F.silu and
-KVCache.write_step's index_copy_. The kernels round where torch rounds, so the residual sum, RoPE, the cache
+an index_copy_ into the cache slot. The kernels round where torch rounds, so the residual sum, RoPE, the cache
 writes and silu * up must match bit for bit; the norm may differ only through the fp32 summation order of
 its mean (a last-bit difference in a few elements). Run on the CPU through the Triton interpreter
 (subprocess, as in test_kernels_triton) and directly on a GPU, which is the real check of silu: its exp is

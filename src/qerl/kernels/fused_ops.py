@@ -5,7 +5,7 @@
   silu_mul(gate, up)       -> silu(gate) * up                  the MLP's activation and product
   rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
                            -> rotated q; rotated k and v written into the caches at the device-side slot
-                              (one decode token: RoPE + KVCache.write_step in one launch)
+                              (one decode token: RoPE + the cache write, in one launch)
 
 The Triton path (`triton_fused_ops`) is taken for CUDA bf16/fp16 tensors when the norm is a plain
 Llama/Qwen-style RMSNorm (`weight` of the activation dtype and `variance_epsilon`), the activation is SiLU,
@@ -102,7 +102,7 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     Returns rope(q) [B, 1, H, hd] (a new tensor; q is not written); writes rope(k) into k_cache[:, :, slot]
     and v into v_cache[:, :, slot]. slot is only read on the device (no sync), so the call can be captured
     in a CUDA graph and replayed with new slot values. Same result as `rope_reference` on q and k followed
-    by `KVCache.write_step`; the Triton path (CUDA bf16/fp16, one dtype throughout) does it in one launch.
+    by an `index_copy_` of the slot; the Triton path (CUDA bf16/fp16, one dtype throughout) does it in one launch.
     """
     if _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot):
         from .triton_fused_ops import rope_store_decode

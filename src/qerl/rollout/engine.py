@@ -256,7 +256,7 @@ class LoraSnapshot:
 class CausalLMRunner:
     """The forward pass of a HF Llama/Mistral/Qwen2/Qwen3 causal LM over a KVCache, from its own modules."""
 
-    def __init__(self, model: nn.Module, max_len: int, fuse_siblings: bool = False):
+    def __init__(self, model: nn.Module, max_len: int, fuse_siblings: bool | None = False):
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
@@ -284,7 +284,8 @@ class CausalLMRunner:
         for layer in self.layers:
             at, mlp = layer.self_attn, layer.mlp
             groups += [(at.q_proj, at.k_proj, at.v_proj), (at.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
-        self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse_siblings)
+        fuse = self.device.type == "cuda" if fuse_siblings is None else fuse_siblings  # None: on CUDA only
+        self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse)
 
     # one decoder layer ---------------------------------------------------------------------------
 
@@ -384,9 +385,7 @@ class RolloutEngine:
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85,
                  fuse_siblings: bool | None = None):
-        device = next(model.parameters()).device
-        fuse = (device.type == "cuda") if fuse_siblings is None else fuse_siblings
-        self.runner = CausalLMRunner(model, max_seq_len, fuse_siblings=fuse)
+        self.runner = CausalLMRunner(model, max_seq_len, fuse_siblings=fuse_siblings)
         self.model, self.tokenizer = model, tokenizer
         self.device = self.runner.device
         self.max_seq_len = max_seq_len

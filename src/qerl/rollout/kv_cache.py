@@ -37,8 +37,3 @@ class KVCache:
         L = k.shape[2]
         self.k[layer][:, :, :L].copy_(k)
         self.v[layer][:, :, :L].copy_(v)
-
-    def write_step(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, n_kv, 1, hd] into slot `slot` (0-d int64 device tensor, so a graph can replay it)."""
-        self.k[layer].index_copy_(2, slot.view(1), k)
-        self.v[layer].index_copy_(2, slot.view(1), v)
