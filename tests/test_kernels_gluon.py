@@ -57,7 +57,7 @@ def test_swap_kernel_matches_reference(m, n, k):
 @pytest.mark.parametrize("m,n,k", [s for s in SHAPES if s[0] >= 8])
 def test_mma_sync_and_wgmma_forms(m, n, k, wgmma):
     """Both tensor-core forms at every row count the router may send them (the default picks wgmma for
-    33-64 rows on sm_90 only), with bias, a LoRA term and split-K."""
+    17-64 rows on sm_90 only), with bias, a LoRA term and split-K."""
     require_cuda()
     if wgmma and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
@@ -65,24 +65,6 @@ def test_mma_sync_and_wgmma_forms(m, n, k, wgmma):
         _case(m, n, k, seed=m + n + lora_r, global_scale=2688.0, bias=True, lora_r=lora_r, wgmma=wgmma)
     _case(m, n, k, seed=m + n + 1, global_scale=900.0, bias=False, split=3, lora_r=16, wgmma=wgmma,
           config=(128, 64, 64, 16, 4) if wgmma else None)
-
-
-@pytest.mark.parametrize("x_prefetch", [False, True])
-def test_x_prefetch_and_two_warpgroups(x_prefetch, monkeypatch):
-    """x loaded one step early (both forms), and the wgmma form with two warpgroups sharing each x tile."""
-    require_cuda()
-    from qerl.kernels import gluon_nvfp4
-
-    monkeypatch.setattr(gluon_nvfp4, "X_PREFETCH", x_prefetch)
-    for split in (1, 2, 5):
-        _case(7, 700, 1280, seed=split, global_scale=900.0, bias=True, config=(64, 8, 128, 16, 4), split=split,
-              lora_r=16 if split == 2 else 0)
-        _case(30, 517, 1024, seed=split + 10, global_scale=2688.0, bias=False, config=(128, 32, 128, 16, 3),
-              split=split)
-        if torch.cuda.get_device_capability() == (9, 0):
-            for cfg in [(64, 64, 64, 16, 3), (128, 64, 64, 16, 3, 8), (128, 32, 64, 16, 3, 8), (256, 64, 128, 16, 3, 8)]:
-                _case(cfg[1] - 3, 333, 1280, seed=split + cfg[0] + cfg[1], global_scale=900.0, bias=True,
-                      config=cfg, split=split, lora_r=48 if split == 2 else 0, wgmma=True)
 
 
 @pytest.mark.parametrize("split", [1, 2, 5])

@@ -49,7 +49,7 @@ def wg_linear(x, packed, scale_u8, gs, bias, cfg, split=None, waves=2.0, mode="s
                                   scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
                                   out, out, 0, 0, BN=bn, BM=bm, BKH=bkh, KW=16, NS=ns, PARTIAL=partial, NW=4,
                                   SALIGN=_scale_align(scale_u8.stride(0)), HAS_BIAS=bias is not None and not partial,
-                                  RP=0, XPRE=False, ASYNC=KERNELS[mode], num_warps=4)
+                                  RP=0, ASYNC=KERNELS[mode], num_warps=4)
     return splitk_reduce(out, bias, torch.bfloat16) if partial else out
 
 

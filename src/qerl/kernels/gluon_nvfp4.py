@@ -104,42 +104,24 @@ def _step_bf16(s, c):
 
 
 @gluon.jit
-def _load_x(x_ptr, M, K, stride_xm, pid_m, k0, valid, BM: gl.constexpr, BKH: gl.constexpr,
-            MASK_K: gl.constexpr, NW: gl.constexpr):
-    """x[BM rows, k0 : k0 + 2 BKH] into registers (8 consecutive columns per thread); rows >= M and a tile
-    past this program's K range (valid False, a scalar) read as zeros without touching memory."""
+def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0,
+             BM: gl.constexpr, BKH: gl.constexpr, MASK_K: gl.constexpr, NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> xs[0] = x_lo [BM, BKH], xs[1] = x_hi, in the k order of the decode."""
     BK: gl.constexpr = 2 * BKH
     TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
     xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
     xk = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    xmask = gl.expand_dims((xm < M) & valid, 1)
+    xmask = gl.expand_dims(xm < M, 1)
     if MASK_K:
         xmask = xmask & gl.expand_dims(xk < K, 0)
     else:
         xmask = xmask & gl.expand_dims(xk >= 0, 0)
-    return gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
-
-
-@gluon.jit
-def _split_x(xt, BM: gl.constexpr, BKH: gl.constexpr):
-    """x tile [BM, 2 BKH] -> (x_lo, x_hi) [BM, BKH] in the k order of the decode (a register relabelling)."""
+    xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
     # real k = 8 g + 4 b1 + 2 b0 + h (byte j = 4 g + 2 b1 + b0); logical j' = 4 g + 2 b0 + b1
     x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
     x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # [m, g, b0, b1, h]
-    return gl.split(gl.reshape(x5, [BM, BKH, 2]))
-
-
-@gluon.jit
-def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0,
-             BM: gl.constexpr, BKH: gl.constexpr, MASK_K: gl.constexpr, NW: gl.constexpr):
-    """x[BM rows, k0 : k0 + 2 BKH] -> xs[0] = x_lo [BM, BKH], xs[1] = x_hi, in the k order of the decode."""
-    _store_x(xl_s, xh_s, _load_x(x_ptr, M, K, stride_xm, pid_m, k0, True, BM, BKH, MASK_K, NW), BM, BKH)
-
-
-@gluon.jit
-def _store_x(xl_s, xh_s, xt, BM: gl.constexpr, BKH: gl.constexpr):
-    xlo, xhi = _split_x(xt, BM, BKH)
+    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
     xl_s.store(xlo)
     xh_s.store(xhi)
 
@@ -216,7 +198,7 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
                       stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                       BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr, NS: gl.constexpr,
                       PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      RP: gl.constexpr, XPRE: gl.constexpr):
+                      RP: gl.constexpr):
     """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0. PARTIAL: out is fp32 [S, M, N] (split-K
     partials), else bf16 [M, N] (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
     columns, T = tiles_per_split. NS-stage cp.async pipeline for the raw weight/scale bytes; x is staged
@@ -246,8 +228,6 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
                  BN, BKH, NW, SALIGN)
         _commit()
     _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, BM, BKH, False, NW)
-    if XPRE:  # x tile i + 1 is loaded into registers one iteration early: its L2 latency hides behind tile i
-        xn = _load_x(x_ptr, M, K, stride_xm, pid_m, k_lo + BK, 1 < n, BM, BKH, False, NW)
     for i in range(n):
         _wait(NS - 2)
         _barrier()  # stage i (all threads' copies) and x tile i visible; stage (i-1)%NS and x buffer (i+1)%2 free
@@ -257,10 +237,7 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
         _commit()
         acc = _mma_tile(acc, wqs.index(i % NS), wss.index(i % NS), xls.index(i % 2), xhs.index(i % 2), c,
                         BN, BKH, KW, NW)
-        if XPRE:
-            _store_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), xn, BM, BKH)  # unused past the last tile
-            xn = _load_x(x_ptr, M, K, stride_xm, pid_m, k_lo + (i + 2) * BK, i + 2 < n, BM, BKH, False, NW)
-        elif i + 1 < n:
+        if i + 1 < n:
             _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
                      k_lo + (i + 1) * BK, BM, BKH, False, NW)
     _wait(0)
@@ -285,12 +262,9 @@ def _store_out(acc, L: gl.constexpr, b_ptr, out_ptr, M, N, stride_om, stride_os,
         gl.store(optr, acc.to(gl.bfloat16), mask=omask)
 
 
-X_PREFETCH = False  # default of nvfp4_linear_swap's x_prefetch
-
-# (BN, BM, BKH, KW, NS[, warps]): weight rows per program, activation rows (MMA n, >= 8), packed bytes per
-# row per step (BK = 2 BKH columns), register run per thread, pipeline stages, warps (default 4; the wgmma
-# form takes 8 = two warpgroups of 64 rows each sharing the x tile)
-SwapConfig = tuple[int, ...]
+# (BN, BM, BKH, KW, NS): weight rows per program, activation rows (MMA n, >= 8), packed bytes per row per
+# step (BK = 2 BKH columns), register run per thread, pipeline stages
+SwapConfig = tuple[int, int, int, int, int]
 
 
 def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
@@ -311,11 +285,11 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`, 33 <= m <= 64 on sm_90): from an
-    H200 sweep at M = 64 over BN {64, 128, 256} x (BKH, NS) {(64, 4), (64, 3), (128, 3)} x waves {1, 2, 3, 4}
-    on Qwen2.5 7B/32B/72B shapes (docs/benchmarks.md): one 64-row wgmma tile per warpgroup, 3 stages and
-    ~3 programs per SM were fastest or within 3% on every shape."""
-    return (64, 64, 64, 16, 3), 3.0
+    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`, 17 <= m <= 64 on sm_90): from H200
+    and H100 sweeps over BN {64, 128, 256} x (BKH, NS) {(64, 4), (64, 3), (128, 3)} x waves {1, 2, 3, 4} at
+    M = 64 and the default tile at M = 32 (docs/benchmarks.md): one 64-row wgmma tile per warpgroup, 3
+    stages and ~3 programs per SM."""
+    return (64, 32 if m <= 32 else 64, 64, 16, 3), 3.0
 
 
 def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0) -> tuple[int, int]:
@@ -345,23 +319,19 @@ def _scale_align(stride: int) -> int:
 def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, sms: int, config: SwapConfig | None = None,
                       split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      wgmma: bool = False, x_prefetch: bool | None = None) -> torch.Tensor:
+                      wgmma: bool = False) -> torch.Tensor:
     """x [M, K] bf16 (unit column stride) -> x @ W^T + bias, [M, N] bf16. packed uint8 [N, K/2] contiguous,
     scale_u8 uint8 [N, K/16] (E4M3 bits) contiguous, global_scale fp32 [1], bias bf16 [N] or None.
-    config: (BN, BM, BKH, KW, NS[, warps]), None for `pick_config`'s; split: number of K splits (None: the pick's
+    config: (BN, BM, BKH, KW, NS), None for `pick_config`'s; split: number of K splits (None: the pick's
     programs per SM, 2 with an explicit config). lora: (h [M, R] bf16 with unit column stride, lb [N, R]
     bf16 contiguous), adds h @ lb^T (a LoRA delta: h = x @ A^T, lb = scaling * B) in the same launch.
-    wgmma: the Hopper-only wgmma variant (`gluon_nvfp4_wgmma`; sm_90, BN a multiple of 16 * warps) instead of
-    mma.sync. x_prefetch: load the next x tile into registers one step early (None: `X_PREFETCH`)."""
+    wgmma: the Hopper-only wgmma variant (`gluon_nvfp4_wgmma`; sm_90, BN a multiple of 64) instead of mma.sync."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     cfg, waves = (config, 2.0) if config is not None else (pick_config_wgmma if wgmma else pick_config)(m, n, k)
-    bn, bm, bkh, kw, ns = cfg[:5]
-    warps = cfg[5] if len(cfg) > 5 else 4
-    if warps not in (4, 8) or bn % (16 * warps) or (wgmma and bn % 64):
-        raise ValueError(f"tile {cfg}: warps must be 4 or 8 with BN a multiple of 16 * warps (64 for wgmma)")
+    bn, bm, bkh, kw, ns = cfg
     if k % (2 * bkh):
         raise ValueError(f"K={k} is not a multiple of the tile's {2 * bkh} columns")
     salign = _scale_align(scale_u8.stride(0))
@@ -389,10 +359,9 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         from .gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel
 
         kernel, extra = nvfp4_swap_wgmma_kernel, {"ASYNC": False}
-    xpre = X_PREFETCH if x_prefetch is None else x_prefetch
     kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
                  scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
                  h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
-                 BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=warps, SALIGN=salign,
-                 HAS_BIAS=bias is not None and not partial, RP=rp, XPRE=xpre, num_warps=warps, **extra)
+                 BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
+                 HAS_BIAS=bias is not None and not partial, RP=rp, num_warps=4, **extra)
     return splitk_reduce(out, bias, torch.bfloat16) if partial else out

@@ -1,6 +1,6 @@
 """Gluon kernel: NVFP4 weight x bf16 activations, "swap AB" on Hopper wgmma with the A operand in registers.
 
-The decode path for 33-64 activation rows on sm_90 (`gluon_nvfp4.nvfp4_linear_swap` picks it; H200: 1.13-1.34x
+The decode path for 17-64 activation rows on sm_90 (`gluon_nvfp4.nvfp4_linear_swap` picks it; H200: 1.13-1.34x
 the mma.sync kernel at M = 64, where mma.sync issue is the limit). Drop-in variant of `nvfp4_swap_kernel`
 (same arguments, grid and semantics, the LoRA epilogue included):
 out^T[N, M] = W @ x^T with the decoded weight tile [BN, BKH] (BN = 64 or 128 rows per warpgroup) as the
@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
 
 # shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
-from .gluon_nvfp4 import (_barrier, _commit, _decode_asm, _issue_w, _load_x, _lora_tile, _split_group_layout, _split_x,
-                          _step_bf16, _store_out, _wait)
+from .gluon_nvfp4 import (_barrier, _commit, _decode_asm, _issue_w, _lora_tile, _split_group_layout, _step_bf16,
+                          _store_out, _wait)
 
 
 @gluon.constexpr_function
@@ -103,9 +103,20 @@ def _to_logical(t, p: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
 
 
 @gluon.jit
-def _store_x(xl_s, xh_s, xt, p: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr):
-    """x tile [BM, 2 BKH] (registers) -> x_lo / x_hi [BM, BKH] shared tiles in the logical k order of the A operand."""
-    xlo, xhi = _split_x(xt, BM, BKH)
+def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0, p: gl.constexpr,
+             BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> x_lo [BM, BKH], x_hi, in the logical k order of the A operand."""
+    BK: gl.constexpr = 2 * BKH
+    TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
+    xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+    xk = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    xmask = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk >= 0, 0)
+    xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
+    # real k = 8 g + 4 b1 + 2 b0 + h (byte j = 4 g + 2 b1 + b0); decoded element j' = 4 g + 2 b0 + b1
+    x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
+    x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # [m, g, b0, b1, h]
+    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
     xl_s.store(_to_logical(xlo, p, BM, BKH))
     xh_s.store(_to_logical(xhi, p, BM, BKH))
     fence_async_shared()  # generic-proxy stores -> wgmma (async proxy) reads, after the next barrier
@@ -134,7 +145,7 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
                             stride_om, stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                             BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
                             NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
-                            HAS_BIAS: gl.constexpr, RP: gl.constexpr, XPRE: gl.constexpr, ASYNC: gl.constexpr):
+                            HAS_BIAS: gl.constexpr, RP: gl.constexpr, ASYNC: gl.constexpr):
     """Same grid, arguments and semantics as `gluon_nvfp4.nvfp4_swap_kernel` (KW is ignored: the wgmma A
     layout fixes the register run at 16 bytes). Needs NW == 4 (one warpgroup), BN % 64 == 0, BM in 8..256
     (multiple of 8), BKH in {64, 128}."""
@@ -166,10 +177,7 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
         _issue_w(wqs.index(s), wss.index(s), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + s * BK, s < n,
                  BN, BKH, NW, SALIGN)
         _commit()
-    _store_x(xls.index(0), xhs.index(0), _load_x(x_ptr, M, K, stride_xm, pid_m, k_lo, True, BM, BKH, False, NW), p,
-             BM, BKH)
-    if XPRE:  # x tile i + 1 is loaded into registers one iteration early: its L2 latency hides behind tile i
-        xn = _load_x(x_ptr, M, K, stride_xm, pid_m, k_lo + BK, 1 < n, BM, BKH, False, NW)
+    _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, p, BM, BKH, NW)
     for i in range(n):
         _wait(NS - 2)
         _barrier()  # stage i and x tile i visible; stage (i-1)%NS free; x buffer (i+1)%2 free (wgmma i-1 waited)
@@ -185,12 +193,9 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
         else:
             acc = warpgroup_mma(lo, xls.index(i % 2).permute((1, 0)), acc)
             acc = warpgroup_mma(hi, xhs.index(i % 2).permute((1, 0)), acc)
-        if XPRE:
-            _store_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), xn, p, BM, BKH)  # unused past the last tile
-            xn = _load_x(x_ptr, M, K, stride_xm, pid_m, k_lo + (i + 2) * BK, i + 2 < n, BM, BKH, False, NW)
-        elif i + 1 < n:
-            _store_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2),
-                     _load_x(x_ptr, M, K, stride_xm, pid_m, k_lo + (i + 1) * BK, True, BM, BKH, False, NW), p, BM, BKH)
+        if i + 1 < n:
+            _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
+                     k_lo + (i + 1) * BK, p, BM, BKH, NW)
     if ASYNC:
         acc = warpgroup_mma_wait(0, deps=[acc])
     _wait(0)

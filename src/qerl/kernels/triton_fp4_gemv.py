@@ -50,10 +50,10 @@ class GemvConfig:
 
 @triton.jit
 def _rotr(w, D: tl.constexpr):
-    """Rotate uint32 right by D (0 <= D < 32); ptxas makes this one funnel shift."""
-    if D == 0:
-        return w
-    return (w >> D) | (w << (32 - D))
+    """Rotate uint32 right by D (0 <= D < 32); ptxas makes this one funnel shift. The left shift is taken
+    mod 32 so that D = 0 never shifts by the full width (w | w = w; Triton warns of the undefined shift even
+    inside a constexpr branch)."""
+    return (w >> D) | (w << ((32 - D) % 32))
 
 
 @triton.jit

@@ -20,7 +20,8 @@ import torch
 
 SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies (H200: beats
 # the fused kernel and dequantize + cuBLAS at every Qwen2.5 shape for M <= 64, cuBLAS bf16 up to M = 16-32)
-WGMMA_MIN_M = 33  # from here to SWAP_MAX_M, on sm_90: its wgmma variant (H200: 1.13-1.34x mma.sync at M = 64)
+WGMMA_MIN_M = 17  # from here to SWAP_MAX_M, on sm_90: its wgmma variant (M = 64, H200: 1.13-1.34x mma.sync;
+# M = 32, H100: 1.06-1.31x on 5 of 7 Qwen2.5 shapes, 0.91-0.99x on the other two)
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
