@@ -33,7 +33,7 @@ def main() -> None:
         fp4_bytes, copies, bf, q = _rotated_weights(n, k, L2)
         for m in ms:
             xs, calls = _decode_inputs(m, k, fp4_bytes, copies)
-            wg = triton_gate.wgmma_wins(m) and torch.cuda.get_device_capability() == (9, 0)
+            wg = triton_gate.wgmma_wins(m, n, k) and torch.cuda.get_device_capability() == (9, 0)
             cfg, waves = (gk.pick_config_wgmma if wg else gk.pick_config)(m, n, k)
             s_def = gk.split_for(m, n, k, cfg, sms, waves)[0]
             t_cub = _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, 5)

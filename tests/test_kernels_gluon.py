@@ -67,6 +67,47 @@ def test_mma_sync_and_wgmma_forms(m, n, k, wgmma):
           config=(128, 64, 64, 16, 4) if wgmma else None)
 
 
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_split_k_meets_in_one_launch_under_graph_replay(wgmma):
+    """Split-K partials are summed by the last program to arrive: a captured launch replayed with fresh x
+    equals the eager call bit for bit (fixed summation order) and the reference; the arrival counters are
+    left at zero (else the next replay would finish a tile early)."""
+    require_cuda()
+    if wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    from qerl.kernels import gluon_nvfp4, triton_fp4_mm, triton_nvfp4 as tk
+
+    m, n, k, r = (40, 700, 2048, 16) if wgmma else (5, 700, 2048, 16)
+    gen = torch.Generator().manual_seed(11 + wgmma)
+    w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 900.0).items()}
+    b = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+    lb = (torch.randn(n, r, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    h = torch.zeros(m, r, dtype=torch.bfloat16, device="cuda")
+    triton_fp4_mm.POISON = True
+
+    def call():
+        return tk.nvfp4_linear_swap(x, **w, bias=b, split=4, lora=(h, lb), wgmma=wgmma)
+
+    call()  # compile and allocate the counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call()
+    wref = dequantize_nvfp4(**w, dtype=torch.float32)
+    for step in range(4):
+        x.copy_(torch.randn(m, k, generator=gen))
+        h.copy_(torch.randn(m, r, generator=gen))
+        graph.replay()
+        eager = call()
+        ref = x.float() @ wref.t() + b.float() + h.float() @ lb.float().t()
+        assert not torch.isnan(y).any()
+        assert torch.equal(y, eager), f"replay {step}: graph and eager results differ"
+        assert _rel_err(y, ref) < REL_TOL
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in gluon_nvfp4._COUNTERS.values()), "arrival counters not reset"
+
+
 @pytest.mark.parametrize("split", [1, 2, 5])
 def test_swap_kernel_every_split_and_tile(split):
     require_cuda()

@@ -227,7 +227,7 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
              "swap": _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies]), calls, replays)}
         if m == 1:
             t["gemv"] = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)
-        if triton_gate.wgmma_wins(m):  # the default takes the wgmma form here on sm_90: time mma.sync too
+        if triton_gate.wgmma_wins(m, n, k):  # the default takes the wgmma form here on sm_90: time mma.sync too
             t["swap_mma_sync"] = _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies], wgmma=False),
                                              calls, replays)
         best = (t["swap"], None)

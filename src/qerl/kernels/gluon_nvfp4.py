@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .triton_fp4_mm import _alloc, splitk_reduce
+from .triton_fp4_mm import _alloc
 
 # API names that differ between Triton 3.6 and 3.9 (everything else used here is common to both)
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # 3.9: barrier, 3.6: thread_barrier
@@ -195,13 +195,14 @@ def _lora_tile(acc, h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m, on, BN: gl.
 
 @gluon.jit
 def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s, stride_om,
-                      stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
+                      ws_ptr, cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                       BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr, NS: gl.constexpr,
                       PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr,
                       RP: gl.constexpr):
-    """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0. PARTIAL: out is fp32 [S, M, N] (split-K
-    partials), else bf16 [M, N] (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
-    columns, T = tiles_per_split. NS-stage cp.async pipeline for the raw weight/scale bytes; x is staged
+    """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0; out bf16 [M, N] (row stride stride_om) = x @ W^T
+    (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
+    columns, T = tiles_per_split; PARTIAL (S > 1): the splits meet in `_store_out` (fp32 workspace ws
+    [S, M, N], arrival counters cnt [grid_n * grid_m] int32, zero on entry and left zero). NS-stage cp.async pipeline for the raw weight/scale bytes; x is staged
     through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead.
     RP > 0: also add the LoRA term h[M, R] @ lb[N, R]^T (h row stride stride_hm, lb contiguous, both bf16;
     R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0."""
@@ -243,23 +244,64 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
     _wait(0)
     if RP > 0:
         acc = _lora_tile(acc, h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m, pid_k == 0, BN, BM, RP, NW)
-    _store_out(acc, mma, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k, BN, BM, PARTIAL, HAS_BIAS)
+    _store_out(acc, mma, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, pid_n, pid_m, pid_k, BN, BM, PARTIAL,
+               HAS_BIAS, NW)
 
 
 @gluon.jit
-def _store_out(acc, L: gl.constexpr, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
-               BN: gl.constexpr, BM: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """acc [BN, BM] (layout L) = out^T tile -> fp32 split-K partial [S, M, N], or bf16 out [M, N] (+ bias)."""
+def _store_out(acc, L: gl.constexpr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, pid_n, pid_m, pid_k,
+               BN: gl.constexpr, BM: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr):
+    """acc [BN, BM] (layout L) = this program's out^T tile -> bf16 out [M, N] (+ bias), in one launch.
+
+    PARTIAL (S = grid dim 2 > 1 splits): acc goes to the fp32 workspace ws [S, M, N]; then one thread takes a
+    ticket from the tile's arrival counter. The program drawing the last ticket sums the S partials in the
+    order s = 0 .. S-1 (the result does not depend on which program arrives last), adds the bias, rounds
+    once, writes out and resets the counter for the next launch (stream order; CUDA-graph replays rely on
+    it). Ordering: every thread's partial stores -> CTA barrier -> the acq_rel GPU-scope atomic (release:
+    the whole CTA's stores, by cumulativity) -> [last program] ticket broadcast to its threads -> partial
+    loads through L2 (.cg: no stale L1 line). Same protocol as `triton_lora_a`."""
     on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
     omask = gl.expand_dims(on < N, 1) & gl.expand_dims(om < M, 0)
-    optr = out_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * stride_om, 0)
     if PARTIAL:
-        gl.store(optr + pid_k * stride_os, acc, mask=omask)
+        S = gl.num_programs(2)
+        gl.store(ws_ptr + pid_k * M * N + gl.expand_dims(on, 1) + gl.expand_dims(om * N, 0), acc, mask=omask)
+        _barrier()
+        cnt = cnt_ptr + pid_n * gl.num_programs(1) + pid_m
+        ticket = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if ticket == S - 1:
+            # the sum in a layout with 4 consecutive n per thread (16-byte loads, few address registers: the
+            # MMA layout here would cost the whole kernel ~50 registers a thread)
+            TN: gl.constexpr = 32 if BN >= 128 else BN // 4
+            R: gl.constexpr = gl.BlockedLayout([4, 1], [TN, 32 // TN], [1, NW], [0, 1])
+            rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, R))
+            rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, R))
+            rmask = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
+            wofs = gl.expand_dims(rn, 1) + gl.expand_dims(rm * N, 0)  # (s, m, n) at s M N + m N + n
+            tot = gl.zeros([BN, BM], gl.float32, layout=R)
+            for s in range(S):
+                tot += gl.load(ws_ptr + s * M * N + wofs, mask=rmask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 1)
+            gl.store(out_ptr + gl.expand_dims(rn, 1) + gl.expand_dims(rm * stride_om, 0), tot.to(gl.bfloat16),
+                     mask=rmask)
+            gl.store(cnt, 0)
     else:
         if HAS_BIAS:
             acc += gl.expand_dims(gl.load(b_ptr + on, mask=on < N, other=0.0).to(gl.float32), 1)
-        gl.store(optr, acc.to(gl.bfloat16), mask=omask)
+        gl.store(out_ptr + gl.expand_dims(on, 1) + gl.expand_dims(om * stride_om, 0), acc.to(gl.bfloat16),
+                 mask=omask)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, size) -> int32 zeros, kept for the process: CUDA graphs
+# hold their addresses; launches of one size share them (each leaves them at 0; one stream at a time)
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    key = (device, size)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 # (BN, BM, BKH, KW, NS): weight rows per program, activation rows (MMA n, >= 8), packed bytes per row per
@@ -344,9 +386,13 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         per = triton.cdiv(tiles, max(1, min(split, tiles)))
         s = triton.cdiv(tiles, per)
     partial = s > 1
-    out = _alloc((s, m, n), x.device, torch.float32) if partial else _alloc((m, n), x.device, torch.bfloat16)
+    if s * m * n >= 2**31:
+        raise ValueError(f"split-K workspace of {s} x {m} x {n} elements exceeds int32 indexing")
+    out = _alloc((m, n), x.device, torch.bfloat16)
     b = bias if bias is not None else out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), s)
+    ws = _alloc((s, m, n), x.device, torch.float32) if partial else out
+    cnt = _counters(x.device, grid[0] * grid[1]) if partial else out
     h, lb, rp = out, out, 0
     if lora is not None:
         h, lb = lora
@@ -354,14 +400,14 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         if h.shape[0] != m or lb.shape != (n, r) or h.stride(1) != 1 or not lb.is_contiguous():
             raise ValueError(f"LoRA operands must be h [{m}, r] (unit column stride) and lb [{n}, r] contiguous")
         rp = max(16, triton.next_power_of_2(r))  # MMA k step 16; Gluon shapes are powers of two
-    kernel, extra = nvfp4_swap_kernel, {}
+    kernel = nvfp4_swap_kernel
     if wgmma:
         from .gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel
 
-        kernel, extra = nvfp4_swap_wgmma_kernel, {"ASYNC": False}
+        kernel = nvfp4_swap_wgmma_kernel
     kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
-                 scale_u8.stride(0), out.stride(-2), out.stride(0) if partial else 0, per,
+                 scale_u8.stride(0), out.stride(0), ws, cnt, per,
                  h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
                  BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
-                 HAS_BIAS=bias is not None and not partial, RP=rp, num_warps=4, **extra)
-    return splitk_reduce(out, bias, torch.bfloat16) if partial else out
+                 HAS_BIAS=bias is not None, RP=rp, num_warps=4)
+    return out

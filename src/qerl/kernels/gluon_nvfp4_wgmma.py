@@ -18,9 +18,9 @@ permuted the same way before it is stored, so the product is unchanged (the sum 
 PI maps the A layout's register k-bits (1, 8, 16, 32) -> byte bits (0, 1, 2, 3), its lane k-bits (2, 4) -> 4,
 5 and a further register k-bit (64, BKH = 128) -> 6.
 
-ASYNC=True: wgmma issued with is_async=True; the wait for tile i-1 is placed after the load + decode of tile
-i, so the decode could overlap the tensor cores (measured: it does not, ptxas waits before reusing the A
-registers; kept for experiments, the router uses ASYNC=False).
+The wgmma is synchronous: an async form (wait for tile i-1 after decoding tile i) was measured not to
+overlap decode and MMA (ptxas waits before reusing the A registers) and was removed; 3 programs per SM
+overlap them instead.
 LoRA (RP > 0): the accumulator is moved to the mma.sync layout and the routed kernel's `_lora_tile` adds
 h @ lb^T there (one layout conversion through shared memory in the epilogue).
 Written in an earlier session (experimental until the LoRA epilogue existed); GPU-tested only.
@@ -28,8 +28,7 @@ Written in an earlier session (experimental until the LoRA epilogue existed); GP
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 # shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
 from .gluon_nvfp4 import (_barrier, _commit, _decode_asm, _issue_w, _lora_tile, _split_group_layout, _step_bf16,
@@ -142,10 +141,10 @@ def _decode_tile(wq_s, ws_s, c, A: gl.constexpr, al: gl.constexpr, p: gl.constex
 
 @gluon.jit
 def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w, stride_s,
-                            stride_om, stride_os, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
+                            stride_om, ws_ptr, cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                             BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
                             NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
-                            HAS_BIAS: gl.constexpr, RP: gl.constexpr, ASYNC: gl.constexpr):
+                            HAS_BIAS: gl.constexpr, RP: gl.constexpr):
     """Same grid, arguments and semantics as `gluon_nvfp4.nvfp4_swap_kernel` (KW is ignored: the wgmma A
     layout fixes the register run at 16 bytes). Needs NW == 4 (one warpgroup), BN % 64 == 0, BM in 8..256
     (multiple of 8), BKH in {64, 128}."""
@@ -168,8 +167,6 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
     wss = gl.allocate_shared_memory(gl.uint8, [NS, BN, G], SS)
     c = 1.4757395258967641e20 / gl.load(gs_ptr)  # 2^67 / global_scale
     acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-    if ASYNC:
-        acc = warpgroup_mma_init(acc)
     t_lo = pid_k * tiles_per_split
     n = gl.minimum(K // BK - t_lo, tiles_per_split)
     k_lo = t_lo * BK
@@ -186,25 +183,18 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
                  j < n, BN, BKH, NW, SALIGN)
         _commit()
         lo, hi = _decode_tile(wqs.index(i % NS), wss.index(i % NS), c, A, al, p, BN, BKH)
-        if ASYNC:
-            acc = warpgroup_mma_wait(0, deps=[acc])  # tile i-1 done (its decode overlapped the one above)
-            acc = warpgroup_mma(lo, xls.index(i % 2).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(hi, xhs.index(i % 2).permute((1, 0)), acc, is_async=True)
-        else:
-            acc = warpgroup_mma(lo, xls.index(i % 2).permute((1, 0)), acc)
-            acc = warpgroup_mma(hi, xhs.index(i % 2).permute((1, 0)), acc)
+        acc = warpgroup_mma(lo, xls.index(i % 2).permute((1, 0)), acc)
+        acc = warpgroup_mma(hi, xhs.index(i % 2).permute((1, 0)), acc)
         if i + 1 < n:
             _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
                      k_lo + (i + 1) * BK, p, BM, BKH, NW)
-    if ASYNC:
-        acc = warpgroup_mma_wait(0, deps=[acc])
     _wait(0)
     if RP > 0:
         mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         acc2 = _lora_tile(gl.convert_layout(acc, mma2), h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m,
                           pid_k == 0, BN, BM, RP, NW)
-        _store_out(acc2, mma2, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k, BN, BM, PARTIAL,
-                   HAS_BIAS)
+        _store_out(acc2, mma2, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, pid_n, pid_m, pid_k, BN, BM, PARTIAL,
+                   HAS_BIAS, NW)
     else:
-        _store_out(acc, mma, b_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k, BN, BM, PARTIAL,
-                   HAS_BIAS)
+        _store_out(acc, mma, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, pid_n, pid_m, pid_k, BN, BM, PARTIAL,
+                   HAS_BIAS, NW)

@@ -174,7 +174,7 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
     b = None if bias is None else bias.to(x.dtype).contiguous()
     auto = wgmma is None
     if auto:
-        wgmma = _WGMMA_OK[0] and triton_gate.wgmma_wins(x2.shape[0]) and \
+        wgmma = _WGMMA_OK[0] and triton_gate.wgmma_wins(x2.shape[0], n, x2.shape[1]) and \
             torch.cuda.get_device_capability(x.device) == (9, 0)
     lo = None if lora is None else (_as_2d(lora[0]), lora[1].contiguous())
     try:
