@@ -2,9 +2,10 @@
 
 `python benchmarks/experimental/wgmma_swap/sweep_tiles.py [M]` (default 64; GPU, sm_90): for Qwen2.5 7B/32B/72B
 shapes prints cuBLAS bf16, the mma.sync kernel, the wgmma kernel with its default tile, and the fastest of
-BN {64, 128, 256} x (BKH, NS) {(64, 4), (64, 3), (128, 3)} x programs per SM {1, 2, 3, 4} (microseconds,
-CUDA-graph replays, weights rotated through > 2x L2, as `qerl bench kernels`). `gluon_nvfp4.pick_config_wgmma`
-was chosen from its output.
+BN {64, 128} x (BKH, NS) {(64, 4), (64, 3), (128, 3), (128, 4)} x programs per SM {2, 3, 4}, with BM (the wgmma N)
+the next of 8, 16, 32, 64 above M (microseconds, CUDA-graph replays, weights rotated through > 2x L2, as
+`qerl bench kernels`). `gluon_nvfp4.pick_config_wgmma` was chosen from its output (an earlier version swept
+BN 256 and 1 program per SM too, at M = 64 only: never best).
 """
 
 import sys
@@ -36,12 +37,11 @@ def main() -> None:
         t_cub = _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, 5)
         t_mma, t_wg = timed(wgmma=False), timed(wgmma=True)
         res = []
-        for bn in (64, 128, 256):
-            for bkh, ns in ((64, 4), (64, 3), (128, 3)):
-                if bn == 256 and bkh == 128:
-                    continue
-                for waves in (1.0, 2.0, 3.0, 4.0):
-                    cfg = (bn, 64, bkh, 16, ns)
+        bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
+        for bn in (64, 128):
+            for bkh, ns in ((64, 4), (64, 3), (128, 3), (128, 4)):
+                for waves in (2.0, 3.0, 4.0):
+                    cfg = (bn, bm, bkh, 16, ns)
                     split = gk.split_for(m, n, k, cfg, sms, waves)[0]
                     try:
                         res.append((timed(config=cfg, split=split, wgmma=True), cfg, waves, split))

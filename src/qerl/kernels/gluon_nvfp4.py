@@ -278,9 +278,14 @@ def _store_out(acc, L: gl.constexpr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stri
             rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, R))
             rmask = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
             wofs = gl.expand_dims(rn, 1) + gl.expand_dims(rm * N, 0)  # (s, m, n) at s M N + m N + n
+            # unrolled by CH: the CH loads of a round do not depend on the adds, so they are in flight
+            # together (the tail is serial latency); the adds keep the order s = 0, 1, ...
+            CH: gl.constexpr = max(1, min(8, 64 * 32 * NW // (BN * BM)))
             tot = gl.zeros([BN, BM], gl.float32, layout=R)
-            for s in range(S):
-                tot += gl.load(ws_ptr + s * M * N + wofs, mask=rmask, other=0.0, cache_modifier=".cg")
+            for s0 in range(0, S, CH):
+                for j in gl.static_range(CH):
+                    tot += gl.load(ws_ptr + (s0 + j) * M * N + wofs, mask=rmask & (s0 + j < S), other=0.0,
+                                   cache_modifier=".cg")
             if HAS_BIAS:
                 tot += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 1)
             gl.store(out_ptr + gl.expand_dims(rn, 1) + gl.expand_dims(rm * stride_om, 0), tot.to(gl.bfloat16),
@@ -327,11 +332,18 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`, 17 <= m <= 64 on sm_90): from H200
-    and H100 sweeps over BN {64, 128, 256} x (BKH, NS) {(64, 4), (64, 3), (128, 3)} x waves {1, 2, 3, 4} at
-    M = 64 and the default tile at M = 32 (docs/benchmarks.md): one 64-row wgmma tile per warpgroup, 3
-    stages and ~3 programs per SM."""
-    return (64, 32 if m <= 32 else 64, 64, 16, 3), 3.0
+    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`; routed for 9 <= m <= 64 on sm_90,
+    see `triton_gate.wgmma_wins`). From H200 sweeps (`benchmarks/experimental/wgmma_swap/sweep_tiles.py M`,
+    docs/benchmarks.md) over BN x (BKH, NS) x programs per SM: one 64-row wgmma tile per warpgroup, 3
+    stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128 packed bytes per step and ~4
+    programs per SM (best or within 4% on 6 of 7 Qwen2.5 shapes at M = 16), above that 64 bytes and ~3."""
+    if m <= 16:
+        cfg, waves = (64, 8 if m <= 8 else 16, 128, 16, 3), 4.0
+    else:
+        cfg, waves = (64, 32 if m <= 32 else 64, 64, 16, 3), 3.0
+    if k % (2 * cfg[2]):
+        cfg = (*cfg[:2], 64, *cfg[3:])
+    return cfg, waves
 
 
 def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0) -> tuple[int, int]:

@@ -5,8 +5,7 @@ QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmar
 Forward x @ W^T, by rows M (H200 measurements in docs/benchmarks.md):
   - M <= SWAP_MAX_M (64): the Gluon swap-AB kernel (`gluon_nvfp4`, NVFP4 only) when it applies (bf16, K %
     128 == 0, global scale > 128); it beats the other paths at every Qwen2.5 shape there; from WGMMA_MIN_M
-    rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`; at 17-32 rows only for weights up to
-    WGMMA_MAX_WEIGHT_AT_32 elements);
+    rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`) where it measured faster (`wgmma_wins`);
   - otherwise M <= GEMV_ROUTE_MAX_M (1): the CUDA-core kernel (`triton_fp4_gemv`);
   - then `fused_wins` picks between the fused tl.dot kernel and "dequantize W on the device in one Triton
     pass into a temporary (the caching allocator reuses the block), then cuBLAS": fused up to M = 16, and up
@@ -21,9 +20,13 @@ import torch
 
 SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies (H200: beats
 # the fused kernel and dequantize + cuBLAS at every Qwen2.5 shape for M <= 64, cuBLAS bf16 up to M = 16-32)
-WGMMA_MIN_M = 17  # from here to SWAP_MAX_M, on sm_90: its wgmma variant (M = 64, H200: 1.13-1.34x mma.sync)
-WGMMA_MAX_WEIGHT_AT_32 = 192 * 2**20  # ... but up to 32 rows only for weights up to this many elements (H200,
-# M = 32: wgmma 1.04-1.29x mma.sync on 7B-32B qkv/o/gate_up and 32B down; 0.89-0.95x on 32B/72B gate_up)
+# From WGMMA_MIN_M to SWAP_MAX_M rows, on sm_90, the wgmma variant, except where the H200 sweeps found the
+# mma.sync form faster (docs/benchmarks.md): M = 64: wgmma 1.13-1.34x mma.sync; M = 32: 1.04-1.29x on 7B-32B
+# qkv/o/gate_up and 32B down, 0.89-0.95x on 32B/72B gate_up (weights above WGMMA_MAX_WEIGHT_AT_32 elements);
+# M = 16 (the default wgmma tile): 1.04-1.25x on five shapes, ~0.94x on 72B down, 0.83x on 7B gate_up
+# (excluded: N > 16384 with K < 4096); M = 8: mma.sync (best wgmma tile 0.82-1.08x)
+WGMMA_MIN_M = 9
+WGMMA_MAX_WEIGHT_AT_32 = 192 * 2**20
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
@@ -51,9 +54,13 @@ def swap_wins(m: int, n: int, k: int) -> bool:
 
 def wgmma_wins(m: int, n: int, k: int) -> bool:
     """Within the swap-AB range: the Hopper wgmma variant of the Gluon kernel (True) or its mma.sync form."""
+    if m < WGMMA_MIN_M or m > SWAP_MAX_M:
+        return False
+    if m <= 16:
+        return not (n > 16384 and k < 4096)
     if m <= 32:
-        return WGMMA_MIN_M <= m and n * k <= WGMMA_MAX_WEIGHT_AT_32
-    return m <= SWAP_MAX_M
+        return n * k <= WGMMA_MAX_WEIGHT_AT_32
+    return True
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:
