@@ -21,10 +21,10 @@ import torch
 SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies (H200: beats
 # the fused kernel and dequantize + cuBLAS at every Qwen2.5 shape for M <= 64, cuBLAS bf16 up to M = 16-32)
 # From WGMMA_MIN_M to SWAP_MAX_M rows, on sm_90, the wgmma variant, except where the H200 sweeps found the
-# mma.sync form faster (docs/benchmarks.md): M = 64: wgmma 1.13-1.34x mma.sync; M = 32: 1.04-1.29x on 7B-32B
-# qkv/o/gate_up and 32B down, 0.89-0.95x on 32B/72B gate_up (weights above WGMMA_MAX_WEIGHT_AT_32 elements);
-# M = 16 (the default wgmma tile): 1.04-1.25x on five shapes, ~0.94x on 72B down, 0.83x on 7B gate_up
-# (excluded: N > 16384 with K < 4096); M = 8: mma.sync (best wgmma tile 0.82-1.08x)
+# mma.sync form faster (docs/benchmarks.md): M = 64: wgmma 1.13-1.34x mma.sync; M = 32: 1.01-1.39x on 9 of 12
+# shapes, 0.97x on 7B down, 0.89-0.95x on 32B/72B gate_up (weights above WGMMA_MAX_WEIGHT_AT_32 elements);
+# M = 16: 1.01-1.24x on 7 of 11 shapes, 0.88-0.99x on 32B/72B qkv and 72B o/down; 7B gate_up (N > 16384
+# with K < 4096) excluded, its best wgmma tile 0.88x; M = 8: mma.sync (best wgmma tile per shape 0.83-1.08x)
 WGMMA_MIN_M = 9
 WGMMA_MAX_WEIGHT_AT_32 = 192 * 2**20
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)

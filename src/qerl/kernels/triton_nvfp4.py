@@ -154,7 +154,7 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
     """Decode sizes through the Gluon swap-AB kernel (`gluon_nvfp4`), or None when it does not apply (not
     bf16, K % 128 != 0, a global scale too small for the bf16 step, no Gluon). Same result as
     `nvfp4_linear_triton` otherwise; lora = (h [..., R], scaling*B [N, R]) also adds h @ (scaling*B)^T.
-    wgmma: None picks the Hopper wgmma variant for triton_gate.WGMMA_MIN_M..SWAP_MAX_M rows on sm_90; True /
+    wgmma: None picks the Hopper wgmma variant on sm_90 where `triton_gate.wgmma_wins` says it is faster; True /
     False force it (tests, benchmarks)."""
     gk = gluon_module()
     if gk is None or not gk.supported(x, weight_packed, step_fits_bf16(weight_global_scale)):
