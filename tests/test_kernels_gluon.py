@@ -67,6 +67,23 @@ def test_mma_sync_and_wgmma_forms(m, n, k, wgmma):
           config=(128, 64, 64, 16, 4) if wgmma else None)
 
 
+@pytest.mark.parametrize("x_permuted", [False, True])
+def test_wgmma_with_x_staged_or_pre_permuted(x_permuted, monkeypatch):
+    """The wgmma form with x staged through registers every step, or rewritten once in operand order by
+    `permute_x_kernel` (NaN-poisoned, so an unwritten element shows) and copied by cp.async."""
+    require_cuda()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    from qerl.kernels import gluon_nvfp4
+
+    monkeypatch.setattr(gluon_nvfp4, "X_PERMUTED", x_permuted)
+    for m, n, k in [(9, 333, 1024), (16, 700, 1280), (21, 517, 1024), (40, 1000, 2048), (64, 96, 3584)]:
+        for split in (1, 3):
+            _case(m, n, k, seed=m + split, global_scale=900.0, bias=split == 1, split=split,
+                  lora_r=16 if split == 3 else 0, wgmma=True)
+    _case(64, 200, 1024, seed=5, global_scale=900.0, bias=True, config=(64, 64, 128, 16, 3), wgmma=True)
+
+
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_split_k_meets_in_one_launch_under_graph_replay(wgmma):
     """Split-K partials are summed by the last program to arrive: a captured launch replayed with fresh x

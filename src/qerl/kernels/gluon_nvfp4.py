@@ -36,6 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from . import triton_gate
 from .triton_fp4_mm import _alloc
 
 # API names that differ between Triton 3.6 and 3.9 (everything else used here is common to both)
@@ -283,8 +284,9 @@ def _store_out(acc, L: gl.constexpr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stri
             rmask = gl.expand_dims(rn < N, 1) & gl.expand_dims(rm < M, 0)
             wofs = gl.expand_dims(rn, 1) + gl.expand_dims(rm * N, 0)  # (s, m, n) at s M N + m N + n
             # unrolled by CH: the CH loads of a round do not depend on the adds, so they are in flight
-            # together (the tail is serial latency); the adds keep the order s = 0, 1, ...
-            CH: gl.constexpr = max(1, min(8, 64 * 32 * NW // (BN * BM)))
+            # together (the tail is serial latency); the adds keep the order s = 0, 1, ... CH is capped at
+            # ~32 registers a thread of loads: more raised the whole kernel's register count
+            CH: gl.constexpr = max(1, min(8, 32 * 32 * NW // (BN * BM)))
             tot = gl.zeros([BN, BM], gl.float32, layout=R)
             for s0 in range(0, S, CH):
                 for j in gl.static_range(CH):
@@ -312,6 +314,8 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
         _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
     return _COUNTERS[key]
 
+
+X_PERMUTED: bool | None = None  # default of nvfp4_linear_swap's x_permuted; None: `triton_gate.permute_x_wins`
 
 # (BN, BM, BKH, KW, NS): weight rows per program, activation rows (MMA n, >= 8), packed bytes per row per
 # step (BK = 2 BKH columns), register run per thread, pipeline stages
@@ -377,13 +381,16 @@ def _scale_align(stride: int) -> int:
 def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                       bias: torch.Tensor | None, sms: int, config: SwapConfig | None = None,
                       split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      wgmma: bool = False) -> torch.Tensor:
+                      wgmma: bool = False, x_permuted: bool | None = None) -> torch.Tensor:
     """x [M, K] bf16 (unit column stride) -> x @ W^T + bias, [M, N] bf16. packed uint8 [N, K/2] contiguous,
     scale_u8 uint8 [N, K/16] (E4M3 bits) contiguous, global_scale fp32 [1], bias bf16 [N] or None.
     config: (BN, BM, BKH, KW, NS), None for `pick_config`'s; split: number of K splits (None: the pick's
     programs per SM, 2 with an explicit config). lora: (h [M, R] bf16 with unit column stride, lb [N, R]
     bf16 contiguous), adds h @ lb^T (a LoRA delta: h = x @ A^T, lb = scaling * B) in the same launch.
-    wgmma: the Hopper-only wgmma variant (`gluon_nvfp4_wgmma`; sm_90, BN a multiple of 64) instead of mma.sync."""
+    wgmma: the Hopper-only wgmma variant (`gluon_nvfp4_wgmma`; sm_90, BN a multiple of 64) instead of mma.sync;
+    x_permuted (wgmma only; None: `X_PERMUTED`, whose None asks `triton_gate.permute_x_wins`): x is first
+    rewritten in the operand order by one small launch, then copied into the pipeline by cp.async instead
+    of staged through registers every step."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(0) % 8 or x.data_ptr() % 16:
@@ -416,14 +423,22 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         if h.shape[0] != m or lb.shape != (n, r) or h.stride(1) != 1 or not lb.is_contiguous():
             raise ValueError(f"LoRA operands must be h [{m}, r] (unit column stride) and lb [{n}, r] contiguous")
         rp = max(16, triton.next_power_of_2(r))  # MMA k step 16; Gluon shapes are powers of two
-    kernel = nvfp4_swap_kernel
+    kernel, extra = nvfp4_swap_kernel, {}
     if wgmma:
-        from .gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel
+        from .gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel, permute_x_kernel
 
-        kernel = nvfp4_swap_wgmma_kernel
+        xperm = X_PERMUTED if x_permuted is None else x_permuted
+        if xperm is None:
+            xperm = triton_gate.permute_x_wins(n, k)
+        kernel, extra = nvfp4_swap_wgmma_kernel, {"XP": xperm}
+        if xperm:
+            xp = _alloc((m, k), x.device, torch.bfloat16)
+            permute_x_kernel[(triton.cdiv(m, bm), k // (2 * bkh))](x, xp, m, k, x.stride(0), BN=bn, BM=bm, BKH=bkh,
+                                                                    NW=4, num_warps=4)
+            x = xp
     kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
                  scale_u8.stride(0), out.stride(0), ws, cnt, per,
                  h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
                  BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
-                 HAS_BIAS=bias is not None, RP=rp, num_warps=4)
+                 HAS_BIAS=bias is not None, RP=rp, num_warps=4, **extra)
     return out

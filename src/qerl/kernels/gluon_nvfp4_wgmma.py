@@ -31,8 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 # shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
-from .gluon_nvfp4 import (_barrier, _commit, _decode_asm, _issue_w, _lora_tile, _split_group_layout, _step_bf16,
-                          _store_out, _wait)
+from .gluon_nvfp4 import (_async_load, _barrier, _commit, _decode_asm, _issue_w, _lora_tile, _split_group_layout,
+                          _step_bf16, _store_out, _wait)
 
 
 @gluon.constexpr_function
@@ -122,6 +122,55 @@ def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0, p: gl.constexpr,
 
 
 @gluon.jit
+def _issue_xp(xl_s, xh_s, xp_ptr, M, stride_xm, pid_m, k0, valid, BM: gl.constexpr, BKH: gl.constexpr,
+              NW: gl.constexpr):
+    """cp.async of a pre-permuted x tile (`permute_x_kernel`'s xp: x_lo then x_hi per block of 2 BKH columns)
+    into one pipeline stage. Rows >= M are clamped to M - 1: they only feed output columns that are never
+    stored. valid (scalar) False: zero-fill, no memory access."""
+    TK: gl.constexpr = BKH // 8
+    CP: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
+    rows = gl.minimum(pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, CP)), M - 1)
+    cols = gl.arange(0, BKH, layout=gl.SliceLayout(0, CP))
+    ptr = xp_ptr + gl.expand_dims(rows * stride_xm, 1) + gl.expand_dims(k0 + cols, 0)
+    m = gl.full([BM, BKH], 1, gl.int1, CP) & valid
+    _async_load(xl_s, ptr, mask=m)
+    _async_load(xh_s, ptr + BKH, mask=m)
+
+
+@gluon.jit
+def permute_x_kernel(x_ptr, xp_ptr, M, K, stride_xm, BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr,
+                     NW: gl.constexpr):
+    """xp [M, K] bf16 contiguous: per block of BK = 2 BKH columns, x_lo then x_hi in the logical k order of
+    the wgmma A operand of `nvfp4_swap_wgmma_kernel` with the same BN, BM, BKH (what `_stage_x` would store
+    in shared memory), so that kernel can copy x tiles as they are (XP=True). Grid (cdiv(M, BM), K / BK)."""
+    BK: gl.constexpr = 2 * BKH
+    pid_m = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    p: gl.constexpr = _pi_bits(gl.to_linear_layout(A, [BN, BKH]), BKH)
+    TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
+    xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+    xk = pid_k * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    xmask = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk >= 0, 0)
+    xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
+    x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
+    x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # as in _stage_x
+    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
+    TO: gl.constexpr = BKH // 8
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TO, TO], [NW, 1], [1, 0])
+    xlo = gl.convert_layout(_to_logical(xlo, p, BM, BKH), OL)
+    xhi = gl.convert_layout(_to_logical(xhi, p, BM, BKH), OL)
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, OL))
+    ok = gl.arange(0, BKH, layout=gl.SliceLayout(0, OL))
+    omask = gl.expand_dims(om < M, 1) & gl.expand_dims(ok >= 0, 0)
+    optr = xp_ptr + gl.expand_dims(om * K, 1) + gl.expand_dims(pid_k * BK + ok, 0)
+    gl.store(optr, xlo, mask=omask)
+    gl.store(optr + BKH, xhi, mask=omask)
+
+
+@gluon.jit
 def _decode_tile(wq_s, ws_s, c, A: gl.constexpr, al: gl.constexpr, p: gl.constexpr, BN: gl.constexpr, BKH: gl.constexpr):
     """Bytes + scales of one stage -> (lo, hi) bf16 [BN, BKH] in the wgmma A-operand layout (logical k)."""
     G: gl.constexpr = BKH // 8
@@ -144,10 +193,11 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
                             stride_om, ws_ptr, cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                             BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
                             NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
-                            HAS_BIAS: gl.constexpr, RP: gl.constexpr):
+                            HAS_BIAS: gl.constexpr, RP: gl.constexpr, XP: gl.constexpr):
     """Same grid, arguments and semantics as `gluon_nvfp4.nvfp4_swap_kernel` (KW is ignored: the wgmma A
     layout fixes the register run at 16 bytes). Needs NW == 4 (one warpgroup), BN % 64 == 0, BM in 8..256
-    (multiple of 8), BKH in {64, 128}."""
+    (multiple of 8), BKH in {64, 128}. XP: x_ptr is `permute_x_kernel`'s xp (row stride stride_xm) and its
+    tiles ride the NS-stage cp.async pipeline with the weights; else x is staged through registers."""
     BK: gl.constexpr = 2 * BKH
     G: gl.constexpr = BKH // 8
     pid_n = gl.program_id(0)
@@ -161,8 +211,9 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
     WS: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8 if BKH >= 128 else BKH // 16,
                                                order=[1, 0])
     SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    xls = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BKH], XS)  # x_lo (logical k), double buffered
-    xhs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, BKH], XS)  # x_hi
+    XB: gl.constexpr = NS if XP else 2  # x buffers: one per pipeline stage, or double buffered
+    xls = gl.allocate_shared_memory(gl.bfloat16, [XB, BM, BKH], XS)  # x_lo (logical k)
+    xhs = gl.allocate_shared_memory(gl.bfloat16, [XB, BM, BKH], XS)  # x_hi
     wqs = gl.allocate_shared_memory(gl.uint8, [NS, BN, BKH], WS)
     wss = gl.allocate_shared_memory(gl.uint8, [NS, BN, G], SS)
     c = 1.4757395258967641e20 / gl.load(gs_ptr)  # 2^67 / global_scale
@@ -173,19 +224,31 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
     for s in gl.static_range(NS - 1):
         _issue_w(wqs.index(s), wss.index(s), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + s * BK, s < n,
                  BN, BKH, NW, SALIGN)
+        if XP:
+            _issue_xp(xls.index(s), xhs.index(s), x_ptr, M, stride_xm, pid_m, k_lo + s * BK, s < n, BM, BKH, NW)
         _commit()
-    _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, p, BM, BKH, NW)
+    if not XP:
+        _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, p, BM, BKH, NW)
     for i in range(n):
         _wait(NS - 2)
+        if XP:
+            fence_async_shared()  # this thread's cp.async writes (generic proxy) -> wgmma reads (async proxy)
         _barrier()  # stage i and x tile i visible; stage (i-1)%NS free; x buffer (i+1)%2 free (wgmma i-1 waited)
         j = i + NS - 1
         _issue_w(wqs.index(j % NS), wss.index(j % NS), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + j * BK,
                  j < n, BN, BKH, NW, SALIGN)
+        if XP:
+            _issue_xp(xls.index(j % NS), xhs.index(j % NS), x_ptr, M, stride_xm, pid_m, k_lo + j * BK, j < n, BM, BKH,
+                      NW)
         _commit()
         lo, hi = _decode_tile(wqs.index(i % NS), wss.index(i % NS), c, A, al, p, BN, BKH)
-        acc = warpgroup_mma(lo, xls.index(i % 2).permute((1, 0)), acc)
-        acc = warpgroup_mma(hi, xhs.index(i % 2).permute((1, 0)), acc)
-        if i + 1 < n:
+        if XP:
+            xb = i % NS
+        else:
+            xb = i % 2
+        acc = warpgroup_mma(lo, xls.index(xb).permute((1, 0)), acc)
+        acc = warpgroup_mma(hi, xhs.index(xb).permute((1, 0)), acc)
+        if not XP and i + 1 < n:
             _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
                      k_lo + (i + 1) * BK, p, BM, BKH, NW)
     _wait(0)

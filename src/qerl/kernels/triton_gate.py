@@ -5,7 +5,7 @@ QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmar
 Forward x @ W^T, by rows M (H200 measurements in docs/benchmarks.md):
   - M <= SWAP_MAX_M (64): the Gluon swap-AB kernel (`gluon_nvfp4`, NVFP4 only) when it applies (bf16, K %
     128 == 0, global scale > 128); it beats the other paths at every Qwen2.5 shape there; from WGMMA_MIN_M
-    rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`) where it measured faster (`wgmma_wins`);
+    rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`; `wgmma_wins`, `permute_x_wins`);
   - otherwise M <= GEMV_ROUTE_MAX_M (1): the CUDA-core kernel (`triton_fp4_gemv`);
   - then `fused_wins` picks between the fused tl.dot kernel and "dequantize W on the device in one Triton
     pass into a temporary (the caching allocator reuses the block), then cuBLAS": fused up to M = 16, and up
@@ -20,13 +20,14 @@ import torch
 
 SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) when it applies (H200: beats
 # the fused kernel and dequantize + cuBLAS at every Qwen2.5 shape for M <= 64, cuBLAS bf16 up to M = 16-32)
-# From WGMMA_MIN_M to SWAP_MAX_M rows, on sm_90, the wgmma variant, except where the H200 sweeps found the
-# mma.sync form faster (docs/benchmarks.md): M = 64: wgmma 1.13-1.34x mma.sync; M = 32: 1.01-1.39x on 9 of 12
-# shapes, 0.97x on 7B down, 0.89-0.95x on 32B/72B gate_up (weights above WGMMA_MAX_WEIGHT_AT_32 elements);
-# M = 16: 1.01-1.24x on 7 of 11 shapes, 0.88-0.99x on 32B/72B qkv and 72B o/down; 7B gate_up (N > 16384
-# with K < 4096) excluded, its best wgmma tile 0.88x; M = 8: mma.sync (best wgmma tile per shape 0.83-1.08x)
+# From WGMMA_MIN_M to SWAP_MAX_M rows, on sm_90: the wgmma variant; with x rewritten once in operand order
+# (`permute_x_wins`) for weights of PERMUTE_X_MIN_WEIGHT elements and more. H200 (docs/benchmarks.md): that
+# made it 1.01-1.51x faster than staging x through registers on weights of 67-283M elements at M = 16-64,
+# 0.88-0.98x on 13-17M; with it, wgmma beats the mma.sync form on every measured shape at M = 16-64 (the
+# staged form had lost on 7B gate_up at M = 16 and 32B/72B gate_up at M = 32). M <= 8: mma.sync (best
+# staged wgmma tile per shape 0.83-1.08x; the pre-permuted form was not measured there).
 WGMMA_MIN_M = 9
-WGMMA_MAX_WEIGHT_AT_32 = 192 * 2**20
+PERMUTE_X_MIN_WEIGHT = 32 * 2**20
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
@@ -54,13 +55,12 @@ def swap_wins(m: int, n: int, k: int) -> bool:
 
 def wgmma_wins(m: int, n: int, k: int) -> bool:
     """Within the swap-AB range: the Hopper wgmma variant of the Gluon kernel (True) or its mma.sync form."""
-    if m < WGMMA_MIN_M or m > SWAP_MAX_M:
-        return False
-    if m <= 16:
-        return not (n > 16384 and k < 4096)
-    if m <= 32:
-        return n * k <= WGMMA_MAX_WEIGHT_AT_32
-    return True
+    return WGMMA_MIN_M <= m <= SWAP_MAX_M
+
+
+def permute_x_wins(n: int, k: int) -> bool:
+    """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step."""
+    return n * k >= PERMUTE_X_MIN_WEIGHT
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:
