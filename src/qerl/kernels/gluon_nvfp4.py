@@ -207,8 +207,8 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
     """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0; out bf16 [M, N] (row stride stride_om) = x @ W^T
     (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
     columns, T = tiles_per_split; PARTIAL (S > 1): the splits meet in `_store_out` (fp32 workspace ws
-    [S, M, N], arrival counters cnt [grid_n * grid_m] int32, zero on entry and left zero). NS-stage cp.async pipeline for the raw weight/scale bytes; x is staged
-    through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead.
+    [S, M, N], arrival counters cnt [grid_n * grid_m] int32, zero on entry and left zero). NS-stage
+    cp.async pipeline for the raw weight/scale bytes; x is staged through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead.
     RP > 0: also add the LoRA term h[M, R] @ lb[N, R]^T (h row stride stride_hm, lb contiguous, both bf16;
     R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0."""
     BK: gl.constexpr = 2 * BKH

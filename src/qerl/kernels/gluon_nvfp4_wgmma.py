@@ -1,7 +1,7 @@
 """Gluon kernel: NVFP4 weight x bf16 activations, "swap AB" on Hopper wgmma with the A operand in registers.
 
-The decode path for 17-64 activation rows on sm_90 (`gluon_nvfp4.nvfp4_linear_swap` picks it; H200: 1.13-1.34x
-the mma.sync kernel at M = 64, where mma.sync issue is the limit). Drop-in variant of `nvfp4_swap_kernel`
+The decode path for 9-64 activation rows on sm_90 (`gluon_nvfp4.nvfp4_linear_swap` picks it, see
+`triton_gate.wgmma_wins`; H200: 1.13-1.34x the mma.sync kernel at M = 64, where mma.sync issue is the limit). Drop-in variant of `nvfp4_swap_kernel`
 (same arguments, grid and semantics, the LoRA epilogue included):
 out^T[N, M] = W @ x^T with the decoded weight tile [BN, BKH] (BN = 64 or 128 rows per warpgroup) as the
 register A operand of `warpgroup_mma` (wgmma.m64nBMk16) and x_lo^T / x_hi^T [BKH, BM] as the B operand from
@@ -21,6 +21,11 @@ PI maps the A layout's register k-bits (1, 8, 16, 32) -> byte bits (0, 1, 2, 3),
 The wgmma is synchronous: an async form (wait for tile i-1 after decoding tile i) was measured not to
 overlap decode and MMA (ptxas waits before reusing the A registers) and was removed; 3 programs per SM
 overlap them instead.
+x reaches shared memory one of two ways: staged through registers every step (`_stage_x`: global load,
+lo/hi split, PI permutation, store), or, XP=True, rewritten once per call by `permute_x_kernel` into that
+order and copied by cp.async together with the weight bytes of each pipeline stage (`_issue_xp`; no global
+loads into registers, which Nsight Compute showed as the largest stall at M = 64; H200: 1.01-1.51x on
+weights of 67-283M elements, 0.88-0.98x on 13-17M ones, so the dispatch takes it for large weights only).
 LoRA (RP > 0): the accumulator is moved to the mma.sync layout and the routed kernel's `_lora_tile` adds
 h @ lb^T there (one layout conversion through shared memory in the epilogue).
 Written in an earlier session (experimental until the LoRA epilogue existed); GPU-tested only.
@@ -102,9 +107,10 @@ def _to_logical(t, p: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
 
 
 @gluon.jit
-def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0, p: gl.constexpr,
-             BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
-    """x[BM rows, k0 : k0 + 2 BKH] -> x_lo [BM, BKH], x_hi, in the logical k order of the A operand."""
+def _x_logical(x_ptr, M, stride_xm, pid_m, k0, p: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr,
+               NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> (x_lo, x_hi) [BM, BKH] registers, in the logical k order of the A operand
+    (rows >= M read as zeros)."""
     BK: gl.constexpr = 2 * BKH
     TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
@@ -116,8 +122,16 @@ def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0, p: gl.constexpr,
     x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
     x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # [m, g, b0, b1, h]
     xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
-    xl_s.store(_to_logical(xlo, p, BM, BKH))
-    xh_s.store(_to_logical(xhi, p, BM, BKH))
+    return _to_logical(xlo, p, BM, BKH), _to_logical(xhi, p, BM, BKH)
+
+
+@gluon.jit
+def _stage_x(xl_s, xh_s, x_ptr, M, stride_xm, pid_m, k0, p: gl.constexpr,
+             BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> x_lo [BM, BKH], x_hi shared tiles, in the logical k order of the A operand."""
+    xlo, xhi = _x_logical(x_ptr, M, stride_xm, pid_m, k0, p, BM, BKH, NW)
+    xl_s.store(xlo)
+    xh_s.store(xhi)
     fence_async_shared()  # generic-proxy stores -> wgmma (async proxy) reads, after the next barrier
 
 
@@ -149,19 +163,11 @@ def permute_x_kernel(x_ptr, xp_ptr, M, K, stride_xm, BN: gl.constexpr, BM: gl.co
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     p: gl.constexpr = _pi_bits(gl.to_linear_layout(A, [BN, BKH]), BKH)
-    TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
-    xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-    xk = pid_k * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    xmask = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk >= 0, 0)
-    xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
-    x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
-    x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # as in _stage_x
-    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
+    xlo, xhi = _x_logical(x_ptr, M, stride_xm, pid_m, pid_k * BK, p, BM, BKH, NW)
     TO: gl.constexpr = BKH // 8
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TO, TO], [NW, 1], [1, 0])
-    xlo = gl.convert_layout(_to_logical(xlo, p, BM, BKH), OL)
-    xhi = gl.convert_layout(_to_logical(xhi, p, BM, BKH), OL)
+    xlo = gl.convert_layout(xlo, OL)
+    xhi = gl.convert_layout(xhi, OL)
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, OL))
     ok = gl.arange(0, BKH, layout=gl.SliceLayout(0, OL))
     omask = gl.expand_dims(om < M, 1) & gl.expand_dims(ok >= 0, 0)
@@ -228,7 +234,7 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
             _issue_xp(xls.index(s), xhs.index(s), x_ptr, M, stride_xm, pid_m, k_lo + s * BK, s < n, BM, BKH, NW)
         _commit()
     if not XP:
-        _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, p, BM, BKH, NW)
+        _stage_x(xls.index(0), xhs.index(0), x_ptr, M, stride_xm, pid_m, k_lo, p, BM, BKH, NW)
     for i in range(n):
         _wait(NS - 2)
         if XP:
@@ -249,7 +255,7 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
         acc = warpgroup_mma(lo, xls.index(xb).permute((1, 0)), acc)
         acc = warpgroup_mma(hi, xhs.index(xb).permute((1, 0)), acc)
         if not XP and i + 1 < n:
-            _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
+            _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, stride_xm, pid_m,
                      k_lo + (i + 1) * BK, p, BM, BKH, NW)
     _wait(0)
     if RP > 0:
