@@ -3,6 +3,8 @@
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def quantized_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "nvfp4"
-    qerl = shutil.which("qerl")
+    # the console script of this interpreter's environment (PATH may lead to another install)
+    here = Path(sys.executable).parent / "qerl"
+    qerl = str(here) if here.exists() else shutil.which("qerl")
     assert qerl, "the console script `qerl` is not installed"
     result = subprocess.run([qerl, "quantize", "smollm2-135m-instruct", "--format", "nvfp4", "--out", str(out)],
                             capture_output=True, text=True, timeout=900)
