@@ -84,16 +84,18 @@ def test_wgmma_with_x_staged_or_pre_permuted(x_permuted, monkeypatch):
     _case(64, 200, 1024, seed=5, global_scale=900.0, bias=True, config=(64, 64, 128, 16, 3), wgmma=True)
 
 
-@pytest.mark.parametrize("wgmma", [False, True])
-def test_split_k_meets_in_one_launch_under_graph_replay(wgmma):
+@pytest.mark.parametrize("wgmma,x_permuted", [(False, None), (True, False), (True, True)])
+def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted, monkeypatch):
     """Split-K partials are summed by the last program to arrive: a captured launch replayed with fresh x
     equals the eager call bit for bit (fixed summation order) and the reference; the arrival counters are
-    left at zero (else the next replay would finish a tile early)."""
+    left at zero (else the next replay would finish a tile early). The wgmma form with x pre-permuted also
+    captures its permute launch."""
     require_cuda()
     if wgmma and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
     from qerl.kernels import gluon_nvfp4, triton_fp4_mm, triton_nvfp4 as tk
 
+    monkeypatch.setattr(gluon_nvfp4, "X_PERMUTED", x_permuted)  # wgmma: x staged, or rewritten once per call
     m, n, k, r = (40, 700, 2048, 16) if wgmma else (5, 700, 2048, 16)
     gen = torch.Generator().manual_seed(11 + wgmma)
     w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 900.0).items()}
