@@ -109,24 +109,26 @@ def _step_bf16(s, c):
 
 
 @gluon.jit
-def _stage_x(xl_s, xh_s, x_ptr, M, K, stride_xm, pid_m, k0,
-             BM: gl.constexpr, BKH: gl.constexpr, MASK_K: gl.constexpr, NW: gl.constexpr):
-    """x[BM rows, k0 : k0 + 2 BKH] -> xs[0] = x_lo [BM, BKH], xs[1] = x_hi, in the k order of the decode."""
+def _load_x_split(x_ptr, M, stride_xm, pid_m, k0, BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> (x_lo, x_hi) [BM, BKH] registers in the k order of the decode (rows >= M
+    read as zeros; K is a multiple of 2 BKH, so no column mask)."""
     BK: gl.constexpr = 2 * BKH
     TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
     xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
     xk = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    xmask = gl.expand_dims(xm < M, 1)
-    if MASK_K:
-        xmask = xmask & gl.expand_dims(xk < K, 0)
-    else:
-        xmask = xmask & gl.expand_dims(xk >= 0, 0)
+    xmask = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk >= 0, 0)
     xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
-    # real k = 8 g + 4 b1 + 2 b0 + h (byte j = 4 g + 2 b1 + b0); logical j' = 4 g + 2 b0 + b1
+    # real k = 8 g + 4 b1 + 2 b0 + h (byte j = 4 g + 2 b1 + b0); decoded element j' = 4 g + 2 b0 + b1
     x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
     x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # [m, g, b0, b1, h]
-    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
+    return gl.split(gl.reshape(x5, [BM, BKH, 2]))
+
+
+@gluon.jit
+def _stage_x(xl_s, xh_s, x_ptr, M, stride_xm, pid_m, k0, BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
+    """x[BM rows, k0 : k0 + 2 BKH] -> x_lo [BM, BKH], x_hi shared tiles, in the k order of the decode."""
+    xlo, xhi = _load_x_split(x_ptr, M, stride_xm, pid_m, k0, BM, BKH, NW)
     xl_s.store(xlo)
     xh_s.store(xhi)
 
@@ -156,22 +158,28 @@ def _issue_w(wq_s, ws_s, w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k0, valid,
 
 
 @gluon.jit
+def _decode_stage(wq_s, ws_s, c, L: gl.constexpr, LL: gl.constexpr, BN: gl.constexpr, BKH: gl.constexpr):
+    """Raw bytes and scale bytes of one pipeline stage, read from shared memory straight into layout L (LL: the
+    same as a linear layout) and decoded there: (lo, hi) bf16 [BN, BKH] in L. The per-group scale is held
+    once per register run; its broadcast to [BN, BKH] is checked to move no data."""
+    G: gl.constexpr = BKH // 8
+    L3: gl.constexpr = _split_group_layout(LL, BN, BKH)
+    S: gl.constexpr = gl.SliceLayout(2, L3)
+    q = wq_s.load(L)
+    st = _step_bf16(ws_s.load(S), c)
+    stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([BN, G, 8], 0, gl.bfloat16, L3))[0], [BN, BKH])
+    return _decode_asm(q, gl.convert_layout(stb, L, assert_trivial=True))
+
+
+@gluon.jit
 def _mma_tile(acc, wq_s, ws_s, xl_s, xh_s, c, BN: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
               NW: gl.constexpr):
     """Bytes and scales from one pipeline stage (ld.shared straight into the A-operand layout), decode in
     registers, two mma.sync products against x_lo^T / x_hi^T."""
-    G: gl.constexpr = BKH // 8
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
-    L3: gl.constexpr = _split_group_layout(gl.to_linear_layout(A, [BN, BKH]), BN, BKH)
-    S: gl.constexpr = gl.SliceLayout(2, L3)
-    q = wq_s.load(A)
-    sc = ws_s.load(S)
-    st = _step_bf16(sc, c)
-    stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([BN, G, 8], 0, gl.bfloat16, L3))[0], [BN, BKH])
-    stb = gl.convert_layout(stb, A, assert_trivial=True)
-    lo, hi = _decode_asm(q, stb)
+    lo, hi = _decode_stage(wq_s, ws_s, c, A, gl.to_linear_layout(A, [BN, BKH]), BN, BKH)
     xlo = xl_s.permute((1, 0)).load(B)
     xhi = xh_s.permute((1, 0)).load(B)
     acc = mma_v2(lo, xlo, acc)
@@ -233,7 +241,7 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
         _issue_w(wqs.index(s), wss.index(s), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + s * BK, s < n,
                  BN, BKH, NW, SALIGN)
         _commit()
-    _stage_x(xls.index(0), xhs.index(0), x_ptr, M, K, stride_xm, pid_m, k_lo, BM, BKH, False, NW)
+    _stage_x(xls.index(0), xhs.index(0), x_ptr, M, stride_xm, pid_m, k_lo, BM, BKH, NW)
     for i in range(n):
         _wait(NS - 2)
         _barrier()  # stage i (all threads' copies) and x tile i visible; stage (i-1)%NS and x buffer (i+1)%2 free
@@ -244,8 +252,8 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
         acc = _mma_tile(acc, wqs.index(i % NS), wss.index(i % NS), xls.index(i % 2), xhs.index(i % 2), c,
                         BN, BKH, KW, NW)
         if i + 1 < n:
-            _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, K, stride_xm, pid_m,
-                     k_lo + (i + 1) * BK, BM, BKH, False, NW)
+            _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, stride_xm, pid_m,
+                     k_lo + (i + 1) * BK, BM, BKH, NW)
     _wait(0)
     if RP > 0:
         acc = _lora_tile(acc, h_ptr, lb_ptr, stride_hm, R, M, N, pid_n, pid_m, pid_k == 0, BN, BM, RP, NW)

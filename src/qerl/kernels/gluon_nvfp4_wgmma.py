@@ -36,8 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 # shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
-from .gluon_nvfp4 import (_async_load, _barrier, _commit, _decode_asm, _issue_w, _lora_tile, _split_group_layout,
-                          _step_bf16, _store_out, _wait)
+from .gluon_nvfp4 import (_async_load, _barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile,
+                          _store_out, _wait)
 
 
 @gluon.constexpr_function
@@ -111,17 +111,7 @@ def _x_logical(x_ptr, M, stride_xm, pid_m, k0, p: gl.constexpr, BM: gl.constexpr
                NW: gl.constexpr):
     """x[BM rows, k0 : k0 + 2 BKH] -> (x_lo, x_hi) [BM, BKH] registers, in the logical k order of the A operand
     (rows >= M read as zeros)."""
-    BK: gl.constexpr = 2 * BKH
-    TK: gl.constexpr = 32 if BK // 8 >= 32 else BK // 8
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
-    xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-    xk = k0 + gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
-    xmask = gl.expand_dims(xm < M, 1) & gl.expand_dims(xk >= 0, 0)
-    xt = gl.load(x_ptr + gl.expand_dims(xm * stride_xm, 1) + gl.expand_dims(xk, 0), mask=xmask, other=0.0)
-    # real k = 8 g + 4 b1 + 2 b0 + h (byte j = 4 g + 2 b1 + b0); decoded element j' = 4 g + 2 b0 + b1
-    x5 = gl.reshape(xt, [BM, BKH // 4, 2, 2, 2])
-    x5 = gl.permute(x5, [0, 1, 3, 2, 4])  # [m, g, b0, b1, h]
-    xlo, xhi = gl.split(gl.reshape(x5, [BM, BKH, 2]))
+    xlo, xhi = _load_x_split(x_ptr, M, stride_xm, pid_m, k0, BM, BKH, NW)
     return _to_logical(xlo, p, BM, BKH), _to_logical(xhi, p, BM, BKH)
 
 
@@ -179,16 +169,8 @@ def permute_x_kernel(x_ptr, xp_ptr, M, K, stride_xm, BN: gl.constexpr, BM: gl.co
 @gluon.jit
 def _decode_tile(wq_s, ws_s, c, A: gl.constexpr, al: gl.constexpr, p: gl.constexpr, BN: gl.constexpr, BKH: gl.constexpr):
     """Bytes + scales of one stage -> (lo, hi) bf16 [BN, BKH] in the wgmma A-operand layout (logical k)."""
-    G: gl.constexpr = BKH // 8
     P: gl.constexpr = _phys_layout(al, p, BN, BKH)
-    L3: gl.constexpr = _split_group_layout(P, BN, BKH)
-    S: gl.constexpr = gl.SliceLayout(2, L3)
-    q = wq_s.load(P)
-    sc = ws_s.load(S)
-    st = _step_bf16(sc, c)
-    stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([BN, G, 8], 0, gl.bfloat16, L3))[0], [BN, BKH])
-    stb = gl.convert_layout(stb, P, assert_trivial=True)
-    lo, hi = _decode_asm(q, stb)
+    lo, hi = _decode_stage(wq_s, ws_s, c, P, P, BN, BKH)
     lo = gl.convert_layout(_to_logical(lo, p, BN, BKH), A)
     hi = gl.convert_layout(_to_logical(hi, p, BN, BKH), A)
     return lo, hi
