@@ -60,6 +60,23 @@ def test_graphs_follow_in_place_lora_and_aqn_updates():
     assert one.completion_mask.all() and completions(two) == completions(b)
 
 
+PROMPT_LENGTHS = [7, 2, 11, 5, 9, 4, 6, 3, 8, 10, 1, 12]
+
+
+def gluon_sized_model():
+    """A 2-layer Qwen3 with NVFP4 + LoRA linears whose K are multiples of 128 (what the Gluon kernel takes)."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    return quantize_tiny(model, fmt="nvfp4").cuda().to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("batch,x_permuted", [(3, None), (12, False), (12, True)])
 def test_cuda_graph_equals_eager_through_the_gluon_decode_kernels(batch, x_permuted, monkeypatch):
     """Dimensions the Gluon decode kernel takes (K % 128 == 0), so the engine's decode steps run it: at 3
@@ -79,17 +96,8 @@ def test_cuda_graph_equals_eager_through_the_gluon_decode_kernels(batch, x_permu
         return real(x, *args, wgmma=wgmma, **kwargs)
 
     monkeypatch.setattr(gluon_nvfp4, "nvfp4_linear_swap", recording)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    model = quantize_tiny(model, fmt="nvfp4").cuda().to(torch.bfloat16)
-    prompts = prompts_of([7, 2, 11, 5, 9, 4, 6, 3, 8, 10, 1, 12][:batch], seed=4)
+    model = gluon_sized_model()
+    prompts = prompts_of(PROMPT_LENGTHS[:batch], seed=4)
     sp = SamplingParams(temperature=0.8, top_p=0.9)
     graph = RolloutEngine(model, max_seq_len=96, kv_block=32).generate(prompts, 40, sp, seed=3, ignore_eos=True)
     rows = bucket_batch(batch)  # the engine pads the batch to its bucket: 4 or 16 rows
@@ -101,3 +109,36 @@ def test_cuda_graph_equals_eager_through_the_gluon_decode_kernels(batch, x_permu
     ref_lp, _ = full_forward_logprobs(model, graph, 0.8)
     assert not torch.isnan(graph.logprobs).any()
     assert (graph.logprobs - ref_lp).abs().mean() < 0.05
+
+
+@pytest.mark.parametrize("batch", [3, 12])
+def test_programmatic_launches_equal_plain_launches(batch, monkeypatch):
+    """Decode with programmatic dependent launch (sm_90+): the chain's kernels (norm, LoRA A, the Gluon
+    NVFP4 kernels, RoPE + cache write, attention, SiLU-mul) launch early and wait for their predecessor.
+    Same tokens and log-probs, bit for bit, as plain launches, in CUDA graphs and eagerly."""
+    from qerl.kernels import pdl
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    early = []
+    real = pdl.launch_options
+
+    def recording(x):
+        opts = real(x)
+        early.append(opts["PDL"])
+        return opts
+
+    monkeypatch.setattr(pdl, "launch_options", recording)
+    model = gluon_sized_model()
+    prompts = prompts_of(PROMPT_LENGTHS[:batch], seed=6)
+    sp = SamplingParams(temperature=0.8, top_p=0.9)
+    for graphs in (True, False):
+        early.clear()
+        chained = RolloutEngine(model, max_seq_len=96, kv_block=32, cuda_graphs=graphs, pdl=True).generate(
+            prompts, 40, sp, seed=3, ignore_eos=True)
+        assert sum(early) >= 7 * 2, "the decode chain did not launch with PDL"  # per layer and step
+        plain = RolloutEngine(model, max_seq_len=96, kv_block=32, cuda_graphs=graphs, pdl=False).generate(
+            prompts, 40, sp, seed=3, ignore_eos=True)
+        assert torch.equal(chained.completion_ids, plain.completion_ids)
+        torch.testing.assert_close(chained.logprobs, plain.logprobs, atol=0, rtol=0)
+        assert not torch.isnan(chained.logprobs).any()

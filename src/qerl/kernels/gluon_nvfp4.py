@@ -35,8 +35,9 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import triton_gate
+from . import pdl, triton_gate
 from .triton_fp4_mm import _alloc
 
 # API names that differ between Triton 3.6 and 3.9 (everything else used here is common to both)
@@ -211,14 +212,15 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
                       ws_ptr, cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                       BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr, NS: gl.constexpr,
                       PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      RP: gl.constexpr):
+                      RP: gl.constexpr, PDL: gl.constexpr = False):
     """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0; out bf16 [M, N] (row stride stride_om) = x @ W^T
     (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
     columns, T = tiles_per_split; PARTIAL (S > 1): the splits meet in `_store_out` (fp32 workspace ws
     [S, M, N], arrival counters cnt [grid_n * grid_m] int32, zero on entry and left zero). NS-stage
     cp.async pipeline for the raw weight/scale bytes; x is staged through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead.
     RP > 0: also add the LoRA term h[M, R] @ lb[N, R]^T (h row stride stride_hm, lb contiguous, both bf16;
-    R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0."""
+    R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0.
+    PDL: launched early (`pdl`); the first weight stages are in flight before the wait for x."""
     BK: gl.constexpr = 2 * BKH
     G: gl.constexpr = BKH // 8
     pid_n = gl.program_id(0)
@@ -241,6 +243,9 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
         _issue_w(wqs.index(s), wss.index(s), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + s * BK, s < n,
                  BN, BKH, NW, SALIGN)
         _commit()
+    if PDL:  # only static weight bytes were read so far; x, LoRA h and every store come after the wait
+        gdc_wait()
+        gdc_launch_dependents()
     _stage_x(xls.index(0), xhs.index(0), x_ptr, M, stride_xm, pid_m, k_lo, BM, BKH, NW)
     for i in range(n):
         _wait(NS - 2)
@@ -442,11 +447,11 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         if xperm:
             xp = _alloc((m, k), x.device, torch.bfloat16)
             permute_x_kernel[(triton.cdiv(m, bm), k // (2 * bkh))](x, xp, m, k, x.stride(0), BN=bn, BM=bm, BKH=bkh,
-                                                                    NW=4, num_warps=4)
+                                                                    NW=4, num_warps=4, **pdl.launch_options(x))
             x = xp
     kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
                  scale_u8.stride(0), out.stride(0), ws, cnt, per,
                  h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
                  BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
-                 HAS_BIAS=bias is not None, RP=rp, num_warps=4, **extra)
+                 HAS_BIAS=bias is not None, RP=rp, num_warps=4, **extra, **pdl.launch_options(x))
     return out

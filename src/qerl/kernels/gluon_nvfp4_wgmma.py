@@ -34,6 +34,7 @@ Written in an earlier session (experimental until the LoRA epilogue existed); GP
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
 from .gluon_nvfp4 import (_async_load, _barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile,
@@ -143,11 +144,14 @@ def _issue_xp(xl_s, xh_s, xp_ptr, M, stride_xm, pid_m, k0, valid, BM: gl.constex
 
 @gluon.jit
 def permute_x_kernel(x_ptr, xp_ptr, M, K, stride_xm, BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr,
-                     NW: gl.constexpr):
+                     NW: gl.constexpr, PDL: gl.constexpr = False):
     """xp [M, K] bf16 contiguous: per block of BK = 2 BKH columns, x_lo then x_hi in the logical k order of
     the wgmma A operand of `nvfp4_swap_wgmma_kernel` with the same BN, BM, BKH (what `_stage_x` would store
     in shared memory), so that kernel can copy x tiles as they are (XP=True). Grid (cdiv(M, BM), K / BK)."""
     BK: gl.constexpr = 2 * BKH
+    if PDL:  # launched early (`pdl`): x is the previous kernel's output
+        gdc_wait()
+        gdc_launch_dependents()
     pid_m = gl.program_id(0)
     pid_k = gl.program_id(1)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
@@ -181,11 +185,14 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
                             stride_om, ws_ptr, cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                             BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
                             NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
-                            HAS_BIAS: gl.constexpr, RP: gl.constexpr, XP: gl.constexpr):
+                            HAS_BIAS: gl.constexpr, RP: gl.constexpr, XP: gl.constexpr, PDL: gl.constexpr = False):
     """Same grid, arguments and semantics as `gluon_nvfp4.nvfp4_swap_kernel` (KW is ignored: the wgmma A
     layout fixes the register run at 16 bytes). Needs NW == 4 (one warpgroup), BN % 64 == 0, BM in 8..256
     (multiple of 8), BKH in {64, 128}. XP: x_ptr is `permute_x_kernel`'s xp (row stride stride_xm) and its
-    tiles ride the NS-stage cp.async pipeline with the weights; else x is staged through registers."""
+    tiles ride the NS-stage cp.async pipeline with the weights; else x is staged through registers.
+    The first NS - 1 weight stages are issued before x: with PDL (`pdl`) they are in flight before the wait
+    for the previous kernel. With XP they join the first x copy's commit group (the groups complete in
+    order, so stage s is complete once group s is)."""
     BK: gl.constexpr = 2 * BKH
     G: gl.constexpr = BKH // 8
     pid_n = gl.program_id(0)
@@ -212,10 +219,16 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
     for s in gl.static_range(NS - 1):
         _issue_w(wqs.index(s), wss.index(s), w_ptr, s_ptr, N, stride_w, stride_s, pid_n, k_lo + s * BK, s < n,
                  BN, BKH, NW, SALIGN)
-        if XP:
+        if not XP:
+            _commit()
+    if PDL:  # only static weight bytes were read so far; x, LoRA h and every store come after the wait
+        gdc_wait()
+        gdc_launch_dependents()
+    if XP:
+        for s in gl.static_range(NS - 1):
             _issue_xp(xls.index(s), xhs.index(s), x_ptr, M, stride_xm, pid_m, k_lo + s * BK, s < n, BM, BKH, NW)
-        _commit()
-    if not XP:
+            _commit()
+    else:
         _stage_x(xls.index(0), xhs.index(0), x_ptr, M, stride_xm, pid_m, k_lo, p, BM, BKH, NW)
     for i in range(n):
         _wait(NS - 2)

@@ -15,7 +15,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import pdl
 from .triton_fp4_decode import round_to
 
 # Tests set POISON to fill every buffer the kernels write with NaN first, so an element a kernel forgets
@@ -62,8 +64,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_pt
                   S, H, G, HD, CHUNK, SPLITS, qk_scale,
                   sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """Keys [split * CHUNK, min((split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1 of row b."""
+    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride can pass 2^31 for big caches
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -110,8 +115,12 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_pt
 
 @triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H, HD, SPLITS, so_b, so_h,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Merge the SPLITS partials of one (row, head): rescale each to the common max, sum, divide."""
+    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -164,8 +173,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
-        num_warps=4)
+        num_warps=4, **pdl.launch_options(q))
     if not direct:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, out, H, hd, splits, out.stride(0), out.stride(1),
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, INTERP=interp, num_warps=4)
+                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, INTERP=interp, num_warps=4,
+                                  **pdl.launch_options(q))
     return out

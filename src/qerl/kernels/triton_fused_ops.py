@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import pdl
 from .triton_fp4_decode import round_to
 from .triton_fp4_mm import _alloc
 
@@ -39,8 +41,11 @@ def _rounded(v, DTYPE: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, res_ptr, out_ptr, D, stride_h, stride_d, stride_r, stride_o, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """One row: s = h + d (rounded, stored to res) and out = w * round(s * rsqrt(mean(s^2) + eps))."""
+    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -72,7 +77,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _add_rms_norm_kernel[(rows,)](
         h2, d2, weight, res, out, D, h2.stride(0), d2.stride(0), res.stride(0), out.stride(0), float(eps),
         HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(D), INTERP=h.device.type != "cuda",
-        num_warps=4 if D <= 4096 else 8)
+        num_warps=4 if D <= 4096 else 8, **pdl.launch_options(h2))
     return res.view(h.shape), out.view(h.shape)
 
 
@@ -140,8 +145,11 @@ def _exp_as_cuda(x, INTERP: tl.constexpr):
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_o,
-                     BLOCK: tl.constexpr, INTERP: tl.constexpr):
+                     BLOCK: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, block): out = round(round(g / (1 + exp(-g))) * u) on BLOCK columns of one row."""
+    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # prefill rows * row stride can pass 2^31
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -170,7 +178,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         interp = gate.device.type != "cuda"
         _silu_mul_kernel[(o2.shape[0], triton.cdiv(I, SILU_BLOCK))](
             g2, u2, o2, I, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=SILU_BLOCK, INTERP=interp,
-            num_warps=4, **({} if interp else {"enable_reflect_ftz": False}))
+            num_warps=4, **({} if interp else {"enable_reflect_ftz": False}), **pdl.launch_options(o2))
     return out
 
 
@@ -195,9 +203,12 @@ def _copy_head(src, dst, j, jmask, HALF: tl.constexpr):
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, H, max_len,
                        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb,
                        stride_ob, stride_oh, stride_cacheb, stride_cacheh, stride_caches,
-                       HALF: tl.constexpr, BLOCK_J: tl.constexpr, INTERP: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK_J: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, head): head < H rotates query head `head` of row b into qo; head = H + kv rotates key
     head kv into k cache slot *slot_ptr and copies value head kv into the v cache at the same slot."""
+    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     head = tl.program_id(1)
     j = tl.arange(0, BLOCK_J)
@@ -243,5 +254,6 @@ def rope_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         q, k, v, cos, sin, out, k_cache, v_cache, slot, H, max_len,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), cos.stride(0),
         out.stride(0), out.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HALF=hd // 2, BLOCK_J=triton.next_power_of_2(hd // 2), INTERP=q.device.type != "cuda", num_warps=1)
+        HALF=hd // 2, BLOCK_J=triton.next_power_of_2(hd // 2), INTERP=q.device.type != "cuda", num_warps=1,
+        **pdl.launch_options(q))
     return out

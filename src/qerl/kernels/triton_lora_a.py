@@ -27,7 +27,9 @@ swept (splits, BR) at Qwen2.5-7B decode shapes); `splits` / `block_r` / `block_m
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import pdl
 from .triton_fp4_decode import round_to
 from .triton_fp4_mm import _alloc
 
@@ -49,7 +51,8 @@ _SMS: dict[int, int] = {}
 @triton.jit
 def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, stride_am, stride_hm, K_PER_SPLIT,
                    SPLITS, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                   SPLIT: tl.constexpr, RED_M: tl.constexpr, SB: tl.constexpr, INTERP: tl.constexpr):
+                   SPLIT: tl.constexpr, RED_M: tl.constexpr, SB: tl.constexpr, INTERP: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """h[M, R] = x[M, K] @ a[R, K]^T. See the module docstring for the split protocol.
 
     x: 16-bit, row stride stride_xm, unit column stride; a: same dtype, row stride stride_am, unit column
@@ -58,6 +61,9 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
     K % BK == 0 (no column masks, so loads stay 16-byte vectors). RED_M = min(BM, next_pow2(M)) rows and
     SB splits are reduced at once by the last program.
     """
+    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     pid_r = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -200,5 +206,6 @@ def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, b
     _lora_a_kernel[(cfg["n_r"], cfg["splits"], cfg["n_m"])](
         x, a, h, ws, cnt, M, R, K, x.stride(0), a.stride(0), h.stride(0), cfg["k_per"], cfg["splits"],
         BM=cfg["BM"], BR=cfg["BR"], BK=cfg["BK"], EVEN_K=K % cfg["BK"] == 0, SPLIT=split, RED_M=cfg["RED_M"],
-        SB=cfg["SB"], INTERP=x.device.type != "cuda", num_warps=4, num_stages=3)
+        SB=cfg["SB"], INTERP=x.device.type != "cuda", num_warps=4, num_stages=3,
+        **pdl.launch_options(x))
     return h

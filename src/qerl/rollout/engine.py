@@ -17,7 +17,9 @@ activation dtype once per `generate` call (r x K, a few MB for a 7B model). The 
 from the trainer's fp32 masters at the start of every call, so the adapter just updated is the one that
 samples; it saves two casts per layer per token and lets a CUDA graph read fixed addresses. Dropout is
 never applied while sampling. On CUDA the quantized q/k/v and gate/up siblings are stored back to back
-once (`qerl.models.siblings`), so each group decodes as one base matmul with one LoRA product.
+once (`qerl.models.siblings`), so each group decodes as one base matmul with one LoRA product. On Hopper and newer
+the decode step's kernels are chained by programmatic dependent launch (`qerl.kernels.pdl`): each launches
+while its predecessor runs and prefetches its static weight bytes before waiting for the activations.
 
 Shapes: B batch (padded up to a bucket), P prompt length (left-padded), S cache length, H query heads,
 KV key/value heads, G = H / KV, hd head dim, D hidden, V vocabulary.
@@ -34,6 +36,7 @@ from ..kernels import dequantized_weights, quantized_linear
 from ..kernels.decode_attention import decode_attention
 from ..kernels.lora_a import lora_a
 from ..kernels.fused_ops import add_norm, rope_qk, rope_qk_store, silu_mul
+from ..kernels.pdl import programmatic_launches
 from ..models.siblings import fuse_sibling_storage, fused_tensors
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_linear import QuantLinear
@@ -379,17 +382,20 @@ class RolloutEngine:
     KV cache and step buffers of `memory_fraction` of the free memory hold. fuse_siblings (default: on
     for CUDA models) stores each q/k/v and gate/up group of quantized linears back to back, once, so each
     group decodes as one matmul (`qerl.models.siblings`: same memory, the modules keep working alone).
+    pdl (default on; used on sm_90+ GPUs, off with QERL_PDL=0): the decode step's Triton kernels launch
+    with programmatic dependent launch, each starting while the previous one finishes (`qerl.kernels.pdl`).
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85,
-                 fuse_siblings: bool | None = None):
+                 fuse_siblings: bool | None = None, pdl: bool = True):
         self.runner = CausalLMRunner(model, max_seq_len, fuse_siblings=fuse_siblings)
         self.model, self.tokenizer = model, tokenizer
         self.device = self.runner.device
         self.max_seq_len = max_seq_len
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.pdl = pdl
         self.kv_block = kv_block
         self.check_every = check_every
         self.max_batch, self.memory_fraction = max_batch, memory_fraction
@@ -442,8 +448,9 @@ class RolloutEngine:
         """
         positions = (self.step_slot - self.pad_len)[:, None]  # [B, 1]
         mask = self.cache.key_valid[:, :kv_len] & (self.slots[:kv_len] <= self.step_slot)[None, :]
-        logits = self.runner.forward(self.step_tokens[:, None], positions, self.cache, mask[:, None, None],
-                                     slot=self.step_slot)
+        with programmatic_launches(self.device, self.pdl):
+            logits = self.runner.forward(self.step_tokens[:, None], positions, self.cache, mask[:, None, None],
+                                         slot=self.step_slot)
         self.step_logits.copy_(logits)
         return self.step_logits
 
