@@ -20,7 +20,8 @@ from kernel_testing import require_cuda, run_interpreter_suite
 
 # (M, R, K, splits, variant); splits None = the automatic choice; variant: "" plain, "strided" x is a
 # column slice of a wider matrix (row stride > K, misaligned start), "special" huge rows and zero rows/cols;
-# "/m16" appended: forced 16-row M tiles (several M tiles per R tile, each with its own counter)
+# "/m16" appended: forced 16-row M tiles (several M tiles per R tile, each with its own counter); "/pre": each
+# program's K slice as one product with A loaded first (`preload`, what PDL launches use)
 INTERP_CASES = [
     (1, 8, 64, 1, ""),
     (3, 48, 1000, 3, "strided"),
@@ -41,6 +42,11 @@ INTERP_CASES = [
     (64, 48, 1000, 3, "special/m16"),
     (17, 96, 4096, None, "strided/m16"),
     (40, 200, 1000, 1, "/m16"),
+    (8, 48, 1000, None, "/pre"),
+    (3, 8, 64, 1, "/pre"),
+    (17, 48, 1000, 1, "special/pre"),
+    (64, 200, 1000, None, "strided/pre"),
+    (17, 96, 4096, 3, "special/m16/pre"),
 ]
 GPU_M = (1, 3, 8, 17, 64)
 GPU_R = (8, 96, 200)
@@ -75,6 +81,7 @@ def _inputs(M, R, K, variant, dtype, device, gen):
 
 
 def _check_one(x, a, splits, block_m, tag, call) -> list[str]:
+    """One case: `call(x, a, splits, block_m)` against the float64 reference, poisoned, twice."""
     from qerl.kernels import triton_lora_a
 
     M, K = x.shape
@@ -108,10 +115,14 @@ def _check_one(x, a, splits, block_m, tag, call) -> list[str]:
     return fails
 
 
-def _triton_call(x, a, splits, block_m):
+def _triton_call(x, a, splits, block_m, preload=None):
     from qerl.kernels.triton_lora_a import lora_a_triton
 
-    return lora_a_triton(x, a, splits=splits, block_m=block_m)
+    return lora_a_triton(x, a, splits=splits, block_m=block_m, preload=preload)
+
+
+def _preload_call(x, a, splits, block_m):
+    return _triton_call(x, a, splits, block_m, preload=True)
 
 
 def _public_call(x, a, splits, block_m):
@@ -126,11 +137,14 @@ def check_lora_a(device: str, dtype=torch.bfloat16, cases=INTERP_CASES, seed: in
     fails = []
     gen = torch.Generator(device=device).manual_seed(seed)
     for M, R, K, splits, variant in cases:
-        variant, _, m16 = variant.partition("/")
-        block_m = 16 if m16 else None
+        variant, *flags = variant.split("/")
+        block_m = 16 if "m16" in flags else None
         x, a = _inputs(M, R, K, variant, dtype, device, gen)
         call = _public_call if (device == "cuda" and splits is None and block_m is None) else _triton_call
-        tag = f"lora_a {device} {dtype} M={M} R={R} K={K} splits={splits} block_m={block_m} {variant or 'plain'}"
+        if "pre" in flags:
+            call = _preload_call
+        tag = f"lora_a {device} {dtype} M={M} R={R} K={K} splits={splits} block_m={block_m} {variant or 'plain'}" \
+              f"{' preload' if 'pre' in flags else ''}"
         fails += _check_one(x, a, splits, block_m, tag, call)
     return fails
 
@@ -190,6 +204,21 @@ def test_gpu(dtype):
     cases = [(M, R, K, s, v) for M in GPU_M for R in GPU_R for K in GPU_K for s in GPU_SPLITS
              for v in ("", "strided", "special", "/m16")]
     fails = check_lora_a("cuda", dtype, cases=cases, seed=3)
+    assert not fails, "\n".join(fails[:30]) + f"\n({len(fails)} failures)"
+
+
+@pytest.mark.gpu
+def test_gpu_preload_with_programmatic_launch():
+    """The preloading form on the GPU, plain and launched with PDL (sm_90+), at the 7B decode shapes where
+    the engine uses it (A loaded before the wait for x) and on the interpreter's cases."""
+    require_cuda()
+    from qerl.kernels import pdl
+
+    cases = [(M, R, K, None, v) for M in (1, 8, 64) for R, K in ((48, 3584), (16, 18944), (32, 3584))
+             for v in ("/pre", "special/pre")] + [c for c in INTERP_CASES if c[4].endswith("/pre")]
+    fails = check_lora_a("cuda", cases=cases, seed=5)
+    with pdl.programmatic_launches(torch.device("cuda")):
+        fails += check_lora_a("cuda", cases=cases, seed=6)
     assert not fails, "\n".join(fails[:30]) + f"\n({len(fails)} failures)"
 
 

@@ -354,7 +354,7 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`; routed for 9 <= m <= 64 on sm_90,
-    see `triton_gate.wgmma_wins`). From H200 sweeps (`benchmarks/experimental/wgmma_swap/sweep_tiles.py M`,
+    and 5-8 rows for the largest weights, see `triton_gate.wgmma_wins`). From H200 sweeps (`benchmarks/experimental/wgmma_swap/sweep_tiles.py M`,
     docs/benchmarks.md) over BN x (BKH, NS) x programs per SM: one 64-row wgmma tile per warpgroup, 3
     stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128 packed bytes per step and ~4
     programs per SM (best or within 4% on 6 of 7 Qwen2.5 shapes at M = 16), above that 64 bytes and ~3."""

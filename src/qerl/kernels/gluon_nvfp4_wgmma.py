@@ -1,8 +1,9 @@
 """Gluon kernel: NVFP4 weight x bf16 activations, "swap AB" on Hopper wgmma with the A operand in registers.
 
-The decode path for 9-64 activation rows on sm_90 (`gluon_nvfp4.nvfp4_linear_swap` picks it, see
-`triton_gate.wgmma_wins`; H200: 1.13-1.34x the mma.sync kernel at M = 64, where mma.sync issue is the limit). Drop-in variant of `nvfp4_swap_kernel`
-(same arguments, grid and semantics, the LoRA epilogue included):
+The decode path for 9-64 activation rows on sm_90, and 5-8 rows for weights of >= 100M elements
+(`gluon_nvfp4.nvfp4_linear_swap` picks it, see `triton_gate.wgmma_wins`; H200: 1.13-1.34x the mma.sync
+kernel at M = 64, where mma.sync issue is the limit). Drop-in variant of `nvfp4_swap_kernel` (same
+arguments, grid and semantics, the LoRA epilogue included):
 out^T[N, M] = W @ x^T with the decoded weight tile [BN, BKH] (BN = 64 or 128 rows per warpgroup) as the
 register A operand of `warpgroup_mma` (wgmma.m64nBMk16) and x_lo^T / x_hi^T [BKH, BM] as the B operand from
 an NVMMA-swizzled shared tile. Everything else is as in the mma.sync kernel: raw bytes/scale bytes by cp.async

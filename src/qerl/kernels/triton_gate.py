@@ -5,7 +5,8 @@ QERL_DISABLE_TRITON=1 forces the plain-torch reference path (debugging, benchmar
 Forward x @ W^T, by rows M (H200 measurements in docs/benchmarks.md):
   - M <= SWAP_MAX_M (64): the Gluon swap-AB kernel (`gluon_nvfp4`, NVFP4 only) when it applies (bf16, K %
     128 == 0, global scale > 128); it beats the other paths at every Qwen2.5 shape there; from WGMMA_MIN_M
-    rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`; `wgmma_wins`, `permute_x_wins`);
+    rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`; `wgmma_wins`, `permute_x_wins`), and from
+    WGMMA_SMALL_M rows for the largest weights;
   - otherwise M <= GEMV_ROUTE_MAX_M (1): the CUDA-core kernel (`triton_fp4_gemv`);
   - then `fused_wins` picks between the fused tl.dot kernel and "dequantize W on the device in one Triton
     pass into a temporary (the caching allocator reuses the block), then cuBLAS": fused up to M = 16, and up
@@ -24,9 +25,13 @@ SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) wh
 # (`permute_x_wins`) for weights of PERMUTE_X_MIN_WEIGHT elements and more. H200 (docs/benchmarks.md): that
 # made it 1.01-1.51x faster than staging x through registers on weights of 67-283M elements at M = 16-64,
 # 0.88-0.98x on 13-17M; with it, wgmma beats the mma.sync form on every measured shape at M = 16-64 (the
-# staged form had lost on 7B gate_up at M = 16 and 32B/72B gate_up at M = 32). M <= 8: mma.sync (best
-# staged wgmma tile per shape 0.83-1.08x; the pre-permuted form was not measured there).
+# staged form had lost on 7B gate_up at M = 16 and 32B/72B gate_up at M = 32). 5-8 rows: the wgmma form
+# with x pre-permuted for weights of WGMMA_SMALL_M_MIN_WEIGHT elements and more, else mma.sync (H200,
+# `benchmarks/experimental/wgmma_swap/x_permuted.py 1,4,8`: at M = 8 1.05x mma.sync on 7B gate_up, 1.13x on
+# 72B down, 1.18x on 32B gate_up; 0.93-0.94x on 67-68M-element weights such as 72B o; at M = 1-4 mixed).
 WGMMA_MIN_M = 9
+WGMMA_SMALL_M = 5
+WGMMA_SMALL_M_MIN_WEIGHT = 100 * 2**20
 PERMUTE_X_MIN_WEIGHT = 32 * 2**20
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
@@ -55,6 +60,8 @@ def swap_wins(m: int, n: int, k: int) -> bool:
 
 def wgmma_wins(m: int, n: int, k: int) -> bool:
     """Within the swap-AB range: the Hopper wgmma variant of the Gluon kernel (True) or its mma.sync form."""
+    if WGMMA_SMALL_M <= m < WGMMA_MIN_M:
+        return n * k >= WGMMA_SMALL_M_MIN_WEIGHT  # those weights also take the pre-permuted x (permute_x_wins)
     return WGMMA_MIN_M <= m <= SWAP_MAX_M
 
 

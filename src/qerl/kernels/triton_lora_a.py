@@ -41,6 +41,7 @@ BLOCK_M_MAX = 32  # rows per program; M = 33..64 gets 2 M tiles (halves the x by
 CPU_SMS = 2  # stand-in "SM count" for the interpreter (any small number; only shapes the test cases)
 RED_ELEMS = 8192  # partial elements the last program loads at once (64 fp32 registers a thread at 4 warps)
 RED_ROUNDS = 1  # at most this many such dependent loads in the tail
+PRELOAD_MAX_K = 512  # with PDL, a program's whole K slice (A [BR, <= this]) is loaded before the wait
 
 # (device, M, R, splits, BR) -> (workspace fp32 [n_r, splits, M, BR], counters int32 [n_r, n_m]).
 # Kept for the life of the process: captured CUDA graphs hold their addresses.
@@ -49,21 +50,29 @@ _SMS: dict[int, int] = {}
 
 
 @triton.jit
+def _dot_acc(xt, at, acc, INTERP: tl.constexpr):
+    """acc + xt [BM, k] @ at [BR, k]^T in fp32."""
+    if INTERP:
+        # the interpreter's bf16 tl.dot is wrong (Triton 3.9); the same 16-bit values as float32 give the
+        # same products
+        return tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc)
+    return tl.dot(xt, tl.trans(at), acc)
+
+
+@triton.jit
 def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, stride_am, stride_hm, K_PER_SPLIT,
                    SPLITS, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                    SPLIT: tl.constexpr, RED_M: tl.constexpr, SB: tl.constexpr, INTERP: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   KP: tl.constexpr = 0, PDL: tl.constexpr = False):
     """h[M, R] = x[M, K] @ a[R, K]^T. See the module docstring for the split protocol.
 
     x: 16-bit, row stride stride_xm, unit column stride; a: same dtype, row stride stride_am, unit column
     stride; h: same dtype, row stride stride_hm. ws: fp32 [cdiv(R, BR), SPLITS, M, BR] contiguous; cnt:
     int32 [cdiv(R, BR), cdiv(M, BM)], all 0 on entry and on exit. K_PER_SPLIT is a multiple of BK; EVEN_K:
     K % BK == 0 (no column masks, so loads stay 16-byte vectors). RED_M = min(BM, next_pow2(M)) rows and
-    SB splits are reduced at once by the last program.
+    SB splits are reduced at once by the last program. KP > 0 (a power of two >= K_PER_SPLIT): the slice is
+    one [BR, KP] x [BM, KP] product instead of the BK loop, with A loaded before the PDL wait.
     """
-    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
-        gdc_wait()
-        gdc_launch_dependents()
     pid_r = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -78,7 +87,21 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)  # a split past K (forced splits) runs no iteration: zero partial
     acc = tl.zeros((BM, BR), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BK):
+    if KP > 0:
+        # the whole slice at once: A [BR, KP] is static for a decode step, so with PDL it is loaded before
+        # the wait for x (the previous kernel's output) and its latency overlaps that kernel's tail
+        cols = k_lo + tl.arange(0, KP)
+        k_mask = cols < k_hi
+        at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _dot_acc(xt, at, acc, INTERP)
+    elif PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    for k in range(k_lo, k_hi if KP == 0 else k_lo, BK):
         cols = k + offs_k
         if EVEN_K:
             xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
@@ -88,12 +111,7 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
             k_mask = cols < K
             xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        if INTERP:
-            # the interpreter's bf16 tl.dot is wrong (Triton 3.9); the same 16-bit values as float32 give
-            # the same products
-            acc = tl.dot(xt.to(tl.float32), tl.trans(at.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(xt, tl.trans(at), acc)
+        acc = _dot_acc(xt, at, acc, INTERP)
 
     dtype = h_ptr.dtype.element_ty
     if not SPLIT:
@@ -186,12 +204,14 @@ def has_buffers(device: torch.device, M: int, R: int, K: int, splits: int | None
 
 
 def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, block_r: int | None = None,
-                  block_m: int | None = None) -> torch.Tensor:
+                  block_m: int | None = None, preload: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride, any row stride), a [R, K] contiguous, both bf16 or fp16 -> h [M, R].
 
     fp32 accumulation, one rounding to x's dtype. For one stream at a time: two launches in flight together
     on different streams with the same shape would share the workspace and counters. `splits`, `block_r`
-    (16 or 32 ...) and `block_m` (16, 32, 64) override the automatic choice (tests, tuning).
+    (16 or 32 ...) and `block_m` (16, 32, 64) override the automatic choice (tests, tuning). preload: each
+    program's K slice as one product, A loaded before the PDL wait (None: when launched with PDL and the
+    slice is at most PRELOAD_MAX_K columns).
     """
     M, K = x.shape
     R = a.shape[0]
@@ -203,9 +223,12 @@ def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, b
         ws, cnt = buffers(x.device, M, R, cfg["splits"], cfg["BR"], cfg["BM"])
     else:
         ws = cnt = h  # unused by the kernel
+    launch = pdl.launch_options(x)
+    if preload is None:
+        preload = launch["PDL"] and cfg["k_per"] <= PRELOAD_MAX_K
     _lora_a_kernel[(cfg["n_r"], cfg["splits"], cfg["n_m"])](
         x, a, h, ws, cnt, M, R, K, x.stride(0), a.stride(0), h.stride(0), cfg["k_per"], cfg["splits"],
         BM=cfg["BM"], BR=cfg["BR"], BK=cfg["BK"], EVEN_K=K % cfg["BK"] == 0, SPLIT=split, RED_M=cfg["RED_M"],
-        SB=cfg["SB"], INTERP=x.device.type != "cuda", num_warps=4, num_stages=3,
-        **pdl.launch_options(x))
+        SB=cfg["SB"], INTERP=x.device.type != "cuda", KP=triton.next_power_of_2(cfg["k_per"]) if preload else 0,
+        num_warps=4, num_stages=3, **launch)
     return h
