@@ -90,28 +90,29 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
     if KP > 0:
         # the whole slice at once: A [BR, KP] is static for a decode step, so with PDL it is loaded before
         # the wait for x (the previous kernel's output) and its latency overlaps that kernel's tail
-        cols = k_lo + tl.arange(0, KP)
-        k_mask = cols < k_hi
-        at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        pcols = k_lo + tl.arange(0, KP)
+        pmask = pcols < k_hi
+        a_all = tl.load(a_rows + pcols[None, :], mask=r_mask[:, None] & pmask[None, :], other=0.0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot_acc(xt, at, acc, INTERP)
-    elif PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
-        gdc_wait()
-        gdc_launch_dependents()
-    for k in range(k_lo, k_hi if KP == 0 else k_lo, BK):
-        cols = k + offs_k
-        if EVEN_K:
-            xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
-            at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None], other=0.0)
-        else:
-            # k_lo is a multiple of BK, so only the last block of K itself is ragged: mask on K, not k_hi
-            k_mask = cols < K
-            xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot_acc(xt, at, acc, INTERP)
+        x_all = tl.load(x_rows + pcols[None, :], mask=m_mask[:, None] & pmask[None, :], other=0.0)
+        acc = _dot_acc(x_all, a_all, acc, INTERP)
+    else:
+        if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+            gdc_wait()
+            gdc_launch_dependents()
+        for k in range(k_lo, k_hi, BK):
+            cols = k + offs_k
+            if EVEN_K:
+                xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+                at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None], other=0.0)
+            else:
+                # k_lo is a multiple of BK, so only the last block of K itself is ragged: mask on K, not k_hi
+                k_mask = cols < K
+                xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = _dot_acc(xt, at, acc, INTERP)
 
     dtype = h_ptr.dtype.element_ty
     if not SPLIT:
