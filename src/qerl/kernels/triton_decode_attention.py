@@ -139,10 +139,11 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H, HD, SPLITS, so_b, so_h,
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor,
                             slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
-                            block_n: int = BLOCK_N) -> torch.Tensor:
+                            block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
     stride); key_valid [B, max_len] bool; slot 0-d int64 tensor (read on the device); S <= max_len slots
-    scanned -> out [B, H, hd] in q's dtype. splits None: chosen from S and the SM count (tests force it)."""
+    scanned -> out [B, H, hd] in q's dtype. splits None: chosen from S and the SM count (tests force it);
+    block_n, num_warps, num_stages (None: Triton's default) of the first pass: tuning."""
     B, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
@@ -173,7 +174,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
-        num_warps=4, **pdl.launch_options(q))
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, out, H, hd, splits, out.stride(0), out.stride(1),
                                   BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, INTERP=interp, num_warps=4,
