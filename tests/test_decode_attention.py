@@ -16,15 +16,16 @@ from kernel_testing import require_cuda, run_interpreter_suite
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # (B, KV, G, hd, S, max_len, block_n, splits): S not a multiple of the chunk, max_len > S, one split (the
-# direct path) and several, splits None = the production choice
+# direct path) and several, splits / block_n None = the production choice
 CASES = [
     (1, 1, 1, 64, 40, 48, 16, None),
     (2, 2, 7, 128, 77, 96, 16, 3),
     (3, 1, 2, 64, 96, 100, 32, 1),
     (2, 2, 2, 128, 50, 64, 16, 4),
+    (3, 2, 3, 64, 150, 160, None, None),  # B * KV >= the interpreter's 4 "SMs": the wide tile, no split
 ]
 GPU_CASES = CASES + [(3, 4, 7, 128, 768, 800, 64, None), (8, 4, 7, 128, 300, 512, 64, None),
-                     (2, 1, 8, 64, 1000, 1024, 64, 2)]
+                     (2, 1, 8, 64, 1000, 1024, 64, 2), (34, 4, 7, 128, 600, 640, None, None)]  # the wide tile
 
 
 def _inputs(B, KV, G, hd, max_len, dtype, device, gen, magnitude=1.0):

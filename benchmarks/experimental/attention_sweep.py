@@ -2,8 +2,9 @@
 
 `python benchmarks/experimental/attention_sweep.py`: for batch 8 / 64 and attended lengths 512 / 1024 (28
 query heads, 4 kv heads, head dim 128, every slot valid, the decode slot at the end), times the default
-launch and each (BLOCK_N, programs per SM, num_warps, num_stages) in microseconds per call (CUDA-graph
-replays; 8 layers' caches rotated so K/V come from HBM) and prints the best against the default.
+launch (`choose_tile`; before session 6 always BLOCK_N 64, 2 programs per SM, Triton's stages) and each
+(BLOCK_N, programs per SM, num_warps, num_stages) in microseconds per call (CUDA-graph replays; 8 layers'
+caches rotated so K/V come from HBM) and prints the best against the default.
 """
 
 import itertools
@@ -20,7 +21,6 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| batch | S | default us | best us | best (block_n, programs/SM, warps, stages) | default / best | KV GB/s (best) |")
     print("|---:|---:|---:|---:|---|---:|---:|")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, S in itertools.product((8, 64), (512, 1024)):
         gen = torch.Generator(device="cuda").manual_seed(B + S)
         q = torch.randn(B, H, HD, device="cuda", generator=gen).bfloat16()
@@ -36,8 +36,7 @@ def main() -> None:
         t_def = timed()
         best = (t_def, "default")
         for bn, pps, nw, ns in itertools.product((32, 64, 128), (1, 2, 4, 8), (4, 8), (2, 3, 4)):
-            splits, _ = tda.choose_splits(B * KV, S, bn, q.device) if pps == tda.PROGRAMS_PER_SM else \
-                (max(1, -(-pps * sms // (B * KV))), None)
+            splits, _ = tda.choose_splits(B * KV, S, bn, q.device, pps)
             try:
                 t = timed(splits=splits, block_n=bn, num_warps=nw, num_stages=ns)
             except Exception as e:  # out of shared memory or registers for this tile

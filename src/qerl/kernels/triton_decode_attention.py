@@ -4,7 +4,8 @@ Pass 1, grid (B, KV, splits): each program takes the G query heads of one kv hea
 of >= 16 rows, so each k/v tile is read once for all of them) and one contiguous chunk of the first S
 cache slots, and keeps an online softmax in fp32 (log2 domain). With one split it writes the output;
 otherwise it writes fp32 partials (max, sum, unnormalised acc) and pass 2, one program per (row, head),
-merges them. The decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see
+merges them. When the B * KV programs alone fill the GPU (batch 64 at 7B) there is one split of 128-key
+tiles (`choose_tile`), so pass 2 is not launched. The decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see
 new values); keys past it, left pads and slots >= S are never loaded, so stale or NaN cache contents
 there cannot leak in. A (row, head) with no visible key outputs zeros. This module imports Triton:
 import it lazily (see `decode_attention`).
@@ -25,6 +26,10 @@ from .triton_fp4_decode import round_to
 POISON = False
 BLOCK_N = 64  # keys per tile
 PROGRAMS_PER_SM = 2
+# When B * KV programs alone fill the GPU: wider tiles, no split (no combine launch), 2 stages. H200
+# (`benchmarks/experimental/attention_sweep.py`, Qwen2.5-7B heads): 1.30x at batch 64, S = 512 and 1024;
+# at batch 8 the split default stayed best (within 3%).
+WIDE = dict(block_n=128, programs_per_sm=1, num_stages=2)
 CPU_SMS = 4  # the interpreter has no SMs; a small number still exercises several splits
 
 
@@ -41,11 +46,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(rows: int, S: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """(splits, chunk) for `rows` = B * KV programs per split: about PROGRAMS_PER_SM programs per SM, each
+def choose_tile(rows: int, device: torch.device) -> tuple[int, int, int | None]:
+    """(block_n, programs per SM, num_stages or None for Triton's default) for `rows` = B * KV."""
+    if rows >= _sm_count(device):
+        return WIDE["block_n"], WIDE["programs_per_sm"], WIDE["num_stages"]
+    return BLOCK_N, PROGRAMS_PER_SM, None
+
+
+def choose_splits(rows: int, S: int, block_n: int, device: torch.device,
+                  programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
+    """(splits, chunk) for `rows` = B * KV programs per split: about `programs_per_sm` programs per SM, each
     chunk a whole number of tiles, and no empty split (chunk * (splits - 1) < S)."""
     blocks = triton.cdiv(S, block_n)
-    want = max(1, triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), rows))
+    want = max(1, triton.cdiv(programs_per_sm * _sm_count(device), rows))
     chunk = triton.cdiv(blocks, min(want, blocks)) * block_n
     return triton.cdiv(S, chunk), chunk
 
@@ -139,11 +152,13 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H, HD, SPLITS, so_b, so_h,
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor,
                             slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
-                            block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, num_warps: int = 4,
+                            num_stages: int | None = None) -> torch.Tensor:
     """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
     stride); key_valid [B, max_len] bool; slot 0-d int64 tensor (read on the device); S <= max_len slots
-    scanned -> out [B, H, hd] in q's dtype. splits None: chosen from S and the SM count (tests force it);
-    block_n, num_warps, num_stages (None: Triton's default) of the first pass: tuning."""
+    scanned -> out [B, H, hd] in q's dtype. block_n None: `choose_tile` (with its num_stages); splits None:
+    chosen from S and the SM count (tests force both); num_warps, num_stages (None: Triton's default) of the
+    first pass: tuning."""
     B, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
@@ -154,8 +169,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or key_valid.stride(-1) != 1:
         raise ValueError("decode_attention needs a unit stride along head_dim and key_valid's last dim")
     G = H // KV
+    pps = PROGRAMS_PER_SM
+    if block_n is None:
+        block_n, pps, stages = choose_tile(B * KV, q.device)
+        num_stages = stages if num_stages is None else num_stages
     if splits is None:
-        splits, chunk = choose_splits(B * KV, S, block_n, q.device)
+        splits, chunk = choose_splits(B * KV, S, block_n, q.device, pps)
     else:
         chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
         splits = triton.cdiv(S, chunk)
