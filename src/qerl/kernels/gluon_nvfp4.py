@@ -357,11 +357,18 @@ def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     and 5-8 rows for the largest weights, see `triton_gate.wgmma_wins`). From H200 sweeps (`benchmarks/experimental/wgmma_swap/sweep_tiles.py M`,
     docs/benchmarks.md) over BN x (BKH, NS) x programs per SM: one 64-row wgmma tile per warpgroup, 3
     stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128 packed bytes per step and ~4
-    programs per SM (best or within 4% on 6 of 7 Qwen2.5 shapes at M = 16), above that 64 bytes and ~3."""
+    programs per SM (best or within 4% on 6 of 7 Qwen2.5 shapes at M = 16), above that 64 bytes and ~3.
+    With x pre-permuted (`triton_gate.permute_x_wins`; sweep of session 6, docs/benchmarks.md): at 17-32
+    rows 128 bytes per step for gate/up-like weights (N > 4 K: 1.05x on 7B, 1.16x on 32B gate_up), and at
+    33-64 rows ~2 programs per SM (1.23x on 8192x8192, 1.24x on 72B down, 1.03x on 7B down, others
+    within 1%)."""
+    xp = triton_gate.permute_x_wins(n, k)
     if m <= 16:
         cfg, waves = (64, 8 if m <= 8 else 16, 128, 16, 3), 4.0
+    elif m <= 32:
+        cfg, waves = (64, 32, 128 if xp and n > 4 * k else 64, 16, 3), 3.0
     else:
-        cfg, waves = (64, 32 if m <= 32 else 64, 64, 16, 3), 3.0
+        cfg, waves = (64, 64, 64, 16, 3), 2.0 if xp else 3.0
     if k % (2 * cfg[2]):
         cfg = (*cfg[:2], 64, *cfg[3:])
     return cfg, waves
