@@ -19,7 +19,8 @@ H, KV, HD, LAYERS = 28, 4, 128, 8
 
 def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| batch | S | default us | best us | best (block_n, programs/SM, warps, stages) | default / best | KV GB/s (best) |")
+    print("| batch | S | default us | best us | best (block_n, programs/SM, warps, stages) | default / best |"
+          " KV GB/s (best) |")
     print("|---:|---:|---:|---:|---|---:|---:|")
     for B, S in itertools.product((8, 64), (512, 1024)):
         gen = torch.Generator(device="cuda").manual_seed(B + S)

@@ -217,7 +217,8 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
     (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
     columns, T = tiles_per_split; PARTIAL (S > 1): the splits meet in `_store_out` (fp32 workspace ws
     [S, M, N], arrival counters cnt [grid_n * grid_m] int32, zero on entry and left zero). NS-stage
-    cp.async pipeline for the raw weight/scale bytes; x is staged through registers (split into lo/hi and permuted) into a double-buffered shared tile, one tile ahead.
+    cp.async pipeline for the raw weight/scale bytes; x is staged through registers (split into lo/hi and
+    permuted) into a double-buffered shared tile, one tile ahead.
     RP > 0: also add the LoRA term h[M, R] @ lb[N, R]^T (h row stride stride_hm, lb contiguous, both bf16;
     R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0.
     PDL: launched early (`pdl`); the first weight stages are in flight before the wait for x."""
@@ -353,15 +354,14 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`; routed for 9 <= m <= 64 on sm_90,
-    and 5-8 rows for the largest weights, see `triton_gate.wgmma_wins`). From H200 sweeps (`benchmarks/experimental/wgmma_swap/sweep_tiles.py M`,
-    docs/benchmarks.md) over BN x (BKH, NS) x programs per SM: one 64-row wgmma tile per warpgroup, 3
-    stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128 packed bytes per step and ~4
-    programs per SM (best or within 4% on 6 of 7 Qwen2.5 shapes at M = 16), above that 64 bytes and ~3.
-    With x pre-permuted (`triton_gate.permute_x_wins`; sweep of session 6, docs/benchmarks.md): at 17-32
-    rows 128 bytes per step for gate/up-like weights (N > 4 K: 1.05x on 7B, 1.16x on 32B gate_up), and at
-    33-64 rows ~2 programs per SM (1.23x on 8192x8192, 1.24x on 72B down, 1.03x on 7B down, others
-    within 1%)."""
+    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`; routed for 9 <= m <= 64 on sm_90, and 5-8
+    rows for the largest weights, see `triton_gate.wgmma_wins`). From H200 sweeps
+    (`benchmarks/experimental/wgmma_swap/sweep_tiles.py M`, docs/benchmarks.md) over BN x (BKH, NS) x programs per
+    SM: one 64-row wgmma tile per warpgroup, 3 stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128
+    packed bytes per step and ~4 programs per SM (best or within 4% on 6 of 7 Qwen2.5 shapes at M = 16), above that
+    64 bytes and ~3. With x pre-permuted (`triton_gate.permute_x_wins`; sweep of session 6, docs/benchmarks.md): at
+    17-32 rows 128 bytes per step for gate/up-like weights (N > 4 K: 1.05x on 7B, 1.16x on 32B gate_up), and at
+    33-64 rows ~2 programs per SM (1.23x on 8192x8192, 1.24x on 72B down, 1.03x on 7B down, others within 1%)."""
     xp = triton_gate.permute_x_wins(n, k)
     if m <= 16:
         cfg, waves = (64, 8 if m <= 8 else 16, 128, 16, 3), 4.0

@@ -1,14 +1,13 @@
 """Flash-decoding Triton kernel: one query token per row against a layer's static KV cache, GQA-aware.
 
-Pass 1, grid (B, KV, splits): each program takes the G query heads of one kv head (padded to a tl.dot tile
-of >= 16 rows, so each k/v tile is read once for all of them) and one contiguous chunk of the first S
-cache slots, and keeps an online softmax in fp32 (log2 domain). With one split it writes the output;
-otherwise it writes fp32 partials (max, sum, unnormalised acc) and pass 2, one program per (row, head),
-merges them. When the B * KV programs alone fill the GPU (batch 64 at 7B) there is one split of 128-key
-tiles (`choose_tile`), so pass 2 is not launched. The decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see
-new values); keys past it, left pads and slots >= S are never loaded, so stale or NaN cache contents
-there cannot leak in. A (row, head) with no visible key outputs zeros. This module imports Triton:
-import it lazily (see `decode_attention`).
+Pass 1, grid (B, KV, splits): each program takes the G query heads of one kv head (padded to a tl.dot tile of >= 16
+rows, so each k/v tile is read once for all of them) and one contiguous chunk of the first S cache slots, and keeps
+an online softmax in fp32 (log2 domain). With one split it writes the output; otherwise it writes fp32 partials
+(max, sum, unnormalised acc) and pass 2, one program per (row, head), merges them. When the B * KV programs alone
+fill the GPU (batch 64 at 7B) there is one split of 128-key tiles (`choose_tile`), so pass 2 is not launched. The
+decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see new values); keys past it, left
+pads and slots >= S are never loaded, so stale or NaN cache contents there cannot leak in. A (row, head) with no
+visible key outputs zeros. This module imports Triton: import it lazily (see `decode_attention`).
 """
 
 import functools

@@ -28,7 +28,8 @@ SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) wh
 # staged form had lost on 7B gate_up at M = 16 and 32B/72B gate_up at M = 32). 5-8 rows: the wgmma form
 # with x pre-permuted for weights of WGMMA_SMALL_M_MIN_WEIGHT elements and more, else mma.sync (H200,
 # `benchmarks/experimental/wgmma_swap/x_permuted.py 1,4,8`: at M = 8 1.05x mma.sync on 7B gate_up, 1.13x on
-# 72B down, 1.18x on 32B gate_up; 0.93-0.94x on 67-68M-element weights such as 72B o; at M = 1-4 mixed).
+# 72B down, 1.18x on 32B gate_up, 1.05x on 7B down (68M elements, below the bar) but 0.93-0.94x on 72B o
+# (67M); at M = 1-4 no form wins everywhere).
 WGMMA_MIN_M = 9
 WGMMA_SMALL_M = 5
 WGMMA_SMALL_M_MIN_WEIGHT = 100 * 2**20
