@@ -41,11 +41,16 @@ def nvfp4_linear(
 
 
 def add_lora(y: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """y [..., N] + h @ b^T for lora = (h [..., R], b [N, R]) as one addmm (y unchanged when lora is None)."""
+    """y [..., N] + h @ b^T for lora = (h [..., R], b [N, R]) as one addmm (y unchanged when lora is None).
+
+    y must be a fresh result the caller owns (every caller passes its matmul's output): the sum is written
+    into it. In place because an out-of-place addmm first copies y into a new tensor (one extra device copy
+    per call: 112 per 7B decode step of the bf16 engine); same cuBLAS product, same bits."""
     if lora is None:
         return y
     h, b = lora
-    return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), b.t()).view(y.shape)
+    y2 = y.reshape(-1, y.shape[-1])
+    return y2.addmm_(h.reshape(-1, h.shape[-1]), b.t()).view(y.shape)
 
 
 def _nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias):
