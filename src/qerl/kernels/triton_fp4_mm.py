@@ -23,8 +23,9 @@ POISON = False
 
 
 def _alloc(shape, device, dtype) -> torch.Tensor:
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    if POISON:  # NaN, or the most negative integer for integer buffers (an impossible index)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, device=device, dtype=dtype)
     return torch.empty(shape, device=device, dtype=dtype)
 
 

@@ -41,7 +41,7 @@ from ..models.siblings import fuse_sibling_storage, fused_tensors
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_linear import QuantLinear
 from .kv_cache import KVCache
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, fused_sampling_applies, next_token, philox_seed
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -384,18 +384,23 @@ class RolloutEngine:
     group decodes as one matmul (`qerl.models.siblings`: same memory, the modules keep working alone).
     pdl (default on; used on sm_90+ GPUs, off with QERL_PDL=0): the decode step's Triton kernels launch
     with programmatic dependent launch, each starting while the previous one finishes (`qerl.kernels.pdl`).
+    fused_sampling (default on; CUDA, no top-k / top-p): each step's draw, log-prob, entropy and bookkeeping
+    in one Triton launch (`qerl.kernels.triton_sampling`) instead of ~24 small torch ops. Same distribution
+    and statistics; the draws come from a counter-based stream seeded once per call from the generator, so
+    a seeded run repeats itself but does not match the eager sampler token for token.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85,
-                 fuse_siblings: bool | None = None, pdl: bool = True):
+                 fuse_siblings: bool | None = None, pdl: bool = True, fused_sampling: bool = True):
         self.runner = CausalLMRunner(model, max_seq_len, fuse_siblings=fuse_siblings)
         self.model, self.tokenizer = model, tokenizer
         self.device = self.runner.device
         self.max_seq_len = max_seq_len
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.pdl = pdl
+        self.fused_sampling = fused_sampling
         self.kv_block = kv_block
         self.check_every = check_every
         self.max_batch, self.memory_fraction = max_batch, memory_fraction
@@ -594,15 +599,26 @@ class RolloutEngine:
         eos = torch.tensor(self.eos_token_ids if not ignore_eos else [], dtype=torch.int64, device=self.device)
 
         logits = self.prefill(tokens, pad_len)
+        # one launch per step draws the token and does the bookkeeping below (CUDA, no top-k / top-p)
+        fused = self.fused_sampling and fused_sampling_applies(logits, sampling)
+        if fused:
+            from ..kernels.triton_sampling import sample_triton
+
+            seed = 0 if sampling.greedy else philox_seed(gen, self.device)
         steps = T
         for i in range(T):
-            tok, lp, ent = next_token(logits, sampling, gen)
-            alive = ~done
-            out_tokens[:, i] = torch.where(alive, tok, self.pad_token_id)
-            out_mask[:, i] = alive
-            out_lp[:, i] = lp * alive
-            out_ent[:, i] = ent * alive
-            done = done | torch.isin(tok, eos)
+            if fused:
+                sample_triton(logits, sampling.temperature, seed, i * logits.numel(), record=dict(
+                    done=done, eos=eos, pad_id=self.pad_token_id, tokens=out_tokens[:, i], mask=out_mask[:, i],
+                    logprobs=out_lp[:, i], entropies=out_ent[:, i], step_tokens=self.step_tokens))
+            else:
+                tok, lp, ent = next_token(logits, sampling, gen)
+                alive = ~done
+                out_tokens[:, i] = torch.where(alive, tok, self.pad_token_id)
+                out_mask[:, i] = alive
+                out_lp[:, i] = lp * alive
+                out_ent[:, i] = ent * alive
+                done = done | torch.isin(tok, eos)
             if i == T - 1:
                 break
             if (i + 1) % self.check_every == 0:  # the only host syncs: every check_every tokens
@@ -614,7 +630,8 @@ class RolloutEngine:
             if aqn is not None and aqn.per_forward:
                 aqn.resample()
             slot = P + i
-            self.step_tokens.copy_(tok)
+            if not fused:  # the fused launch wrote it
+                self.step_tokens.copy_(tok)
             self.step_slot.fill_(slot)
             logits = self._decode(min(_round_up(slot + 1, self.kv_block), self.max_seq_len))
 

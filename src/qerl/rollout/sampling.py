@@ -10,9 +10,12 @@ for pi_old, so the ratio pi_theta / pi_old is 1 at the first update. top-k / top
 is drawn; their renormalised truncated distribution is not what is recorded (say so wherever it matters).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+from ..kernels.triton_gate import triton_available
 
 
 @dataclass(frozen=True)
@@ -89,3 +92,19 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     tokens = sample(logprobs, params, generator)
     token_logprob = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, token_logprob, entropy_from_logprobs(logprobs)
+
+
+def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether one Triton launch (`qerl.kernels.triton_sampling`) can draw from these logits [B, V]: CUDA,
+    unit column stride, no top-k / top-p truncation (those need a sort: the eager path keeps them),
+    Triton importable and QERL_DISABLE_TRITON unset."""
+    return (logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and params.top_k == 0
+            and params.top_p == 1.0 and os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available())
+
+
+def philox_seed(generator: torch.Generator | None, device: torch.device) -> int:
+    """A 62-bit seed for the fused sampler's counter-based draws, taken from `generator` (torch's default
+    generator of `device` when None), so seeding works as for the eager sampler. One host sync: call it once
+    per rollout, then give every step its own offset range."""
+    dev = generator.device if generator is not None else device
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=dev).item())

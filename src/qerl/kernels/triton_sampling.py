@@ -1,0 +1,194 @@
+"""One launch per decode step for drawing the next tokens: softmax statistics, the draw, and the record.
+
+The eager sampler (`qerl.rollout.sampling.next_token`) is ~12 kernels per step, several of them full
+fp32 passes over the [B, V] logits (the cast, log_softmax, exp, the exponential draws, log, ...), plus ~12
+small launches for the engine's bookkeeping: at V = 152064 that was 0.15 ms of a 7B batch-8 decode step
+and 0.4 ms at batch 64 (H200, `benchmarks/experimental/decode_timeline.py`). This kernel reads the logits
+twice (the second time mostly from cache) and writes only the per-row results.
+
+Grid (B, NC): program (b, c) takes the slice [c CHUNK, (c + 1) CHUNK) of row b, z = logits / T in fp32:
+  pass 1: the slice max M_c;
+  pass 2: s_c = sum exp(z - M_c), t_c = sum exp(z - M_c) z, and the draw: key = z - log E with
+          E = -log U ~ Exp(1), U = Philox(seed, offset + b V + v) (the exponential race: argmax of the keys
+          is a sample of softmax(z); greedy: key = z). The slice's best key and its smallest index.
+Then it stores its partial and takes a ticket from row b's arrival counter (the protocol of
+`triton_lora_a`: CTA barrier, acq_rel atomic, .cg loads). The last program of the row combines the NC
+partials in chunk order (a fixed order, so the result does not depend on which program came last):
+  lse = M + log(sum_c s_c e^(M_c - M)), entropy = lse - sum_c t_c e^(M_c - M) / sum_c s_c e^(M_c - M),
+  token = the best key's smallest index (torch.argmax's tie rule), logprob = z[token] - lse,
+writes them and resets the counter. RECORD adds the engine's per-step bookkeeping for row b: the token
+column (pad once the row is done), mask, logprob and entropy columns (0 once done), the row's done flag
+(| token in eos) and the next step's input token.
+
+Same distribution and statistics as the eager sampler (fp32 throughout; the draws come from a different
+random stream). This module imports Triton: import it lazily.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fp4_mm import _alloc
+
+BLOCK = 2048  # elements per loop step of a program (8 warps: 8 per thread)
+MIN_CHUNK = 4096  # a program takes at least this many elements of a row
+CPU_SMS = 2
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, B) -> int32 [B] zeros; left at zero by every launch
+_SMS: dict[int, int] = {}
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, offset, mpart_ptr, ipart_ptr, cnt_ptr,
+                   tok_ptr, lp_ptr, ent_ptr,
+                   done_ptr, eos_ptr, n_eos, pad_id, otok_ptr, omask_ptr, olp_ptr, oent_ptr, stride_o, step_ptr,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, NCP: tl.constexpr, EP: tl.constexpr,
+                   GREEDY: tl.constexpr, RECORD: tl.constexpr):
+    """logits [B, V] (16-bit or fp32, row stride stride_l, unit column stride) -> tok int64 [B], lp and ent
+    fp32 [B]. mpart fp32 [B, NC, 4] and ipart int32 [B, NC]: partials; cnt int32 [B] zeros (left zero).
+    RECORD: done bool [B] (read, then or-ed with "token in eos[:n_eos]", int64), otok int64 / omask bool /
+    olp, oent fp32 columns [B] with row stride stride_o, step int64 [B] (the next input token)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    nc = tl.num_programs(1)
+    row = logits_ptr + b.to(tl.int64) * stride_l
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    offs = tl.arange(0, BLOCK)
+
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(lo, hi, BLOCK):
+        idx = start + offs
+        z = tl.load(row + idx, mask=idx < hi, other=float("-inf")).to(tl.float32) * inv_t
+        mx = tl.maximum(mx, z)
+    m_c = tl.max(mx, 0)
+    m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)  # an all -inf slice: every exp below is 0
+
+    s = tl.zeros([BLOCK], tl.float32)
+    t = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(lo, hi, BLOCK):
+        idx = start + offs
+        inside = idx < hi
+        z = tl.load(row + idx, mask=inside, other=float("-inf")).to(tl.float32) * inv_t
+        e = tl.exp(z - m_safe)
+        s += e
+        t += e * tl.where(e > 0, z, 0.0)  # 0 * -inf would be nan
+        if GREEDY:
+            key = z
+        else:
+            u = tl.rand(seed, offset + b.to(tl.int64) * V + idx)
+            key = z - tl.log(tl.maximum(-tl.log(u), 1e-30))  # z - log E, E = -log U ~ Exp(1)
+        key = tl.where(inside, key, float("-inf"))
+        take = key > best  # strict: a lane's earlier (smaller) index wins a tie
+        best = tl.where(take, key, best)
+        best_i = tl.where(take, idx, best_i)
+    bk = tl.max(best, 0)
+    bi = tl.min(tl.where(best == bk, best_i, 2147483647), 0)
+
+    part = mpart_ptr + (b * nc + c) * 4
+    tl.store(part + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, m_c,
+                                              tl.where(tl.arange(0, 4) == 1, tl.sum(s, 0),
+                                                       tl.where(tl.arange(0, 4) == 2, tl.sum(t, 0), bk))))
+    tl.store(ipart_ptr + b * nc + c, bi)
+    tl.debug_barrier()  # every thread's stores before the (single-thread) release
+    ticket = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if ticket == nc - 1:
+        cs = tl.arange(0, NCP)
+        live = cs < nc
+        pr = mpart_ptr + (b * nc + cs) * 4
+        m_all = tl.load(pr, mask=live, other=float("-inf"), cache_modifier=".cg")
+        s_all = tl.load(pr + 1, mask=live, other=0.0, cache_modifier=".cg")
+        t_all = tl.load(pr + 2, mask=live, other=0.0, cache_modifier=".cg")
+        k_all = tl.load(pr + 3, mask=live, other=float("-inf"), cache_modifier=".cg")
+        i_all = tl.load(ipart_ptr + b * nc + cs, mask=live, other=2147483647, cache_modifier=".cg")
+        m = tl.max(m_all, 0)
+        m0 = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.where(m_all == float("-inf"), 0.0, tl.exp(m_all - m0))
+        s_tot = tl.sum(s_all * w, 0)
+        t_tot = tl.sum(t_all * w, 0)
+        lse = m0 + tl.log(s_tot)
+        kbest = tl.max(k_all, 0)
+        tok = tl.min(tl.where(k_all == kbest, i_all, 2147483647), 0)
+        tok = tl.where(tok < V, tok, 0)  # no finite key at all (an all -inf row): token 0, as argmax gives
+        z_tok = tl.load(row + tok).to(tl.float32) * inv_t
+        lp = z_tok - lse
+        ent = lse - t_tot / s_tot
+        tok64 = tok.to(tl.int64)
+        tl.store(tok_ptr + b, tok64)
+        tl.store(lp_ptr + b, lp)
+        tl.store(ent_ptr + b, ent)
+        if RECORD:
+            was_done = tl.load(done_ptr + b) != 0
+            es = tl.arange(0, EP)
+            eos = tl.load(eos_ptr + es, mask=es < n_eos, other=-1)
+            hit = tl.sum((eos == tok64).to(tl.int32), 0) > 0
+            o = b.to(tl.int64) * stride_o
+            tl.store(otok_ptr + o, tl.where(was_done, pad_id, tok64))
+            tl.store(omask_ptr + o, (~was_done).to(tl.int1))
+            tl.store(olp_ptr + o, tl.where(was_done, 0.0, lp))
+            tl.store(oent_ptr + o, tl.where(was_done, 0.0, ent))
+            tl.store(done_ptr + b, (was_done | hit).to(tl.int1))
+            tl.store(step_ptr + b, tok64)
+        tl.store(cnt_ptr + b, 0)  # every program of the row has arrived: ready for the next launch
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def chunks_for(B: int, V: int, device: torch.device) -> int:
+    """Programs per row: about two programs per SM over the batch, each at least MIN_CHUNK elements."""
+    return max(1, min(-(-2 * _sm_count(device) // B), -(-V // MIN_CHUNK)))
+
+
+def counters(device: torch.device, B: int) -> torch.Tensor:
+    key = (device, B)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(B, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def sample_triton(logits: torch.Tensor, temperature: float, seed: int, offset: int, record: dict | None = None,
+                  chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, V] (unit column stride) -> (tokens int64 [B], logprob fp32 [B], entropy fp32 [B]) under
+    softmax(logits / T) (T = 1 and the argmax when temperature == 0). The draw for element (b, v) uses
+    Philox(seed, offset + b V + v): a call consumes B V offsets. record: dict(done, eos, pad_id, tokens,
+    mask, logprobs, entropies, step_tokens) of the engine's per-step bookkeeping (see the module
+    docstring): done bool [B] contiguous (updated in place), eos int64 [E], the four columns [B] with one
+    row stride, step_tokens int64 [B]. `chunks` overrides the programs per row (tests)."""
+    B, V = logits.shape
+    assert logits.stride(1) == 1 and B >= 1 and V >= 1
+    dev = logits.device
+    nc = chunks or chunks_for(B, V, dev)
+    chunk = triton.cdiv(triton.cdiv(V, nc), BLOCK) * BLOCK
+    nc = triton.cdiv(V, chunk)
+    mpart = _alloc((B, nc, 4), dev, torch.float32)
+    ipart = _alloc((B, nc), dev, torch.int32)
+    tok = _alloc((B,), dev, torch.int64)
+    lp = _alloc((B,), dev, torch.float32)
+    ent = _alloc((B,), dev, torch.float32)
+    greedy = temperature == 0
+    if record is None:
+        rec = dict(done=tok, eos=tok, n_eos=0, pad_id=0, tokens=tok, mask=tok, logprobs=lp, entropies=ent,
+                   stride=0, step_tokens=tok)
+    else:
+        cols = (record["tokens"], record["mask"], record["logprobs"], record["entropies"])
+        stride = cols[0].stride(0)
+        assert all(c.shape == (B,) and c.stride(0) == stride for c in cols), "record columns: [B], one row stride"
+        assert record["done"].shape == (B,) and record["done"].is_contiguous() and record["done"].dtype == torch.bool
+        n_eos = record["eos"].numel()
+        rec = dict(record, n_eos=n_eos, stride=stride, eos=record["eos"] if n_eos else tok)  # tok: never read
+    _sample_kernel[(B, nc)](
+        logits, logits.stride(0), V, 1.0 if greedy else 1.0 / temperature, seed, offset, mpart, ipart,
+        counters(dev, B), tok, lp, ent,
+        rec["done"], rec["eos"], rec["n_eos"], rec["pad_id"], rec["tokens"], rec["mask"], rec["logprobs"],
+        rec["entropies"], rec["stride"], rec["step_tokens"],
+        CHUNK=chunk, BLOCK=BLOCK, NCP=triton.next_power_of_2(nc), EP=max(2, triton.next_power_of_2(rec["n_eos"])),
+        GREEDY=greedy, RECORD=record is not None, num_warps=8)
+    return tok, lp, ent
