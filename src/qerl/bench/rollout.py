@@ -170,7 +170,8 @@ def run_size(size, args, copy_bw, results):
         model = build_model(size, args.layers, fmt, args.lora_r, embeddings)
         read_bytes, total_bytes = policy_bytes(model)
         engine = None if variant == "hf" else RolloutEngine(model, max_seq_len=args.prompt + args.new,
-                                                           cuda_graphs=not args.eager)
+                                                           cuda_graphs=not args.eager,
+                                                           fused_sampling=not args.eager_sampling)
         for batch in (args.hf_batches if variant == "hf" else args.batches):
             try:
                 r = bench_hf(model, batch, args) if variant == "hf" else bench_engine(engine, batch, args)
@@ -218,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--eager-sampling", action="store_true",
+                    help="sample with torch ops instead of the one-launch Triton sampler")
     ap.add_argument("--quantize-embeddings", action="store_true",
                     help="<fmt>+lora variants with a 4-bit fmt also store the input embedding in fmt")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
