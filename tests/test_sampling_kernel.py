@@ -57,7 +57,7 @@ def check_statistics(device, cases=CASES, seed=0) -> list[str]:
         tag = f"sample {device} B={B} V={V} T={T} chunks={chunks} {dtype} {variant or 'plain'}"
         logits = _logits(B, V, dtype, variant, gen, device)
         triton_fp4_mm.POISON = True
-        tok, lp, ent = ts.sample_triton(logits, T, 1234 + B, 99 * V, chunks=chunks)
+        tok, lp, ent = ts.sample_triton(logits, T, 2**40 + 1234 + B, 99 + V, chunks=chunks)
         triton_fp4_mm.POISON = False
         ref_lp, ref_ent = _reference(logits, T)
         if tok.dtype != torch.int64 or not ((tok >= 0) & (tok < V)).all():
@@ -72,7 +72,7 @@ def check_statistics(device, cases=CASES, seed=0) -> list[str]:
                 fails.append(f"{tag}: {name} off by {err:.3g}")
         if T == 0 and not torch.equal(tok, logits.float().argmax(-1)):
             fails.append(f"{tag}: greedy {tok.tolist()} != argmax {logits.float().argmax(-1).tolist()}")
-        again, _, _ = ts.sample_triton(logits, T, 1234 + B, 99 * V, chunks=chunks)
+        again, _, _ = ts.sample_triton(logits, T, 2**40 + 1234 + B, 99 + V, chunks=chunks)
         if not torch.equal(again, tok):
             fails.append(f"{tag}: the same seed and offset drew different tokens")
         if ts.counters(logits.device, B).any():
@@ -90,7 +90,7 @@ def check_distribution(device, rows=(3000, 3000), seed=1) -> list[str]:
         z = torch.full((V,), -30.0)
         z[list(hot)] = torch.tensor([1.0, 0.2, -0.5])
         logits = z.to(device)[None].expand(rows, V).contiguous()
-        tok, _, _ = ts.sample_triton(logits, T, 7 + seed, 0, chunks=chunks)
+        tok, _, _ = ts.sample_triton(logits, T, 2**33 + 7 + seed, 0, chunks=chunks)
         p = torch.softmax(z.double() / T, -1)
         counts = torch.bincount(tok.cpu(), minlength=V).double()
         for j in hot:
@@ -119,7 +119,7 @@ def check_record(device, seed=2) -> list[str]:
     out_ent = torch.full((B, T), 9.0, device=device)
     step = torch.full((B,), -1, dtype=torch.int64, device=device)
     before = done.clone()
-    tok, lp, ent = ts.sample_triton(logits, 1.0, 5, 0, record=dict(
+    tok, lp, ent = ts.sample_triton(logits, 1.0, 2**32 + 5, 0, record=dict(
         done=done, eos=eos, pad_id=3, tokens=out_tokens[:, i], mask=out_mask[:, i], logprobs=out_lp[:, i],
         entropies=out_ent[:, i], step_tokens=step))
     alive = ~before
@@ -137,7 +137,7 @@ def check_record(device, seed=2) -> list[str]:
         fails.append("record: wrote outside its column")
     no_eos = torch.zeros(0, dtype=torch.int64, device=device)
     done2 = torch.zeros(B, dtype=torch.bool, device=device)
-    ts.sample_triton(logits, 0.0, 0, 0, record=dict(
+    ts.sample_triton(logits, 0.0, 2**32, 0, record=dict(
         done=done2, eos=no_eos, pad_id=3, tokens=out_tokens[:, 0], mask=out_mask[:, 0], logprobs=out_lp[:, 0],
         entropies=out_ent[:, 0], step_tokens=step))
     if done2.any() or not out_mask[:, 0].all():
@@ -178,3 +178,34 @@ def test_gpu():
     fails = check_statistics("cuda", CASES + big, seed=3) + check_distribution("cuda", rows=(20000, 20000), seed=4)
     fails += check_record("cuda")
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_of_a_rollout_compile_once(monkeypatch):
+    """A rollout's steps differ in step number, seed and the record columns' addresses (alignment): none
+    of it may compile the kernel again (a compile costs seconds, mid-rollout)."""
+    require_cuda()
+    from qerl.kernels import triton_sampling as ts
+
+    B, V, T = 8, 152064, 40
+    logits = torch.randn(B, V, device="cuda").to(torch.bfloat16)
+    done = torch.zeros(B, dtype=torch.bool, device="cuda")
+    eos = torch.tensor([2], device="cuda")
+    cols = dict(tokens=torch.zeros(B, T, dtype=torch.int64, device="cuda"),
+                mask=torch.zeros(B, T, dtype=torch.bool, device="cuda"),
+                logprobs=torch.zeros(B, T, device="cuda"), entropies=torch.zeros(B, T, device="cuda"))
+    step_tokens = torch.zeros(B, dtype=torch.int64, device="cuda")
+
+    def run(seed, i):
+        ts.sample_triton(logits, 1.0, seed, i, record=dict(done=done, eos=eos, pad_id=0, step_tokens=step_tokens,
+                                                           **{k: v[:, i] for k, v in cols.items()}))
+
+    run(2**40, 0)  # compiles (or loads from the cache)
+    compiles = []
+    real = ts._sample_kernel._do_compile
+    monkeypatch.setattr(ts._sample_kernel, "_do_compile", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    for seed in (2**40 + 17, 2**61 + 3):
+        for i in range(T):
+            run(seed, i)
+    torch.cuda.synchronize()
+    assert not compiles, f"{len(compiles)} recompilations over the steps of a rollout"

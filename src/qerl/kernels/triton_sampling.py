@@ -37,8 +37,11 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, B) -> int32 [B] zeros; lef
 _SMS: dict[int, int] = {}
 
 
-@triton.jit
-def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, offset, mpart_ptr, ipart_ptr, cnt_ptr,
+# Arguments that change from step to step are not specialized on (value 1, divisibility by 16, 16-byte
+# alignment of the record columns): each new combination would compile the kernel again, mid-rollout
+@triton.jit(do_not_specialize=["seed", "step", "stride_o", "n_eos", "pad_id"],
+            do_not_specialize_on_alignment=["otok_ptr", "omask_ptr", "olp_ptr", "oent_ptr"])
+def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, step, mpart_ptr, ipart_ptr, cnt_ptr,
                    tok_ptr, lp_ptr, ent_ptr,
                    done_ptr, eos_ptr, n_eos, pad_id, otok_ptr, omask_ptr, olp_ptr, oent_ptr, stride_o, step_ptr,
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NCP: tl.constexpr, EP: tl.constexpr,
@@ -46,7 +49,9 @@ def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, offset, mpart_ptr, ipar
     """logits [B, V] (16-bit or fp32, row stride stride_l, unit column stride) -> tok int64 [B], lp and ent
     fp32 [B]. mpart fp32 [B, NC, 4] and ipart int32 [B, NC]: partials; cnt int32 [B] zeros (left zero).
     RECORD: done bool [B] (read, then or-ed with "token in eos[:n_eos]", int64), otok int64 / omask bool /
-    olp, oent fp32 columns [B] with row stride stride_o, step int64 [B] (the next input token)."""
+    olp, oent fp32 columns [B] with row stride stride_o, step int64 [B] (the next input token).
+    seed int64 (>= 2^32, so its type never changes); draw (b, v) of step `step` uses Philox offset
+    (step B + b) V + v."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     nc = tl.num_programs(1)
@@ -54,10 +59,11 @@ def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, offset, mpart_ptr, ipar
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     offs = tl.arange(0, BLOCK)
+    draw0 = (step.to(tl.int64) * tl.num_programs(0) + b) * V  # this row's Philox offsets start here
 
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(lo, hi, BLOCK):
-        idx = start + offs
+    for start in range(0, CHUNK, BLOCK):  # constant trip count; past V everything is masked
+        idx = lo + start + offs
         z = tl.load(row + idx, mask=idx < hi, other=float("-inf")).to(tl.float32) * inv_t
         mx = tl.maximum(mx, z)
     m_c = tl.max(mx, 0)
@@ -67,8 +73,8 @@ def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, offset, mpart_ptr, ipar
     t = tl.zeros([BLOCK], tl.float32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK], 2147483647, tl.int32)
-    for start in range(lo, hi, BLOCK):
-        idx = start + offs
+    for start in range(0, CHUNK, BLOCK):
+        idx = lo + start + offs
         inside = idx < hi
         z = tl.load(row + idx, mask=inside, other=float("-inf")).to(tl.float32) * inv_t
         e = tl.exp(z - m_safe)
@@ -77,7 +83,7 @@ def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, offset, mpart_ptr, ipar
         if GREEDY:
             key = z
         else:
-            u = tl.rand(seed, offset + b.to(tl.int64) * V + idx)
+            u = tl.rand(seed, draw0 + idx)
             key = z - tl.log(tl.maximum(-tl.log(u), 1e-30))  # z - log E, E = -log U ~ Exp(1)
         key = tl.where(inside, key, float("-inf"))
         take = key > best  # strict: a lane's earlier (smaller) index wins a tie
@@ -154,16 +160,18 @@ def counters(device: torch.device, B: int) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def sample_triton(logits: torch.Tensor, temperature: float, seed: int, offset: int, record: dict | None = None,
+def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int, record: dict | None = None,
                   chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] (unit column stride) -> (tokens int64 [B], logprob fp32 [B], entropy fp32 [B]) under
     softmax(logits / T) (T = 1 and the argmax when temperature == 0). The draw for element (b, v) uses
-    Philox(seed, offset + b V + v): a call consumes B V offsets. record: dict(done, eos, pad_id, tokens,
+    Philox(seed, (step B + b) V + v), seed in [2^32, 2^62): give each step of a rollout its own `step`. record: dict(done, eos, pad_id, tokens,
     mask, logprobs, entropies, step_tokens) of the engine's per-step bookkeeping (see the module
     docstring): done bool [B] contiguous (updated in place), eos int64 [E], the four columns [B] with one
     row stride, step_tokens int64 [B]. `chunks` overrides the programs per row (tests)."""
     B, V = logits.shape
     assert logits.stride(1) == 1 and B >= 1 and V >= 1
+    if not 2**32 <= seed < 2**62 or not 0 <= step < 2**31:
+        raise ValueError(f"seed must be in [2^32, 2^62) and step in [0, 2^31), got {seed}, {step}")
     dev = logits.device
     nc = chunks or chunks_for(B, V, dev)
     chunk = triton.cdiv(triton.cdiv(V, nc), BLOCK) * BLOCK
@@ -185,7 +193,7 @@ def sample_triton(logits: torch.Tensor, temperature: float, seed: int, offset: i
         n_eos = record["eos"].numel()
         rec = dict(record, n_eos=n_eos, stride=stride, eos=record["eos"] if n_eos else tok)  # tok: never read
     _sample_kernel[(B, nc)](
-        logits, logits.stride(0), V, 1.0 if greedy else 1.0 / temperature, seed, offset, mpart, ipart,
+        logits, logits.stride(0), V, 1.0 if greedy else 1.0 / temperature, seed, step, mpart, ipart,
         counters(dev, B), tok, lp, ent,
         rec["done"], rec["eos"], rec["n_eos"], rec["pad_id"], rec["tokens"], rec["mask"], rec["logprobs"],
         rec["entropies"], rec["stride"], rec["step_tokens"],

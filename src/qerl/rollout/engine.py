@@ -604,11 +604,11 @@ class RolloutEngine:
         if fused:
             from ..kernels.triton_sampling import sample_triton
 
-            seed = 0 if sampling.greedy else philox_seed(gen, self.device)
+            seed = 2**32 if sampling.greedy else philox_seed(gen, self.device)
         steps = T
         for i in range(T):
             if fused:
-                sample_triton(logits, sampling.temperature, seed, i * logits.numel(), record=dict(
+                sample_triton(logits, sampling.temperature, seed, i, record=dict(
                     done=done, eos=eos, pad_id=self.pad_token_id, tokens=out_tokens[:, i], mask=out_mask[:, i],
                     logprobs=out_lp[:, i], entropies=out_ent[:, i], step_tokens=self.step_tokens))
             else:

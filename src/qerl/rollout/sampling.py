@@ -103,8 +103,8 @@ def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams) -> bool
 
 
 def philox_seed(generator: torch.Generator | None, device: torch.device) -> int:
-    """A 62-bit seed for the fused sampler's counter-based draws, taken from `generator` (torch's default
-    generator of `device` when None), so seeding works as for the eager sampler. One host sync: call it once
-    per rollout, then give every step its own offset range."""
+    """A seed in [2^32, 2^62) for the fused sampler's counter-based draws, taken from `generator` (torch's
+    default generator of `device` when None), so seeding works as for the eager sampler. One host sync:
+    call it once per rollout, then number its steps."""
     dev = generator.device if generator is not None else device
-    return int(torch.randint(0, 2**62, (1,), generator=generator, device=dev).item())
+    return int(torch.randint(2**32, 2**62, (1,), generator=generator, device=dev).item())
