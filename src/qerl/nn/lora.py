@@ -37,8 +37,8 @@ def init_lora_(lora_A: nn.Linear, lora_B: nn.Linear) -> None:
     nn.init.zeros_(lora_B.weight)
 
 
-def lora_delta(x: torch.Tensor, lora_A: nn.Linear, lora_B: nn.Linear, dropout: nn.Module, scaling: float) -> torch.Tensor:
-    """x [..., K] -> B(A(dropout(x))) * scaling, [..., N] in x.dtype; the (fp32) adapter weights are cast
-    to x's dtype so the matmuls run in the activation precision while the optimizer keeps fp32 masters."""
-    h = torch.nn.functional.linear(dropout(x), lora_A.weight.to(x.dtype))
-    return torch.nn.functional.linear(h, lora_B.weight.to(x.dtype)) * scaling
+def lora_hidden(x: torch.Tensor, lora_A: nn.Linear, dropout: nn.Module) -> torch.Tensor:
+    """x [..., K] -> A(dropout(x)) [..., r] in x.dtype: the fp32 master A is cast to x's dtype so the matmul runs
+    in the activation precision while the optimizer keeps fp32 weights. The B product, with the scaling, is
+    added inside the base matmul (`quant_linear._QuantizedMatmul`)."""
+    return torch.nn.functional.linear(dropout(x), lora_A.weight.to(x.dtype))
