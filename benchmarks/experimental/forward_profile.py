@@ -1,10 +1,11 @@
 """Where the training-side forward of one micro-batch goes, NVFP4 vs bf16 LoRA (GPU).
 
-`python benchmarks/experimental/forward_profile.py [--model 7b] [--rows 8] [--tokens 2304]`: builds the
+`python benchmarks/experimental/forward_profile.py [--model 7b] [--rows 8] [--tokens 2304] [--backward]`: builds the
 random-weight policy of `qerl bench step` for each format, runs `completion_logprobs` (the reference /
 old-log-prob pass of an RL step: forward only) on `--rows` sequences of `--tokens` tokens, and prints the
 wall time per pass, the GPU kernel time by group (torch.profiler) and the largest kernels, so a gap between
-the formats can be traced to its kernels or to time outside them.
+the formats can be traced to its kernels or to time outside them. --backward: the loss pass instead
+(forward, recomputed forward and backward under gradient checkpointing).
 """
 
 import argparse
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2304)
     ap.add_argument("--formats", default="nvfp4,bf16")
+    ap.add_argument("--backward", action="store_true",
+                    help="forward + backward of a summed log-prob under gradient checkpointing (the loss pass)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -39,12 +42,19 @@ def main() -> None:
     dev = torch.device("cuda")
     for fmt in args.formats.split(","):
         model = build_random_policy(model_config(args.model), fmt, 32, dev)
+        if args.backward:
+            from qerl.rl.trainer import enable_gradient_checkpointing
+
+            enable_gradient_checkpointing(model)
         P = 256
         ids = torch.randint(3, 1000, (args.rows, args.tokens), device=dev)
         pm = torch.ones(args.rows, P, dtype=torch.bool, device=dev)
         cm = torch.ones(args.rows, args.tokens - P, dtype=torch.bool, device=dev)
 
         def run():
+            if args.backward:
+                completion_logprobs(model, ids[:, :P], pm, ids[:, P:], cm).mean().backward()
+                return None
             with torch.no_grad():
                 return completion_logprobs(model, ids[:, :P], pm, ids[:, P:], cm)
 
