@@ -131,7 +131,8 @@ def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted, monke
 @pytest.mark.parametrize("split", [1, 2, 5])
 def test_swap_kernel_every_split_and_tile(split):
     require_cuda()
-    for cfg in [(128, 8, 128, 16, 4), (64, 16, 128, 16, 4), (128, 32, 64, 16, 3), (256, 64, 64, 16, 3)]:
+    for cfg in [(128, 8, 128, 16, 4), (64, 8, 128, 16, 3), (64, 16, 128, 16, 4), (128, 32, 64, 16, 3),
+                (256, 64, 64, 16, 3)]:
         _case(cfg[1] - 1, 700, 1280, seed=split * 100 + cfg[1], global_scale=900.0, bias=True, config=cfg,
               split=split)
 

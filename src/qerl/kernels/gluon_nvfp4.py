@@ -339,9 +339,12 @@ SwapConfig = tuple[int, int, int, int, int]
 def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     """(tile, programs per SM) for an [m, k] x [n, k]^T product (k % 128 == 0). From the tile sweep of
     `qerl bench kernels --swap` on an H200 (docs/benchmarks.md): the tile that was fastest most often per
-    row bucket over Qwen2.5-7B/32B/72B shapes; the split aims at ~2-3 programs per SM."""
+    row bucket over Qwen2.5-7B/32B/72B shapes; the split aims at ~2-3 programs per SM. Up to 8 rows 3 stages,
+    not 4 (session 7, `benchmarks/experimental/sweep_small_m.py`: best or within 2% on the 7B shapes at M = 1
+    and 8; in the 7B engine 2.82 -> 2.74 ms per step at batch 1, 3.05 -> 2.95 at batch 4, same at 8, in two
+    alternating runs)."""
     if m <= 8:
-        cfg, waves = (64, 8, 128, 16, 4), 3.0
+        cfg, waves = (64, 8, 128, 16, 3), 3.0
     elif m <= 16:
         cfg, waves = (128, 16, 128, 16, 3), 3.0
     elif m <= 32:
