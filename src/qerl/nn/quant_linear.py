@@ -32,6 +32,7 @@ class _QuantizedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fmt, names, bias, h, b_weight, scaling, *tensors):
         ctx.fmt, ctx.names, ctx.scaling = fmt, names, scaling
+        ctx.b_dtype = None if b_weight is None else b_weight.dtype
         b = None if h is None else (b_weight.float() * scaling).to(x.dtype)  # [N, r], as the rollout engine's
         ctx.save_for_backward(h, b, *tensors)
         return quantized_linear(fmt, x, dict(zip(names, tensors)), bias, lora=None if h is None else (h, b))
@@ -47,7 +48,7 @@ class _QuantizedMatmul(torch.autograd.Function):
             if ctx.needs_input_grad[4]:
                 grad_h = (g @ b).view(h.shape)
             if ctx.needs_input_grad[5]:  # scaling * g^T h for the fp32 master, as the cast's backward gives
-                grad_b = (g.t() @ h.reshape(-1, h.shape[-1])).float().mul_(ctx.scaling)
+                grad_b = (g.t() @ h.reshape(-1, h.shape[-1])).float().mul_(ctx.scaling).to(ctx.b_dtype)
         return (grad_x, None, None, None, grad_h, grad_b, None) + (None,) * len(ctx.names)
 
 
