@@ -20,25 +20,14 @@ import torch
 
 
 def kernel_events(engine, batch: int, prompt: int, steps: int) -> list[dict]:
+    """CUDA kernel events (name, start ts and duration in us) of `steps` decode steps + eager sampling, by start."""
     from torch.profiler import ProfilerActivity, profile
 
-    from qerl.bench.rollout import prompts_tensor
-    from qerl.rollout.sampling import SamplingParams, next_token
+    from qerl.bench.decode_profile import prepared_steps
 
-    ids = prompts_tensor(batch, prompt, engine.model.config.vocab_size)
-    engine.warmup(batch, prompt + steps + 1)
-    engine.generate(ids, steps + 1, SamplingParams(temperature=1.0), seed=0, ignore_eos=True)
-    sp = SamplingParams(temperature=1.0)
-    kv = min(-(-(prompt + steps) // engine.kv_block) * engine.kv_block, engine.max_seq_len)
-    engine.step_slot.fill_(prompt)
-    logits = engine._decode(kv)
-    torch.cuda.synchronize()
+    run = prepared_steps(engine, batch, prompt, steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            tok, _, _ = next_token(logits, sp, None)
-            engine.step_tokens.copy_(tok)
-            logits = engine._decode(kv)
-        torch.cuda.synchronize()
+        run()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:

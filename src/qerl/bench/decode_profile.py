@@ -36,10 +36,10 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def profile_steps(engine, batch: int, prompt: int, steps: int) -> list[dict]:
-    """Kernel table of `steps` decode steps (+ sampling) after a prefill; times are per step, us."""
-    from torch.profiler import ProfilerActivity, profile
-
+def prepared_steps(engine, batch: int, prompt: int, steps: int):
+    """Prefill a batch of `prompt` random tokens, capture the graphs and fill the cache; returns run(), which
+    performs `steps` decode steps (the engine's step at a fixed attended length) each followed by the eager
+    sampler (`next_token`; the engine itself samples in one launch on CUDA) and syncs."""
     from ..rollout.sampling import SamplingParams, next_token
     from .rollout import prompts_tensor
 
@@ -49,14 +49,26 @@ def profile_steps(engine, batch: int, prompt: int, steps: int) -> list[dict]:
     sp = SamplingParams(temperature=1.0)
     kv = min(-(-(prompt + steps) // engine.kv_block) * engine.kv_block, engine.max_seq_len)
     engine.step_slot.fill_(prompt)
-    logits = engine._decode(kv)
+    state = {"logits": engine._decode(kv)}
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def run():
         for _ in range(steps):
-            tok, _, _ = next_token(logits, sp, None)
+            tok, _, _ = next_token(state["logits"], sp, None)
             engine.step_tokens.copy_(tok)
-            logits = engine._decode(kv)
+            state["logits"] = engine._decode(kv)
         torch.cuda.synchronize()
+
+    return run
+
+
+def profile_steps(engine, batch: int, prompt: int, steps: int) -> list[dict]:
+    """Kernel table of `steps` decode steps (+ sampling) after a prefill; times are per step, us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = prepared_steps(engine, batch, prompt, steps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
     rows = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:

@@ -81,6 +81,20 @@ def fused_wins(m: int, n: int, k: int) -> bool:
     return m <= FUSED_MAX_M or (m <= FUSED_MAX_M_BIG and n * k >= BIG_WEIGHT)
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device, cpu_stand_in: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); `cpu_stand_in` for the Triton interpreter on the
+    CPU, which has none (a small number that still exercises the kernels' splits)."""
+    if device.type != "cuda":
+        return cpu_stand_in
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
 def rows(x: torch.Tensor) -> int:
     """Number of rows M of x viewed as [M, features]."""
     return x.numel() // max(1, x.shape[-1])

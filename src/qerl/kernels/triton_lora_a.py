@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import pdl
+from . import pdl, triton_gate
 from .triton_fp4_decode import round_to
 from .triton_fp4_mm import _alloc
 
@@ -46,7 +46,6 @@ PRELOAD_MAX_K = 512  # with PDL, a program's whole K slice (A [BR, <= this]) is 
 # (device, M, R, splits, BR) -> (workspace fp32 [n_r, splits, M, BR], counters int32 [n_r, n_m]).
 # Kept for the life of the process: captured CUDA graphs hold their addresses.
 _BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -151,12 +150,7 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_SMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    return triton_gate.sm_count(device, CPU_SMS)
 
 
 def config(M: int, R: int, K: int, device: torch.device, splits: int | None = None, block_r: int | None = None,

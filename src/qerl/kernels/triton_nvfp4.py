@@ -37,16 +37,10 @@ def step_fits_bf16(weight_global_scale: torch.Tensor) -> bool:
     fits = _ASM_MIN_GLOBAL_SCALE < v < float("inf")
     setattr(weight_global_scale, _FITS_ATTR, (weight_global_scale._version, fits))
     return fits
-_SM_COUNT: dict[int, int] = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # Triton interpreter on the CPU: any small number
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return triton_gate.sm_count(device, 4)
 
 
 def _split_for(tiles: int, k_blocks: int, sms: int) -> int:

@@ -28,13 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_gate
 from .triton_fp4_mm import _alloc
 
 BLOCK = 2048  # elements per loop step of a program (8 warps: 8 per thread)
 MIN_CHUNK = 4096  # a program takes at least this many elements of a row
 CPU_SMS = 2
 _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, B) -> int32 [B] zeros; left at zero by every launch
-_SMS: dict[int, int] = {}
 
 
 # Arguments that change from step to step are not specialized on (value 1, divisibility by 16, 16-byte
@@ -140,12 +140,7 @@ def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, step, mpart_ptr, ipart_
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_SMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    return triton_gate.sm_count(device, CPU_SMS)
 
 
 def chunks_for(B: int, V: int, device: torch.device) -> int:
