@@ -159,10 +159,12 @@ def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int
                   chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] (unit column stride) -> (tokens int64 [B], logprob fp32 [B], entropy fp32 [B]) under
     softmax(logits / T) (T = 1 and the argmax when temperature == 0). The draw for element (b, v) uses
-    Philox(seed, (step B + b) V + v), seed in [2^32, 2^62): give each step of a rollout its own `step`. record: dict(done, eos, pad_id, tokens,
-    mask, logprobs, entropies, step_tokens) of the engine's per-step bookkeeping (see the module
-    docstring): done bool [B] contiguous (updated in place), eos int64 [E], the four columns [B] with one
-    row stride, step_tokens int64 [B]. `chunks` overrides the programs per row (tests)."""
+    Philox(seed, (step B + b) V + v), seed in [2^32, 2^62): give each step of a rollout its own `step`.
+    record: dict(done, eos, pad_id, tokens, mask, logprobs, entropies, step_tokens) of the engine's per-step
+    bookkeeping (see the module docstring): done bool [B] contiguous (updated in place), eos int64 [E],
+    the columns tokens int64 / mask bool / logprobs, entropies fp32, each [B] with one row stride,
+    step_tokens int64 [B]. `chunks` overrides the programs per row (tests). For one stream at a time: the
+    row counters are shared by the calls of one batch size (each call leaves them at zero)."""
     B, V = logits.shape
     assert logits.stride(1) == 1 and B >= 1 and V >= 1
     if not 2**32 <= seed < 2**62 or not 0 <= step < 2**31:
@@ -183,8 +185,16 @@ def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int
     else:
         cols = (record["tokens"], record["mask"], record["logprobs"], record["entropies"])
         stride = cols[0].stride(0)
-        assert all(c.shape == (B,) and c.stride(0) == stride for c in cols), "record columns: [B], one row stride"
-        assert record["done"].shape == (B,) and record["done"].is_contiguous() and record["done"].dtype == torch.bool
+        want = (torch.int64, torch.bool, torch.float32, torch.float32)
+        if not all(c.shape == (B,) and c.stride(0) == stride and c.dtype == d for c, d in zip(cols, want)):
+            raise ValueError("record columns must be [B] with one row stride: tokens int64, mask bool, "
+                             "logprobs and entropies fp32")
+        done, step_tokens = record["done"], record["step_tokens"]
+        eos = record["eos"]
+        if done.shape != (B,) or not done.is_contiguous() or done.dtype != torch.bool or \
+                step_tokens.shape != (B,) or not step_tokens.is_contiguous() or step_tokens.dtype != torch.int64 or \
+                eos.dtype != torch.int64 or eos.dim() != 1 or not eos.is_contiguous():
+            raise ValueError("record: done must be bool [B], step_tokens int64 [B] and eos int64 [E], contiguous")
         n_eos = record["eos"].numel()
         rec = dict(record, n_eos=n_eos, stride=stride, eos=record["eos"] if n_eos else tok)  # tok: never read
     _sample_kernel[(B, nc)](

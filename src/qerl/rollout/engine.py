@@ -7,10 +7,10 @@ per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_nor
 engine brings itself: rotary embeddings computed from the HF config, attention over a static KV cache
 (torch SDPA; on CUDA the decode steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`),
 and the sampling (on CUDA one Triton launch per step draws the tokens and records them,
-`qerl.kernels.triton_sampling`). On CUDA each residual add with the RMSNorm after it, RoPE on q/k (at decode, with the
-k/v cache write) and SiLU(gate) * up run as one Triton launch each (`qerl.kernels.fused_ops`; the norm's
-own weight and eps are read on every call, so AQN's in-place noise is seen); elsewhere the same ops run
-eagerly.
+`qerl.kernels.triton_sampling`). On CUDA each residual add with the RMSNorm after it, RoPE on q/k (at
+decode, with the k/v cache write) and SiLU(gate) * up run as one Triton launch each
+(`qerl.kernels.fused_ops`; the norm's own weight and eps are read on every call, so AQN's in-place noise
+is seen); elsewhere the same ops run eagerly.
 
 Quantized layers (`QuantLinear`) are called through their parts: the base matmul on the stored 4-bit (or
 bf16) tensors, read by reference, plus the LoRA delta from a snapshot of A and scaling*B cast to the

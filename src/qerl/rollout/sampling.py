@@ -1,7 +1,9 @@
 """Turning next-token logits into tokens, on the device, with no host synchronisation.
 
 Every function here takes and returns device tensors and never calls `.item()`, `.tolist()` or a
-data-dependent branch, so a decode loop built from them runs ahead of the GPU.
+data-dependent branch, so a decode loop built from them runs ahead of the GPU (`philox_seed`, one host read
+per rollout, is the exception). On CUDA the engine replaces `next_token` and its bookkeeping by one Triton
+launch where `fused_sampling_applies` (`qerl.kernels.triton_sampling`: same distribution and statistics).
 
 Conventions: `logits` are [B, V] (any float dtype; the math runs in fp32). `temperature == 0` means
 greedy. The recorded log-probs and entropies are those of the *temperature-scaled, untruncated*
