@@ -142,3 +142,38 @@ def test_programmatic_launches_equal_plain_launches(batch, monkeypatch):
         assert torch.equal(chained.completion_ids, plain.completion_ids)
         torch.testing.assert_close(chained.logprobs, plain.logprobs, atol=0, rtol=0)
         assert not torch.isnan(chained.logprobs).any()
+
+
+def test_one_launch_sampler_records_what_a_full_forward_gives():
+    """The engine's CUDA sampler (one Triton launch per step, `qerl.kernels.triton_sampling`; T > 0 without
+    top-k / top-p) with EOS on: graph == eager bit for bit, a seeded run repeats and another seed differs, the
+    recorded log-probs and entropies are those of a full forward (fp32 model), and a row that drew an EOS id
+    ends there: mask False and padding after it, finish reason "stop"."""
+    model = tiny_model("qwen2").cuda()
+    prompts = prompts_of(PROMPT_LENGTHS, seed=8)
+    sp = SamplingParams(temperature=0.8)
+    eos = [2, 5, 7, 11, 13]  # ~5% of the mass per step: over 48 steps nearly every row stops
+    engine = RolloutEngine(model, max_seq_len=96, kv_block=32, eos_token_id=eos)
+    a = engine.generate(prompts, 48, sp, seed=3)
+    eager = RolloutEngine(model, max_seq_len=96, kv_block=32, eos_token_id=eos, cuda_graphs=False).generate(
+        prompts, 48, sp, seed=3)
+    assert torch.equal(a.completion_ids, eager.completion_ids)
+    assert torch.equal(a.completion_mask, eager.completion_mask)
+    torch.testing.assert_close(a.logprobs, eager.logprobs, atol=0, rtol=0)
+    assert torch.equal(engine.generate(prompts, 48, sp, seed=3).completion_ids, a.completion_ids)
+    assert not torch.equal(engine.generate(prompts, 48, sp, seed=4).completion_ids, a.completion_ids)
+    ref_lp, ref_ent = full_forward_logprobs(model, a, 0.8)
+    assert (a.logprobs - ref_lp).abs().max() < 1e-3
+    assert (a.entropies - ref_ent).abs().max() < 1e-3
+    stopped = 0
+    for row, (ids, mask) in enumerate(zip(a.completion_ids.tolist(), a.completion_mask.tolist())):
+        hits = [j for j, t in enumerate(ids) if t in eos]
+        if not hits:
+            assert all(mask) and a.finish_reason[row] == "length"
+            continue
+        stopped += 1
+        end = hits[0]
+        assert all(mask[: end + 1]) and not any(mask[end + 1:]), f"row {row}: mask does not end at its EOS"
+        assert all(t == model.config.pad_token_id for t in ids[end + 1:])
+        assert a.finish_reason[row] == "stop"
+    assert stopped >= 3, "too few rows drew an EOS id to check the bookkeeping"
