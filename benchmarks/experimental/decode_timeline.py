@@ -20,7 +20,8 @@ import torch
 
 
 def kernel_events(engine, batch: int, prompt: int, steps: int) -> list[dict]:
-    """CUDA kernel events (name, start ts and duration in us) of `steps` decode steps + eager sampling, by start."""
+    """CUDA kernel events (name, start ts and duration in us) of `steps` decode steps + the engine's sampling
+    (`decode_profile.prepared_steps`), by start."""
     from torch.profiler import ProfilerActivity, profile
 
     from qerl.bench.decode_profile import prepared_steps
@@ -40,7 +41,7 @@ def kernel_events(engine, batch: int, prompt: int, steps: int) -> list[dict]:
 def kind_of(name: str) -> str:
     for pat, kind in ((r"lora_a", "lora_a"), (r"permute_x", "permute_x"), (r"wgmma", "nvfp4 wgmma"),
                       (r"swap_kernel", "nvfp4 mma.sync"), (r"rms_norm", "add+rmsnorm"), (r"rope", "rope+kv"),
-                      (r"_split_kernel|_combine_kernel|attention", "attention"), (r"silu", "silu*up"),
+                      (r"_split_kernel|_combine_kernel|attention", "attention"), (r"silu", "silu*up"), (r"_sample_kernel", "sampling"),
                       (r"gemm|gemv|nvjet|cutlass|xmma", "cublas")):
         if re.search(pat, name):
             return kind

@@ -2,7 +2,8 @@
 
 Builds a random-weight Qwen2.5-shaped model (as `qerl bench rollout`), prefills a batch of prompts, then
 profiles `--steps` decode steps (the engine's step: one CUDA-graph replay, or eager with `--eager`)
-plus the sampling of each next token, with torch.profiler's CUDA activity. Prints, per variant and
+plus the sampling of each next token as the engine samples (one launch where `fused_sampling_applies`),
+with torch.profiler's CUDA activity. Prints, per variant and
 batch, the kernels by GPU time per step (calls per step, us per step, share of the step) and groups them
 into matmul / attention / norm+elementwise / sampling, so a change can be aimed at the largest part.
 
@@ -23,7 +24,7 @@ GROUPS = (  # first match wins; kernel names as CUPTI reports them
     ("cublas gemm", r"gemm|gemv|cutlass|sm90_xmma|ampere_|nvjet|splitK|cublas"),
     ("attention", r"flash|fmha|attention|sdpa|efficient"),
     ("reduce", r"reduce_kernel|sum_|Reduce"),
-    ("sampling", r"sort|topk|softmax|multinomial|exponential|cumsum|log_softmax|argmax|max_"),
+    ("sampling", r"_sample_kernel|sort|topk|softmax|multinomial|exponential|cumsum|log_softmax|argmax|max_"),
     ("copy/index", r"copy|index|scatter|gather|cat|fill|where"),
     ("elementwise", r"elementwise|vectorized|unrolled|pow|rsqrt|mul|add|silu"),
 )
@@ -38,9 +39,9 @@ def group_of(name: str) -> str:
 
 def prepared_steps(engine, batch: int, prompt: int, steps: int):
     """Prefill a batch of `prompt` random tokens, capture the graphs and fill the cache; returns run(), which
-    performs `steps` decode steps (the engine's step at a fixed attended length) each followed by the eager
-    sampler (`next_token`; the engine itself samples in one launch on CUDA) and syncs."""
-    from ..rollout.sampling import SamplingParams, next_token
+    performs `steps` decode steps (the engine's step at a fixed attended length) each followed by the
+    engine's sampler (one launch, `triton_sampling`, where it applies; else `next_token`) and syncs."""
+    from ..rollout.sampling import SamplingParams, fused_sampling_applies, next_token
     from .rollout import prompts_tensor
 
     ids = prompts_tensor(batch, prompt, engine.model.config.vocab_size)
@@ -51,10 +52,16 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
     engine.step_slot.fill_(prompt)
     state = {"logits": engine._decode(kv)}
     torch.cuda.synchronize()
+    fused = engine.fused_sampling and fused_sampling_applies(state["logits"], sp)
+    if fused:
+        from ..kernels.triton_sampling import sample_triton
 
     def run():
-        for _ in range(steps):
-            tok, _, _ = next_token(state["logits"], sp, None)
+        for i in range(steps):
+            if fused:
+                tok, _, _ = sample_triton(state["logits"], sp.temperature, 2**32, i)
+            else:
+                tok, _, _ = next_token(state["logits"], sp, None)
             engine.step_tokens.copy_(tok)
             state["logits"] = engine._decode(kv)
         torch.cuda.synchronize()

@@ -48,10 +48,14 @@ def triton_available() -> bool:
     return _HAVE_TRITON
 
 
+def triton_enabled() -> bool:
+    """Triton importable and not turned off (QERL_DISABLE_TRITON=1)."""
+    return os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available()
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """True when x should go through the Triton kernels."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available())
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_enabled()
 
 
 def swap_wins(m: int, n: int, k: int) -> bool:

@@ -12,12 +12,11 @@ for pi_old, so the ratio pi_theta / pi_old is 1 at the first update. top-k / top
 is drawn; their renormalised truncated distribution is not what is recorded (say so wherever it matters).
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels.triton_gate import triton_available
+from ..kernels.triton_gate import triton_enabled
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams) -> bool
     unit column stride, no top-k / top-p truncation (those need a sort: the eager path keeps them),
     Triton importable and QERL_DISABLE_TRITON unset."""
     return (logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and params.top_k == 0
-            and params.top_p == 1.0 and os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available())
+            and params.top_p == 1.0 and triton_enabled())
 
 
 def philox_seed(generator: torch.Generator | None, device: torch.device) -> int:
