@@ -78,11 +78,42 @@ def test_wgmma_with_x_staged_or_pre_permuted(x_permuted, monkeypatch):
 
     monkeypatch.setattr(gluon_nvfp4, "X_PERMUTED", x_permuted)
     for m, n, k in [(5, 300, 1024), (8, 640, 2048), (9, 333, 1024), (16, 700, 1280), (21, 517, 1024),
-                    (40, 1000, 2048), (64, 96, 3584)]:
+                    (40, 1000, 2048), (64, 96, 3584), (100, 517, 1024)]:
         for split in (1, 3):
             _case(m, n, k, seed=m + split, global_scale=900.0, bias=split == 1, split=split,
                   lora_r=16 if split == 3 else 0, wgmma=True)
     _case(64, 200, 1024, seed=5, global_scale=900.0, bias=True, config=(64, 64, 128, 16, 3), wgmma=True)
+
+
+def test_wgmma_takes_65_to_256_rows_through_the_dispatch():
+    """Above 64 rows on sm_90 the router sends the forward to the wgmma form with 128-row activation tiles (up to
+    128 rows for every weight, 256 for weights of >= 32M elements): `nvfp4_linear` with bias and a LoRA term
+    equals the reference there, the swap kernel does not decline those shapes, and it declines (dequantize +
+    cuBLAS takes them) where the rule says so."""
+    require_cuda()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    from qerl.kernels import triton_gate, triton_nvfp4 as tk
+    from qerl.kernels.nvfp4_matmul import nvfp4_linear
+
+    for m, n, k, split in [(65, 333, 1024, None), (100, 1000, 2048, 3), (128, 4608, 3584, None),
+                           (200, 8200, 4096, None), (256, 8192, 4096, 2)]:
+        assert triton_gate.wide_wgmma_wins(m, n, k)
+        _case(m, n, k, seed=m, global_scale=900.0, bias=True, split=split, lora_r=16 if m % 2 else 0)
+        gen = torch.Generator().manual_seed(m + 1)
+        w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 2688.0).items()}
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        h = torch.randn(m, 16, generator=gen).to(torch.bfloat16).cuda()
+        lb = (torch.randn(n, 16, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+        bias = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+        y = nvfp4_linear(x, **w, bias=bias, lora=(h, lb))
+        ref = x.float() @ dequantize_nvfp4(**w, dtype=torch.float32).t() + bias.float() + h.float() @ lb.float().t()
+        assert not torch.isnan(y).any() and _rel_err(y, ref) < REL_TOL
+    for m, n, k in [(129, 1000, 1024), (257, 8192, 4096)]:  # past the rule: the swap kernel declines
+        assert not triton_gate.wide_wgmma_wins(m, n, k)
+        gen = torch.Generator().manual_seed(m)
+        w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 2688.0).items()}
+        assert tk.nvfp4_linear_swap(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), **w) is None
 
 
 @pytest.mark.parametrize("wgmma,x_permuted", [(False, None), (True, False), (True, True)])

@@ -4,8 +4,10 @@ For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-7B/14B/32B/72
 side by side on one GPU:
   cublas    F.linear with a bf16 weight (the 16-bit baseline);
   deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
-  fused     the fused kernel (`nvfp4_linear_triton`, the tile `pick_config` chooses);
-and the input gradient dY @ W (fused vs deq+cublas vs cublas). Each timing is the median over CUDA-graph
+  fused     the tl.dot kernel (`nvfp4_linear_triton`, the tile `pick_config` chooses);
+  routed    what `nvfp4_linear` dispatches to (`triton_gate`: the Gluon swap-AB kernels up to 64 rows, and
+            on sm_90 up to 128-256; else the kernels above), i.e. what a model's layers get;
+and the input gradient dY @ W (fused and routed vs deq+cublas vs cublas). Each timing is the median over CUDA-graph
 replays of a sequence of calls that cycles through enough weight copies to exceed twice the L2 cache, so
 weights come from HBM, as in a real model pass. Bandwidth = bytes of weights + activations moved / time,
 shown against the device's measured copy bandwidth. Writes <out>.json and <out>.md; prints the table.
@@ -77,7 +79,11 @@ def _weights(n: int, k: int, copies: int):
 
 
 def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, config=None) -> list[dict]:
+    """cuBLAS bf16, dequantize + cuBLAS, the tl.dot kernel ("fused") and what `nvfp4_linear` /
+    `nvfp4_linear_grad_input` route the product to ("routed": the swap-AB kernels, the CUDA-core gemv, the
+    tl.dot kernel or dequantize + cuBLAS, by `triton_gate`)."""
     from qerl.kernels import triton_nvfp4 as tk
+    from qerl.kernels.nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
     fp4_bytes = n * k // 2 + n * k // 16
     copies_fp4 = max(1, -(-2 * l2_bytes // fp4_bytes))
@@ -96,12 +102,14 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
                     "cublas": lambda i: F.linear(xs[i % 2], bf[i % copies]),
                     "deq+cublas": lambda i: F.linear(xs[i % 2], tk.nvfp4_dequantize_triton(**q[i % copies])),
                     "fused": lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies], config=config),
+                    "routed": lambda i: nvfp4_linear(xs[i % 2], **q[i % copies]),
                 }
             else:
                 fns = {
                     "cublas": lambda i: xs[i % 2] @ bf[i % copies],
                     "deq+cublas": lambda i: xs[i % 2] @ tk.nvfp4_dequantize_triton(**q[i % copies]),
                     "fused": lambda i: tk.nvfp4_grad_input_triton(xs[i % 2], **q[i % copies], config=config),
+                    "routed": lambda i: nvfp4_linear_grad_input(xs[i % 2], **q[i % copies]),
                 }
             t = {name: _graph_time(fn, calls, replays) for name, fn in fns.items()}
             rows.append({
@@ -109,6 +117,7 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
                 "speedup_vs_cublas": t["cublas"] / t["fused"], "speedup_vs_deq": t["deq+cublas"] / t["fused"],
                 "bw_fused": (fp4_bytes + act) / t["fused"], "bw_cublas": (2 * n * k + act) / t["cublas"],
                 "tflops_fused": 2 * m * n * k / t["fused"] / 1e12,
+                "routed_vs_cublas": t["cublas"] / t["routed"], "routed_vs_deq": t["deq+cublas"] / t["routed"],
             })
     del bf, q
     torch.cuda.empty_cache()
@@ -289,12 +298,14 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     copy = meta["copy_bw"]
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"copy bandwidth {copy / 1e12:.2f} TB/s; command `{meta['command']}`", "",
-             "| model | layer | kind | M | cuBLAS bf16 us | deq+cuBLAS us | fused us | x cuBLAS | x deq | "
-             "fused TB/s (% copy) | cuBLAS TB/s | fused TFLOP/s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | layer | kind | M | cuBLAS bf16 us | deq+cuBLAS us | fused us | routed us | routed x cuBLAS | "
+             "routed x deq | fused x cuBLAS | fused x deq | fused TB/s (% copy) | cuBLAS TB/s | fused TFLOP/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        routed = (f"{r['t_routed_us']:.1f} | {r['routed_vs_cublas']:.2f} | {r['routed_vs_deq']:.2f}" if "t_routed_us" in r
+                  else " | | ")
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['kind']} | {r['M']} | "
-                     f"{r['t_cublas_us']:.1f} | {r['t_deq+cublas_us']:.1f} | {r['t_fused_us']:.1f} | "
+                     f"{r['t_cublas_us']:.1f} | {r['t_deq+cublas_us']:.1f} | {r['t_fused_us']:.1f} | {routed} | "
                      f"{r['speedup_vs_cublas']:.2f} | {r['speedup_vs_deq']:.2f} | "
                      f"{r['bw_fused'] / 1e12:.2f} ({100 * r['bw_fused'] / copy:.0f}%) | {r['bw_cublas'] / 1e12:.2f} | "
                      f"{r['tflops_fused']:.0f} |")
@@ -348,8 +359,8 @@ def main(argv=None) -> int:
             for r in bench_shape(n, k, ms, bms, l2, args.replays):
                 rows.append({"model": model, "layer": layer, **r})
                 print(f"{model} {layer} {r['kind']} M={r['M']}: cublas {r['t_cublas_us']:.1f} "
-                      f"deq {r['t_deq+cublas_us']:.1f} fused {r['t_fused_us']:.1f} us "
-                      f"x{r['speedup_vs_cublas']:.2f}", flush=True)
+                      f"deq {r['t_deq+cublas_us']:.1f} fused {r['t_fused_us']:.1f} routed {r['t_routed_us']:.1f} us "
+                      f"routed x{r['routed_vs_cublas']:.2f}", flush=True)
     md = _markdown(rows, meta)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

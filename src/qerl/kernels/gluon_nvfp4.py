@@ -357,16 +357,20 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`; routed for 9 <= m <= 64 on sm_90, and 5-8
-    rows for the largest weights, see `triton_gate.wgmma_wins`). From H200 sweeps
+    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`; routed for 9 <= m <= 64 on sm_90, 5-8
+    rows for the largest weights and 65-128 / 65-256 rows, see `triton_gate.wgmma_wins`). From H200 sweeps
     (`benchmarks/experimental/wgmma_swap/sweep_tiles.py M`, docs/benchmarks.md) over BN x (BKH, NS) x programs per
     SM: one 64-row wgmma tile per warpgroup, 3 stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128
     packed bytes per step and ~4 programs per SM (best or within 4% on 6 of 7 Qwen2.5 shapes at M = 16), above that
     64 bytes and ~3. With x pre-permuted (`triton_gate.permute_x_wins`; sweep of session 6, docs/benchmarks.md): at
     17-32 rows 128 bytes per step for gate/up-like weights (N > 4 K: 1.05x on 7B, 1.16x on 32B gate_up), and at
     33-64 rows ~2 programs per SM (1.23x on 8192x8192, 1.24x on 72B down, 1.03x on 7B down, others within 1%)."""
-    xp = triton_gate.permute_x_wins(n, k)
-    if m <= 16:
+    xp = triton_gate.permute_x_wins(n, k, m)
+    if m > 64:  # 128 activation rows per tile, 2 stages (~3 programs per SM), x always pre-permuted (session 8,
+        # `benchmarks/experimental/wgmma_swap/sweep_large_m.py`: best or within 2% at M = 128-256 on 7B gate_up
+        # and down; BM 256 (one program per SM) 1.3x slower there)
+        cfg, waves = (64, 128, 64, 16, 2), 2.0
+    elif m <= 16:
         cfg, waves = (64, 8 if m <= 8 else 16, 128, 16, 3), 4.0
     elif m <= 32:
         cfg, waves = (64, 32, 128 if xp and n > 4 * k else 64, 16, 3), 3.0
@@ -452,7 +456,7 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
 
         xperm = X_PERMUTED if x_permuted is None else x_permuted
         if xperm is None:
-            xperm = triton_gate.permute_x_wins(n, k)
+            xperm = triton_gate.permute_x_wins(n, k, m)
         kernel, extra = nvfp4_swap_wgmma_kernel, {"XP": xperm}
         if xperm:
             xp = _alloc((m, k), x.device, torch.bfloat16)

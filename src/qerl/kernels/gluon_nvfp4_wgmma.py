@@ -131,14 +131,13 @@ def _stage_x(xl_s, xh_s, x_ptr, M, stride_xm, pid_m, k0, p: gl.constexpr,
 def _issue_xp(xl_s, xh_s, xp_ptr, M, stride_xm, pid_m, k0, valid, BM: gl.constexpr, BKH: gl.constexpr,
               NW: gl.constexpr):
     """cp.async of a pre-permuted x tile (`permute_x_kernel`'s xp: x_lo then x_hi per block of 2 BKH columns)
-    into one pipeline stage. Rows >= M are clamped to M - 1: they only feed output columns that are never
-    stored. valid (scalar) False: zero-fill, no memory access."""
+    into one pipeline stage. Rows >= M and valid (scalar) False: zero-fill, no memory access."""
     TK: gl.constexpr = BKH // 8
     CP: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [NW, 1], [1, 0])
-    rows = gl.minimum(pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, CP)), M - 1)
+    rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, CP))
     cols = gl.arange(0, BKH, layout=gl.SliceLayout(0, CP))
     ptr = xp_ptr + gl.expand_dims(rows * stride_xm, 1) + gl.expand_dims(k0 + cols, 0)
-    m = gl.full([BM, BKH], 1, gl.int1, CP) & valid
+    m = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols >= 0, 0) & valid
     _async_load(xl_s, ptr, mask=m)
     _async_load(xh_s, ptr + BKH, mask=m)
 

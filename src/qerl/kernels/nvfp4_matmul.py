@@ -1,7 +1,8 @@
 """y = x @ W^T and its input gradient for an NVFP4 weight, without keeping W in 16 bits.
 
-CUDA bf16/fp16 inputs go to the Triton kernels: at decode sizes (forward, M <= triton_gate.SWAP_MAX_M) the
-Gluon swap-AB kernel (`gluon_nvfp4`) where it applies, else (M <= triton_gate.GEMV_ROUTE_MAX_M)
+CUDA bf16/fp16 inputs go to the Triton kernels: at decode sizes (forward, M <= triton_gate.SWAP_MAX_M, and
+on sm_90 up to 128-256 rows, `triton_gate.wide_wgmma_wins`) the Gluon swap-AB kernel (`gluon_nvfp4`) where it
+applies, else (M <= triton_gate.GEMV_ROUTE_MAX_M)
 the CUDA-core kernel `triton_fp4_gemv`, otherwise the fused tensor-core kernels (`triton_nvfp4`, imported lazily), which decode W
 tile by tile in registers. Everything else takes the plain-torch path, which is also the reference the
 kernels are tested against: dequantize into a temporary that lives for this call only. On the CPU that is

@@ -7,6 +7,8 @@ Forward x @ W^T, by rows M (H200 measurements in docs/benchmarks.md):
     128 == 0, global scale > 128); it beats the other paths at every Qwen2.5 shape there; from WGMMA_MIN_M
     rows on sm_90 its wgmma variant (`gluon_nvfp4_wgmma`; `wgmma_wins`, `permute_x_wins`), and from
     WGMMA_SMALL_M rows for the largest weights;
+  - on sm_90 only, up to WGMMA_MAX_M (128) rows, and up to WGMMA_MAX_M_BIG (256) for weights of >=
+    PERMUTE_X_MIN_WEIGHT elements: the wgmma variant with 128-row activation tiles (`wide_wgmma_wins`);
   - otherwise M <= GEMV_ROUTE_MAX_M (1): the CUDA-core kernel (`triton_fp4_gemv`);
   - then `fused_wins` picks between the fused tl.dot kernel and "dequantize W on the device in one Triton
     pass into a temporary (the caching allocator reuses the block), then cuBLAS": fused up to M = 16, and up
@@ -30,6 +32,13 @@ SWAP_MAX_M = 64  # forward up to here: the Gluon swap-AB kernel (gluon_nvfp4) wh
 # `benchmarks/experimental/wgmma_swap/x_permuted.py 1,4,8`: at M = 8 1.05x mma.sync on 7B gate_up, 1.13x on
 # 72B down, 1.18x on 32B gate_up, 1.05x on 7B down (68M elements, below the bar) but 0.93-0.94x on 72B o
 # (67M); at M = 1-4 no form wins everywhere).
+# Above SWAP_MAX_M (sm_90 only; elsewhere dequantize + cuBLAS): the wgmma variant, 128 activation rows per
+# tile, x pre-permuted, up to WGMMA_MAX_M rows for every weight and WGMMA_MAX_M_BIG rows for weights of
+# PERMUTE_X_MIN_WEIGHT elements and more. H200, session 8 (`benchmarks/experimental/wgmma_swap/sweep_large_m.py`):
+# at M = 128 1.02-2.28x dequantize + cuBLAS on the 7B shapes, at M = 256 1.30-1.42x on 7B gate_up / down but
+# 0.86-0.94x on q/k/v and o, at M = 1024 0.71-0.84x everywhere.
+WGMMA_MAX_M = 128
+WGMMA_MAX_M_BIG = 256
 WGMMA_MIN_M = 9
 WGMMA_SMALL_M = 5
 WGMMA_SMALL_M_MIN_WEIGHT = 100 * 2**20
@@ -59,20 +68,27 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def swap_wins(m: int, n: int, k: int) -> bool:
-    """Forward x @ W^T with m rows: try the Gluon swap-AB kernel first (it declines shapes it cannot take)."""
-    return 1 <= m <= SWAP_MAX_M
+    """Forward x @ W^T with m rows: try the Gluon swap-AB kernel first (it declines shapes it cannot take,
+    and rows above SWAP_MAX_M where the wgmma variant cannot run)."""
+    return 1 <= m <= SWAP_MAX_M or wide_wgmma_wins(m, n, k)
+
+
+def wide_wgmma_wins(m: int, n: int, k: int) -> bool:
+    """Rows above SWAP_MAX_M that the wgmma variant takes from dequantize + cuBLAS (sm_90 only)."""
+    return SWAP_MAX_M < m <= (WGMMA_MAX_M_BIG if n * k >= PERMUTE_X_MIN_WEIGHT else WGMMA_MAX_M)
 
 
 def wgmma_wins(m: int, n: int, k: int) -> bool:
     """Within the swap-AB range: the Hopper wgmma variant of the Gluon kernel (True) or its mma.sync form."""
     if WGMMA_SMALL_M <= m < WGMMA_MIN_M:
         return n * k >= WGMMA_SMALL_M_MIN_WEIGHT  # those weights also take the pre-permuted x (permute_x_wins)
-    return WGMMA_MIN_M <= m <= SWAP_MAX_M
+    return WGMMA_MIN_M <= m <= SWAP_MAX_M or wide_wgmma_wins(m, n, k)
 
 
-def permute_x_wins(n: int, k: int) -> bool:
-    """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step."""
-    return n * k >= PERMUTE_X_MIN_WEIGHT
+def permute_x_wins(n: int, k: int, m: int = 1) -> bool:
+    """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step
+    (always above SWAP_MAX_M rows: staging a 128-row x tile through registers every step costs more)."""
+    return n * k >= PERMUTE_X_MIN_WEIGHT or m > SWAP_MAX_M
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:

@@ -170,6 +170,8 @@ def nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias=
     if auto:
         wgmma = _WGMMA_OK[0] and triton_gate.wgmma_wins(x2.shape[0], n, x2.shape[1]) and \
             torch.cuda.get_device_capability(x.device) == (9, 0)
+        if x2.shape[0] > triton_gate.SWAP_MAX_M and not wgmma:
+            return None  # above 64 rows only the wgmma variant (sm_90) beats dequantize + cuBLAS
     lo = None if lora is None else (_as_2d(lora[0]), lora[1].contiguous())
     try:
         y = gk.nvfp4_linear_swap(x2, weight_packed.contiguous(), scale, _gs(weight_global_scale), b,
