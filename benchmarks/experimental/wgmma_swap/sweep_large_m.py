@@ -5,7 +5,9 @@ rows the dispatch dequantizes the NVFP4 weight into a temporary and calls cuBLAS
 >= 0.95x cuBLAS bf16). The wgmma kernel (`gluon_nvfp4_wgmma`) accepts BM (its wgmma N) up to 256, so each
 decoded weight tile feeds up to 256 activation rows; this times it with x pre-permuted over
 BM {64, 128, 256} x (BKH, NS) x programs per SM {1, 2} (tiles that do not fit shared memory are skipped)
-against cuBLAS bf16 and dequantize + cuBLAS, and checks every timed tile's output against
+against cuBLAS bf16 and dequantize + cuBLAS. At M <= 64 it sweeps the routed BM with 2-4 stages and 2-4
+programs per SM (the earlier sweeps, `sweep_tiles.py`, tried 3-4 stages only); --default times only the
+routed tile (x as the router stages it). Every timed tile's output is checked against
 dequantize + cuBLAS (max |diff| / max |ref|; a tile over 2e-2 is reported as WRONG and not ranked).
 Same timing as `qerl bench kernels`: medians over CUDA-graph replays, weights rotated through > 2x L2.
 """
@@ -26,7 +28,9 @@ SMEM = 227 * 1024
 
 
 def tiles(m: int):
-    for bm in (64, 128, 256):
+    """Above 64 rows BM 64-256; up to 64 the routed BM (the next of 8, 16, 32, 64), 2-4 stages."""
+    bms = (64, 128, 256) if m > 64 else (next(b for b in (8, 16, 32, 64) if b >= m),)
+    for bm in bms:
         if bm > 2 * max(m, 64):
             continue
         for bkh, ns in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3)):
@@ -64,9 +68,9 @@ def main() -> None:
             t_deq = _graph_time(lambda i: F.linear(xs[i % 2], tk.nvfp4_dequantize_triton(**q[i % copies])), calls,
                                 args.replays)
             ref = F.linear(xs[0], tk.nvfp4_dequantize_triton(**q[0])).float()
-            res = []
+            res, seen = [], set()
             for cfg in [None] if args.default else tiles(m):
-                for waves in (None,) if cfg is None else (1.0, 2.0):
+                for waves in (None,) if cfg is None else ((1.0, 2.0) if m > 64 else (2.0, 3.0, 4.0)):
                     if cfg is None:
                         split = None
                         res_cfg = gk.pick_config_wgmma(m, n, k)[0]
@@ -74,8 +78,9 @@ def main() -> None:
                     else:
                         res_cfg, waves_shown = cfg, waves
                         split = gk.split_for(m, n, k, cfg, sms, waves)[0]
-                        if waves > 1 and split == gk.split_for(m, n, k, cfg, sms, 1.0)[0]:
-                            continue  # same launch as waves 1
+                        if (cfg, split) in seen:
+                            continue  # the same launch as a smaller wave count
+                        seen.add((cfg, split))
 
                     def call(i, cfg=cfg, split=split):
                         return tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies], config=cfg, split=split, wgmma=True)
