@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from ..formats import get_format
 from .dequant_cache import cached_dense_weight
+from .bf16_matmul import bf16_linear
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import add_lora, nvfp4_linear, nvfp4_linear_grad_input
 
@@ -23,12 +24,14 @@ def quantized_linear(
     lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> x @ W^T + bias (+ h @ b^T for lora = (h [..., R], b [N, R])), [..., N] in x.dtype;
-    W given as the format's tensors. The LoRA term rides in the NVFP4 decode kernel where it applies."""
+    W given as the format's tensors. The LoRA term rides in the NVFP4 / bf16 decode kernels where they apply."""
     dense = cached_dense_weight(fmt, tensors, x.dtype)
     if dense is not None:
         return add_lora(F.linear(x, dense, None if bias is None else bias.to(x.dtype)), lora)
     if fmt == "nvfp4":
         return nvfp4_linear(x, **tensors, bias=bias, lora=lora)
+    if fmt == "bf16":
+        return bf16_linear(x, tensors["weight"], bias, lora)
     if fmt == "mxfp4":
         return add_lora(mxfp4_linear(x, **tensors, bias=bias), lora)
     return add_lora(_dequantize_linear(fmt, x, tensors, bias), lora)

@@ -43,6 +43,8 @@ WGMMA_MIN_M = 9
 WGMMA_SMALL_M = 5
 WGMMA_SMALL_M_MIN_WEIGHT = 100 * 2**20
 PERMUTE_X_MIN_WEIGHT = 32 * 2**20
+# bf16 weights (the 16-bit baseline) up to here: the Gluon kernel `gluon_bf16` instead of cuBLAS
+BF16_SWAP_MAX_M = 16
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
@@ -89,6 +91,11 @@ def permute_x_wins(n: int, k: int, m: int = 1) -> bool:
     """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step
     (always above SWAP_MAX_M rows: staging a 128-row x tile through registers every step costs more)."""
     return n * k >= PERMUTE_X_MIN_WEIGHT or m > SWAP_MAX_M
+
+
+def bf16_swap_wins(m: int, n: int, k: int) -> bool:
+    """Forward x @ W^T with a bf16 weight and m rows: the Gluon kernel (True) or cuBLAS."""
+    return 1 <= m <= BF16_SWAP_MAX_M
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:
