@@ -43,8 +43,11 @@ WGMMA_MIN_M = 9
 WGMMA_SMALL_M = 5
 WGMMA_SMALL_M_MIN_WEIGHT = 100 * 2**20
 PERMUTE_X_MIN_WEIGHT = 32 * 2**20
-# bf16 weights (the 16-bit baseline) up to here: the Gluon kernel `gluon_bf16` instead of cuBLAS
-BF16_SWAP_MAX_M = 16
+# bf16 weights (the 16-bit baseline) and the engine's bf16 lm_head up to here: the Gluon kernel `gluon_bf16`
+# instead of cuBLAS. H200, 7B engine (`benchmarks/experimental/bf16_kernel_ab.py`, session 8): bf16+LoRA
+# 5.15 -> 4.49 ms per step at batch 1, 5.44 -> 4.73 at 8, 5.70 -> 4.93 at 16, 5.96 -> 5.72 at 32 (routed up
+# to 64 rows: 6.24 -> 7.37 at 64, where cuBLAS's tensor-core GEMMs win)
+BF16_SWAP_MAX_M = 32
 GEMV_ROUTE_MAX_M = 1  # route to the CUDA-core decode kernel up to here (it can take 16 rows; H200: wins only at M=1)
 FUSED_MAX_M = 16  # always fused up to here
 FUSED_MAX_M_BIG = 64  # ... and up to here when the weight has >= BIG_WEIGHT elements
