@@ -39,7 +39,8 @@ def kernel_events(engine, batch: int, prompt: int, steps: int) -> list[dict]:
 
 
 def kind_of(name: str) -> str:
-    for pat, kind in ((r"lora_a", "lora_a"), (r"permute_x", "permute_x"), (r"wgmma", "nvfp4 wgmma"),
+    for pat, kind in ((r"lora_a", "lora_a"), (r"permute_x", "permute_x"), (r"bf16_swap", "bf16 gluon"),
+                      (r"wgmma", "nvfp4 wgmma"), (r"splitKreduce", "cublas split-K reduce"),
                       (r"swap_kernel", "nvfp4 mma.sync"), (r"rms_norm", "add+rmsnorm"), (r"rope", "rope+kv"),
                       (r"_split_kernel|_combine_kernel|attention", "attention"), (r"silu", "silu*up"), (r"_sample_kernel", "sampling"),
                       (r"gemm|gemv|nvjet|cutlass|xmma", "cublas")):

@@ -18,6 +18,7 @@ import re
 import torch
 
 GROUPS = (  # first match wins; kernel names as CUPTI reports them
+    ("bf16 gluon kernel", r"bf16_swap"),
     ("fp4 kernels", r"_fp4_|fp4_gemv|_gemv_kernel|_swap|_splitk_reduce"),
     ("fused norm/rope", r"_add_rms_norm|_rope_kernel"),
     ("dequant", r"dequant"),
