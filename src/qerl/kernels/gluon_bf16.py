@@ -24,8 +24,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
-from .gluon_nvfp4 import _async_load, _barrier, _commit, _counters, _lora_tile, _store_out, _wait
-from .triton_fp4_mm import _alloc
+from .gluon_nvfp4 import _async_load, _barrier, _commit, _lora_tile, _store_out, _wait, launch_buffers, lora_operands
 
 
 @gluon.jit
@@ -132,22 +131,11 @@ def bf16_linear_swap(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     s = split if split is not None else max(1, min(tiles, -(-int(waves * sms) // grid_nm)))
     per = triton.cdiv(tiles, max(1, min(s, tiles)))
     s = triton.cdiv(tiles, per)
-    partial = s > 1
-    if s * m * n >= 2**31:
-        raise ValueError(f"split-K workspace of {s} x {m} x {n} elements exceeds int32 indexing")
-    out = _alloc((m, n), x.device, torch.bfloat16)
-    ws = _alloc((s, m, n), x.device, torch.float32) if partial else out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), s)
-    cnt = _counters(x.device, grid[0] * grid[1]) if partial else out
-    h, lb, rp, r = out, out, 0, 0
-    if lora is not None:
-        h, lb = lora
-        r = h.shape[1]
-        if h.shape[0] != m or lb.shape != (n, r) or h.stride(1) != 1 or not lb.is_contiguous():
-            raise ValueError(f"LoRA operands must be h [{m}, r] (unit column stride) and lb [{n}, r] contiguous")
-        rp = max(16, triton.next_power_of_2(r))  # MMA k step 16; Gluon shapes are powers of two
+    out, ws, cnt = launch_buffers(x.device, m, n, s, grid[0] * grid[1])
+    h, lb, stride_hm, r, rp = lora_operands(lora, m, n, out)
     bf16_swap_kernel[grid](x, w, bias if bias is not None else out, out, m, n, k, x.stride(0), w.stride(0),
-                           out.stride(0), ws, cnt, per, h, lb, h.stride(0) if lora is not None else 0, r,
-                           BN=bn, BM=bm, BK=bk, NS=ns, PARTIAL=partial, NW=4, HAS_BIAS=bias is not None, RP=rp,
+                           out.stride(0), ws, cnt, per, h, lb, stride_hm, r,
+                           BN=bn, BM=bm, BK=bk, NS=ns, PARTIAL=s > 1, NW=4, HAS_BIAS=bias is not None, RP=rp,
                            num_warps=4, **pdl.launch_options(x))
     return out

@@ -329,6 +329,29 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return _COUNTERS[key]
 
 
+def launch_buffers(device: torch.device, m: int, n: int, splits: int, tiles_nm: int):
+    """(out bf16 [m, n], split-K workspace fp32 [splits, m, n], arrival counters int32 [tiles_nm]) for a swap-AB
+    launch; with one split the last two are `out` (unused placeholders)."""
+    if splits * m * n >= 2**31:
+        raise ValueError(f"split-K workspace of {splits} x {m} x {n} elements exceeds int32 indexing")
+    out = _alloc((m, n), device, torch.bfloat16)
+    if splits == 1:
+        return out, out, out
+    return out, _alloc((splits, m, n), device, torch.float32), _counters(device, tiles_nm)
+
+
+def lora_operands(lora: tuple[torch.Tensor, torch.Tensor] | None, m: int, n: int, placeholder: torch.Tensor):
+    """(h, lb, h row stride, R, RP) for the epilogue's LoRA term h [m, R] @ lb [n, R]^T (RP: R rounded up to a power
+    of two >= 16, the MMA k step), or (placeholder, placeholder, 0, 0, 0) without one."""
+    if lora is None:
+        return placeholder, placeholder, 0, 0, 0
+    h, lb = lora
+    r = h.shape[1]
+    if h.shape[0] != m or lb.shape != (n, r) or h.stride(1) != 1 or not lb.is_contiguous():
+        raise ValueError(f"LoRA operands must be h [{m}, r] (unit column stride) and lb [{n}, r] contiguous")
+    return h, lb, h.stride(0), r, max(16, triton.next_power_of_2(r))
+
+
 X_PERMUTED: bool | None = None  # default of nvfp4_linear_swap's x_permuted; None: `triton_gate.permute_x_wins`
 
 # (BN, BM, BKH, KW, NS): weight rows per program, activation rows (MMA n, >= 8), packed bytes per row per
@@ -435,21 +458,10 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     else:
         per = triton.cdiv(tiles, max(1, min(split, tiles)))
         s = triton.cdiv(tiles, per)
-    partial = s > 1
-    if s * m * n >= 2**31:
-        raise ValueError(f"split-K workspace of {s} x {m} x {n} elements exceeds int32 indexing")
-    out = _alloc((m, n), x.device, torch.bfloat16)
-    b = bias if bias is not None else out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), s)
-    ws = _alloc((s, m, n), x.device, torch.float32) if partial else out
-    cnt = _counters(x.device, grid[0] * grid[1]) if partial else out
-    h, lb, rp = out, out, 0
-    if lora is not None:
-        h, lb = lora
-        r = h.shape[1]
-        if h.shape[0] != m or lb.shape != (n, r) or h.stride(1) != 1 or not lb.is_contiguous():
-            raise ValueError(f"LoRA operands must be h [{m}, r] (unit column stride) and lb [{n}, r] contiguous")
-        rp = max(16, triton.next_power_of_2(r))  # MMA k step 16; Gluon shapes are powers of two
+    out, ws, cnt = launch_buffers(x.device, m, n, s, grid[0] * grid[1])
+    b = bias if bias is not None else out
+    h, lb, stride_hm, r, rp = lora_operands(lora, m, n, out)
     kernel, extra = nvfp4_swap_kernel, {}
     if wgmma:
         from .gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel, permute_x_kernel
@@ -464,8 +476,7 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
                                                                     NW=4, num_warps=4, **pdl.launch_options(x))
             x = xp
     kernel[grid](x, packed, scale_u8, global_scale, b, out, m, n, k, x.stride(0), packed.stride(0),
-                 scale_u8.stride(0), out.stride(0), ws, cnt, per,
-                 h, lb, h.stride(0) if lora is not None else 0, lb.shape[-1] if lora is not None else 0,
-                 BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=partial, NW=4, SALIGN=salign,
+                 scale_u8.stride(0), out.stride(0), ws, cnt, per, h, lb, stride_hm, r,
+                 BN=bn, BM=bm, BKH=bkh, KW=kw, NS=ns, PARTIAL=s > 1, NW=4, SALIGN=salign,
                  HAS_BIAS=bias is not None, RP=rp, num_warps=4, **extra, **pdl.launch_options(x))
     return out
