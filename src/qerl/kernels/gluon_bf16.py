@@ -1,10 +1,10 @@
 """Gluon kernel: bf16 weight x bf16 activations at decode sizes ("swap AB" on mma.sync), for the 16-bit base.
 
 The bf16 baseline (`quantize_model(fmt="bf16")`, the engine's bf16 variants) decoded through cuBLAS, whose
-GEMV-like kernels at 1-16 rows stream the weights well (3.1-4.0 TB/s on an H200) but split K into a second
-reduce launch on most shapes (140 `splitKreduce_kernel` launches per 7B step) and cannot take part in
-programmatic dependent launch (`pdl`), so each of their ~8 launches per layer costs its full launch and ramp
-latency. This kernel is the NVFP4 decode kernel (`gluon_nvfp4`) without the decode:
+GEMV-like kernels at 1-16 rows stream the weights at 2.2-4.2 TB/s on an H200 (the large ones near the copy
+bandwidth) but split K into a second reduce launch on most shapes (140 `splitKreduce_kernel` launches per 7B
+step) and cannot take part in programmatic dependent launch (`pdl`), so each of their ~8 launches per layer
+costs its full launch and ramp latency. This kernel is the NVFP4 decode kernel (`gluon_nvfp4`) without the decode:
   - out^T = W @ x^T: a [BN, BK] weight tile (16-byte cp.async into an NS-stage shared pipeline) is the A
     operand of mma.sync m16n8k16, the x tile [BM, BK] the B operand (cp.async in the same stage);
   - with PDL the first NS - 1 weight stages are in flight before the wait for the previous kernel;
@@ -99,8 +99,10 @@ Bf16Config = tuple[int, int, int, int]
 
 def pick_config(m: int, n: int, k: int) -> tuple[Bf16Config, float]:
     """(tile, programs per SM) for [m, k] x [n, k]^T. From `benchmarks/experimental/bf16_decode_sweep.py`
-    (H200, Qwen2.5-7B shapes, M = 1-16): 3 stages of 128 columns were best or within 3% on every shape but
-    gate_up (64 columns, 1%); ~2 programs per SM for the large weights (>= 32M elements), ~3 for q/k/v and o."""
+    (H200, Qwen2.5-7B shapes and the lm_head, M = 1 / 8 / 16): the best tile had 3 stages in 14 of 15 cells and
+    128 columns per step in 10 (64 in the others, gate_up among them), ~2 programs per SM for the large
+    weights (>= 32M elements) and 3-4 for q/k/v and o. This default was set from that sweep and then measured
+    in the engine (docs/benchmarks.md, Rollout "Session 8"), not swept again on its own."""
     bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
     return (64, bm, 128, 3), (2.0 if n * k >= 32 * 2**20 else 3.0)
 
