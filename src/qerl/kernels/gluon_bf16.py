@@ -109,10 +109,11 @@ def pick_config(m: int, n: int, k: int) -> tuple[Bf16Config, float]:
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether this kernel takes x [M, K] @ w [N, K]^T: bf16 CUDA tensors of sm_80+, K % 8 == 0, w with unit
-    column stride and 16-byte aligned rows."""
+    column stride and 16-byte aligned rows, and w's element offsets within int32 (the kernel's index type)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.dim() == 2
             and x.shape[-1] == w.shape[1] and w.shape[1] % 8 == 0 and w.stride(1) == 1 and w.stride(0) % 8 == 0
-            and w.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 0))
+            and w.shape[0] * w.stride(0) < 2**31 and w.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
 def bf16_linear_swap(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, sms: int,
