@@ -1,19 +1,23 @@
 """How fast could the NVFP4 rollout engine be with a perfect FP4 matmul? A counterfactual measurement (GPU).
 
-For each variant and batch the decode step is timed twice on the same engine (`qerl bench rollout`'s method):
-  as is, and
-  with the base matmuls of the decoder layers "free": the engine's `quantized_linear` is replaced by an
-  allocation of its output (no kernel; the values are garbage, which no timing depends on). Everything
-  else runs as before: the LoRA A launches, attention, norms, RoPE, SiLU, the bf16 lm_head, sampling.
-The difference is what the base matmuls add to a step. From it, per batch:
+For each variant and batch the decode step is timed on the same engine (`qerl bench rollout`'s method) in
+each of `--modes`:
+  real         as is;
+  free         the base matmuls of the decoder layers "free": the engine's `quantized_linear` is replaced by
+               an allocation of its output (no kernel; the values are garbage, which no timing depends on).
+               Everything else runs as before: the LoRA A launches, attention, norms, RoPE, SiLU, the bf16
+               lm_head, sampling;
+  free_lora_a  the LoRA A launches (`lora_a`) replaced the same way, the matmuls real;
+  free_both    both.
+real - free is what the base matmuls add to a step. From it, per batch:
   - the rate at which each variant's matmuls stream their linear weights (bytes / added time);
-  - a bound for NVFP4+LoRA: "rest" (its step with free matmuls) + its linear weight bytes at a given rate,
-    and the ratio bf16+LoRA / bound, for the FP4 bytes streamed (a) at the measured device copy bandwidth
-    and (b) at the rate our bf16 matmuls reach at that batch. It assumes the matmul time adds to the rest
-    (as it does in this engine, one kernel after another); a design that overlaps weight streaming with
-    the small kernels (a persistent "megakernel") is not bounded by it.
+  - a bound for NVFP4+LoRA: "rest" (its free step; optimistic: its free_both step) + its FP4 weight bytes
+    at the measured device copy bandwidth, the ratio bf16+LoRA / bound, and the FP4 streaming rate a 2.5x
+    ratio would need. It assumes the matmul time adds to the rest (as it does in this engine, one kernel
+    after another); a design that overlaps weight streaming with the small kernels (a persistent
+    "megakernel") is not bounded by it.
 
-    python benchmarks/experimental/free_matmul_bound.py --batches 8,16,32,64 [--models 7b] [--out r.json]
+    python benchmarks/experimental/free_matmul_bound.py --batches 8,16,32,64 --modes real,free,free_lora_a,free_both [--out r.json]
 """
 
 import argparse
