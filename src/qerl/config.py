@@ -20,9 +20,20 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class CalibrationSection:
+    """Calibration text for the calibrated quantization methods (gptq, awq); rtn and 4over6 need none."""
+    source: str = "auto"  # auto (see qerl.data.calibration) | reasoning-gym | train | FILE.jsonl/.txt
+    samples: int = 128  # sequences
+    max_tokens: int = 256  # tokens per sequence
+
+
+@dataclass
 class ModelSection:
     name: str = "smollm2-135m-instruct"  # embedded name, HF dir, GGUF, hub id or quantized dir
     format: str = "nvfp4"  # nvfp4 | mxfp4 | nf4 | bf16 (the 16-bit LoRA baseline)
+    quant_method: str = "rtn"  # rtn | 4over6 | gptq | awq: how codes and scales are chosen (qerl.quant)
+    keep_bf16: list[str] = field(default_factory=list)  # module names / fnmatch patterns left in 16 bits
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)
     dtype: str = "auto"  # activations / unquantized tensors: auto = bf16
     device: str = "auto"  # auto = cuda when available
     adapter: str | None = None  # start from this PEFT adapter
@@ -125,6 +136,7 @@ class TrainConfig:
 
 _CHOICES = {
     "model.format": ("nvfp4", "mxfp4", "nf4", "bf16"),
+    "model.quant_method": ("rtn", "4over6", "gptq", "awq"),
     "aqn.decay": ("exponential", "linear", "cosine", "logarithmic"),
     "algo.name": ("grpo", "dapo", "dr_grpo"),
     "algo.old_logprobs": ("recompute", "sampling"),
@@ -132,7 +144,8 @@ _CHOICES = {
 }
 _POSITIVE = ("lora.r", "rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_updates",
              "optim.micro_batch_size", "optim.lr", "steps", "data.max_prompt_tokens", "reward_timeout_s",
-             "aqn.num_stages", "optim.max_bad_steps")
+             "aqn.num_stages", "optim.max_bad_steps", "model.calibration.samples",
+             "model.calibration.max_tokens")
 _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_low", "algo.clip_high",
                  "rollout.temperature", "rollout.top_k", "optim.weight_decay", "optim.warmup_steps",
                  "optim.max_grad_norm", "algo.max_refills", "algo.overlong_buffer", "save_every", "keep_last")
