@@ -32,8 +32,12 @@ def test_arm_names_and_overrides():
     assert study_arms.parse_arm("nvfp4+aqn:exponential").name == "nvfp4+aqn"
     arm = study_arms.parse_arm("nvfp4+aqn:cosine")
     assert (arm.name, arm.slug) == ("nvfp4+aqn:cosine", "nvfp4_aqn_cosine")
-    assert arm.overrides() == ["model.format=nvfp4", "aqn.enabled=true", "aqn.decay=cosine"]
-    assert study_arms.parse_arm("bf16").overrides()[1] == "aqn.enabled=false"
+    assert arm.overrides() == ["model.format=nvfp4", "model.quant_method=rtn", "aqn.enabled=true", "aqn.decay=cosine"]
+    assert study_arms.parse_arm("bf16").overrides()[2] == "aqn.enabled=false"
+    arm = study_arms.parse_arm("nvfp4-gptq+aqn")
+    assert (arm.name, arm.slug, arm.method) == ("nvfp4-gptq+aqn", "nvfp4-gptq_aqn", "gptq")
+    assert "model.quant_method=gptq" in arm.overrides()
+    assert study_arms.parse_arm("nvfp4-rtn").name == "nvfp4"
 
 
 @pytest.mark.parametrize("text,match", [
@@ -41,6 +45,7 @@ def test_arm_names_and_overrides():
     ("nvfp4:linear", "only makes sense with AQN"),
     ("nvfp4+aqn:steep", "unknown AQN decay"),
     ("nvfp4+noise", "expected FORMAT"),
+    ("nvfp4-best", "unknown quantization method"),
     ("NVFP4", "expected FORMAT"),
     ("", "expected FORMAT"),
 ])

@@ -16,26 +16,49 @@ def _quantize(args) -> int:
     from .eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
     from .models import load_causal_lm, memory_report, quantize_model, save_quantized
     from .models.load import plain_hf_directory
+    from .data.calibration import check_source
+    from .models.calibrate import calibration_ids
     from .models.stream import stream_quantized
+    from .quant import CALIBRATED, check_method
 
     t0 = time.perf_counter()
     targets = args.targets.split(",")
+    calibrated = args.method in CALIBRATED
+    check_method(args.method, args.format)
+    if calibrated:
+        check_source(args.calibration)
     directory = plain_hf_directory(args.model) if args.no_check else None
-    ref = ids = None
+    ref = ids = cal = None
     if directory is not None:  # no reference needed: never hold the 16-bit model
+        if calibrated:
+            from transformers import AutoTokenizer
+
+            cal = calibration_ids(args.calibration, AutoTokenizer.from_pretrained(directory), args.calibration_samples,
+                                  args.calibration_max_tokens)
         model, tokenizer = stream_quantized(directory, args.format, targets=targets, dtype=args.dtype,
-                                            trust_remote_code=args.trust_remote_code, show_progress=True)
-        console.print(f"loaded and quantized {args.model} layer by layer in {time.perf_counter() - t0:.1f}s")
+                                            trust_remote_code=args.trust_remote_code, show_progress=True,
+                                            method=args.method, calibration=cal)
+        console.print(f"loaded and quantized {args.model} layer by layer ({args.method}) in "
+                      f"{time.perf_counter() - t0:.1f}s")
     else:
         with console.status(f"loading {args.model}"):
             model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         console.print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
         ids = tokenizer(fidelity_text(), return_tensors="pt").input_ids if (tokenizer and not args.no_check) else None
         ref = next_token_logprobs(model, ids) if ids is not None else None
-        quantize_model(model, args.format, targets=targets, show_progress=True)
+        if calibrated:
+            if tokenizer is None:
+                raise ValueError(f"{args.model}: no tokenizer found; --method {args.method} needs one for calibration")
+            with console.status(f"calibration text ({args.calibration})"):
+                cal = calibration_ids(args.calibration, tokenizer, args.calibration_samples,
+                                      args.calibration_max_tokens, model=model)
+        t1 = time.perf_counter()
+        quantize_model(model, args.format, targets=targets, show_progress=True, method=args.method, calibration=cal)
+        console.print(f"quantized to {args.format} with {args.method} in {time.perf_counter() - t1:.1f}s"
+                      + (f" ({cal.numel()} calibration tokens)" if cal is not None else ""))
     report = memory_report(model)
     out = save_quantized(model, tokenizer, args.out, overwrite=args.overwrite)
-    table = Table(title=f"{args.model} -> {args.format}", show_header=False)
+    table = Table(title=f"{args.model} -> {args.format} ({args.method})", show_header=False)
     table.add_row("output", str(out))
     table.add_row("quantized linears", f"{report['quantized_params'] / 1e6:.1f} M weights")
     table.add_row("bytes per quantized weight", f"{report['base_bytes_per_param']:.4f} (incl. scales)")
@@ -47,7 +70,7 @@ def _quantize(args) -> int:
         table.add_row("top-1 agreement", f"{fid['top1_agreement']:.3f}")
         table.add_row("perplexity 16-bit -> quantized", f"{fid['ppl_ref']:.2f} -> {fid['ppl_quant']:.2f}")
     console.print(table)
-    print(json.dumps({"output": str(out), "format": args.format, **report}))
+    print(json.dumps({"output": str(out), "format": args.format, "method": args.method, **report}))
     return 0
 
 
@@ -79,6 +102,7 @@ def _bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .models.registry import DEFAULT_MODEL
     from .nn import DEFAULT_TARGETS
+    from .quant import METHODS
 
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"embedded name, HF directory, GGUF file or hub id (default {DEFAULT_MODEL})")
     q.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4"])
+    q.add_argument("--method", default="rtn", choices=list(METHODS),
+                   help="how codes and scales are chosen: rtn (round-to-nearest), 4over6 (NVFP4 scale search), "
+                        "gptq / awq (calibrated; docs/formats.md)")
+    q.add_argument("--calibration", default="auto",
+                   help="calibration text for gptq / awq: auto, reasoning-gym, self (the model's own greedy "
+                        "answers), or a .txt / .jsonl file; never an evaluation set")
+    q.add_argument("--calibration-samples", type=int, default=128, help="calibration sequences")
+    q.add_argument("--calibration-max-tokens", type=int, default=256, help="tokens per calibration sequence")
     q.add_argument("--out", required=True, help="output directory (written atomically)")
     q.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated linear names to quantize")
     q.add_argument("--dtype", default="bf16", help="dtype of the unquantized tensors (bf16, fp16, fp32)")

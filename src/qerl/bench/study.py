@@ -3,9 +3,9 @@ pass@1 before/after, reward and entropy curves, time split and memory, aggregate
 seeds. `benchmarks/smollm2_rl.py` is the entry point; this module holds the jobs and the command, with
 arms in `study_arms`, the subprocess runner in `study_jobs`, aggregation and plots in `study_report`.
 
-An arm is FORMAT[+aqn][:DECAY]: FORMAT a weight format (nvfp4, mxfp4, nf4, bf16), +aqn turns Adaptive
-Quantization Noise on, DECAY (exponential, linear, cosine, logarithmic; only with +aqn) is its sigma decay,
-exponential when omitted ("nvfp4+aqn:exponential" is the same arm as "nvfp4+aqn"). Every (arm, seed) job
+An arm is FORMAT[-METHOD][+aqn][:DECAY]: FORMAT a weight format (nvfp4, mxfp4, nf4, bf16), METHOD how it is
+quantized (rtn, 4over6, gptq, awq; rtn when omitted), +aqn turns Adaptive Quantization Noise on, DECAY
+(exponential, linear, cosine, logarithmic; only with +aqn) is its sigma decay, exponential when omitted ("nvfp4+aqn:exponential" is the same arm as "nvfp4+aqn"). Every (arm, seed) job
 gets the same data, steps and hyper-parameters; the same seed gives the same data order and LoRA
 initialisation in every arm.
 
@@ -30,7 +30,7 @@ from .study_jobs import MPSDaemon, run_jobs, write_json_atomic
 from .study_report import aggregate, plot_study, report
 
 # What the study itself sets per job; --set may not override them (the arm / seed would silently lie).
-STUDY_KEYS = ("model.name", "model.format", "aqn.enabled", "aqn.decay", "data.train", "steps", "seed", "output_dir")
+STUDY_KEYS = ("model.name", "model.format", "model.quant_method", "aqn.enabled", "aqn.decay", "data.train", "steps", "seed", "output_dir")
 
 
 # arms, seeds, jobs --------------------------------------------------------------------------------
@@ -174,7 +174,8 @@ def run_job(args, job: Job) -> dict:
     seconds = time.perf_counter() - t0
     after = held_out()
     metrics = read_metrics(Path(cfg.output_dir) / "metrics.jsonl")
-    result = {"arm": job.arm.name, "seed": job.seed, "format": job.arm.format, "aqn": job.arm.aqn,
+    result = {"arm": job.arm.name, "seed": job.seed, "format": job.arm.format, "method": job.arm.method,
+              "aqn": job.arm.aqn,
               "decay": job.arm.decay if job.arm.aqn else None, "pass1_before": before, "pass1_after": after,
               "seconds": seconds, **summarize(metrics), "job_seconds": time.perf_counter() - t_job,
               "device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

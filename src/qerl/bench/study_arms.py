@@ -1,4 +1,5 @@
-"""A study arm, FORMAT[+aqn][:DECAY]: the weight format, whether AQN is on, and its sigma decay."""
+"""A study arm, FORMAT[-METHOD][+aqn][:DECAY]: the weight format, how it is quantized, whether AQN is on,
+and its sigma decay (e.g. nvfp4, nvfp4-gptq+aqn, nvfp4+aqn:linear)."""
 
 import re
 from dataclasses import dataclass
@@ -6,6 +7,8 @@ from dataclasses import dataclass
 FORMATS = ("nvfp4", "mxfp4", "nf4", "bf16")  # qerl.formats.FORMATS, without importing torch here
 DECAYS = ("exponential", "linear", "cosine", "logarithmic")  # qerl.rl.aqn.DECAYS
 DEFAULT_DECAY = "exponential"
+METHODS = ("rtn", "4over6", "gptq", "awq")  # qerl.quant.METHODS
+DEFAULT_METHOD = "rtn"
 
 
 class StudyError(ValueError):
@@ -19,11 +22,13 @@ class Arm:
     format: str
     aqn: bool = False
     decay: str = DEFAULT_DECAY
+    method: str = DEFAULT_METHOD
 
     @property
     def name(self) -> str:
-        """Canonical spelling: the default decay is left out."""
-        return self.format + ("+aqn" if self.aqn else "") + (f":{self.decay}" if self.decay != DEFAULT_DECAY else "")
+        """Canonical spelling: the default method and decay are left out."""
+        return (self.format + (f"-{self.method}" if self.method != DEFAULT_METHOD else "")
+                + ("+aqn" if self.aqn else "") + (f":{self.decay}" if self.decay != DEFAULT_DECAY else ""))
 
     @property
     def slug(self) -> str:
@@ -31,25 +36,28 @@ class Arm:
         return self.name.replace("+", "_").replace(":", "_")
 
     def overrides(self) -> list[str]:
-        return [f"model.format={self.format}", f"aqn.enabled={'true' if self.aqn else 'false'}",
-                f"aqn.decay={self.decay}"]
+        return [f"model.format={self.format}", f"model.quant_method={self.method}",
+                f"aqn.enabled={'true' if self.aqn else 'false'}", f"aqn.decay={self.decay}"]
 
 
-_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?P<aqn>\+aqn)?(?::(?P<decay>[a-z]+))?$")
+_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?P<aqn>\+aqn)?(?::(?P<decay>[a-z]+))?$")
 
 
 def parse_arm(text: str) -> Arm:
     m = _ARM.match(text.strip())
     if not m:
-        raise StudyError(f"arm {text!r}: expected FORMAT[+aqn][:DECAY], e.g. nvfp4, nvfp4+aqn, nvfp4+aqn:linear")
-    fmt, aqn, decay = m["format"], bool(m["aqn"]), m["decay"]
+        raise StudyError(f"arm {text!r}: expected FORMAT[-METHOD][+aqn][:DECAY], e.g. nvfp4, nvfp4-gptq+aqn, "
+                         "nvfp4+aqn:linear")
+    fmt, aqn, decay, method = m["format"], bool(m["aqn"]), m["decay"], m["method"] or DEFAULT_METHOD
     if fmt not in FORMATS:
         raise StudyError(f"arm {text!r}: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if decay is not None and not aqn:
         raise StudyError(f"arm {text!r}: a decay only makes sense with AQN; write {fmt}+aqn:{decay}")
     if decay is not None and decay not in DECAYS:
         raise StudyError(f"arm {text!r}: unknown AQN decay {decay!r}; choose one of {', '.join(DECAYS)}")
-    return Arm(fmt, aqn, decay or DEFAULT_DECAY)
+    if method not in METHODS:
+        raise StudyError(f"arm {text!r}: unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
+    return Arm(fmt, aqn, decay or DEFAULT_DECAY, method)
 
 
 def parse_arms(text: str) -> list[Arm]:

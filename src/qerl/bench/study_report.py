@@ -113,9 +113,9 @@ def ablation_arms(arms: list[str]) -> list[str]:
     """The arms of the AQN decay ablation: for every format with >= 2 AQN decays, its AQN arms plus its plain
     arm as the no-noise reference. [] when no format has two decays."""
     parsed = [parse_arm(a) for a in arms]
-    formats = [f for f in dict.fromkeys(a.format for a in parsed)
-               if len({a.decay for a in parsed if a.format == f and a.aqn}) >= 2]
-    return [a.name for a in parsed if a.format in formats]
+    bases = [f for f in dict.fromkeys((a.format, a.method) for a in parsed)
+             if len({a.decay for a in parsed if (a.format, a.method) == f and a.aqn}) >= 2]
+    return [a.name for a in parsed if (a.format, a.method) in bases]
 
 
 def plot_study(runs: list[dict], agg: dict, out: Path) -> list[Path]:

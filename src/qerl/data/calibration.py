@@ -59,27 +59,28 @@ def problem_answer_text(row: dict) -> str:
     return f"The answer is {row['answer']}.\n#### {row['answer']}"
 
 
-def file_texts(path: Path) -> list[str]:
-    """Texts from a .txt (blank-line separated paragraphs) or .jsonl ("text", or question/answer) file."""
+def file_texts(path: Path, tokenizer) -> list[str]:
+    """Texts from a .txt file (blank-line separated paragraphs, used as they are) or a .jsonl file whose rows
+    carry "text" (as is) or question/answer (written as a chat turn, like the reasoning-gym source)."""
     if not path.is_file():
         raise CalibrationError(f"calibration source {path}: no such file")
-    if path.suffix.lower() == ".jsonl":
-        texts = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise CalibrationError(f"calibration source {path}: line {i} is not JSON") from None
-            if isinstance(row, dict) and isinstance(row.get("text"), str):
-                texts.append(row["text"])
-            elif isinstance(row, dict) and "question" in row and "answer" in row:
-                texts.append(f"{row['question']}\n{row['answer']}")
-            else:
-                raise CalibrationError(f"calibration source {path}: line {i} has neither 'text' nor question/answer")
-        return texts
-    return [p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    if path.suffix.lower() != ".jsonl":
+        return [p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    texts = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise CalibrationError(f"calibration source {path}: line {i} is not JSON") from None
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            texts.append(row["text"])
+        elif isinstance(row, dict) and "question" in row and "answer" in row:
+            texts += problem_texts([row], tokenizer)
+        else:
+            raise CalibrationError(f"calibration source {path}: line {i} has neither 'text' nor question/answer")
+    return texts
 
 
 def pack_tokens(texts: list[str], tokenizer, samples: int, max_tokens: int, where: str,

@@ -1,23 +1,22 @@
-"""Calibrated quantization, one decoder layer at a time (GPTQ / AWQ need the inputs each layer sees).
+"""What calibrated quantization needs from a model: the inputs each decoder layer sees, each target linear's
+input statistics, the per-group method quantizer, and the calibration tokens themselves.
 
 The calibration tokens [S, T] run through the embedding; a pre-hook on decoder layer 0 records the hidden
-states and the arguments the model passes its layers (position embeddings, mask). Then, per layer: hooks on
-the dense target linears accumulate each input's Hessian H = sum x x^T / n (fp32 [K, K]) and keep a row
-sample for AWQ; AWQ folds its scales; the layer is quantized (`quantize_model` with the method's
-quantizer); and the *quantized* layer produces the next layer's inputs, so later layers compensate for
-earlier layers' error. Only one layer's statistics and the hidden states [S, T, D] are alive at a time,
-so this works on the streaming loader's meta-device skeleton (`fill` materialises each part in turn).
+states and the arguments the model passes its layers (position embeddings, mask). Per layer, hooks on the
+dense target linears accumulate each input's Hessian H = sum x x^T / n (fp32 [K, K]) and keep a row sample
+for AWQ. `qerl.models.convert.calibrated_quantize` runs the loop; only one layer's statistics and the hidden
+states [S, T, D] are alive at a time, so it also works on the streaming loader's meta-device skeleton.
 """
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from rich.progress import Progress
 from torch import nn
 
-from ..nn import DEFAULT_TARGETS, LoraConfig
-from ..quant import CALIBRATED, check_method, quantize_group
-from .convert import FUSED_GROUPS, find_targets, quantize_model
+from ..nn import DEFAULT_TARGETS
+from ..quant import quantize_group
+from .targets import FUSED_GROUPS, find_targets
 
 AWQ_SAMPLE_ROWS = 4096  # input rows kept per linear for AWQ's search
 BATCH_TOKENS = 8192  # calibration tokens per layer call
@@ -95,7 +94,7 @@ def capture_layer_inputs(model: nn.Module, ids: torch.Tensor, device) -> list[tu
     return batches
 
 
-def _layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     out = layer(hidden, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
@@ -117,7 +116,7 @@ def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: in
     handles = [layer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
     try:
         for hidden, kwargs in batches:
-            _layer_output(layer, hidden, kwargs)
+            layer_output(layer, hidden, kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -125,7 +124,7 @@ def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: in
     return hessians, {n: torch.cat(s)[:AWQ_SAMPLE_ROWS] for n, s in samples.items()}
 
 
-def _awq_fake_quant(fmt: str):
+def awq_fake_quant(fmt: str):
     from ..formats import get_format
 
     spec = get_format(fmt)
@@ -135,48 +134,59 @@ def _awq_fake_quant(fmt: str):
     return fake_quant
 
 
+# calibration tokens -------------------------------------------------------------------------------
+
+TOKENS_PER_PROBLEM = 40  # a lower bound with a chat template: problems to draw for samples x max_tokens
+
+
 @torch.no_grad()
-def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tensor, lora: LoraConfig | None = None,
-                        targets=DEFAULT_TARGETS, keep_bf16: Iterable[str] = (), device=None,
-                        fill: Callable[[nn.Module, str], None] | None = None, show_progress: bool = False) -> dict:
-    """Quantize every decoder layer of `model` (an HF causal LM) to `fmt` with a calibrated `method`.
+def greedy_answers(model: nn.Module, tokenizer, rows: list[dict], max_new_tokens: int = 128,
+                   batch_size: int = 32) -> list[str]:
+    """The (16-bit) model's own greedy completions of the rows' prompts, as calibration answers."""
+    from ..data.templates import build_prompt
 
-    ids: int64 [S, T] calibration tokens; keep_bf16: full module names left in 16 bits; fill(module, prefix):
-    materialise a meta-device part first (the streaming loader). Returns a summary
-    {"tokens", "fallbacks", "awq_scales": {norm path: s fp32 [D]}}."""
-    check_method(method, fmt)
-    if method not in CALIBRATED:
-        raise ValueError(f"{method!r} needs no calibration; use quantize_model(method=...)")
-    device = torch.device(device or next(p.device for p in model.parameters() if not p.is_meta))
-    body = model.model
-    if fill is not None:
-        fill(body.embed_tokens, "model.embed_tokens.")
-    batches = capture_layer_inputs(model, ids, device)
-    total_rows = ids.numel()
-    keep = set(keep_bf16)
-    awq_scales = {}
-    with Progress(disable=not show_progress, transient=True) as progress:
-        task = progress.add_task(f"calibrating + quantizing to {fmt} ({method})", total=len(body.layers))
-        for i, layer in enumerate(body.layers):
-            prefix = f"model.layers.{i}."
-            if fill is not None:
-                fill(layer, prefix)
-            names = list(find_targets(layer, targets))
-            skip = [n for n in names if prefix + n in keep]
-            leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
-            hessians, samples = layer_statistics(layer, leaders, batches, total_rows)
-            if method == "awq":
-                from ..quant.awq import apply_awq
+    device = next(p.device for p in model.parameters() if not p.is_meta)
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    answers = []
+    try:
+        for r0 in range(0, len(rows), batch_size):
+            prompts = [build_prompt(r["question"], tokenizer) for r in rows[r0:r0 + batch_size]]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            answers += tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+    return answers
 
-                leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
-                for name, s in apply_awq(layer, leaf_samples, _awq_fake_quant(fmt)).items():
-                    awq_scales[prefix + name] = s
-                hessians = {}
-            quantize_model(layer, fmt, lora, targets=[t for t in targets],
-                           quantizer=method_quantizer(layer, fmt, method, targets, hessians, skip))
-            del hessians, samples
-            batches = [(_layer_output(layer, h, kw), kw) for h, kw in batches]
-            progress.advance(task)
-    if hasattr(model, "config"):
-        model.config.qerl_weight_format = fmt
-    return {"tokens": total_rows, "awq_scales": awq_scales}
+
+def calibration_ids(source: str, tokenizer, samples: int = 128, max_tokens: int = 256, model: nn.Module | None = None,
+                    train_rows: list[dict] | None = None) -> torch.Tensor:
+    """Calibration token ids int64 [S <= samples, max_tokens] from a source of `qerl.data.calibration`.
+
+    model: the 16-bit model, whole (source "self"); train_rows: the run's training problems (source "train",
+    and added to "auto" when given)."""
+    from ..data.calibration import (CalibrationError, check_source, file_texts, mixture_problems, pack_tokens,
+                                    problem_texts)
+    from pathlib import Path
+
+    check_source(source)
+    n_problems = samples * max_tokens // TOKENS_PER_PROBLEM
+    if source == "auto":
+        texts = problem_texts(mixture_problems(n_problems), tokenizer)
+        if train_rows:
+            texts += problem_texts(train_rows[:n_problems], tokenizer)
+    elif source == "reasoning-gym":
+        texts = problem_texts(mixture_problems(n_problems), tokenizer)
+    elif source == "self":
+        if model is None:
+            raise CalibrationError("calibration source 'self' needs the 16-bit model loaded whole (not streamed)")
+        rows = mixture_problems(min(n_problems, samples * max_tokens // 120))  # completions are longer
+        texts = problem_texts(rows, tokenizer, greedy_answers(model, tokenizer, rows))
+    elif source == "train":
+        if not train_rows:
+            raise CalibrationError("calibration source 'train' is the run's training prompts: only for qerl train")
+        texts = problem_texts(train_rows[:n_problems], tokenizer)
+    else:
+        texts = file_texts(Path(source), tokenizer)
+    return pack_tokens(texts, tokenizer, samples, max_tokens, where=source)

@@ -3,8 +3,8 @@
 Embeddings, norms and lm_head stay in 16 bits (opt-in: `embeddings=True` stores an untied input embedding
 in the same 4-bit format as a `QuantEmbedding`). Siblings that serving engines fuse into one matmul
 (q/k/v, gate/up) share one global scale, the smallest of theirs, so a fused weight has one divisor.
-Quantization is round-to-nearest with no calibration data; `WeightQuantizer` is the seam where
-AWQ/GPTQ-style calibrated quantizers plug in later.
+How codes and scales are chosen is the `method` (`qerl.quant`): round-to-nearest by default; the calibrated
+methods run the model layer by layer over calibration tokens (`calibrated_quantize`).
 """
 
 from typing import Callable, Iterable
@@ -16,27 +16,12 @@ from torch import nn
 from ..formats import get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from ..nn.quant_embedding import check_embedding_shape
-
-# Leaf names that share one global scale when they sit under the same parent module.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+from ..quant import CALIBRATED, check_method
+from .calibrate import awq_fake_quant, capture_layer_inputs, layer_output, layer_statistics, method_quantizer, sibling_groups
+from .targets import FUSED_GROUPS, find_targets
 
 # (module name, weight [N, K], shared global scale | None) -> format tensors. Round-to-nearest by default.
 WeightQuantizer = Callable[[str, torch.Tensor, "torch.Tensor | None"], dict]
-
-
-def find_targets(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linear]:
-    """{module path: nn.Linear} for linears whose leaf name is in targets (lm_head never included)."""
-    targets = set(targets)
-    found = {
-        name: mod for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in targets and name != "lm_head"
-    }
-    if not found:
-        raise ValueError(
-            f"none of the target modules {sorted(targets)} is an nn.Linear in {type(model).__name__}; "
-            "check --targets against the model's module names"
-        )
-    return found
 
 
 def shared_global_scales(linears: dict[str, nn.Linear], fmt: str) -> dict[str, torch.Tensor]:
@@ -69,17 +54,45 @@ def quantize_model(
     quantizer: WeightQuantizer | None = None,
     show_progress: bool = False,
     embeddings: bool = False,
+    method: str = "rtn",
+    calibration: torch.Tensor | None = None,
 ) -> nn.Module:
     """Replace the target linears of `model` in place by `QuantLinear` (frozen base + optional LoRA).
 
     All remaining parameters are frozen; only LoRA weights keep requires_grad. Each dense weight is
     dropped as soon as its layer is quantized, so peak memory stays near one model copy.
+    method: how codes and scales are chosen (`qerl.quant.METHODS`: rtn, 4over6, gptq, awq); gptq and awq
+    need `calibration`, token ids int64 [S, T] (`qerl.models.calibrate.calibration_ids`), and a whole HF
+    causal LM. quantizer: a custom per-weight quantizer instead of the method's (rtn / 4over6 only).
     embeddings=True also stores the input embedding in `fmt` (`quantize_input_embeddings`; untied models
-    only, checked before anything is changed). `quantizer` is not applied to it (round-to-nearest).
+    only, checked before anything is changed), always round-to-nearest.
     """
-    spec = get_format(fmt)
+    check_method(method, fmt)
     if embeddings:
         check_input_embeddings_quantizable(model, fmt)
+    if method in CALIBRATED:
+        if calibration is None:
+            raise ValueError(f"quantization method {method!r} needs calibration token ids [S, T] "
+                             "(qerl.models.calibrate.calibration_ids)")
+        if quantizer is not None:
+            raise ValueError(f"a custom quantizer cannot be combined with the calibrated method {method!r}")
+        calibrated_quantize(model, fmt, method, calibration, lora, targets, show_progress=show_progress)
+    else:
+        if quantizer is None and method != "rtn":
+            quantizer = method_quantizer(model, fmt, method, targets)
+        replace_linears(model, fmt, lora, targets, quantizer, show_progress)
+    if embeddings:
+        quantize_input_embeddings(model, fmt)
+    if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
+        model.config.qerl_weight_format = fmt
+    return model
+
+
+def replace_linears(model: nn.Module, fmt: str, lora: LoraConfig | None = None, targets: Iterable[str] = DEFAULT_TARGETS,
+                    quantizer: WeightQuantizer | None = None, show_progress: bool = False) -> None:
+    """The surgery itself: every target linear of `model` (a whole model or one block) becomes a QuantLinear
+    whose tensors come from `quantizer` (default: the format's round-to-nearest with shared global scales)."""
+    spec = get_format(fmt)
     linears = find_targets(model, targets)
     for name, lin in linears.items():
         if lin.in_features % spec.block:
@@ -101,11 +114,48 @@ def quantize_model(
             layer = QuantLinear(lin.in_features, lin.out_features, fmt, tensors, lin.bias, lora)
             set_module(model, name, layer)
             progress.advance(task)
-    if embeddings:
-        quantize_input_embeddings(model, fmt)
-    if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
-        model.config.qerl_weight_format = fmt
-    return model
+
+
+@torch.no_grad()
+def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tensor, lora: LoraConfig | None = None,
+                        targets: Iterable[str] = DEFAULT_TARGETS, device=None, fill=None,
+                        show_progress: bool = False) -> dict:
+    """Quantize every decoder layer of an HF causal LM with a calibrated method (gptq, awq), in order.
+
+    ids: int64 [S, T] calibration tokens. Per layer (`qerl.models.calibrate`): its inputs' Hessians and row
+    samples from the dense layer; AWQ folds its scales; the layer is quantized; the quantized layer makes
+    the next layer's inputs, so later layers absorb earlier layers' error. fill(module, prefix): materialise
+    each decoder layer from the meta device first (the streaming loader; the embedding and rotary module
+    must be real already). Returns {"tokens", "awq_scales": {module path: s fp32 [K]}}."""
+    check_method(method, fmt)
+    if method not in CALIBRATED:
+        raise ValueError(f"{method!r} needs no calibration; use quantize_model(method={method!r})")
+    targets = list(targets)
+    device = torch.device(device or next(p.device for p in model.parameters() if not p.is_meta))
+    body = model.model
+    batches = capture_layer_inputs(model, ids, device)
+    awq_scales = {}
+    with Progress(disable=not show_progress, transient=True) as progress:
+        task = progress.add_task(f"calibrating + quantizing to {fmt} ({method})", total=len(body.layers))
+        for i, layer in enumerate(body.layers):
+            prefix = f"model.layers.{i}."
+            if fill is not None:
+                fill(layer, prefix)
+            names = list(find_targets(layer, targets))
+            leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
+            hessians, samples = layer_statistics(layer, leaders, batches, ids.numel())
+            if method == "awq":
+                from ..quant.awq import apply_awq
+
+                leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
+                for name, s in apply_awq(layer, leaf_samples, awq_fake_quant(fmt)).items():
+                    awq_scales[prefix + name] = s
+                hessians = {}  # the folded weights see scaled inputs; awq rounds without a Hessian
+            replace_linears(layer, fmt, lora, targets, method_quantizer(layer, fmt, method, targets, hessians))
+            del hessians, samples
+            batches = [(layer_output(layer, h, kw), kw) for h, kw in batches]
+            progress.advance(task)
+    return {"tokens": ids.numel(), "awq_scales": awq_scales}
 
 
 def input_embeddings_tied(model: nn.Module) -> bool:

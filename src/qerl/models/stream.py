@@ -16,7 +16,9 @@ from rich.progress import Progress
 from torch import nn
 
 from ..nn import DEFAULT_TARGETS, LoraConfig
-from .convert import quantize_input_embeddings, quantize_model
+from ..quant import CALIBRATED, check_method
+from .calibrate import method_quantizer
+from .convert import calibrated_quantize, quantize_input_embeddings, replace_linears
 from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
 
 
@@ -58,32 +60,44 @@ class _Checkpoint:
 
 
 def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, targets=DEFAULT_TARGETS,
-                         dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False):
+                         dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False,
+                         method: str = "rtn", calibration: torch.Tensor | None = None):
     """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`), built one decoder
     layer at a time: `fill(module, prefix)` materialises a part of the meta-device skeleton on `device` and
     gives it its values (from a checkpoint, or random for benchmarks); each layer is quantized right after,
-    so at most one 16-bit layer exists. Only LoRA parameters require grad."""
+    so at most one 16-bit layer exists. Only LoRA parameters require grad.
+
+    method: a `qerl.quant` method; the calibrated ones (gptq, awq) need `calibration`, token ids int64
+    [S, T], which then flow through the layers as they are built (`qerl.models.calibrate`)."""
     from transformers import AutoModelForCausalLM
 
+    check_method(method, fmt)
+    if method in CALIBRATED and calibration is None:
+        raise ValueError(f"quantization method {method!r} needs calibration token ids")
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     body = model.model
     fill(body.embed_tokens, "model.embed_tokens.")
-    with Progress(disable=not show_progress, transient=True) as progress:
-        task = progress.add_task(f"building + quantizing to {fmt}", total=len(body.layers))
-        for i, layer in enumerate(body.layers):
-            fill(layer, f"model.layers.{i}.")
-            quantize_model(layer, fmt, lora, targets=targets)
-            progress.advance(task)
+    # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
+    with torch.device(device):
+        body.rotary_emb = type(body.rotary_emb)(config=config)
+    if method in CALIBRATED:
+        calibrated_quantize(model, fmt, method, calibration, lora, targets=targets, device=device, fill=fill,
+                            show_progress=show_progress)
+    else:
+        with Progress(disable=not show_progress, transient=True) as progress:
+            task = progress.add_task(f"building + quantizing to {fmt}", total=len(body.layers))
+            for i, layer in enumerate(body.layers):
+                fill(layer, f"model.layers.{i}.")
+                quantizer = None if method == "rtn" else method_quantizer(layer, fmt, method, targets)
+                replace_linears(layer, fmt, lora, targets=targets, quantizer=quantizer)
+                progress.advance(task)
     fill(body.norm, "model.norm.")
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = body.embed_tokens.weight
     else:
         fill(model.lm_head, "lm_head.")
-    # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
-    with torch.device(device):
-        body.rotary_emb = type(body.rotary_emb)(config=config)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     model.config.qerl_weight_format = fmt
@@ -92,7 +106,8 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
 
 def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = None,
                      targets=DEFAULT_TARGETS, dtype=None, device=None, embeddings: bool = False,
-                     trust_remote_code: bool = False, show_progress: bool = False):
+                     trust_remote_code: bool = False, show_progress: bool = False, method: str = "rtn",
+                     calibration: torch.Tensor | None = None):
     """(model, tokenizer) from a Hugging Face directory of safetensors, quantized to `fmt` while loading.
 
     Same result as `load_causal_lm(directory)` then `quantize_model(model, fmt, lora, targets,
@@ -108,7 +123,8 @@ def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = No
     with ExitStack() as stack:
         ckpt = _Checkpoint(directory, stack)
         model = build_layer_by_layer(config, fmt, lora, lambda module, prefix: ckpt.fill(module, prefix, device, dtype),
-                                     targets=targets, dtype=dtype, device=device, show_progress=show_progress)
+                                     targets=targets, dtype=dtype, device=device, show_progress=show_progress,
+                                     method=method, calibration=calibration)
         unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
         unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # old checkpoints stored it
         if unused:

@@ -45,7 +45,7 @@ def quantize_group(fmt: str, method: str, ws: list[torch.Tensor], hessian: torch
         gs = None
         if spec.global_scale is not None:
             gs = torch.stack([spec.global_scale(w) for w in ws]).amin(0)
-        return [spec.quantize(w, gs) for w in ws]
+        return [spec.quantize(w, None if gs is None else gs.clone()) for w in ws]
     from .nvfp4_scales import quantize_nvfp4_searched
 
     if method == "gptq":

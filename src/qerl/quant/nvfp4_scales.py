@@ -137,4 +137,4 @@ def quantize_nvfp4_searched(ws: list[torch.Tensor], search: str = "mse",
         if best_err is None or total < best_err:
             best, best_err = (gs, [s for s, _ in chosen]), total
     gs, scales = best
-    return [encode_nvfp4(w, s, gs) for w, s in zip(ws, scales)]
+    return [encode_nvfp4(w, s, gs.clone()) for w, s in zip(ws, scales)]  # own copies: safetensors refuses shared

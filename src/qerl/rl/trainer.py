@@ -25,7 +25,10 @@ from ..config import TrainConfig, save_config, to_dict
 from ..models import (add_lora, load_adapter, load_causal_lm, lora_parameters, quant_layers, quantize_input_embeddings,
                       quantize_model, save_adapter)
 from ..models.load import plain_hf_directory
+from ..models.calibrate import calibration_ids
 from ..models.stream import stream_quantized
+from ..data.calibration import check_source
+from ..quant import CALIBRATED, check_method
 from ..nn import LoraConfig
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
@@ -82,30 +85,53 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_policy(cfg: TrainConfig, device: torch.device):
+def build_policy(cfg: TrainConfig, device: torch.device, train_rows: list[dict] | None = None, console=None):
     """(model with a frozen quantized base + fresh or loaded LoRA, tokenizer).
 
     A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is quantized
     while it loads, one decoder layer at a time, so the 16-bit model never has to fit in memory; other
-    sources (GGUF, already quantized directories) load whole.
+    sources (GGUF, already quantized directories) load whole. `cfg.model.quant_method` chooses how (qerl.quant);
+    the calibrated methods draw calibration text from `cfg.model.calibration` (train_rows: the run's problems,
+    which the "auto" source adds to its mixture).
     """
+    method, cal = cfg.model.quant_method, cfg.model.calibration
+    check_method(method, cfg.model.format)
+    if method in CALIBRATED:
+        check_source(cal.source)
     lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, use_rslora=cfg.lora.use_rslora,
                       targets=tuple(cfg.lora.targets))
     directory = plain_hf_directory(cfg.model.name)
+    t0 = time.perf_counter()
     if directory is not None:
+        ids = None
+        if method in CALIBRATED:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=cfg.model.trust_remote_code)
+            ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, train_rows=train_rows)
         model, tokenizer = stream_quantized(directory, cfg.model.format, lora, targets=cfg.lora.targets,
                                             dtype=cfg.model.dtype, device=device, embeddings=cfg.model.quantize_embeddings,
-                                            trust_remote_code=cfg.model.trust_remote_code)
+                                            trust_remote_code=cfg.model.trust_remote_code, method=method,
+                                            calibration=ids)
     else:
         model, tokenizer = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device,
                                           trust_remote_code=cfg.model.trust_remote_code)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
+            if method != "rtn":
+                raise ValueError(f"{cfg.model.name} is already quantized; model.quant_method={method} applies "
+                                 "only when qerl quantizes the model")
             add_lora(model, lora)
             if cfg.model.quantize_embeddings:
                 quantize_input_embeddings(model, model.config.qerl_weight_format)
         else:
+            ids = None
+            if method in CALIBRATED:
+                ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, model=model,
+                                      train_rows=train_rows)
             quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets,
-                           embeddings=cfg.model.quantize_embeddings)
+                           embeddings=cfg.model.quantize_embeddings, method=method, calibration=ids)
+    if console is not None and method != "rtn":
+        console.print(f"quantized to {cfg.model.format} with {method} in {time.perf_counter() - t0:.1f} s")
     if cfg.model.adapter:
         load_adapter(model, cfg.model.adapter)
     if tokenizer is None:
@@ -166,9 +192,11 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 # Settings a resumed run must share with its checkpoint: they define the model and the adapter's shape.
-_RESUME_KEYS = (("model", "name"), ("model", "format"), ("model", "quantize_embeddings"), ("lora", "r"),
+_RESUME_KEYS = (("model", "name"), ("model", "format"), ("model", "quant_method"), ("model", "keep_bf16"),
+                ("model", "calibration"), ("model", "quantize_embeddings"), ("lora", "r"),
                 ("lora", "alpha"), ("lora", "targets"), ("lora", "use_rslora"), ("data", "train"))
-_ADDED_LATER = {("model", "quantize_embeddings"): False}  # what a checkpoint written before the key meant
+_ADDED_LATER = {("model", "quantize_embeddings"): False, ("model", "quant_method"): "rtn", ("model", "keep_bf16"): [],
+                ("model", "calibration"): {"source": "auto", "samples": 128, "max_tokens": 256}}  # what a checkpoint written before the key meant
 
 
 def _check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
@@ -199,12 +227,14 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # same on every rank: identical LoRA initialisation
         # each rank samples its own completions (and AQN noise)
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed + 1_000_003 * self.dist.rank)
-        with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} + LoRA r={cfg.lora.r}"):
-            self.model, self.tokenizer = build_policy(cfg, self.device)
-        self.engine = RolloutEngine(self.model, self.tokenizer,
-                                    max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+        # the data first: a bad source is reported before the expensive model load
         rows = load_problems(cfg.data.train, split="train", limit=cfg.data.limit, seed=cfg.seed,
                              question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+        with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} ({cfg.model.quant_method}) "
+                                 f"+ LoRA r={cfg.lora.r}"):
+            self.model, self.tokenizer = build_policy(cfg, self.device, train_rows=rows, console=self.console)
+        self.engine = RolloutEngine(self.model, self.tokenizer,
+                                    max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)

@@ -1,0 +1,168 @@
+"""Quantization methods side by side on a real model: weight error, next-token KL to the unquantized model on
+held-out text, starting pass@1 on held-out problems, the share of short completions, quantization time.
+
+A row is FORMAT[-METHOD][@SOURCE] (bf16, nf4, mxfp4, nvfp4, nvfp4-4over6, nvfp4-gptq, nvfp4-awq@self, ...;
+SOURCE is a calibration source of qerl.data.calibration) or one of the diagnostic rows of `explain_rows`:
+  only:LAYER:FORMAT   quantize only one layer type (q_proj, ..., down_proj) to FORMAT (rtn), rest 16-bit
+  fake:e4m3-free      NVFP4 codes with block scales kept in fp32 (no E4M3 rounding of the scale)
+  fake:e2m1+5         NVFP4 on a grid that also has 5 (no gap between 4 and 6)
+The held-out text is GSM8K test problems with their solutions (never calibration); pass@1 is on --test
+(question/answer JSONL or a reasoning-gym spec) with --n samples at T 0.6, top-p 0.95.
+
+    # GPU (H100/H200): the table in docs/formats.md
+    python benchmarks/quant_methods.py --model /tmp/smol-hf --test .gpu/data/arith_test.jsonl --limit 200 \
+        --rows bf16,nf4,mxfp4,nvfp4,nvfp4-4over6,nvfp4-gptq,nvfp4-awq --out /tmp/qm.json
+    # CPU: KL and time only (pass@1 needs a GPU to be quick)
+    python benchmarks/quant_methods.py --rows nvfp4,nvfp4-gptq --no-eval
+"""
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+
+
+def parse_row(row: str) -> tuple[str, str, str | None]:
+    spec, _, source = row.partition("@")
+    fmt, _, method = spec.partition("-")
+    return fmt, method or "rtn", source or None
+
+
+def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.Module, float, dict]:
+    """A fresh copy of `base` quantized as `row`; (model, seconds, info)."""
+    from qerl.models.calibrate import calibration_ids
+    from qerl.models.convert import calibrated_quantize, quantize_model
+    from qerl.quant import CALIBRATED
+
+    model = copy.deepcopy(base)
+    if row.startswith(("only:", "fake:")):
+        t0 = time.perf_counter()
+        explain_rows(model, row)
+        return model, time.perf_counter() - t0, {}
+    fmt, method, source = parse_row(row)
+    t0 = time.perf_counter()
+    info = {}
+    if method in CALIBRATED:
+        ids = calibration_ids(source or cal_cfg["source"], tok, cal_cfg["samples"], cal_cfg["max_tokens"], model=base)
+        info["calibration_s"] = time.perf_counter() - t0
+        info["calibration_tokens"] = ids.numel()
+        out = calibrated_quantize(model, fmt, method, ids, device=device)
+        info["awq_scales"] = out["awq_scales"]
+    else:
+        quantize_model(model, fmt, method=method)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return model, time.perf_counter() - t0, info
+
+
+@torch.no_grad()
+def explain_rows(model, row: str) -> None:
+    """Diagnostic rows, in place on a dense model (see the module docstring)."""
+    from qerl.formats import get_format
+    from qerl.formats.nvfp4 import E4M3_MAX
+    from qerl.models.convert import find_targets, quantize_model, shared_global_scales
+    from qerl.nn import DEFAULT_TARGETS
+
+    kind, _, rest = row.partition(":")
+    if kind == "only":
+        leaf, _, fmt = rest.partition(":")
+        quantize_model(model, fmt or "nvfp4", targets=[leaf])
+        return
+    linears = find_targets(model, DEFAULT_TARGETS)
+    scales = shared_global_scales(linears, "nvfp4")
+    grid = {"e4m3-free": torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6]),
+            "e2m1+5": torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 5, 6])}[rest]
+    for name, lin in linears.items():
+        w = lin.weight.float()
+        n, k = w.shape
+        blocks = w.reshape(n, k // 16, 16)
+        gs = scales[name].to(w.device)
+        scale = gs * blocks.abs().amax(-1, keepdim=True) / 6
+        if rest == "e2m1+5":  # the stored E4M3 scale, only the element grid changes
+            scale = scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+        scale = torch.where(scale == 0, torch.full_like(scale, 0.125), scale)
+        step = scale / gs
+        x = (blocks / step).clamp(-6, 6)
+        g = grid.to(w.device)
+        nearest = g[(x.abs().unsqueeze(-1) - g).abs().argmin(-1)] * x.sign()
+        lin.weight.copy_((nearest * step).reshape(n, k).to(lin.weight.dtype))
+
+
+def weight_error(base, model) -> float | None:
+    """sqrt(sum ||W - deq||^2 / sum ||W||^2) over the quantized linears (None when nothing is quantized)."""
+    from qerl.models.convert import quant_layers
+
+    num = den = 0.0
+    layers = quant_layers(model)
+    for name, layer in layers.items():
+        if layer.weight_format == "bf16":
+            continue
+        w = base.get_submodule(name).weight.float()
+        num += float((w - layer.dequantized_weight().to(w.device)).square().sum())
+        den += float(w.square().sum())
+    return (num / den) ** 0.5 if den else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", default="bf16,nf4,mxfp4,nvfp4,nvfp4-4over6,nvfp4-gptq,nvfp4-awq")
+    ap.add_argument("--test", default="reasoning-gym:basic_arithmetic", help="held-out problems for pass@1")
+    ap.add_argument("--limit", type=int, default=200)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--short", type=int, default=16, help="a completion this many tokens or fewer counts as short")
+    ap.add_argument("--calibration", default="auto")
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--no-eval", action="store_true", help="skip pass@1 (KL and time only)")
+    ap.add_argument("--out", help="write every number as JSON here")
+    args = ap.parse_args(argv)
+
+    from qerl.data import load_problems
+    from qerl.eval.evaluate import evaluate
+    from qerl.eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
+    from qerl.models import load_causal_lm
+    from qerl.rollout.sampling import SamplingParams
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    base, tok = load_causal_lm(args.model, dtype=dtype, device=device)
+    ids = tok(fidelity_text(), return_tensors="pt").input_ids.to(device)
+    ref = next_token_logprobs(base, ids)
+    rows = None if args.no_eval else load_problems(args.test, split="test", limit=args.limit, seed=0)
+    cal_cfg = {"source": args.calibration, "samples": args.samples, "max_tokens": args.max_tokens}
+    results = []
+    for row in args.rows.split(","):
+        model, seconds, info = quantize_row(base, tok, row, cal_cfg, device)
+        fid = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
+        res = {"row": row, "seconds": seconds, "weight_rel_err": None if info.get("awq_scales") else weight_error(base, model),
+               **fid, **{k: v for k, v in info.items() if k != "awq_scales"}}
+        if rows is not None:
+            ev = evaluate(model, tok, rows, n_samples=args.n, sampling=SamplingParams(0.6, 0, 0.95),
+                          max_new_tokens=args.max_new_tokens, seed=0, progress=False)
+            lengths = [n for p in ev["per_problem"] for n in p["lengths"]]
+            res.update({"pass1": ev["pass@1"], "mean_length": sum(lengths) / len(lengths),
+                        "short_share": sum(n <= args.short for n in lengths) / len(lengths),
+                        "truncated": ev["truncated"]})
+        results.append(res)
+        print(json.dumps(res), flush=True)
+        del model
+    head = "| row | time s | weight rel err | KL | top-1 agree | ppl | pass@1 | short share | mean len |"
+    print(f"\n{args.model} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, "
+          f"{time.strftime('%Y-%m-%d')}, {torch.get_num_threads()} threads\n" + head + "\n" + "|---" * 9 + "|")
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    for r in results:
+        print(f"| {r['row']} | {r['seconds']:.1f} | {fmt(r['weight_rel_err'], '.4f')} | {r['kl']:.4f} | "
+              f"{r['top1_agreement']:.3f} | {r['ppl_quant']:.2f} | {fmt(r.get('pass1'), '.3f')} | "
+              f"{fmt(r.get('short_share'), '.3f')} | {fmt(r.get('mean_length'), '.1f')} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "device": str(device), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""Calibrated quantization at the model level: calibration sources and their errors, the layer-by-layer
+GPTQ / AWQ paths (whole model == streamed), exports other tools load, and `qerl train` / `qerl quantize`
+with a method."""
+
+import copy
+import json
+
+import pytest
+import torch
+from tiny import tiny_config, tiny_model, tiny_tokenizer
+
+from qerl.cli import main
+from qerl.config import load_config
+from qerl.data.calibration import CalibrationError, check_source, pack_tokens
+from qerl.models import quantize_model, save_quantized
+from qerl.models.calibrate import calibration_ids
+from qerl.models.convert import quant_layers
+from qerl.models.stream import build_layer_by_layer
+from qerl.rl.trainer import Trainer
+
+TEXT = "\n\n".join(f"{a} plus {b} is {a + b}. Then {a} times {b} is {a * b}." for a in range(40) for b in range(3))
+
+
+@pytest.fixture()
+def text_file(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.mark.parametrize("source", ["gsm8k-offline", "gsm8k", "aime2025", "reasoning-gym:gsm_symbolic"])
+def test_evaluation_sets_are_refused_as_calibration(source):
+    with pytest.raises(CalibrationError, match="evaluation set"):
+        check_source(source)
+
+
+def test_bad_sources_give_one_line_errors(tmp_path):
+    tok = tiny_tokenizer()
+    with pytest.raises(CalibrationError, match="unknown calibration source"):
+        calibration_ids("wikipedia", tok)
+    with pytest.raises(CalibrationError, match="no such file"):
+        calibration_ids(str(tmp_path / "missing.txt"), tok)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(CalibrationError, match="empty"):
+        calibration_ids(str(tmp_path / "empty.txt"), tok)
+    (tmp_path / "short.txt").write_text("1 plus 1 is 2.")
+    with pytest.raises(CalibrationError, match="fewer than"):
+        calibration_ids(str(tmp_path / "short.txt"), tok)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(CalibrationError, match="line 2"):
+        calibration_ids(str(tmp_path / "bad.jsonl"), tok)
+    with pytest.raises(CalibrationError, match="qerl train"):
+        calibration_ids("train", tok)
+    with pytest.raises(CalibrationError, match="16-bit model"):
+        calibration_ids("self", tok)
+
+
+def test_file_source_packs_rows_of_equal_length(text_file):
+    ids = calibration_ids(str(text_file), tiny_tokenizer(), samples=8, max_tokens=128)
+    assert ids.dtype == torch.long and ids.shape == (8, 128)
+    assert (ids == tiny_tokenizer().eos_token_id).any()  # texts joined by EOS
+
+
+def test_reasoning_gym_mixture_is_deterministic_and_chat_formatted():
+    tok = tiny_tokenizer()
+    a = calibration_ids("reasoning-gym", tok, samples=4, max_tokens=256)
+    b = calibration_ids("reasoning-gym", tok, samples=4, max_tokens=256)
+    assert torch.equal(a, b) and a.shape == (4, 256)
+    assert "####" in tok.decode(a[0])
+
+
+def test_pack_tokens_keeps_only_full_rows():
+    tok = tiny_tokenizer()
+    ids = pack_tokens(["x" * 1500], tok, samples=10, max_tokens=512, where="t")
+    assert ids.shape == (2, 512)
+
+
+def _kl(ref, model, ids):
+    with torch.no_grad():
+        p = torch.log_softmax(ref(ids).logits.float(), -1)
+        q = torch.log_softmax(model(ids).logits.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_beat_round_to_nearest_on_held_out_tokens(method):
+    base = tiny_model("llama", hidden_size=128, intermediate_size=256)
+    with torch.no_grad():  # heavy-tailed weights and an outlier channel, as real LLMs have
+        for name, p in base.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.copy_(torch.distributions.StudentT(3.0).sample(p.shape) * 0.02)
+        for layer in base.model.layers:
+            layer.input_layernorm.weight[5] = 8.0
+    g = torch.Generator().manual_seed(0)
+    cal, held_out = torch.randint(3, 160, (16, 64), generator=g), torch.randint(3, 160, (4, 64), generator=g)
+    rtn = quantize_model(copy.deepcopy(base), "nvfp4")
+    ours = quantize_model(copy.deepcopy(base), "nvfp4", method=method, calibration=cal)
+    assert _kl(base, ours, held_out) < _kl(base, rtn, held_out)
+
+
+@pytest.mark.parametrize("method", ["4over6", "gptq", "awq"])
+def test_streamed_build_equals_whole_model_quantization(method):
+    base = tiny_model("llama")
+    state = base.state_dict()
+    cal = torch.randint(3, 160, (8, 32), generator=torch.Generator().manual_seed(1))
+    whole = quantize_model(copy.deepcopy(base), "nvfp4", method=method, calibration=cal)
+
+    def fill(module, prefix):
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            for n, t in module.state_dict(keep_vars=True).items():
+                t.copy_(state[prefix + n])
+
+    streamed = build_layer_by_layer(tiny_config("llama"), "nvfp4", None, fill, dtype=torch.float32, method=method,
+                                    calibration=cal if method != "4over6" else None)
+    for (name, a), (_, b) in zip(quant_layers(whole).items(), quant_layers(streamed).items()):
+        for t in a.quantized_tensors():
+            assert torch.equal(getattr(a, t).view(torch.uint8), getattr(b, t).view(torch.uint8)), (name, t)
+    x = torch.randint(3, 160, (2, 16))
+    torch.testing.assert_close(whole(x).logits, streamed(x).logits, rtol=0, atol=0)
+
+
+def test_methods_are_refused_where_they_do_not_apply():
+    with pytest.raises(ValueError, match="needs calibration"):
+        quantize_model(tiny_model("llama"), "nvfp4", method="gptq")
+    with pytest.raises(ValueError, match="works on"):
+        quantize_model(tiny_model("llama"), "nf4", method="gptq")
+    with pytest.raises(ValueError, match="unknown quantization method"):
+        quantize_model(tiny_model("llama"), "nvfp4", method="best")
+
+
+@pytest.mark.parametrize("method", ["4over6", "gptq", "awq"])
+def test_every_method_loads_in_transformers_with_compressed_tensors(tmp_path, method):
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    cal = torch.randint(3, 160, (8, 32), generator=torch.Generator().manual_seed(2))
+    model = quantize_model(tiny_model("llama", dtype=torch.bfloat16), "nvfp4", method=method, calibration=cal)
+    save_quantized(model, None, tmp_path / "q")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q", quantization_config=CompressedTensorsConfig(dequantize=True),
+                                                  dtype=torch.bfloat16)
+    for name, layer in quant_layers(model).items():
+        torch.testing.assert_close(theirs.get_submodule(name).weight, layer.dequantized_weight(torch.bfloat16),
+                                   rtol=0, atol=0)
+    x = torch.randint(3, 160, (1, 12))
+    torch.testing.assert_close(theirs(x).logits, model(x).logits, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_train_with_a_calibrated_method(tiny_dir, tmp_path, method):
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{b}=?", "answer": str(a + b)}) + "\n"
+                            for a in range(1, 9) for b in range(1, 9)))
+    cfg = load_config(None, [f"model.name={tiny_dir}", "model.format=nvfp4", f"model.quant_method={method}",
+                             "model.calibration.source=train", "model.calibration.samples=4",
+                             "model.calibration.max_tokens=256", f"data.train={data}", "data.max_prompt_tokens=32",
+                             "data.suffix=none", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                             "rollout.max_new_tokens=4", "lora.r=4", "lora.alpha=8", "steps=1",
+                             f"output_dir={tmp_path / 'run'}", "tensorboard=false", "plots=false"])
+    trainer = Trainer(cfg)
+    assert all(m.weight_format == "nvfp4" for m in quant_layers(trainer.model).values())
+    trainer.train()
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert f"quant_method: {method}" in saved
+
+
+def test_cli_quantize_with_gptq_and_bad_method(tiny_dir, tmp_path, text_file, capsys):
+    assert main(["quantize", str(tiny_dir), "--method", "gptq", "--calibration", str(text_file),
+                 "--calibration-samples", "4", "--calibration-max-tokens", "256", "--out", str(tmp_path / "q")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["method"] == "gptq"
+    assert main(["quantize", str(tiny_dir), "--method", "gptq", "--calibration", "gsm8k-offline",
+                 "--out", str(tmp_path / "q2")]) == 2
+    assert not (tmp_path / "q2").exists()
+    with pytest.raises(SystemExit):
+        main(["quantize", str(tiny_dir), "--method", "best", "--out", str(tmp_path / "q3")])
