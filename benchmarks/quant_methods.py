@@ -2,7 +2,8 @@
 held-out text, starting pass@1 on held-out problems, the share of short completions, quantization time.
 
 A row is FORMAT[-METHOD][@SOURCE] (bf16, nf4, mxfp4, nvfp4, nvfp4-4over6, nvfp4-gptq, nvfp4-awq@self, ...;
-SOURCE is a calibration source of qerl.data.calibration) or one of the diagnostic rows of `explain_rows`:
+SOURCE is a calibration source of qerl.data.calibration), nvfp4-4over6~SEARCH (another candidate set of
+`qerl.quant.nvfp4_scales.candidate_scales`: 4over6 = only the maximum onto 6 or 4) or a diagnostic row:
   only:LAYER:FORMAT   quantize only one layer type (q_proj, ..., down_proj) to FORMAT (rtn), rest 16-bit
   fake:e4m3-free      NVFP4 codes with block scales kept in fp32 (no E4M3 rounding of the scale)
   fake:e2m1+5         NVFP4 on a grid that also has 5 (no gap between 4 and 6)
@@ -14,6 +15,8 @@ The held-out text is GSM8K test problems with their solutions (never calibration
         --rows bf16,nf4,mxfp4,nvfp4,nvfp4-4over6,nvfp4-gptq,nvfp4-awq --out /tmp/qm.json
     # CPU: KL and time only (pass@1 needs a GPU to be quick)
     python benchmarks/quant_methods.py --rows nvfp4,nvfp4-gptq --no-eval
+    # GPU: quantization time at 7B (4 of 28 layers, extrapolated)
+    python benchmarks/quant_methods.py --time-7b 4 --rows rtn,4over6,gptq,awq
 """
 
 import argparse
@@ -44,7 +47,10 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
     fmt, method, source = parse_row(row)
     t0 = time.perf_counter()
     info = {}
-    if method in CALIBRATED:
+    if "~" in method:  # nvfp4-4over6~4over6: the scale search with another candidate set (nvfp4_scales)
+        method, _, search = method.partition("~")
+        quantize_model(model, fmt, quantizer=search_quantizer(model, search))
+    elif method in CALIBRATED:
         ids = calibration_ids(source or cal_cfg["source"], tok, cal_cfg["samples"], cal_cfg["max_tokens"], model=base)
         info["calibration_s"] = time.perf_counter() - t0
         info["calibration_tokens"] = ids.numel()
@@ -55,6 +61,24 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
     if device.type == "cuda":
         torch.cuda.synchronize()
     return model, time.perf_counter() - t0, info
+
+
+def search_quantizer(model, search: str):
+    """A quantize_model quantizer running `quantize_nvfp4_searched(group, search)` per sibling group."""
+    from qerl.models.calibrate import sibling_groups
+    from qerl.models.targets import find_targets
+    from qerl.nn import DEFAULT_TARGETS
+    from qerl.quant.nvfp4_scales import quantize_nvfp4_searched
+
+    groups = {n: g for g in sibling_groups(find_targets(model, DEFAULT_TARGETS)) for n in g}
+    done = {}
+
+    def quantize(name, weight, _gs):
+        if name not in done:
+            group = groups[name]
+            done.update(zip(group, quantize_nvfp4_searched([model.get_submodule(n).weight for n in group], search)))
+        return done.pop(name)
+    return quantize
 
 
 @torch.no_grad()
@@ -105,6 +129,38 @@ def weight_error(base, model) -> float | None:
     return (num / den) ** 0.5 if den else None
 
 
+def time_qwen7b(layers: int, methods: list[str], samples: int, max_tokens: int) -> None:
+    """Seconds to build + quantize a Qwen2.5-7B-shaped model (random weights, `layers` of its 28 decoder
+    layers) with each method through the streaming loader, and the 28-layer extrapolation."""
+    from qerl.bench.step import _init_, model_config
+    from qerl.models.stream import build_layer_by_layer
+
+    device = torch.device("cuda")
+    config = model_config("7b", layers)
+    ids = torch.randint(0, config.vocab_size, (samples, max_tokens), generator=torch.Generator().manual_seed(0))
+    print(f"\nQwen2.5-7B shape, {layers} of 28 layers, random weights, {samples}x{max_tokens} calibration tokens, "
+          f"{torch.cuda.get_device_name()}\n| method | s ({layers} layers) | s per layer | 28 layers (extrapolated) | peak GB |"
+          "\n|---|---|---|---|---|")
+    for method in methods:
+        g = torch.Generator(device).manual_seed(0)
+
+        def fill(module, prefix):
+            module.to_empty(device=device)
+            _init_(module, g)
+
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model = build_layer_by_layer(config, "nvfp4", None, fill, dtype=torch.bfloat16, device=device, method=method,
+                                     calibration=ids if method in ("gptq", "awq") else None)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        print(f"| {method} | {dt:.1f} | {dt / layers:.2f} | {dt / layers * 28:.0f} | "
+              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |", flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -119,7 +175,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-eval", action="store_true", help="skip pass@1 (KL and time only)")
     ap.add_argument("--out", help="write every number as JSON here")
+    ap.add_argument("--time-7b", type=int, metavar="LAYERS",
+                    help="GPU: instead, time quantizing LAYERS decoder layers of a Qwen2.5-7B-shaped model per method")
     args = ap.parse_args(argv)
+    if args.time_7b:
+        time_qwen7b(args.time_7b, [r for r in args.rows.split(",") if r in ("rtn", "4over6", "gptq", "awq")],
+                    args.samples, args.max_tokens)
+        return 0
 
     from qerl.data import load_problems
     from qerl.eval.evaluate import evaluate
@@ -149,6 +211,9 @@ def main(argv=None) -> int:
                         "truncated": ev["truncated"]})
         results.append(res)
         print(json.dumps(res), flush=True)
+        if args.out:  # after every row: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "device": str(device), "results": results}, f, indent=1)
         del model
     head = "| row | time s | weight rel err | KL | top-1 agree | ppl | pass@1 | short share | mean len |"
     print(f"\n{args.model} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, "
@@ -158,9 +223,6 @@ def main(argv=None) -> int:
         print(f"| {r['row']} | {r['seconds']:.1f} | {fmt(r['weight_rel_err'], '.4f')} | {r['kl']:.4f} | "
               f"{r['top1_agreement']:.3f} | {r['ppl_quant']:.2f} | {fmt(r.get('pass1'), '.3f')} | "
               f"{fmt(r.get('short_share'), '.3f')} | {fmt(r.get('mean_length'), '.1f')} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "device": str(device), "results": results}, f, indent=1)
     return 0
 
 

@@ -5,7 +5,8 @@ Sources (`model.calibration.source`, `qerl quantize --calibration`):
                  written as a chat turn (question + the GSM8K answer-format suffix) and answered by its
                  reference answer; seeds apart from the train/test draws of `qerl.data.load_problems`.
   self           the same prompts answered by the model's own greedy completions (needs the 16-bit
-                 model whole; `qerl.models.calibrate` generates them).
+                 model whole; `qerl.models.calibrate` generates them); self:FILE takes the prompts of a
+                 question/answer JSONL instead.
   train          the run's own training prompts (`qerl train` only), answered as for reasoning-gym.
   FILE           a .txt file (paragraphs) or a .jsonl with "text" or question/answer rows.
   auto           the measured best for the situation (see `resolve_source`).
@@ -83,6 +84,16 @@ def file_texts(path: Path, tokenizer) -> list[str]:
     return texts
 
 
+def file_rows(path: Path) -> list[dict]:
+    """question/answer rows of a JSONL file (for "self:FILE": its prompts, answered by the model)."""
+    if not path.is_file():
+        raise CalibrationError(f"calibration source {path}: no such file")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows or not all(isinstance(r, dict) and "question" in r for r in rows):
+        raise CalibrationError(f"calibration source {path}: expected JSONL rows with a 'question'")
+    return rows
+
+
 def pack_tokens(texts: list[str], tokenizer, samples: int, max_tokens: int, where: str,
                 seed: int = CALIBRATION_SEED) -> torch.Tensor:
     """Shuffle texts, tokenize, join with EOS and cut into at most `samples` rows of `max_tokens`: int64 [S, T].
@@ -110,6 +121,8 @@ def check_source(source: str) -> None:
     if source in EVAL_ONLY or source.startswith("gsm8k"):
         raise CalibrationError(f"calibration source {source!r} is an evaluation set; calibrating on it would "
                                f"leak into the scores. Use one of {', '.join(SOURCES)} or a file")
+    if source.startswith("self:"):
+        return check_source(source.partition(":")[2] or "self")
     if source not in SOURCES and not Path(source).suffix:
         raise CalibrationError(f"unknown calibration source {source!r}; choose one of {', '.join(SOURCES)} "
                                "or a .txt/.jsonl file")

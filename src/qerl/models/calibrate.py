@@ -18,7 +18,7 @@ from ..nn import DEFAULT_TARGETS
 from ..quant import quantize_group
 from .targets import FUSED_GROUPS, find_targets
 
-AWQ_SAMPLE_ROWS = 4096  # input rows kept per linear for AWQ's search
+AWQ_SAMPLE_ROWS = 2048  # input rows kept per linear for AWQ's search (its cost is linear in them)
 BATCH_TOKENS = 8192  # calibration tokens per layer call
 
 
@@ -125,12 +125,14 @@ def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: in
 
 
 def awq_fake_quant(fmt: str):
+    """AWQ's search quantizer: list of W [N_i, K] fp32 -> dequantized round-to-nearest copies (sharing one
+    global scale). Round-to-nearest, as AWQ searches; the final rounding is the method's own, ~20x dearer."""
     from ..formats import get_format
 
     spec = get_format(fmt)
 
     def fake_quant(ws):
-        return [spec.dequantize(**t, dtype=torch.float32) for t in quantize_group(fmt, "awq", ws)]
+        return [spec.dequantize(**t, dtype=torch.float32) for t in quantize_group(fmt, "rtn", ws)]
     return fake_quant
 
 
@@ -147,7 +149,10 @@ def greedy_answers(model: nn.Module, tokenizer, rows: list[dict], max_new_tokens
 
     device = next(p.device for p in model.parameters() if not p.is_meta)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_token = tokenizer.pad_token
+    if pad_token is None:  # batching needs one; EOS is masked out by the attention mask anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    pad = tokenizer.pad_token_id
     answers = []
     try:
         for r0 in range(0, len(rows), batch_size):
@@ -156,7 +161,7 @@ def greedy_answers(model: nn.Module, tokenizer, rows: list[dict], max_new_tokens
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             answers += tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
     finally:
-        tokenizer.padding_side = side
+        tokenizer.padding_side, tokenizer.pad_token = side, pad_token
     return answers
 
 
@@ -164,10 +169,11 @@ def calibration_ids(source: str, tokenizer, samples: int = 128, max_tokens: int 
                     train_rows: list[dict] | None = None) -> torch.Tensor:
     """Calibration token ids int64 [S <= samples, max_tokens] from a source of `qerl.data.calibration`.
 
-    model: the 16-bit model, whole (source "self"); train_rows: the run's training problems (source "train",
+    model: the 16-bit model, whole (source "self", or "self:FILE" for the prompts of a question/answer JSONL);
+    train_rows: the run's training problems (source "train",
     and added to "auto" when given)."""
-    from ..data.calibration import (CalibrationError, check_source, file_texts, mixture_problems, pack_tokens,
-                                    problem_texts)
+    from ..data.calibration import (CalibrationError, check_source, file_rows, file_texts, mixture_problems,
+                                    pack_tokens, problem_texts)
     from pathlib import Path
 
     check_source(source)
@@ -178,10 +184,12 @@ def calibration_ids(source: str, tokenizer, samples: int = 128, max_tokens: int 
             texts += problem_texts(train_rows[:n_problems], tokenizer)
     elif source == "reasoning-gym":
         texts = problem_texts(mixture_problems(n_problems), tokenizer)
-    elif source == "self":
+    elif source == "self" or source.startswith("self:"):
         if model is None:
             raise CalibrationError("calibration source 'self' needs the 16-bit model loaded whole (not streamed)")
-        rows = mixture_problems(min(n_problems, samples * max_tokens // 120))  # completions are longer
+        n_self = samples * max_tokens // 120  # completions are longer than reference answers
+        path = source.partition(":")[2]
+        rows = mixture_problems(n_self) if not path else file_rows(Path(path))[:n_self]
         texts = problem_texts(rows, tokenizer, greedy_answers(model, tokenizer, rows))
     elif source == "train":
         if not train_rows:

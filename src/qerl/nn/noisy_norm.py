@@ -9,12 +9,17 @@ graphs that read the weight see it), `resample()` draws fresh noise (the per-for
 copies the saved weights back bit for bit. While it is active `state_dict()` still returns the clean
 weights, so a checkpoint or adapter saved mid-rollout carries no noise. Do not let an optimizer step
 the norm weights while the noise is applied.
+
+A norm into which AWQ folded a channel scale s (weight w / s, consumers' columns times s) carries s in the
+non-persistent buffer `CHANNEL_SCALE`; its noise is z / s, so (w + z) / s feeds W s and every consumer
+column is again scaled by (1 + z_j / w_j), the same policy perturbation as without AWQ for the same z.
 """
 
 import torch
 from torch import nn
 
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+CHANNEL_SCALE = "qerl_channel_scale"  # fp32 [D] buffer on an AWQ-folded norm (qerl.quant.awq)
 
 
 def find_noisy_norms(model: nn.Module) -> list[nn.Module]:
@@ -72,14 +77,20 @@ class NoisyNorms:
 
     @torch.no_grad()
     def resample(self) -> None:
-        """w <- w_clean + z with a fresh z per norm (fp32 draw, one rounding to the weight's dtype)."""
+        """w <- w_clean + z with a fresh z per norm (fp32 draw, one rounding to the weight's dtype).
+
+        On an AWQ-folded norm (CHANNEL_SCALE s) w <- w_clean + z / s: the same draw, in the unfolded units."""
         if not self.active:
             raise RuntimeError("resample() outside the NoisyNorms context")
         if self.sigma == 0.0:
             return  # bit-identical by construction: nothing is written
         for norm, clean in zip(self.norms, self._saved):
             z = torch.randn(clean.shape, generator=self.generator, device=clean.device, dtype=torch.float32)
-            norm.weight.copy_(clean.float() + self.sigma * z)
+            noise = self.sigma * z
+            scale = getattr(norm, CHANNEL_SCALE, None)
+            if scale is not None:
+                noise = noise / scale.float()
+            norm.weight.copy_(clean.float() + noise)
 
     @torch.no_grad()
     def __exit__(self, *exc) -> None:
