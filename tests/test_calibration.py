@@ -98,12 +98,16 @@ def test_calibrated_methods_beat_round_to_nearest_on_held_out_tokens(method):
     assert _kl(base, ours, held_out) < _kl(base, rtn, held_out)
 
 
-@pytest.mark.parametrize("method", ["4over6", "gptq", "awq"])
-def test_streamed_build_equals_whole_model_quantization(method):
+@pytest.mark.parametrize("method,keep", [("4over6", ()), ("gptq", ()), ("awq", ()),
+                                         ("gptq", ("model.layers.1.self_attn.q_proj", "model.layers.0.mlp.*"))])
+def test_streamed_build_equals_whole_model_quantization(method, keep):
     base = tiny_model("llama")
     state = base.state_dict()
     cal = torch.randint(3, 160, (8, 32), generator=torch.Generator().manual_seed(1))
-    whole = quantize_model(copy.deepcopy(base), "nvfp4", method=method, calibration=cal)
+    whole = quantize_model(copy.deepcopy(base), "nvfp4", method=method, calibration=cal, keep_bf16=keep)
+    assert [n for n, p in whole.named_parameters() if p.requires_grad] == []
+    kept = [n for n, m in quant_layers(whole).items() if m.weight_format == "bf16"]
+    assert len(kept) == (4 if keep else 0)
 
     def fill(module, prefix):
         module.to_empty(device="cpu")
@@ -112,7 +116,7 @@ def test_streamed_build_equals_whole_model_quantization(method):
                 t.copy_(state[prefix + n])
 
     streamed = build_layer_by_layer(tiny_config("llama"), "nvfp4", None, fill, dtype=torch.float32, method=method,
-                                    calibration=cal if method != "4over6" else None)
+                                    calibration=cal if method != "4over6" else None, keep_bf16=keep)
     for (name, a), (_, b) in zip(quant_layers(whole).items(), quant_layers(streamed).items()):
         for t in a.quantized_tensors():
             assert torch.equal(getattr(a, t).view(torch.uint8), getattr(b, t).view(torch.uint8)), (name, t)

@@ -10,9 +10,15 @@ A quantized input embedding (`QuantEmbedding`, opt-in) is written as the dense t
 `<module>.weight` in its lookup dtype (bf16 for a bf16 model), and is not a quantization target: the
 directory stays a standard checkpoint. Quantizing that table again on load (`quantize_input_embeddings`)
 gives back the same codes and scales when the original table was bf16 (see tests/test_quant_embedding.py).
+
+Linears kept in 16 bits (`keep_bf16`: QuantLinear format "bf16") are written as plain `<module>.weight`
+(bf16) + bias and listed in `ignore` / `llm_int8_skip_modules` beside lm_head, so transformers and vLLM load
+them as ordinary dense linears; config.json's `qerl_keep_bf16` names them so that `load_quantized` makes
+them QuantLinear("bf16") again (other ignored linears, e.g. non-targets, stay nn.Linear).
 """
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,6 +30,7 @@ from ..nn import QuantEmbedding, QuantLinear
 from .atomic import atomic_directory
 from .convert import quant_layers, set_module
 from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
+from .precision import partial_sibling_groups
 
 MAX_SHARD_BYTES = 5 * 1024**3
 CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
@@ -34,6 +41,7 @@ _CT_WEIGHTS = {
               "dynamic": False, "scale_dtype": "torch.uint8"},
 }
 _BNB_STATE = "quant_state.bitsandbytes__nf4"
+KEEP_KEY = "qerl_keep_bf16"  # config.json: the linears qerl kept in bf16 (all also in the ignore list)
 
 
 def quantization_config(fmt: str, ignore: list[str]) -> dict:
@@ -65,12 +73,25 @@ def _nf4_to_bnb(name: str, layer: QuantLinear) -> dict[str, torch.Tensor]:
     }
 
 
-def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Everything but LoRA, with quantized layers in their on-disk names; a tied lm_head is left out."""
+def split_kept(model: nn.Module) -> tuple[dict[str, QuantLinear], dict[str, QuantLinear]]:
+    """(4-bit layers, layers kept in bf16) of a model with one 4-bit format plus optional `keep_bf16`
+    layers. An all-bf16 model (format bf16) has no kept layers: its bf16 layers are its base."""
     layers = quant_layers(model)
     fmts = {m.weight_format for m in layers.values()}
-    if len(fmts) != 1:
-        raise ValueError(f"expected one quantized weight format in the model, found {sorted(fmts) or 'none'}")
+    if len(fmts - {"bf16"}) > 1 or not fmts:
+        raise ValueError(f"expected one quantized weight format in the model (plus layers kept in bf16), "
+                         f"found {sorted(fmts) or 'none'}")
+    if fmts == {"bf16"}:
+        return layers, {}
+    kept = {n: m for n, m in layers.items() if m.weight_format == "bf16"}
+    return {n: m for n, m in layers.items() if n not in kept}, kept
+
+
+def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything but LoRA, with quantized layers in their on-disk names; a tied lm_head is left out.
+    A kept bf16 layer's state is already `<module>.weight` [N, K] bf16 (+ bias): written as it is."""
+    layers, _ = split_kept(model)
+    fmts = {m.weight_format for m in layers.values()}
     state = {k: v for k, v in model.state_dict().items() if ".lora_A." not in k and ".lora_B." not in k}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -112,12 +133,20 @@ def _write_shards(state: dict[str, torch.Tensor], directory: Path) -> None:
 
 def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) -> Path:
     """Write the quantized base (no LoRA) as an HF directory; atomic: `out` appears complete or not at all."""
-    layers = quant_layers(model)
+    layers, kept = split_kept(model)
     state = checkpoint_state_dict(model)
     fmt = next(iter(layers.values())).weight_format
-    ignore = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in layers)
+    quant = layers.keys() | kept.keys()
+    # dense linears, not counting a QuantLinear's own LoRA A / B (never written here)
+    dense = [n for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and n not in quant and n.rpartition(".")[0] not in quant]
+    ignore = sorted([*dense, *kept])
+    _warn_partial_groups(kept, [*layers, *kept])
     config = model.config.to_dict()
     config.pop("qerl_weight_format", None)
+    config.pop(KEEP_KEY, None)
+    if kept:
+        config[KEEP_KEY] = sorted(kept)
     config["quantization_config"] = quantization_config(fmt, ignore)
     with atomic_directory(out, overwrite) as tmp:
         _write_shards(state, tmp)
@@ -127,6 +156,14 @@ def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) ->
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out).expanduser().resolve()
+
+
+def _warn_partial_groups(kept, names) -> None:
+    partial = partial_sibling_groups(kept, names)
+    if partial:
+        warnings.warn(f"keep_bf16 splits {len(partial)} fused sibling group(s), e.g. {partial[0]}: qerl and "
+                      "transformers load this directory, vLLM refuses it (it fuses q/k/v and gate/up and needs "
+                      "one scheme per group); keep whole groups for vLLM", stacklevel=3)
 
 
 def _format_of(qcfg: dict, path: Path) -> str:
@@ -169,6 +206,17 @@ def _take_layer_tensors(state: dict, name: str, fmt: str) -> dict[str, torch.Ten
     return tensors
 
 
+def _kept_layer(state: dict, name: str, mod: nn.Linear, dtype: torch.dtype, path: Path) -> QuantLinear:
+    """Pop a kept linear's dense `<name>.weight` [N, K] (+ bias) into a QuantLinear("bf16")."""
+    weight = state.pop(f"{name}.weight", None)
+    if weight is None or tuple(weight.shape) != (mod.out_features, mod.in_features):
+        found = "nothing" if weight is None else f"shape {tuple(weight.shape)}"
+        raise ModelLoadError(f"{path}: {KEEP_KEY} lists {name}, but its dense weight is {found}")
+    bias = state.pop(f"{name}.bias", None)
+    return QuantLinear(mod.in_features, mod.out_features, "bf16", {"weight": weight.to(torch.bfloat16)},
+                       None if bias is None else bias.to(dtype))
+
+
 def load_quantized(path, dtype=None, device=None):
     """A quantized HF directory -> (model with QuantLinear layers, no LoRA yet, tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -180,6 +228,9 @@ def load_quantized(path, dtype=None, device=None):
     qcfg = qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
     fmt = _format_of(qcfg, path)
     del config.quantization_config
+    keep = set(getattr(config, KEEP_KEY, None) or ())
+    if hasattr(config, KEEP_KEY):
+        delattr(config, KEEP_KEY)
     dtype = resolve_dtype(dtype)
     device = torch.device(device or "cpu")
     state = {}
@@ -190,6 +241,10 @@ def load_quantized(path, dtype=None, device=None):
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear):
             continue
+        if name in keep:
+            set_module(model, name, _kept_layer(state, name, mod, dtype, path))
+            keep.discard(name)
+            continue
         tensors = _take_layer_tensors(state, name, fmt)
         if tensors is None:
             continue
@@ -197,7 +252,9 @@ def load_quantized(path, dtype=None, device=None):
         layer = QuantLinear(mod.in_features, mod.out_features, fmt, tensors,
                             None if bias is None else bias.to(dtype))
         set_module(model, name, layer)
-    if not any(isinstance(m, QuantLinear) for m in model.modules()):
+    if keep:
+        raise ModelLoadError(f"{path}: {KEEP_KEY} lists {sorted(keep)[:3]}, which are not linears of the model")
+    if not any(isinstance(m, QuantLinear) and m.weight_format != "bf16" for m in model.modules()):
         raise ModelLoadError(f"{path}: config says {fmt} but no quantized layer was found in the weights")
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)

@@ -18,6 +18,7 @@ from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from ..nn.quant_embedding import check_embedding_shape
 from ..quant import CALIBRATED, check_method
 from .calibrate import awq_fake_quant, capture_layer_inputs, layer_output, layer_statistics, method_quantizer, sibling_groups
+from .precision import names_under, resolve_keep_bf16
 from .targets import FUSED_GROUPS, find_targets
 
 # (module name, weight [N, K], shared global scale | None) -> format tensors. Round-to-nearest by default.
@@ -56,6 +57,8 @@ def quantize_model(
     embeddings: bool = False,
     method: str = "rtn",
     calibration: torch.Tensor | None = None,
+    keep_bf16: Iterable[str] = (),
+    name_prefix: str = "",
 ) -> nn.Module:
     """Replace the target linears of `model` in place by `QuantLinear` (frozen base + optional LoRA).
 
@@ -66,8 +69,13 @@ def quantize_model(
     causal LM. quantizer: a custom per-weight quantizer instead of the method's (rtn / 4over6 only).
     embeddings=True also stores the input embedding in `fmt` (`quantize_input_embeddings`; untied models
     only, checked before anything is changed), always round-to-nearest.
+    keep_bf16: module names / patterns / "last:N" (`qerl.models.precision`) of targets left in 16 bits as
+    QuantLinear("bf16") with the same LoRA; resolved against `name_prefix` + each target's name (pass
+    "model.layers.3." when `model` is that block), checked before anything is changed.
     """
     check_method(method, fmt)
+    targets = tuple(targets)  # read more than once
+    keep = resolve_keep_bf16(model, keep_bf16, targets, name_prefix) if keep_bf16 else set()
     if embeddings:
         check_input_embeddings_quantizable(model, fmt)
     if method in CALIBRATED:
@@ -76,16 +84,60 @@ def quantize_model(
                              "(qerl.models.calibrate.calibration_ids)")
         if quantizer is not None:
             raise ValueError(f"a custom quantizer cannot be combined with the calibrated method {method!r}")
-        calibrated_quantize(model, fmt, method, calibration, lora, targets, show_progress=show_progress)
+        calibrated_quantize(model, fmt, method, calibration, lora, targets, show_progress=show_progress,
+                            keep={name_prefix + n for n in names_under(keep, name_prefix)})
     else:
-        if quantizer is None and method != "rtn":
-            quantizer = method_quantizer(model, fmt, method, targets)
-        replace_linears(model, fmt, lora, targets, quantizer, show_progress)
+        kept = quantize_keeping(model, fmt, lora, targets, names_under(keep, name_prefix), quantizer, method,
+                                show_progress)
+        add_lora_to(kept, lora)
     if embeddings:
         quantize_input_embeddings(model, fmt)
     if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
         model.config.qerl_weight_format = fmt
     return model
+
+
+def keep_dense_linears(model: nn.Module, names: Iterable[str]) -> dict[str, QuantLinear]:
+    """Swap the named nn.Linear of `model` (names relative to it) for frozen QuantLinear("bf16") without
+    LoRA, in place; {name: layer}. The base is the weight in bf16 ([N, K]; a bf16 weight is kept as is)."""
+    dense = get_format("bf16")
+    kept = {}
+    for name in names:
+        lin = model.get_submodule(name)
+        kept[name] = QuantLinear(lin.in_features, lin.out_features, "bf16", dense.quantize(lin.weight), lin.bias)
+        set_module(model, name, kept[name])
+    return kept
+
+
+def quantize_keeping(model: nn.Module, fmt: str, lora: LoraConfig | None, targets: Iterable[str],
+                     keep: Iterable[str] = (), quantizer: WeightQuantizer | None = None, method: str = "rtn",
+                     show_progress: bool = False) -> dict[str, QuantLinear]:
+    """`replace_linears` (rtn / 4over6) with the targets named in `keep` (relative to `model`) left 16-bit.
+
+    The kept linears become QuantLinear("bf16") first, so the quantizer never sees them and the quantized
+    siblings left in a q/k/v or gate/up group share one global scale among themselves. Their LoRA is the
+    caller's (`add_lora_to`, after every quantized layer's), so the whole-model and the layer-by-layer
+    paths draw LoRA inits in the same order. Returns the kept layers by name."""
+    targets, keep = tuple(targets), set(keep)
+    names = find_targets(model, targets)
+    unknown = sorted(keep - names.keys())
+    if unknown:
+        raise ValueError(f"keep_bf16: {unknown[:3]} are not target linears of {type(model).__name__}")
+    kept = keep_dense_linears(model, [n for n in names if n in keep])
+    for p in model.parameters():  # replace_linears freezes too, but is skipped when every target is kept
+        p.requires_grad_(False)
+    if len(kept) < len(names):
+        if quantizer is None and method != "rtn":
+            quantizer = method_quantizer(model, fmt, method, targets)
+        replace_linears(model, fmt, lora, targets, quantizer, show_progress)
+    return kept
+
+
+def add_lora_to(layers: dict[str, QuantLinear], lora: LoraConfig | None) -> None:
+    """Attach fresh LoRA adapters (trainable) to `layers`, in their order; nothing when lora is None."""
+    if lora is not None:
+        for layer in layers.values():
+            layer.add_lora(lora)
 
 
 def replace_linears(model: nn.Module, fmt: str, lora: LoraConfig | None = None, targets: Iterable[str] = DEFAULT_TARGETS,
@@ -119,14 +171,15 @@ def replace_linears(model: nn.Module, fmt: str, lora: LoraConfig | None = None, 
 @torch.no_grad()
 def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tensor, lora: LoraConfig | None = None,
                         targets: Iterable[str] = DEFAULT_TARGETS, device=None, fill=None,
-                        show_progress: bool = False) -> dict:
+                        show_progress: bool = False, keep: Iterable[str] = ()) -> dict:
     """Quantize every decoder layer of an HF causal LM with a calibrated method (gptq, awq), in order.
 
     ids: int64 [S, T] calibration tokens. Per layer (`qerl.models.calibrate`): its inputs' Hessians and row
     samples from the dense layer; AWQ folds its scales; the layer is quantized; the quantized layer makes
     the next layer's inputs, so later layers absorb earlier layers' error. fill(module, prefix): materialise
     each decoder layer from the meta device first (the streaming loader; the embedding and rotary module
-    must be real already). Returns {"tokens", "awq_scales": {module path: s fp32 [K]}}."""
+    must be real already). keep: full names of targets left 16-bit (`keep_bf16`); AWQ still folds into them
+    (exact), they are just not rounded. Returns {"tokens", "awq_scales": {module path: s fp32 [K]}}."""
     check_method(method, fmt)
     if method not in CALIBRATED:
         raise ValueError(f"{method!r} needs no calibration; use quantize_model(method={method!r})")
@@ -141,7 +194,8 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
             prefix = f"model.layers.{i}."
             if fill is not None:
                 fill(layer, prefix)
-            names = list(find_targets(layer, targets))
+            kept_here = names_under(set(keep), prefix)
+            names = [n for n in find_targets(layer, targets) if n not in kept_here]
             leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
             hessians, samples = layer_statistics(layer, leaders, batches, ids.numel())
             if method == "awq":
@@ -151,10 +205,15 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
                 for name, s in apply_awq(layer, leaf_samples, awq_fake_quant(fmt)).items():
                     awq_scales[prefix + name] = s
                 hessians = {}  # the folded weights see scaled inputs; awq rounds without a Hessian
-            replace_linears(layer, fmt, lora, targets, method_quantizer(layer, fmt, method, targets, hessians))
+            kept = keep_dense_linears(layer, sorted(kept_here))
+            if names:
+                replace_linears(layer, fmt, lora, targets, method_quantizer(layer, fmt, method, targets, hessians))
+            add_lora_to(kept, lora)
             del hessians, samples
             batches = [(layer_output(layer, h, kw), kw) for h, kw in batches]
             progress.advance(task)
+    for name, p in model.named_parameters():  # embeddings, norms, lm_head: frozen as in the rtn path
+        p.requires_grad_(".lora_" in name)
     return {"tokens": ids.numel(), "awq_scales": awq_scales}
 
 
@@ -229,13 +288,19 @@ def memory_report(model: nn.Module) -> dict[str, float]:
 
     `base_bytes_per_param` counts every stored byte of the quantized layers (codes, scales, global
     scales, biases) per base weight they represent. A quantized input embedding (`QuantEmbedding`) is part
-    of the quantized base: its V x D entries and its bytes are included.
+    of the quantized base: its V x D entries and its bytes are included. Layers kept in 16 bits beside 4-bit
+    ones (`keep_bf16`) are counted apart, `kept_bf16_params` / `kept_bf16_bytes`, so that
+    `base_bytes_per_param` stays the 4-bit format's figure; in an all-bf16 model (format bf16) they are the base.
     """
     layers = quant_layers(model)
-    embeds = quant_embeddings(model)
-    q_bytes = sum(t.numel() * t.element_size() for m in [*layers.values(), *embeds.values()] for t in m.buffers())
-    q_params = (sum(m.in_features * m.out_features for m in layers.values())
-                + sum(m.num_embeddings * m.embedding_dim for m in embeds.values()))
+    four_bit = any(m.weight_format != "bf16" for m in layers.values())
+    kept = [m for m in layers.values() if four_bit and m.weight_format == "bf16"]
+    base = [m for m in layers.values() if not (four_bit and m.weight_format == "bf16")]
+    embeds = list(quant_embeddings(model).values())
+    q_bytes = _buffer_bytes([*base, *embeds])
+    q_params = (sum(m.in_features * m.out_features for m in base)
+                + sum(m.num_embeddings * m.embedding_dim for m in embeds))
+    kept_bytes = _buffer_bytes(kept)
     lora = sum(p.numel() * p.element_size() for p in lora_parameters(model).values())
     # parameters() and buffers() each skip duplicates, so tied embeddings count once.
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -243,10 +308,16 @@ def memory_report(model: nn.Module) -> dict[str, float]:
         "quantized_params": q_params,
         "quantized_bytes": q_bytes,
         "base_bytes_per_param": q_bytes / max(q_params, 1),
+        "kept_bf16_params": sum(m.in_features * m.out_features for m in kept),
+        "kept_bf16_bytes": kept_bytes,
         "lora_bytes": lora,
-        "other_bytes": total - q_bytes - lora,
+        "other_bytes": total - q_bytes - kept_bytes - lora,
         "total_bytes": total,
     }
+
+
+def _buffer_bytes(modules: Iterable[nn.Module]) -> int:
+    return sum(t.numel() * t.element_size() for m in modules for t in m.buffers())
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

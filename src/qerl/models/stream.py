@@ -17,9 +17,9 @@ from torch import nn
 
 from ..nn import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
-from .calibrate import method_quantizer
-from .convert import calibrated_quantize, quantize_input_embeddings, replace_linears
+from .convert import add_lora_to, calibrated_quantize, quantize_input_embeddings, quantize_keeping
 from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
+from .precision import names_under, resolve_keep_bf16
 
 
 class _Checkpoint:
@@ -61,38 +61,45 @@ class _Checkpoint:
 
 def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, targets=DEFAULT_TARGETS,
                          dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False,
-                         method: str = "rtn", calibration: torch.Tensor | None = None):
+                         method: str = "rtn", calibration: torch.Tensor | None = None, keep_bf16=()):
     """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`), built one decoder
     layer at a time: `fill(module, prefix)` materialises a part of the meta-device skeleton on `device` and
     gives it its values (from a checkpoint, or random for benchmarks); each layer is quantized right after,
     so at most one 16-bit layer exists. Only LoRA parameters require grad.
 
     method: a `qerl.quant` method; the calibrated ones (gptq, awq) need `calibration`, token ids int64
-    [S, T], which then flow through the layers as they are built (`qerl.models.calibrate`)."""
+    [S, T], which then flow through the layers as they are built (`qerl.models.calibrate`).
+    keep_bf16: as for `quantize_model`, resolved on the whole (meta) skeleton before any layer is read,
+    so `last:N` and patterns spanning layers work; rtn / 4over6 only."""
     from transformers import AutoModelForCausalLM
 
     check_method(method, fmt)
     if method in CALIBRATED and calibration is None:
         raise ValueError(f"quantization method {method!r} needs calibration token ids")
     device = torch.device(device or "cpu")
+    targets = tuple(targets)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    keep = resolve_keep_bf16(model, keep_bf16, targets) if keep_bf16 else set()
     body = model.model
     fill(body.embed_tokens, "model.embed_tokens.")
     # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
     with torch.device(device):
         body.rotary_emb = type(body.rotary_emb)(config=config)
     if method in CALIBRATED:
-        calibrated_quantize(model, fmt, method, calibration, lora, targets=targets, device=device, fill=fill,
+        calibrated_quantize(model, fmt, method, calibration, lora, targets=targets, device=device, fill=fill, keep=keep,
                             show_progress=show_progress)
     else:
         with Progress(disable=not show_progress, transient=True) as progress:
             task = progress.add_task(f"building + quantizing to {fmt}", total=len(body.layers))
+            kept = {}
             for i, layer in enumerate(body.layers):
-                fill(layer, f"model.layers.{i}.")
-                quantizer = None if method == "rtn" else method_quantizer(layer, fmt, method, targets)
-                replace_linears(layer, fmt, lora, targets=targets, quantizer=quantizer)
+                prefix = f"model.layers.{i}."
+                fill(layer, prefix)
+                layer_kept = quantize_keeping(layer, fmt, lora, targets, names_under(keep, prefix), method=method)
+                kept.update({prefix + n: m for n, m in layer_kept.items()})
                 progress.advance(task)
+            add_lora_to(kept, lora)  # after every quantized layer's, as quantize_model does
     fill(body.norm, "model.norm.")
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = body.embed_tokens.weight
@@ -107,11 +114,11 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
 def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = None,
                      targets=DEFAULT_TARGETS, dtype=None, device=None, embeddings: bool = False,
                      trust_remote_code: bool = False, show_progress: bool = False, method: str = "rtn",
-                     calibration: torch.Tensor | None = None):
+                     calibration: torch.Tensor | None = None, keep_bf16=()):
     """(model, tokenizer) from a Hugging Face directory of safetensors, quantized to `fmt` while loading.
 
     Same result as `load_causal_lm(directory)` then `quantize_model(model, fmt, lora, targets,
-    embeddings=...)`, without ever holding the 16-bit model.
+    embeddings=..., keep_bf16=...)`, without ever holding the 16-bit model.
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -124,7 +131,7 @@ def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = No
         ckpt = _Checkpoint(directory, stack)
         model = build_layer_by_layer(config, fmt, lora, lambda module, prefix: ckpt.fill(module, prefix, device, dtype),
                                      targets=targets, dtype=dtype, device=device, show_progress=show_progress,
-                                     method=method, calibration=calibration)
+                                     method=method, calibration=calibration, keep_bf16=keep_bf16)
         unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
         unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # old checkpoints stored it
         if unused:
