@@ -184,3 +184,17 @@ def test_cli_quantize_with_gptq_and_bad_method(tiny_dir, tmp_path, text_file, ca
     assert not (tmp_path / "q2").exists()
     with pytest.raises(SystemExit):
         main(["quantize", str(tiny_dir), "--method", "best", "--out", str(tmp_path / "q3")])
+
+
+def test_cli_quantize_keeps_layers_in_bf16_and_config_checks_the_syntax(tiny_dir, tmp_path):
+    from qerl.config import ConfigError
+    from qerl.models import load_quantized
+
+    assert main(["quantize", str(tiny_dir), "--method", "4over6", "--keep-bf16", "last:1",
+                 "--out", str(tmp_path / "q")]) == 0
+    model, _ = load_quantized(tmp_path / "q")
+    formats = {n: m.weight_format for n, m in quant_layers(model).items()}
+    assert {f for n, f in formats.items() if n.startswith("model.layers.1.")} == {"bf16"}
+    assert {f for n, f in formats.items() if n.startswith("model.layers.0.")} == {"nvfp4"}
+    with pytest.raises(ConfigError, match="keep_bf16"):
+        load_config(None, ["model.keep_bf16=[last:0]"])

@@ -18,11 +18,14 @@ def _quantize(args) -> int:
     from .models.load import plain_hf_directory
     from .data.calibration import check_source
     from .models.calibrate import calibration_ids
+    from .models.convert import quant_layers
+    from .models.precision import describe_keep_bf16
     from .models.stream import stream_quantized
     from .quant import CALIBRATED, check_method
 
     t0 = time.perf_counter()
     targets = args.targets.split(",")
+    keep = [k for k in args.keep_bf16.split(",") if k] if args.keep_bf16 else []
     calibrated = args.method in CALIBRATED
     check_method(args.method, args.format)
     if calibrated:
@@ -37,7 +40,7 @@ def _quantize(args) -> int:
                                   args.calibration_max_tokens)
         model, tokenizer = stream_quantized(directory, args.format, targets=targets, dtype=args.dtype,
                                             trust_remote_code=args.trust_remote_code, show_progress=True,
-                                            method=args.method, calibration=cal)
+                                            method=args.method, calibration=cal, keep_bf16=keep)
         console.print(f"loaded and quantized {args.model} layer by layer ({args.method}) in "
                       f"{time.perf_counter() - t0:.1f}s")
     else:
@@ -53,7 +56,8 @@ def _quantize(args) -> int:
                 cal = calibration_ids(args.calibration, tokenizer, args.calibration_samples,
                                       args.calibration_max_tokens, model=model)
         t1 = time.perf_counter()
-        quantize_model(model, args.format, targets=targets, show_progress=True, method=args.method, calibration=cal)
+        quantize_model(model, args.format, targets=targets, show_progress=True, method=args.method, calibration=cal,
+                       keep_bf16=keep)
         console.print(f"quantized to {args.format} with {args.method} in {time.perf_counter() - t1:.1f}s"
                       + (f" ({cal.numel()} calibration tokens)" if cal is not None else ""))
     report = memory_report(model)
@@ -62,6 +66,9 @@ def _quantize(args) -> int:
     table.add_row("output", str(out))
     table.add_row("quantized linears", f"{report['quantized_params'] / 1e6:.1f} M weights")
     table.add_row("bytes per quantized weight", f"{report['base_bytes_per_param']:.4f} (incl. scales)")
+    if keep:
+        kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
+        table.add_row("kept in bf16", describe_keep_bf16(model, kept, args.format).removeprefix("keep_bf16: "))
     table.add_row("model bytes (all tensors)", f"{report['total_bytes'] / 2**20:.1f} MiB")
     if ref is not None:
         fid = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
@@ -119,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers), or a .txt / .jsonl file; never an evaluation set")
     q.add_argument("--calibration-samples", type=int, default=128, help="calibration sequences")
     q.add_argument("--calibration-max-tokens", type=int, default=256, help="tokens per calibration sequence")
+    q.add_argument("--keep-bf16", default="",
+                   help="comma-separated module names / patterns / last:N left in bf16 (e.g. last:2,*.down_proj)")
     q.add_argument("--out", required=True, help="output directory (written atomically)")
     q.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated linear names to quantize")
     q.add_argument("--dtype", default="bf16", help="dtype of the unquantized tensors (bf16, fp16, fp32)")

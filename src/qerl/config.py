@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from .models.precision import check_keep_bf16
 from .nn.lora import DEFAULT_TARGETS
 
 
@@ -185,6 +186,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(cfg.rewards)} rewards")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward function is needed")
+    try:
+        check_keep_bf16(cfg.model.keep_bf16)
+    except ValueError as e:
+        raise ConfigError(f"model.keep_bf16: {e}") from None
+    if cfg.model.keep_bf16 and cfg.model.format == "bf16":
+        raise ConfigError("model.keep_bf16 only makes sense with a 4-bit model.format")
     return cfg
 
 

@@ -26,6 +26,7 @@ from ..models import (add_lora, load_adapter, load_causal_lm, lora_parameters, q
                       quantize_model, save_adapter)
 from ..models.load import plain_hf_directory
 from ..models.calibrate import calibration_ids
+from ..models.precision import describe_keep_bf16
 from ..models.stream import stream_quantized
 from ..data.calibration import check_source
 from ..quant import CALIBRATED, check_method
@@ -112,14 +113,14 @@ def build_policy(cfg: TrainConfig, device: torch.device, train_rows: list[dict] 
         model, tokenizer = stream_quantized(directory, cfg.model.format, lora, targets=cfg.lora.targets,
                                             dtype=cfg.model.dtype, device=device, embeddings=cfg.model.quantize_embeddings,
                                             trust_remote_code=cfg.model.trust_remote_code, method=method,
-                                            calibration=ids)
+                                            calibration=ids, keep_bf16=cfg.model.keep_bf16)
     else:
         model, tokenizer = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device,
                                           trust_remote_code=cfg.model.trust_remote_code)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
-            if method != "rtn":
-                raise ValueError(f"{cfg.model.name} is already quantized; model.quant_method={method} applies "
-                                 "only when qerl quantizes the model")
+            if method != "rtn" or cfg.model.keep_bf16:
+                raise ValueError(f"{cfg.model.name} is already quantized; model.quant_method and model.keep_bf16 "
+                                 "apply only when qerl quantizes the model")
             add_lora(model, lora)
             if cfg.model.quantize_embeddings:
                 quantize_input_embeddings(model, model.config.qerl_weight_format)
@@ -129,9 +130,13 @@ def build_policy(cfg: TrainConfig, device: torch.device, train_rows: list[dict] 
                 ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, model=model,
                                       train_rows=train_rows)
             quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets,
-                           embeddings=cfg.model.quantize_embeddings, method=method, calibration=ids)
+                           embeddings=cfg.model.quantize_embeddings, method=method, calibration=ids,
+                           keep_bf16=cfg.model.keep_bf16)
     if console is not None and method != "rtn":
         console.print(f"quantized to {cfg.model.format} with {method} in {time.perf_counter() - t0:.1f} s")
+    if console is not None and cfg.model.keep_bf16:
+        kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
+        console.print(describe_keep_bf16(model, kept, cfg.model.format))
     if cfg.model.adapter:
         load_adapter(model, cfg.model.adapter)
     if tokenizer is None:
