@@ -42,6 +42,11 @@ class QuantEmbedding(nn.Module):
         for name, t in tensors.items():
             self.register_buffer(name, t)
 
+    def _apply(self, fn, recurse=True):
+        from .quant_linear import apply_keeping_storage_dtypes
+
+        return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
+
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, fmt: str) -> "QuantEmbedding":
         """Quantize nn.Embedding's table [V, D] (its own global scale, round-to-nearest)."""

@@ -52,6 +52,23 @@ class _QuantizedMatmul(torch.autograd.Function):
         return (grad_x, None, None, None, grad_h, grad_b, None) + (None,) * len(ctx.names)
 
 
+def apply_keeping_storage_dtypes(module: nn.Module, parent_apply, fn, recurse=True):
+    """Module._apply for a layer holding a 4-bit format: `.half()`, `.to(dtype)` etc. may move the format's
+    tensors but never change their dtype. Torch casts every floating buffer, and NVFP4's FP8 block scales or
+    its FP32 global scale (a divisor up to ~1e7 for small-amax weights, inf in fp16) would silently change
+    the weight. Bias and LoRA follow the requested dtype as usual; the dense "bf16" format does too."""
+    if getattr(module, "weight_format", "bf16") == "bf16":
+        return parent_apply(fn, recurse)
+    keep = {name: getattr(module, name).dtype for name in module._tensor_names}
+
+    def device_only(t):
+        out = fn(t)
+        owned = any(t is getattr(module, name) for name in keep)
+        return t.to(out.device) if owned and out.dtype != t.dtype else out
+
+    return parent_apply(device_only, recurse)
+
+
 class QuantLinear(nn.Module):
     """Frozen quantized base + LoRA. Build with `QuantLinear.from_linear(linear, fmt, lora)`."""
 
@@ -86,6 +103,9 @@ class QuantLinear(nn.Module):
 
     def quantized_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self._tensor_names}
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The base weight W [N, K] as a new dense tensor (for export and tests; not used in forward)."""
