@@ -35,7 +35,7 @@ def parse_row(row: str) -> tuple[str, str, str | None]:
 
 def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.Module, float, dict]:
     """A fresh copy of `base` quantized as `row`; (model, seconds, info)."""
-    from qerl.models.calibrate import calibration_ids
+    from qerl.models.calibrate import calibration_ids, method_quantizer
     from qerl.models.convert import calibrated_quantize, quantize_model
     from qerl.quant import CALIBRATED
 
@@ -49,7 +49,7 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
     info = {}
     if "~" in method:  # nvfp4-4over6~4over6: the scale search with another candidate set (nvfp4_scales)
         method, _, search = method.partition("~")
-        quantize_model(model, fmt, quantizer=search_quantizer(model, search))
+        quantize_model(model, fmt, quantizer=method_quantizer(model, fmt, method, search=search))
     elif method in CALIBRATED:
         ids = calibration_ids(source or cal_cfg["source"], tok, cal_cfg["samples"], cal_cfg["max_tokens"], model=base)
         info["calibration_s"] = time.perf_counter() - t0
@@ -63,28 +63,9 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
     return model, time.perf_counter() - t0, info
 
 
-def search_quantizer(model, search: str):
-    """A quantize_model quantizer running `quantize_nvfp4_searched(group, search)` per sibling group."""
-    from qerl.models.calibrate import sibling_groups
-    from qerl.models.targets import find_targets
-    from qerl.nn import DEFAULT_TARGETS
-    from qerl.quant.nvfp4_scales import quantize_nvfp4_searched
-
-    groups = {n: g for g in sibling_groups(find_targets(model, DEFAULT_TARGETS)) for n in g}
-    done = {}
-
-    def quantize(name, weight, _gs):
-        if name not in done:
-            group = groups[name]
-            done.update(zip(group, quantize_nvfp4_searched([model.get_submodule(n).weight for n in group], search)))
-        return done.pop(name)
-    return quantize
-
-
 @torch.no_grad()
 def explain_rows(model, row: str) -> None:
     """Diagnostic rows, in place on a dense model (see the module docstring)."""
-    from qerl.formats import get_format
     from qerl.formats.nvfp4 import E4M3_MAX
     from qerl.models.convert import find_targets, quantize_model, shared_global_scales
     from qerl.nn import DEFAULT_TARGETS

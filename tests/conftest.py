@@ -16,6 +16,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Qwen2 (tied embeddings) + character tokenizer saved as a Hugging Face directory; read-only."""
+    from tiny import tiny_model, tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
 @pytest.fixture(autouse=True)
 def _kernel_poison_stays_in_its_test():
     """Kernel tests turn on triton_fp4_mm.POISON (NaN-filled outputs); later tests get the normal kernels."""

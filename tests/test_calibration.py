@@ -149,14 +149,6 @@ def test_every_method_loads_in_transformers_with_compressed_tensors(tmp_path, me
     torch.testing.assert_close(theirs(x).logits, model(x).logits, rtol=0, atol=0)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
-
-
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_train_with_a_calibrated_method(tiny_dir, tmp_path, method):
     data = tmp_path / "arith.jsonl"

@@ -16,7 +16,7 @@ from qerl.models.convert import find_targets
 from qerl.models.precision import (check_keep_bf16, describe_keep_bf16, keep_bf16_extra_bytes, match_keep_bf16,
                                    partial_sibling_groups, resolve_keep_bf16)
 from qerl.models.stream import stream_quantized
-from qerl.nn import DEFAULT_TARGETS, LoraConfig, QuantLinear
+from qerl.nn import DEFAULT_TARGETS, LoraConfig
 
 IDS = torch.randint(3, 150, (2, 11), generator=torch.Generator().manual_seed(5))
 LORA = LoraConfig(r=4, alpha=8)

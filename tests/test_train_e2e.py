@@ -6,21 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny import tiny_model, tiny_tokenizer
 
 from qerl.cli import main
 from qerl.config import load_config
 from qerl.models import load_adapter, load_causal_lm
 from qerl.rl.run_log import read_metrics
 from qerl.rl.trainer import Trainer
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,18 @@ for AWQ. `qerl.models.convert.calibrated_quantize` runs the loop; only one layer
 states [S, T, D] are alive at a time, so it also works on the streaming loader's meta-device skeleton.
 """
 
+from pathlib import Path
 from typing import Iterable
 
 import torch
-from rich.progress import Progress
 from torch import nn
 
+from ..data.calibration import (CalibrationError, check_source, file_rows, file_texts, mixture_problems, pack_tokens,
+                                problem_texts)
+from ..data.templates import build_prompt
+from ..formats import get_format
 from ..nn import DEFAULT_TARGETS
-from ..quant import quantize_group
+from ..quant import NVFP4_SEARCH, quantize_group
 from .targets import FUSED_GROUPS, find_targets
 
 AWQ_SAMPLE_ROWS = 2048  # input rows kept per linear for AWQ's search (its cost is linear in them)
@@ -26,34 +30,33 @@ class _Captured(Exception):
     pass
 
 
+def fused_siblings(name: str) -> list[str]:
+    """Every name of `name`'s fused group (q/k/v or gate/up) under the same parent, in group order; [name]
+    for a linear outside any group. They all read the same input."""
+    parent, _, leaf = name.rpartition(".")
+    group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
+    return [f"{parent}.{s}" if parent else s for s in group]
+
+
 def sibling_groups(names: Iterable[str]) -> list[list[str]]:
     """Module names grouped as fused siblings (q/k/v, gate/up under one parent); others alone, in order."""
     names, groups, seen = list(names), [], set()
     for name in names:
-        if name in seen:
-            continue
-        parent, _, leaf = name.rpartition(".")
-        group = next((g for g in FUSED_GROUPS if leaf in g), None)
-        members = [name] if group is None else [f"{parent}.{s}" if parent else s for s in group
-                                                if (f"{parent}.{s}" if parent else s) in names]
-        groups.append(members)
-        seen.update(members)
+        if name not in seen:
+            members = [n for n in fused_siblings(name) if n in names]
+            groups.append(members)
+            seen.update(members)
     return groups
 
 
-def _input_sharers(name: str) -> list[str]:
-    """`name` and every fused sibling name under the same parent (they all read the same input)."""
-    parent, _, leaf = name.rpartition(".")
-    group = next((g for g in FUSED_GROUPS if leaf in g), (leaf,))
-    return [name] + [f"{parent}.{s}" if parent else s for s in group if s != leaf]
-
-
 def method_quantizer(module: nn.Module, fmt: str, method: str, targets=DEFAULT_TARGETS,
-                     hessians: dict[str, torch.Tensor] | None = None, skip: Iterable[str] = ()):
+                     hessians: dict[str, torch.Tensor] | None = None, skip: Iterable[str] = (),
+                     search: str = NVFP4_SEARCH):
     """A `quantize_model` quantizer that quantizes each sibling group together with `method`.
 
-    hessians: {module name (relative to `module`): fp32 [K, K]} for gptq; skip: names left unquantized."""
-    skip = set(skip)
+    hessians: {module name (relative to `module`): fp32 [K, K]} for gptq, keyed by any member of a group;
+    skip: names left unquantized; search: the NVFP4 scale candidates (`nvfp4_scales.candidate_scales`)."""
+    skip, hessians = set(skip), hessians or {}
     names = [n for n in find_targets(module, targets) if n not in skip]
     group_of = {n: g for g in sibling_groups(names) for n in g}
     done: dict[str, dict] = {}
@@ -62,8 +65,8 @@ def method_quantizer(module: nn.Module, fmt: str, method: str, targets=DEFAULT_T
         if name not in done:
             group = group_of[name]
             ws = [module.get_submodule(n).weight.detach() for n in group]
-            h = next((hessians[n] for n in _input_sharers(group[0]) if n in (hessians or {})), None)
-            done.update(zip(group, quantize_group(fmt, method, ws, h, name=group[0])))
+            h = next((hessians[n] for n in fused_siblings(group[0]) if n in hessians), None)
+            done.update(zip(group, quantize_group(fmt, method, ws, h, name=group[0], search=search)))
         return done.pop(name)
 
     return quantize
@@ -101,7 +104,7 @@ def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.
 
 @torch.no_grad()
 def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: int) -> tuple[dict, dict]:
-    """Run the dense `layer` on every batch; ({name: H fp32 [K, K]}, {name: input rows [<=4096, K]})."""
+    """Run the dense `layer` on every batch; ({name: H fp32 [K, K]}, {name: input rows [<= AWQ_SAMPLE_ROWS, K]})."""
     sums, counts, samples = {}, {}, {}
     stride = max(1, -(-total_rows // AWQ_SAMPLE_ROWS))
 
@@ -126,9 +129,8 @@ def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: in
 
 def awq_fake_quant(fmt: str):
     """AWQ's search quantizer: list of W [N_i, K] fp32 -> dequantized round-to-nearest copies (sharing one
-    global scale). Round-to-nearest, as AWQ searches; the final rounding is the method's own, ~20x dearer."""
-    from ..formats import get_format
-
+    global scale). Round-to-nearest, as AWQ searches: the search calls it 21 times per group, so the
+    method's own dearer rounding is kept for the final weights."""
     spec = get_format(fmt)
 
     def fake_quant(ws):
@@ -145,8 +147,6 @@ TOKENS_PER_PROBLEM = 40  # a lower bound with a chat template: problems to draw 
 def greedy_answers(model: nn.Module, tokenizer, rows: list[dict], max_new_tokens: int = 128,
                    batch_size: int = 32) -> list[str]:
     """The (16-bit) model's own greedy completions of the rows' prompts, as calibration answers."""
-    from ..data.templates import build_prompt
-
     device = next(p.device for p in model.parameters() if not p.is_meta)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     pad_token = tokenizer.pad_token
@@ -170,12 +170,7 @@ def calibration_ids(source: str, tokenizer, samples: int = 128, max_tokens: int 
     """Calibration token ids int64 [S <= samples, max_tokens] from a source of `qerl.data.calibration`.
 
     model: the 16-bit model, whole (source "self", or "self:FILE" for the prompts of a question/answer JSONL);
-    train_rows: the run's training problems (source "train",
-    and added to "auto" when given)."""
-    from ..data.calibration import (CalibrationError, check_source, file_rows, file_texts, mixture_problems,
-                                    pack_tokens, problem_texts)
-    from pathlib import Path
-
+    train_rows: the run's training problems (source "train", and added to "auto" when given)."""
     check_source(source)
     n_problems = samples * max_tokens // TOKENS_PER_PROBLEM
     if source == "auto":

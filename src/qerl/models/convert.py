@@ -17,6 +17,7 @@ from ..formats import get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from ..nn.quant_embedding import check_embedding_shape
 from ..quant import CALIBRATED, check_method
+from ..quant.awq import apply_awq
 from .calibrate import awq_fake_quant, capture_layer_inputs, layer_output, layer_statistics, method_quantizer, sibling_groups
 from .precision import names_under, resolve_keep_bf16
 from .targets import FUSED_GROUPS, find_targets
@@ -199,8 +200,6 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
             leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
             hessians, samples = layer_statistics(layer, leaders, batches, ids.numel())
             if method == "awq":
-                from ..quant.awq import apply_awq
-
                 leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
                 for name, s in apply_awq(layer, leaf_samples, awq_fake_quant(fmt)).items():
                     awq_scales[prefix + name] = s

@@ -15,6 +15,8 @@ import warnings
 import torch
 
 from ..formats import get_format
+from .gptq import HessianError, gptq_nvfp4
+from .nvfp4_scales import quantize_nvfp4_searched
 
 METHODS = ("rtn", "4over6", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")
@@ -33,11 +35,12 @@ def check_method(method: str, fmt: str) -> None:
 
 
 def quantize_group(fmt: str, method: str, ws: list[torch.Tensor], hessian: torch.Tensor | None = None,
-                   name: str = "") -> list[dict[str, torch.Tensor]]:
+                   name: str = "", search: str = NVFP4_SEARCH) -> list[dict[str, torch.Tensor]]:
     """Quantize weights [N_i, K] that share one input (and, for NVFP4, one global scale) with `method`.
 
     hessian: fp32 [K, K] calibration Hessian of the shared input (gptq only). For awq the weights are
     expected already scaled (`qerl.quant.awq.apply_awq`); the rounding is then the calibration-free best.
+    search: the NVFP4 scale candidates of 4over6 / gptq / awq (`nvfp4_scales.candidate_scales`).
     Returns one tensor dict per weight, in the format's checkpoint names."""
     check_method(method, fmt)
     spec = get_format(fmt)
@@ -46,21 +49,17 @@ def quantize_group(fmt: str, method: str, ws: list[torch.Tensor], hessian: torch
         if spec.global_scale is not None:
             gs = torch.stack([spec.global_scale(w) for w in ws]).amin(0)
         return [spec.quantize(w, None if gs is None else gs.clone()) for w in ws]
-    from .nvfp4_scales import quantize_nvfp4_searched
-
     if method == "gptq":
-        from .gptq import HessianError, gptq_nvfp4
-
         if hessian is None:
             raise ValueError(f"{name or 'gptq'}: no calibration Hessian (gptq needs calibration data)")
-        gs = quantize_nvfp4_searched(ws, NVFP4_SEARCH)[0]["weight_global_scale"]
+        gs = quantize_nvfp4_searched(ws, search)[0]["weight_global_scale"]
         try:
-            whole = gptq_nvfp4(torch.cat([w.float() for w in ws]), hessian, gs, search=NVFP4_SEARCH)
+            whole = gptq_nvfp4(torch.cat([w.float() for w in ws]), hessian, gs, search=search)
         except HessianError as e:
             warnings.warn(f"{name}: {e}; falling back to the calibration-free 4over6 scale search", stacklevel=2)
-            return quantize_nvfp4_searched(ws, NVFP4_SEARCH)
+            return quantize_nvfp4_searched(ws, search)
         return _split_rows(whole, [w.shape[0] for w in ws])
-    return quantize_nvfp4_searched(ws, NVFP4_SEARCH)
+    return quantize_nvfp4_searched(ws, search)
 
 
 def _split_rows(tensors: dict[str, torch.Tensor], rows: list[int]) -> list[dict[str, torch.Tensor]]:

@@ -14,7 +14,7 @@ squared error wins, ties going to round-to-nearest.
 
 import torch
 
-from ..formats.fp4 import E2M1_MAX, decode_e2m1, pack_fp4, round_to_e2m1
+from ..formats.fp4 import E2M1_MAX, pack_fp4, round_to_e2m1
 from ..formats.nvfp4 import BLOCK, E4M3_MAX, nvfp4_global_scale
 
 # E4M3 bit-pattern steps tried around the round-to-nearest scale: one step is 1/8 to 1/16 of an octave,
