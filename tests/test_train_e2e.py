@@ -41,6 +41,8 @@ def test_train_runs_and_writes_outputs(tiny_dir, data_file, tmp_path, algo):
         extra.update({"algo.clip_high": 0.28, "algo.overlong_filter": True, "algo.overlong_buffer": 2})
     cfg = load_config(None, _overrides(tiny_dir, data_file, tmp_path / "run", **extra))
     trainer = Trainer(cfg)
+    # model.dtype auto computes in float32 on the CPU (bf16 matmuls are ~100x slower there)
+    assert trainer.model.model.norm.weight.dtype == torch.float32
     before = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_B" in k}
     adapter = trainer.train()
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -76,6 +78,18 @@ def test_cli_train_and_resume(tiny_dir, data_file, tmp_path):
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
     # a second run into the same directory without --resume is refused
     assert main(["train", *args]) == 2
+
+
+def test_compute_dtype_auto_is_bf16_on_a_gpu_and_float32_on_the_cpu():
+    from qerl.models.load import compute_dtype
+
+    assert compute_dtype("auto", "cuda") == torch.bfloat16
+    assert compute_dtype("auto", torch.device("cuda", 1)) == torch.bfloat16
+    assert compute_dtype("auto", "cpu") == torch.float32
+    assert compute_dtype(None, None) == torch.float32
+    assert compute_dtype("bf16", "cpu") == torch.bfloat16 and compute_dtype("fp16", "cuda") == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        compute_dtype("int8", "cpu")
 
 
 def test_bad_config_is_refused(tiny_dir, data_file, tmp_path):

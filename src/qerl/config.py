@@ -35,7 +35,7 @@ class ModelSection:
     quant_method: str = "rtn"  # rtn | 4over6 | gptq | awq: how codes and scales are chosen (qerl.quant)
     keep_bf16: list[str] = field(default_factory=list)  # module names / fnmatch patterns left in 16 bits
     calibration: CalibrationSection = field(default_factory=CalibrationSection)
-    dtype: str = "auto"  # activations / unquantized tensors: auto = bf16
+    dtype: str = "auto"  # activations / unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)
     device: str = "auto"  # auto = cuda when available
     adapter: str | None = None  # start from this PEFT adapter
     trust_remote_code: bool = False

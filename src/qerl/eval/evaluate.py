@@ -95,7 +95,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument("--format", choices=["nvfp4", "mxfp4", "nf4", "bf16"],
                         help="quantize the base first (ignored when the model is already quantized)")
-    parser.add_argument("--dtype", default="bf16", help="dtype of unquantized tensors (bf16, fp16, fp32)")
+    parser.add_argument("--dtype", default="auto",
+                        help="dtype of unquantized tensors: bf16, fp16, fp32, or auto (bf16 on a GPU, fp32 on the CPU)")
     parser.add_argument("--device", help="cuda / cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write per-problem results here (JSONL, one problem a line)")
@@ -106,18 +107,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def prepare_model(args):
     """Load, quantize when asked, attach the adapter -> (model, tokenizer)."""
     from ..models import load_adapter, load_causal_lm, quant_layers, quantize_model
-    from ..models.load import plain_hf_directory
+    from ..models.load import compute_dtype, plain_hf_directory
     from ..models.stream import stream_quantized
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = compute_dtype(args.dtype, device)
     # an adapter attaches to QuantLinear layers; "bf16" is the unquantized layer with the same code path
     fmt = args.format or ("bf16" if args.adapter else None)
     directory = plain_hf_directory(args.model) if fmt else None
     if directory is not None:  # quantize while loading: the 16-bit model is never held whole
-        model, tokenizer = stream_quantized(directory, fmt, dtype=args.dtype, device=device,
+        model, tokenizer = stream_quantized(directory, fmt, dtype=dtype, device=device,
                                             trust_remote_code=args.trust_remote_code)
     else:
-        model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, device=device,
+        model, tokenizer = load_causal_lm(args.model, dtype=dtype, device=device,
                                           trust_remote_code=args.trust_remote_code)
         if not quant_layers(model) and fmt:
             quantize_model(model, fmt)

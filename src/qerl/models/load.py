@@ -27,7 +27,8 @@ def _check_architecture(config, source) -> None:
         )
 
 
-def resolve_dtype(dtype, device=None) -> torch.dtype:
+def resolve_dtype(dtype) -> torch.dtype:
+    """A dtype name ("bf16", "fp16", "fp32", their long names, "auto" = bf16) or torch.dtype -> torch.dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -37,6 +38,15 @@ def resolve_dtype(dtype, device=None) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(names)}")
     return names[dtype]
+
+
+def compute_dtype(dtype, device) -> torch.dtype:
+    """The dtype to compute in on `device`: "auto" is bf16 on a GPU and float32 on the CPU, where bf16 matmuls
+    without AMX/AVX512-BF16 run ~100x slower than float32 (2048x576 @ 576x1536 on 2 AVX2 cores: 2.9 s vs
+    0.023 s, torch 2.13); any other name as `resolve_dtype`."""
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
+    return resolve_dtype(dtype)
 
 
 def check_gguf(path: Path) -> None:

@@ -124,7 +124,7 @@ def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = No
 
     directory = Path(directory)
     device = torch.device(device or "cpu")
-    dtype = resolve_dtype(dtype, device)
+    dtype = resolve_dtype(dtype)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     _check_architecture(config, directory)
     with ExitStack() as stack:

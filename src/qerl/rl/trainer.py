@@ -24,7 +24,7 @@ from rich.console import Console
 from ..config import TrainConfig, save_config, to_dict
 from ..models import (add_lora, load_adapter, load_causal_lm, lora_parameters, quant_layers, quantize_input_embeddings,
                       quantize_model, save_adapter)
-from ..models.load import plain_hf_directory
+from ..models.load import compute_dtype, plain_hf_directory
 from ..models.calibrate import calibration_ids
 from ..models.precision import describe_keep_bf16
 from ..models.stream import stream_quantized
@@ -102,6 +102,7 @@ def build_policy(cfg: TrainConfig, device: torch.device, train_rows: list[dict] 
     lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, use_rslora=cfg.lora.use_rslora,
                       targets=tuple(cfg.lora.targets))
     directory = plain_hf_directory(cfg.model.name)
+    dtype = compute_dtype(cfg.model.dtype, device)
     t0 = time.perf_counter()
     if directory is not None:
         ids = None
@@ -111,11 +112,11 @@ def build_policy(cfg: TrainConfig, device: torch.device, train_rows: list[dict] 
             tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=cfg.model.trust_remote_code)
             ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, train_rows=train_rows)
         model, tokenizer = stream_quantized(directory, cfg.model.format, lora, targets=cfg.lora.targets,
-                                            dtype=cfg.model.dtype, device=device, embeddings=cfg.model.quantize_embeddings,
+                                            dtype=dtype, device=device, embeddings=cfg.model.quantize_embeddings,
                                             trust_remote_code=cfg.model.trust_remote_code, method=method,
                                             calibration=ids, keep_bf16=cfg.model.keep_bf16)
     else:
-        model, tokenizer = load_causal_lm(cfg.model.name, dtype=cfg.model.dtype, device=device,
+        model, tokenizer = load_causal_lm(cfg.model.name, dtype=dtype, device=device,
                                           trust_remote_code=cfg.model.trust_remote_code)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
             if method != "rtn" or cfg.model.keep_bf16:
