@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from qerl.nn.noisy_norm import NoisyNorms
-from qerl.rollout.engine import RolloutEngine, bucket_batch
+from qerl.rollout.engine import RolloutEngine
+from qerl.rollout.memory import bucket_batch
 from qerl.rollout.sampling import SamplingParams
 
 from test_rollout_engine import completions, full_forward_logprobs, hf_greedy, prompts_of, quantize_tiny, tiny_model

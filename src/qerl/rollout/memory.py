@@ -1,0 +1,70 @@
+"""Batch buckets and memory sizing: how many rows one generate pass may hold.
+
+The KV cache and the static step buffers are allocated for a batch bucket (one captured decode graph per
+bucket), so a batch of n rows costs `bucket_batch(n)` rows of memory. A batch larger than what fits runs
+as several passes; `rows_per_pass` picks the pass size from `max_batch` or, on CUDA, the free memory.
+"""
+
+from typing import Callable
+
+import torch
+
+from .kv_cache import KVCache
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def round_up(n: int, m: int) -> int:
+    """n rounded up to a multiple of m."""
+    return -(-n // m) * m
+
+
+def bucket_batch(n: int) -> int:
+    """Smallest batch bucket >= n (one captured graph per bucket)."""
+    for b in BATCH_BUCKETS:
+        if b >= n:
+            return b
+    return round_up(n, BATCH_BUCKETS[-1])
+
+
+def bytes_per_row(runner, max_seq_len: int, vocab_size: int) -> int:
+    """Memory one batch row needs during generate: its K and V over max_seq_len in every layer of `runner`
+    (a `CausalLMRunner`), plus the step logits and the fp32 sampling temporaries over the vocabulary."""
+    r = runner
+    elem = torch.finfo(r.dtype).bits // 8
+    kv = 2 * len(r.layers) * r.n_kv * r.head_dim * max_seq_len * elem
+    return kv + vocab_size * (elem + 3 * 4)
+
+
+def free_bytes(device: torch.device, cache: KVCache | None) -> int | None:
+    """Device memory a new cache may use (free + cached by the allocator + the current cache, which the
+    engine frees first); None off CUDA, where the batch is not split by memory."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if cache is not None:
+        free += cache.nbytes()
+    return free
+
+
+def rows_per_pass(n: int, seq_len: int, max_seq_len: int, max_batch: int | None, memory_fraction: float,
+                  free: Callable[[], int | None], row_bytes: Callable[[], int]) -> int:
+    """Rows one generate pass may hold: n, or fewer when its batch bucket (what the cache is allocated
+    for) exceeds `max_batch` or, when max_batch is None, what `memory_fraction` of `free()` bytes holds at
+    `row_bytes()` bytes a row (both called only when needed). seq_len (prompt + new tokens) is only
+    checked against max_seq_len."""
+    if seq_len > max_seq_len:
+        return n  # the engine's _generate raises the clear error
+    limit = max_batch
+    if limit is None:
+        free_now = free()
+        if free_now is not None:
+            limit = int(free_now * memory_fraction) // row_bytes()
+    if limit is None or bucket_batch(n) <= limit:
+        return n
+    if limit < 1:
+        raise torch.OutOfMemoryError(
+            f"not even one row's KV cache ({row_bytes() / 2**30:.2f} GiB for max_seq_len "
+            f"{max_seq_len}) fits in free GPU memory; lower max_new_tokens or the prompt length")
+    return max(b for b in BATCH_BUCKETS if b <= limit)

@@ -1,0 +1,137 @@
+"""The forward pass of a HF causal LM over the static KV cache, built from the model's own modules.
+
+The runner does not copy the model. Each forward runs the model's own modules in order -- `embed_tokens`,
+per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_norm`), `o_proj`,
+`post_attention_layernorm`, `gate_proj`/`up_proj`/`down_proj` with the MLP's `act_fn`, final `norm`,
+`lm_head` -- so a LoRA update or an AQN perturbation of a norm weight is what samples next. What the
+runner brings itself: rotary embeddings computed from the HF config (`rope`), the linears through the
+adapter snapshot (`lora_snapshot`), and attention over the static KV cache (torch SDPA; on CUDA the decode
+steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`). On CUDA each residual add with
+the RMSNorm after it, RoPE on q/k (at decode, with the k/v cache write) and SiLU(gate) * up run as one
+Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and eps are read on every call, so
+AQN's in-place noise is seen); elsewhere the same ops run eagerly.
+
+Shapes: B batch, L tokens fed (the prompt length P at prefill, 1 at decode), S attended cache length,
+H query heads, KV key/value heads, G = H / KV, hd head dim, D hidden, V vocabulary. Activations are in
+the model's dtype (`CausalLMRunner.dtype`).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.bf16_matmul import bf16_linear
+from ..kernels.decode_attention import decode_attention
+from ..kernels.fused_ops import add_norm, rope_qk, rope_qk_store, silu_mul
+from ..nn.quant_embedding import QuantEmbedding
+from .kv_cache import KVCache
+from .lora_snapshot import LoraSnapshot
+from .rope import rope_tables
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class CausalLMRunner:
+    """The forward pass of a HF Llama/Mistral/Qwen2/Qwen3 causal LM over a KVCache, from its own modules."""
+
+    def __init__(self, model: nn.Module, max_len: int, fuse_siblings: bool | None = False):
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"rollout engine supports {SUPPORTED_MODEL_TYPES}, not model_type {config.model_type!r}")
+        layer_types = getattr(config, "layer_types", None) or []
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types or (
+                config.model_type == "mistral" and window is not None and window < max_len):
+            raise NotImplementedError("sliding-window attention is not supported by the rollout engine")
+        self.model = model
+        self.config = config
+        body = model.model
+        self.embed, self.layers, self.norm, self.lm_head = body.embed_tokens, body.layers, body.norm, model.lm_head
+        self.n_heads = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        # nn.Embedding, or qerl's QuantEmbedding (4-bit table, no `.weight`; called as a module all the same)
+        self.dtype = self.embed.dtype if isinstance(self.embed, QuantEmbedding) else self.embed.weight.dtype
+        self.device = self.embed.device if isinstance(self.embed, QuantEmbedding) else self.embed.weight.device
+        self.max_len = max_len
+        self.cos, self.sin = rope_tables(config, max_len, self.dtype, self.device)
+        groups = []
+        for layer in self.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            groups += [(at.q_proj, at.k_proj, at.v_proj), (at.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+        fuse = self.device.type == "cuda" if fuse_siblings is None else fuse_siblings  # None: on CUDA only
+        self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse)
+
+    # one decoder layer ---------------------------------------------------------------------------
+
+    def attention(self, i: int, x: torch.Tensor, cos, sin, cache: KVCache, mask, slot) -> torch.Tensor:
+        """x [B, L, D] (already normed) -> attention output [B, L, D]; writes this layer's k/v.
+        cos, sin [B, L, hd]: the RoPE tables at each token's position. mask [B, 1, L, S] bool (True = attend).
+
+        slot None: prefill of slots 0..L-1, attending over the L new keys. Otherwise decode (L = 1) of
+        slot `slot`, attending over the first mask.shape[-1] slots of the cache.
+        """
+        attn, lin = self.layers[i].self_attn, self.lora.linear
+        B, L, _ = x.shape
+        q, k, v = self.lora.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q = q.view(B, L, self.n_heads, self.head_dim)
+        k = k.view(B, L, self.n_kv, self.head_dim)
+        v = v.view(B, L, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if slot is not None:  # decode: RoPE + this slot's k/v written into the cache, one launch on CUDA
+            q = rope_qk_store(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
+            S = mask.shape[-1]
+            if q.is_cuda:  # one flash-decoding launch (two with split S) instead of SDPA + mask conversion
+                o = decode_attention(q[:, 0], cache.k[i], cache.v[i], cache.key_valid, slot, S, self.scale)
+                return lin(attn.o_proj, o.reshape(B, L, self.n_heads * self.head_dim))
+            k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
+            q = q.transpose(1, 2)
+        else:
+            q, k = rope_qk(q, k, cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cache.write_prefill(i, k, v)
+        o = grouped_attention(q, k, v, mask, self.scale)  # [B, H, L, hd]
+        return lin(attn.o_proj, o.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, D] (already normed) -> down(act(gate(x)) * up(x)) [B, L, D]."""
+        mlp = self.layers[i].mlp
+        gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x)
+        return self.lora.linear(mlp.down_proj, silu_mul(gate, up, mlp.act_fn))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask, slot=None):
+        """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> last-position logits [B, V] in the
+        model's dtype. mask [B, 1, L, S] bool (True = attend); slot None for a prefill of slots 0..L-1, else
+        the decode slot (0-dim int64 tensor, L = 1)."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, L, hd]
+        # residual adds fused with the norm that follows them (one launch each on CUDA, see fused_ops)
+        h, x = add_norm(self.embed(tokens), None, self.layers[0].input_layernorm)
+        for i, layer in enumerate(self.layers):
+            h, x = add_norm(h, self.attention(i, x, cos, sin, cache, mask, slot), layer.post_attention_layernorm)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = add_norm(h, self.mlp(i, x), nxt)
+        head = self.lm_head
+        if type(head) is nn.Linear:  # the bf16 decode kernel where it applies (1.05x cuBLAS, and PDL)
+            return bf16_linear(x[:, -1], head.weight, head.bias)
+        return head(x[:, -1])
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """q [B, H, L, hd], k/v [B, KV, S, hd], mask [B, 1, L, S] bool (True = attend) -> [B, H, L, hd].
+
+    GQA without repeating k/v: the G query heads of one kv head are folded into the query-length axis
+    ([B, KV, G*L, hd]), so SDPA reads the cache once instead of a G-times copy of it.
+    """
+    B, H, L, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    qg = q.reshape(B, KV, G * L, hd)  # heads h = kv*G + g are contiguous, as in HF's repeat_kv
+    if L > 1:
+        mask = mask.expand(B, 1, L, mask.shape[-1])
+        mask = mask[:, :, None].expand(B, 1, G, L, mask.shape[-1]).reshape(B, 1, G * L, mask.shape[-1])
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(B, H, L, hd)
