@@ -14,7 +14,7 @@ from qerl.nn import LoraConfig  # noqa: E402
 from qerl.rl.collect import Experience  # noqa: E402
 from qerl.rl.distributed import DistContext  # noqa: E402
 from qerl.rl.losses import LossSettings  # noqa: E402
-from qerl.rl.update import policy_update  # noqa: E402
+from qerl.rl.update import UpdateSettings, policy_update  # noqa: E402
 
 
 def fixed_batch(n: int = 8) -> Experience:
@@ -47,9 +47,9 @@ def policy_with_adapter():
 def run_update(exp: Experience, algo: str, ctx: DistContext) -> dict[str, torch.Tensor]:
     model, params = policy_with_adapter()
     opt = torch.optim.SGD(params.values(), lr=0.1)
-    policy_update(model, exp, opt, list(params.values()), LossSettings(algo, 0.2, 0.28, 0.0, 6), num_updates=2,
-                  micro_batch_size=3, max_grad_norm=1e9, temperature=1.0, old_logprobs="recompute", tis_cap=None,
-                  dist_ctx=ctx)
+    settings = UpdateSettings(LossSettings(algo, 0.2, 0.28, 0.0, 6), num_updates=2, micro_batch_size=3,
+                              max_grad_norm=1e9, tis_cap=None)
+    policy_update(model, exp, opt, list(params.values()), settings, dist_ctx=ctx)
     return {k: v.detach().clone() for k, v in params.items()}
 
 

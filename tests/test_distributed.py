@@ -66,16 +66,16 @@ def test_torchrun_train_end_to_end(tmp_path):
 def test_phase_timings_do_not_change_the_update():
     """policy_update(timings=...) reports every phase it ran and gives the same update as without."""
     from qerl.rl.losses import LossSettings
-    from qerl.rl.update import policy_update
+    from qerl.rl.update import UpdateSettings, policy_update
 
     exp = fixed_batch()
     results, timings = [], {}
     for t in (None, timings):
         model, params = policy_with_adapter()
         opt = torch.optim.SGD(params.values(), lr=0.1)
-        policy_update(model, exp, opt, list(params.values()), LossSettings("grpo", 0.2, 0.2, 0.04, 6),
-                      num_updates=2, micro_batch_size=3, max_grad_norm=1e9, temperature=1.0,
-                      old_logprobs="recompute", tis_cap=2.0, timings=t)
+        settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, 0.04, 6), num_updates=2, micro_batch_size=3,
+                                  max_grad_norm=1e9, tis_cap=2.0)
+        policy_update(model, exp, opt, list(params.values()), settings, timings=t)
         results.append({k: v.detach().clone() for k, v in params.items()})
     assert set(timings) == {"reference", "old_logprobs", "loss_backward", "optimizer"}
     assert all(v > 0 for v in timings.values())

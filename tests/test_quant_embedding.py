@@ -259,7 +259,8 @@ def untied_dir(tmp_path_factory):
 
 def test_trainer_option_builds_and_trains(untied_dir, tmp_path):
     from qerl.config import load_config
-    from qerl.rl.trainer import Trainer, build_policy
+    from qerl.models.policy import build_policy
+    from qerl.rl.trainer import Trainer
 
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+{b}=?", "answer": str(a + b)}) + "\n"
@@ -278,12 +279,12 @@ def test_trainer_option_builds_and_trains(untied_dir, tmp_path):
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
 
     # an already quantized directory: the option re-quantizes its dense embedding after loading
-    model, tok = build_policy(cfg, torch.device("cpu"))
+    model, tok = build_policy(cfg.model, cfg.lora, torch.device("cpu"))
     save_quantized(model, tok, tmp_path / "q")
     cfg.model.name = str(tmp_path / "q")
-    reloaded, _ = build_policy(cfg, torch.device("cpu"))
+    reloaded, _ = build_policy(cfg.model, cfg.lora, torch.device("cpu"))
     emb = reloaded.get_input_embeddings()
     assert isinstance(emb, QuantEmbedding)
     assert torch.equal(emb(torch.arange(160)), model.get_input_embeddings()(torch.arange(160)))
     cfg.model.quantize_embeddings = False
-    assert type(build_policy(cfg, torch.device("cpu"))[0].get_input_embeddings()) is torch.nn.Embedding
+    assert type(build_policy(cfg.model, cfg.lora, torch.device("cpu"))[0].get_input_embeddings()) is torch.nn.Embedding

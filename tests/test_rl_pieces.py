@@ -1,6 +1,8 @@
 """Pieces of the RL loop on real (tiny) components: dynamic sampling, the entropy controller, the prompt
 stream, non-finite steps, out-of-memory and config errors."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
@@ -10,7 +12,7 @@ from qerl.models import quantize_model
 from qerl.nn import LoraConfig
 from qerl.rewards import RewardRunner
 from qerl.rl.aqn import EntropyController
-from qerl.rl.collect import NoSignalError, collect_experience
+from qerl.rl.collect import CollectSettings, NoSignalError, collect_experience
 from qerl.rl.prompt_stream import PromptStream
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.sampling import SamplingParams
@@ -37,10 +39,9 @@ def _collect(engine, rows, **kw):
     stream = PromptStream(rows, seed=0)
     runner = RewardRunner([kind_reward], timeout_s=30, isolation="inline")
     gen = torch.Generator().manual_seed(0)
-    args = dict(group_size=4, prompts_per_step=2, max_new_tokens=12, sampling=SamplingParams(1.0), sigma=0.0,
-                aqn_per_forward=False, generator=gen)
-    args.update(kw)
-    return collect_experience(engine, stream.take, _encode, runner, **args), stream
+    settings = CollectSettings(**{"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12,
+                                  "sampling": SamplingParams(1.0), **kw})
+    return collect_experience(engine, stream.take, _encode, runner, settings, sigma=0.0, generator=gen), stream
 
 
 def test_dynamic_sampling_keeps_only_mixed_groups_and_refills(engine):
@@ -109,7 +110,8 @@ def test_prompt_stream_reshuffles_and_resumes():
     ("algo.name=ppo", "algo.name"),
     ("optim.lr=0", "optim.lr must be > 0"),
     ("aqn.decay=quadratic", "aqn.decay"),
-    ("lora.dropout=1.5", "lora.dropout"),
+    ("lora.dropout=1.5", "lora: LoRA dropout"),
+    ("lora.r=0", "lora: LoRA rank"),
     ("rollout.top_p=0", "top_p"),
     ("steps=2.5", "steps: expected an integer"),
     ("model.format=int8", "model.format"),
@@ -133,3 +135,31 @@ def test_config_file_errors(tmp_path):
     bad.write_text("rollout: 3")
     with pytest.raises(ConfigError, match="rollout: expected a mapping"):
         load_config(bad)
+
+
+def test_the_loop_settings_come_from_the_config():
+    from qerl.rl.settings import collect_settings, update_settings
+
+    recipe = Path(__file__).parent.parent / "configs" / "bigmath-dapo-7b.yaml"
+    cfg = load_config(recipe, ["rollout.temperature=0", "algo.num_updates=2"])
+    collect = collect_settings(cfg, world=4)
+    assert collect.prompts_per_step == 32 and collect.group_size == 8 and collect.sampling.greedy
+    assert collect.dynamic_sampling and collect.max_refills == 4 and collect.overlong_buffer == 512
+    update = update_settings(cfg)
+    assert update.loss.algo == "dapo" and update.loss.clip_high == 0.28 and update.loss.max_new_tokens == 4096
+    assert update.num_updates == 2 and update.micro_batch_size == 8 and update.temperature == 0.0
+    assert not collect_settings(load_config(None, ["algo.name=dr_grpo"])).scale_rewards  # Dr. GRPO: no std
+    # the config's lora section is the LoraConfig the model surgery takes, with YAML's list of targets
+    assert isinstance(cfg.lora, LoraConfig) and cfg.lora.scaling == 2.0 and isinstance(cfg.lora.targets, list)
+
+
+def test_greedy_log_probs_are_taken_at_temperature_one():
+    from qerl.rl.logprobs import completion_logprobs, logprob_temperature
+
+    assert logprob_temperature(0.0) == 1.0 and logprob_temperature(0.7) == 0.7
+    model = quantize_model(tiny_model("llama"), "nvfp4", LoraConfig(r=4, alpha=8))
+    ids = torch.randint(3, 150, (2, 5), generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(2, 5, dtype=torch.bool)
+    with torch.no_grad():
+        greedy, unit = (completion_logprobs(model, ids, ones, ids, ones, t) for t in (0.0, 1.0))
+    assert torch.equal(greedy, unit)

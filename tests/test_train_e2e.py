@@ -234,12 +234,12 @@ def test_resume_check_reads_a_key_missing_from_an_older_checkpoint_as_its_old_me
     import copy
 
     from qerl.config import TrainConfig, to_dict
-    from qerl.rl.trainer import _check_same_run
+    from qerl.rl.checkpointing import check_same_run
 
     current = to_dict(TrainConfig())
     saved = copy.deepcopy(current)
     del saved["model"]["quantize_embeddings"]  # written before the option existed
-    _check_same_run(saved, current, Path("ckpt"))
+    check_same_run(saved, current, Path("ckpt"))
     current["model"]["quantize_embeddings"] = True
     with pytest.raises(ValueError, match=r"model.quantize_embeddings: checkpoint False, now True"):
-        _check_same_run(saved, current, Path("ckpt"))
+        check_same_run(saved, current, Path("ckpt"))

@@ -107,6 +107,7 @@ def _bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .formats import FORMATS
     from .models.registry import DEFAULT_MODEL
     from .nn import DEFAULT_TARGETS
     from .quant import METHODS
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a causal LM and write a compressed-tensors / bnb directory")
     q.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"embedded name, HF directory, GGUF file or hub id (default {DEFAULT_MODEL})")
-    q.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4"])
+    q.add_argument("--format", default="nvfp4", choices=[f for f in FORMATS if f != "bf16"])  # bf16: nothing to do
     q.add_argument("--method", default="rtn", choices=list(METHODS),
                    help="how codes and scales are chosen: rtn (round-to-nearest), 4over6 (NVFP4 scale search), "
                         "gptq / awq (calibrated; docs/formats.md)")

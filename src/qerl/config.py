@@ -1,7 +1,13 @@
 """Training configuration: nested dataclasses, loaded from YAML plus `section.key=value` overrides.
 
+Every field is documented where it is defined, grouped by purpose: what it does, its unit, and the value
+of the QeRL paper's recipes (arXiv 2510.11696; "paper:", as configs/gsm8k-grpo-*.yaml and
+configs/bigmath-dapo-*.yaml set them) where the paper gives one. The defaults are small enough for the
+CPU demo; a paper run takes its recipe file. docs/training.md describes what one step does with them.
+
 Unknown keys and invalid values are refused with a message naming the key; the resolved config is saved
-in the run directory so a run can be reproduced and resumed.
+in the run directory so a run can be reproduced and resumed. The allowed values of each choice come from
+the module that interprets it (`_CHOICES`).
 """
 
 import dataclasses
@@ -12,8 +18,14 @@ from pathlib import Path
 
 import yaml
 
+from .formats import FORMATS
 from .models.precision import check_keep_bf16
-from .nn.lora import DEFAULT_TARGETS
+from .nn.lora import DEFAULT_TARGETS, LoraConfig
+from .quant import METHODS
+from .rl.aqn import DECAYS
+from .rl.losses import ALGOS
+from .rl.lr_schedule import SCHEDULES
+from .rl.update import OLD_LOGPROBS
 
 
 class ConfigError(ValueError):
@@ -22,99 +34,146 @@ class ConfigError(ValueError):
 
 @dataclass
 class CalibrationSection:
-    """Calibration text for the calibrated quantization methods (gptq, awq); rtn and 4over6 need none."""
-    source: str = "auto"  # auto (see qerl.data.calibration) | reasoning-gym | train | FILE.jsonl/.txt
+    """`model.calibration:` calibration text for the calibrated quantization methods (gptq, awq); rtn and
+    4over6 read none."""
+
+    source: str = "auto"  # auto | reasoning-gym | train | FILE.jsonl / .txt (sources in qerl.data.calibration)
     samples: int = 128  # sequences
     max_tokens: int = 256  # tokens per sequence
 
 
 @dataclass
 class ModelSection:
-    name: str = "smollm2-135m-instruct"  # embedded name, HF dir, GGUF, hub id or quantized dir
-    format: str = "nvfp4"  # nvfp4 | mxfp4 | nf4 | bf16 (the 16-bit LoRA baseline)
-    quant_method: str = "rtn"  # rtn | 4over6 | gptq | awq: how codes and scales are chosen (qerl.quant)
-    keep_bf16: list[str] = field(default_factory=list)  # module names / fnmatch patterns left in 16 bits
-    calibration: CalibrationSection = field(default_factory=CalibrationSection)
-    dtype: str = "auto"  # activations / unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)
-    device: str = "auto"  # auto = cuda when available
-    adapter: str | None = None  # start from this PEFT adapter
-    trust_remote_code: bool = False
+    """`model:` the policy's base model, how it is stored, and where it runs."""
+
+    # which model
+    # embedded name, HF directory, GGUF file, hub id or quantized directory; paper: Qwen2.5-{3B,7B,14B,32B}-Instruct
+    name: str = "smollm2-135m-instruct"
+    adapter: str | None = None  # start from this PEFT adapter directory instead of a fresh LoRA
+    trust_remote_code: bool = False  # let transformers run the model repository's own code
+    # how the frozen base is stored
+    format: str = "nvfp4"  # weight format (qerl.formats): nvfp4 | mxfp4 | nf4 | bf16 (16-bit LoRA); paper: nvfp4
+    quant_method: str = "rtn"  # how codes and scales are chosen (qerl.quant): rtn | 4over6 | gptq | awq
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)  # for gptq / awq
+    keep_bf16: list[str] = field(default_factory=list)  # module names / fnmatch patterns / last:N left 16-bit
     quantize_embeddings: bool = False  # also store the input embedding in `format` (untied models only)
+    # where it runs
+    dtype: str = "auto"  # activations and unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)
+    device: str = "auto"  # cpu | cuda | cuda:N; auto = cuda when available
 
 
 @dataclass
-class LoraSection:
-    r: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    use_rslora: bool = False
+class LoraSection(LoraConfig):
+    """`lora:` the trainable adapters, one per targeted linear. A `qerl.nn.LoraConfig` (the type the model
+    surgery takes, so the fields, defaults and checks are defined once, there), with `targets` a list as
+    YAML writes it:
+
+      r           rank; paper: 32
+      alpha       the update is (alpha / r) B A; paper: 64
+      dropout     dropout probability on the adapter's input, in [0, 1)
+      use_rslora  scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r
+      targets     leaf names of the linears that are quantized and get an adapter; default: every attention
+                  and MLP projection
+    """
+
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+    def __post_init__(self):
+        super().__post_init__()  # LoraConfig's checks (r >= 1, dropout in [0, 1), some targets)
+        self.targets = list(self.targets)
 
 
 @dataclass
 class DataSection:
-    train: str = "reasoning-gym:basic_arithmetic"
-    suffix: str = "gsm8k"  # prompt suffix key (qerl.data.templates) or a literal string
-    system: str | None = None
-    max_prompt_tokens: int = 256
-    limit: int | None = None
-    question_key: str | None = None
-    answer_key: str | None = None
+    """`data:` the training problems and how they become prompts."""
+
+    train: str = "reasoning-gym:basic_arithmetic"  # source (qerl.data.datasets); paper: gsm8k | bigmath
+    limit: int | None = None  # use only the first N problems
+    question_key: str | None = None  # column holding the question, when not a usual name
+    answer_key: str | None = None  # column holding the reference answer, when not a usual name
+    # answer-format instruction after the question: gsm8k | boxed | none | literal text (qerl.data.templates);
+    # paper: gsm8k (GSM8K), boxed (BigMath)
+    suffix: str = "gsm8k"
+    system: str | None = None  # system message of the chat template
+    max_prompt_tokens: int = 256  # longer prompts are dropped, tokens; paper: 256 (GSM8K), 512 (BigMath)
 
 
 @dataclass
 class RolloutSection:
-    prompts_per_step: int = 8
-    group_size: int = 8  # G completions per prompt
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    """`rollout:` sampling the completions of one step."""
+
+    # batch shape
+    prompts_per_step: int = 8  # prompts per step, over all processes; paper: 128
+    group_size: int = 8  # G completions per prompt, compared with each other; paper: 8 (16 for BigMath 14B / 32B)
+    max_new_tokens: int = 256  # completion budget, tokens; paper: 2048 (GSM8K), 4096 (BigMath)
+    # sampling distribution (log-probs are recorded and recomputed under softmax(logits / temperature))
+    temperature: float = 1.0  # 0 = greedy; paper: 1.0
+    top_p: float = 1.0  # nucleus sampling mass, in (0, 1]; 1 = off
+    top_k: int = 0  # sample among the k most likely tokens; 0 = off
+    # memory
     release_kv_cache: bool = True  # free the KV cache + decode graphs before the update (memory for the backward)
 
 
 @dataclass
 class AQNSection:
-    enabled: bool = True
-    sigma_start: float = 1e-2
-    sigma_end: float = 5e-4
-    num_stages: int = 10
-    decay: str = "exponential"  # exponential | linear | cosine | logarithmic
-    per_forward: bool = False  # redraw noise before every forward (default: once per rollout batch)
-    target_entropy: float | None = None  # beyond the paper: scale sigma to hold this mean token entropy
-    controller_gain: float = 0.5
+    """`aqn:` Adaptive Quantization Noise: Gaussian noise of std sigma added to the RMSNorm weights (which feed
+    the quantized linears) while sampling, decaying over K equal stages of training, the first noise-free
+    (qerl.rl.aqn, qerl.nn.noisy_norm)."""
+
+    enabled: bool = True  # false = the no-AQN ablation (sigma 0 throughout); paper: true
+    sigma_start: float = 1e-2  # noise std of stage 1, in norm-weight units (weights are ~1); paper: 1e-2
+    sigma_end: float = 5e-4  # noise std of the last stage; paper: 5e-4
+    num_stages: int = 10  # K; paper: 10
+    # how sigma falls from sigma_start to sigma_end (qerl.rl.aqn): exponential | linear | cosine | logarithmic;
+    # paper: exponential
+    decay: str = "exponential"
+    per_forward: bool = False  # redraw the noise before every forward (default: once per rollout batch)
+    # beyond the paper: scale sigma to hold the sampling distribution's mean token entropy (nats) at a target
+    target_entropy: float | None = None  # nats per token; null = off
+    controller_gain: float = 0.5  # multiplier *= exp(gain * (target - entropy) / target) after each step
 
 
 @dataclass
 class AlgoSection:
-    name: str = "grpo"  # grpo | dapo | dr_grpo
-    kl_beta: float = 0.0  # GRPO's beta for k3 KL to the LoRA-disabled reference (0 = no reference pass)
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # DAPO: 0.28
-    num_updates: int = 1  # mu: policy updates per rollout batch
-    old_logprobs: str = "recompute"  # recompute (loss policy, no noise) | sampling (the noisy sampler's)
-    tis_cap: float | None = 2.0  # truncated importance sampling cap for sampler/learner mismatch; null = off
-    scale_rewards: bool = True  # divide advantages by the group std (off for Dr. GRPO)
-    dynamic_sampling: bool = False  # DAPO: keep only groups with mixed rewards, sample more to refill
-    max_refills: int = 4
-    overlong_filter: bool = False  # DAPO: truncated completions are masked out of the loss
-    overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache (0 = off)
+    """`algo:` the RL objective (qerl.rl.losses) and the DAPO options."""
+
+    name: str = "grpo"  # grpo | dapo | dr_grpo; paper: grpo (GSM8K), dapo (BigMath)
+    # the clipped objective
+    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low; paper: 0.2
+    clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high; paper: 0.28 (DAPO's clip-higher)
+    kl_beta: float = 0.0  # weight of the k3 KL to the LoRA-disabled model (0 = no reference pass); paper: 0
+    scale_rewards: bool = True  # divide advantages by the group std (always off for dr_grpo)
+    num_updates: int = 1  # mu: optimizer steps per rollout batch
+    # the noisy sampler against the noise-free learner (docs/training.md, "Which log-probs are π_old")
+    old_logprobs: str = "recompute"  # recompute (the loss policy, no noise) | sampling (the noisy sampler's)
+    tis_cap: float | None = 2.0  # truncated importance sampling cap, >= 1; null = off
+    # DAPO (arXiv 2503.14476); paper, BigMath: dynamic_sampling, max_refills 4, overlong_filter, overlong_buffer 512
+    dynamic_sampling: bool = False  # keep only groups with mixed rewards, sample more prompts to refill
+    max_refills: int = 4  # at most this many further prompt batches per step for dynamic sampling
+    overlong_filter: bool = False  # truncated completions are masked out of the loss
+    # soft overlong punishment L_cache, tokens: the reward falls linearly to -1 over the last this many tokens of
+    # rollout.max_new_tokens (0 = off)
+    overlong_buffer: int = 0
 
 
 @dataclass
 class OptimSection:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 8  # sequences per forward/backward
-    gradient_checkpointing: bool = True
+    """`optim:` AdamW on the LoRA parameters."""
+
+    lr: float = 1e-5  # peak learning rate; paper: 1e-5
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    warmup_steps: int = 0  # linear warmup, steps
+    schedule: str = "constant"  # after the warmup: constant | cosine (to 0 at the last step)
+    max_grad_norm: float = 1.0  # clip the LoRA gradient's global L2 norm; paper: 1.0
+    micro_batch_size: int = 8  # sequences per forward / backward: memory vs speed (the gradient is the whole batch's)
+    gradient_checkpointing: bool = True  # recompute each decoder layer in the backward (memory for time)
     max_bad_steps: int = 5  # abort after this many non-finite steps in a row
 
 
 @dataclass
 class TrainConfig:
+    """The whole run: one section per part of the loop, then rewards, length and outputs."""
+
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraSection = field(default_factory=LoraSection)
     data: DataSection = field(default_factory=DataSection)
@@ -122,28 +181,32 @@ class TrainConfig:
     aqn: AQNSection = field(default_factory=AQNSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     optim: OptimSection = field(default_factory=OptimSection)
-    rewards: list[str] = field(default_factory=lambda: ["math"])
-    reward_weights: list[float] | None = None
-    reward_timeout_s: float = 10.0
-    steps: int = 20
-    seed: int = 0
-    output_dir: str = "runs/qerl"
-    save_every: int = 0  # 0 = only at the end
-    keep_last: int = 2
+    # rewards
+    rewards: list[str] = field(default_factory=lambda: ["math"])  # built-in names or package.module:function
+    reward_weights: list[float] | None = None  # one per reward, summed; null = all 1
+    reward_timeout_s: float = 10.0  # per reward function and batch, seconds; past it the rows are unscored (counted)
+    # length and randomness
+    steps: int = 20  # training steps (one rollout batch each); paper: 200 (GSM8K), 500 (BigMath)
+    seed: int = 0  # data order, LoRA initialisation, sampling and AQN noise
+    # outputs
+    output_dir: str = "runs/qerl"  # the run directory (config, metrics, checkpoints, adapter)
+    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
+    keep_last: int = 2  # step checkpoints kept (0 = all)
     keep_best: bool = False  # also keep checkpoints/best: the highest mean reward since the previous save
-    tensorboard: bool = True
-    plots: bool = True
+    tensorboard: bool = True  # also log to <output_dir>/tensorboard (when tensorboard is installed)
+    plots: bool = True  # write reward / entropy / sigma / length plots at the end
 
 
+# The allowed values of each choice, from the module that interprets it.
 _CHOICES = {
-    "model.format": ("nvfp4", "mxfp4", "nf4", "bf16"),
-    "model.quant_method": ("rtn", "4over6", "gptq", "awq"),
-    "aqn.decay": ("exponential", "linear", "cosine", "logarithmic"),
-    "algo.name": ("grpo", "dapo", "dr_grpo"),
-    "algo.old_logprobs": ("recompute", "sampling"),
-    "optim.schedule": ("constant", "cosine"),
+    "model.format": tuple(FORMATS),
+    "model.quant_method": METHODS,
+    "aqn.decay": DECAYS,
+    "algo.name": ALGOS,
+    "algo.old_logprobs": OLD_LOGPROBS,
+    "optim.schedule": SCHEDULES,
 }
-_POSITIVE = ("lora.r", "rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_updates",
+_POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_updates",
              "optim.micro_batch_size", "optim.lr", "steps", "data.max_prompt_tokens", "reward_timeout_s",
              "aqn.num_stages", "optim.max_bad_steps", "model.calibration.samples",
              "model.calibration.max_tokens")
@@ -180,8 +243,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("algo.overlong_buffer must be smaller than rollout.max_new_tokens")
     if cfg.aqn.target_entropy is not None and not (cfg.aqn.target_entropy > 0 and cfg.aqn.controller_gain > 0):
         raise ConfigError("aqn.target_entropy and aqn.controller_gain must be > 0")
-    if not 0 <= cfg.lora.dropout < 1:
-        raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.rewards):
         raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} entries for {len(cfg.rewards)} rewards")
     if not cfg.rewards:
@@ -249,7 +310,10 @@ def _build(cls, data: dict, prefix: str = ""):
             kwargs[name] = _build(tp, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, tp, prefix + name)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own checks (LoraSection: LoraConfig's)
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
 
 
 def _set_dotted(data: dict, dotted: str, value) -> None:

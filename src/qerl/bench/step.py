@@ -21,6 +21,7 @@ gradient of a fixed batch equals the single-process gradient of the whole batch.
 """
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from ..formats import FORMATS
 from .rollout import QWEN25, qwen25_config
 
 
@@ -74,8 +76,9 @@ class StepRunner:
     """One model + engine + optimizer; `step()` runs one timed RL step on this rank's share of prompts."""
 
     def __init__(self, model, args, dist_ctx, sigma: float):
+        from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
-        from ..rl.trainer import enable_gradient_checkpointing
+        from ..rl.update import UpdateSettings
         from ..rollout.engine import RolloutEngine
 
         self.model, self.args, self.dist, self.sigma = model, args, dist_ctx, sigma
@@ -83,7 +86,9 @@ class StepRunner:
         self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.completion)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
-        self.settings = LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.completion)
+        # the trainer's defaults: one GRPO update, TIS cap 2
+        self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.completion),
+                                       micro_batch_size=args.micro_batch)
         self.generator = torch.Generator(model.device).manual_seed(1 + dist_ctx.rank)
 
     def step(self, prompts: int, completion: int) -> dict:
@@ -114,9 +119,7 @@ class StepRunner:
         lengths = r.completion_mask.sum(1)
         exp = Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs, r.entropies,
                          rewards, group_advantages(rewards, G), lengths, torch.zeros_like(lengths, dtype=torch.bool))
-        policy_update(self.model, exp, self.optimizer, self.params, self.settings, num_updates=1,
-                      micro_batch_size=args.micro_batch, max_grad_norm=1.0, temperature=1.0,
-                      old_logprobs="recompute", tis_cap=2.0, dist_ctx=self.dist, timings=times)
+        policy_update(self.model, exp, self.optimizer, self.params, self.settings, dist_ctx=self.dist, timings=times)
         sync()
         times["step"] = time.perf_counter() - start
         times["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if on_gpu else 0.0
@@ -147,9 +150,8 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
 
     def grads(exp, ctx, micro=args.micro_batch):
         sgd = torch.optim.SGD(runner.params, lr=0.0)  # lr 0: the weights stay, the gradient stays in .grad
-        policy_update(runner.model, exp, sgd, runner.params, runner.settings, num_updates=1,
-                      micro_batch_size=micro, max_grad_norm=1e9, temperature=1.0,
-                      old_logprobs="recompute", tis_cap=2.0, dist_ctx=ctx)
+        settings = dataclasses.replace(runner.settings, micro_batch_size=micro, max_grad_norm=1e9)  # no clipping
+        policy_update(runner.model, exp, sgd, runner.params, settings, dist_ctx=ctx)
         return torch.cat([p.grad.flatten().float() for p in runner.params])
 
     flat = torch.cat([p.detach().flatten().float() for p in runner.params])
@@ -170,8 +172,8 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
 
 def _variant(v: str) -> tuple[str, bool]:
     fmt, _, flag = v.partition("+")
-    if fmt not in ("bf16", "nf4", "nvfp4", "mxfp4") or flag not in ("", "aqn"):
-        raise ValueError(f"unknown variant {v!r}: FORMAT[+aqn], FORMAT in bf16, nf4, nvfp4, mxfp4")
+    if fmt not in FORMATS or flag not in ("", "aqn"):
+        raise ValueError(f"unknown variant {v!r}: FORMAT[+aqn], FORMAT in {', '.join(FORMATS)}")
     return fmt, flag == "aqn"
 
 

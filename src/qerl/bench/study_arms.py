@@ -4,11 +4,13 @@ and its sigma decay (e.g. nvfp4, nvfp4-gptq+aqn, nvfp4+aqn:linear)."""
 import re
 from dataclasses import dataclass
 
-FORMATS = ("nvfp4", "mxfp4", "nf4", "bf16")  # qerl.formats.FORMATS, without importing torch here
-DECAYS = ("exponential", "linear", "cosine", "logarithmic")  # qerl.rl.aqn.DECAYS
-DEFAULT_DECAY = "exponential"
-METHODS = ("rtn", "4over6", "gptq", "awq")  # qerl.quant.METHODS
-DEFAULT_METHOD = "rtn"
+from ..config import AQNSection, ModelSection
+from ..formats import FORMATS
+from ..quant import METHODS
+from ..rl.aqn import DECAYS
+
+DEFAULT_DECAY = AQNSection.decay
+DEFAULT_METHOD = ModelSection.quant_method
 
 
 class StudyError(ValueError):

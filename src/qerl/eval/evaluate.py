@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt
+from ..formats import FORMATS
 from ..rewards.math import math_reward
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
@@ -93,7 +94,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--suffix", default="gsm8k",
                         help="prompt suffix: gsm8k (####), boxed (\\boxed{}), none, or literal text")
     parser.add_argument("--system", help="system message for the chat template")
-    parser.add_argument("--format", choices=["nvfp4", "mxfp4", "nf4", "bf16"],
+    parser.add_argument("--format", choices=list(FORMATS),
                         help="quantize the base first (ignored when the model is already quantized)")
     parser.add_argument("--dtype", default="auto",
                         help="dtype of unquantized tensors: bf16, fp16, fp32, or auto (bf16 on a GPU, fp32 on the CPU)")

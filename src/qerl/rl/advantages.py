@@ -1,4 +1,5 @@
-"""Group-relative advantages and DAPO's reward shaping (DESIGN.md, "RL objectives")."""
+"""Group-relative advantages (GRPO, Dr. GRPO) and DAPO's reward shaping (arXiv 2503.14476); docs/training.md,
+"One step"."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""The AQN noise schedule: sigma per training stage (DESIGN.md, "AQN").
+"""The AQN noise schedule: sigma per training stage (Adaptive Quantization Noise, QeRL paper arXiv 2510.11696).
 
 Training is split into K equal stages. Stage 0 has sigma = 0 (quantization noise only); stages 1..K-1
 decay from sigma_start to sigma_end, the last stage exactly sigma_end. With u = (k-1)/(K-2) in [0, 1]:
@@ -14,7 +14,7 @@ With K = 2 there is one noisy stage, which is the last one, so it gets sigma_end
 import math
 from dataclasses import dataclass
 
-DECAYS = ("exponential", "linear", "cosine", "logarithmic")
+DECAYS = ("exponential", "linear", "cosine", "logarithmic")  # the values of `decay` (and of the config's aqn.decay)
 
 
 def stage_sigma(stage: int, num_stages: int = 10, sigma_start: float = 1e-2, sigma_end: float = 5e-4,

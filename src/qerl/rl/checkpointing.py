@@ -58,6 +58,27 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
+# Settings a resumed run must share with its checkpoint: they define the model and the adapter's shape.
+RESUME_KEYS = (("model", "name"), ("model", "format"), ("model", "quant_method"), ("model", "keep_bf16"),
+               ("model", "calibration"), ("model", "quantize_embeddings"), ("lora", "r"), ("lora", "alpha"),
+               ("lora", "targets"), ("lora", "use_rslora"), ("data", "train"))
+# What a checkpoint written before a key existed meant by leaving it out (fixed: later defaults may differ).
+_ADDED_LATER = {("model", "quantize_embeddings"): False, ("model", "quant_method"): "rtn", ("model", "keep_bf16"): [],
+                ("model", "calibration"): {"source": "auto", "samples": 128, "max_tokens": 256}}
+
+
+def check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
+    """ValueError naming every RESUME_KEYS setting in which the config `current` differs from the checkpoint's
+    `saved` one (both as `qerl.config.to_dict` writes them)."""
+    def old(a, b):
+        return saved[a][b] if b in saved[a] else _ADDED_LATER[(a, b)]
+
+    diffs = [f"{a}.{b}: checkpoint {old(a, b)!r}, now {current[a][b]!r}" for a, b in RESUME_KEYS
+             if old(a, b) != current[a][b]]
+    if diffs:
+        raise ValueError(f"{checkpoint} belongs to a different run ({'; '.join(diffs)})")
+
+
 def load_trainer_state(checkpoint: Path) -> dict:
     try:
         state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)

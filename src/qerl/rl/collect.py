@@ -7,9 +7,29 @@ from dataclasses import dataclass, field
 import torch
 
 from ..nn.noisy_norm import NoisyNorms
-from ..rollout.engine import Rollout, RolloutEngine
-from ..rollout.sampling import SamplingParams
+from ..rollout import Rollout, RolloutEngine, SamplingParams
 from .advantages import group_advantages, mixed_groups, overlong_penalty
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    """How one step's experience is sampled, scored and selected; fixed for a run.
+
+    The per-step inputs, the AQN sigma and the sampler's generator, are arguments of `collect_experience`.
+    """
+
+    # sampling
+    group_size: int = 8  # G: completions per prompt, compared with each other for the advantage
+    prompts_per_step: int = 8  # prompts of this process per batch (the run's prompts_per_step / processes)
+    max_new_tokens: int = 256  # completion budget, tokens; a completion that reaches it is "truncated"
+    sampling: SamplingParams = SamplingParams()  # temperature, top-k, top-p
+    aqn_per_forward: bool = False  # redraw the AQN noise before every forward instead of once per batch
+    # advantages and DAPO's selection / reward shaping
+    scale_rewards: bool = True  # divide each group's centred rewards by their std (GRPO; not Dr. GRPO)
+    dynamic_sampling: bool = False  # keep only groups with mixed rewards, sample more prompts to refill
+    max_refills: int = 0  # at most this many further batches of prompts per step for dynamic sampling
+    overlong_filter: bool = False  # truncated completions get an all-False loss mask
+    overlong_buffer: int = 0  # soft overlong punishment over the last this many tokens of the budget (0 = off)
 
 
 @dataclass
@@ -35,30 +55,30 @@ class Experience:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_runner, *, group_size: int,
-                       prompts_per_step: int, max_new_tokens: int, sampling: SamplingParams, sigma: float,
-                       aqn_per_forward: bool, generator: torch.Generator, scale_rewards: bool = True,
-                       dynamic_sampling: bool = False, max_refills: int = 0, overlong_filter: bool = False,
-                       overlong_buffer: int = 0) -> Experience:
+def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_runner, settings: CollectSettings, *,
+                       sigma: float, generator: torch.Generator) -> Experience:
     """Sample, score and select one step's groups.
 
     problems: callable n -> list of rows ({"question", "answer", ...}); encode_prompt: row -> (prompt
-    text, token ids). Dynamic sampling draws further batches of `prompts_per_step` prompts (at most
-    `max_refills` more) until that many groups with mixed rewards are found; with fewer, the step trains
-    on what it has and reports it.
+    text, token ids); reward_runner: a `qerl.rewards.RewardRunner`. sigma: the AQN noise std for this
+    step (0 = no noise); generator: draws the samples and the noise. Dynamic sampling draws further
+    batches of `prompts_per_step` prompts (at most `max_refills` more) until that many groups with mixed
+    rewards are found; with fewer, the step trains on what it has and reports it.
     """
+    s = settings
+    group_size, prompts_per_step = s.group_size, s.prompts_per_step
     kept, kept_rewards, kept_texts = [], [], []
     stats = {"groups_sampled": 0.0, "gen_tokens": 0.0, "gen_seconds": 0.0}
     reward_sums: dict[str, list[float]] = {"sampled": [0.0, 0.0]}
     need = prompts_per_step
-    for _ in range(1 + (max_refills if dynamic_sampling else 0)):
+    for _ in range(1 + (s.max_refills if s.dynamic_sampling else 0)):
         rows = problems(prompts_per_step)
         encoded = [encode_prompt(r) for r in rows]
         prompt_texts = [text for text, _ in encoded for _ in range(group_size)]
         prompt_ids = [ids for _, ids in encoded for _ in range(group_size)]
-        aqn = NoisyNorms(engine.model, sigma, per_forward=aqn_per_forward, generator=generator) if sigma > 0 else None
+        aqn = NoisyNorms(engine.model, sigma, per_forward=s.aqn_per_forward, generator=generator) if sigma > 0 else None
         start = time.perf_counter()
-        rollout = engine.generate(prompt_ids, max_new_tokens, sampling, generator=generator, aqn=aqn)
+        rollout = engine.generate(prompt_ids, s.max_new_tokens, s.sampling, generator=generator, aqn=aqn)
         stats["gen_seconds"] += time.perf_counter() - start
         stats["gen_tokens"] += float(rollout.completion_mask.sum())
         columns = {k: [r.get(k) for r in rows for _ in range(group_size)] for k in rows[0] if k != "question"}
@@ -71,7 +91,7 @@ def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_ru
             acc[0], acc[1] = acc[0] + sum(valid), acc[1] + len(valid)
         r = torch.tensor(rewards, dtype=torch.float32, device=rollout.completion_ids.device)
         stats["groups_sampled"] += len(rows)
-        if not dynamic_sampling:
+        if not s.dynamic_sampling:
             kept, kept_rewards, kept_texts = [rollout], [r], list(rollout.texts)
             break
         keep = mixed_groups(r, group_size)
@@ -95,9 +115,9 @@ def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_ru
     merged = {k: v[:n] for k, v in merged.items()}
     rewards, truncated, kept_texts = rewards[:n], truncated[:n], kept_texts[:n]
     lengths = merged["completion_mask"].sum(1)
-    rewards = rewards + overlong_penalty(lengths, max_new_tokens, overlong_buffer).to(rewards.device)
-    advantages = group_advantages(rewards, group_size, scale=scale_rewards)
-    loss_mask = merged["completion_mask"] & ~(truncated & overlong_filter).unsqueeze(1)
+    rewards = rewards + overlong_penalty(lengths, s.max_new_tokens, s.overlong_buffer).to(rewards.device)
+    advantages = group_advantages(rewards, group_size, scale=s.scale_rewards)
+    loss_mask = merged["completion_mask"] & ~(truncated & s.overlong_filter).unsqueeze(1)
     stats["groups_kept"] = float(n // group_size)
     for name, (total, count) in reward_sums.items():
         stats[f"reward/{name}"] = total / max(count, 1)

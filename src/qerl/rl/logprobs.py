@@ -12,6 +12,13 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The T of softmax(logits / T) under which a completion's log-probs are taken: the sampling temperature,
+    or 1 for greedy decoding (temperature 0), which has no distribution of its own. The rollout sampler
+    records its log-probs under the same T, so the ratio pi_theta / pi_old starts at 1."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
+
+
 def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """hidden [n, D], lm_head weight [V, D], targets int64 [n] -> log softmax(h W^T / T)[target], fp32 [n]."""
     logits = F.linear(hidden, weight).float()
@@ -38,10 +45,12 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
 
 def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                         completion_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(completion token | prefix) under softmax(logits / T), fp32 [B, T] (0 where masked).
+    """log pi(completion token | prefix) under softmax(logits / tau), fp32 [B, T] (0 where masked).
 
     prompt_ids / prompt_mask [B, P] left-padded (as the rollout engine returns them), completion_ids /
     completion_mask [B, T] right-padded. Positions count real tokens only, so padding does not shift RoPE.
+    temperature: the sampling temperature the completions were drawn with (0 = greedy);
+    tau = `logprob_temperature(temperature)`.
     """
     P = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -50,5 +59,6 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
     # the hidden state at position j predicts token j + 1
     h = hidden[:, P - 1:-1]
-    logp = chunked_token_logprobs(h, model.lm_head.weight, completion_ids, temperature)
+    tau = logprob_temperature(temperature)
+    logp = chunked_token_logprobs(h, model.lm_head.weight, completion_ids, tau)
     return logp * completion_mask

@@ -1,4 +1,5 @@
-"""Clipped policy-gradient losses: GRPO, DAPO, Dr. GRPO (DESIGN.md, "RL objectives").
+"""Clipped policy-gradient losses: GRPO (arXiv 2402.03300), DAPO (arXiv 2503.14476), Dr. GRPO (arXiv 2503.20783),
+as the QeRL paper (arXiv 2510.11696) trains with them; docs/training.md, "One step".
 
 All inputs are per completion token, [B, T] with a bool mask (False = padding or filtered). The loss of a
 whole batch is a sum of per-token terms divided by a normaliser that depends on the algorithm and is
@@ -18,16 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-ALGOS = ("grpo", "dapo", "dr_grpo")
+ALGOS = ("grpo", "dapo", "dr_grpo")  # the values of `algo` (and of the config's algo.name)
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    algo: str = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_beta: float = 0.0
-    max_new_tokens: int = 1  # T_max for Dr. GRPO's constant normaliser
+    """The loss of one algorithm; fixed for a run."""
+
+    algo: str = "grpo"  # one of ALGOS: picks the normaliser (module docstring)
+    clip_low: float = 0.2  # eps_low: the ratio is clipped below at 1 - clip_low
+    clip_high: float = 0.2  # eps_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher: 0.28)
+    kl_beta: float = 0.0  # beta, weight of the k3 KL to the reference policy (0 = no KL term)
+    max_new_tokens: int = 1  # T_max for Dr. GRPO's constant normaliser, tokens
 
 
 def loss_normalizer(mask: torch.Tensor, s: LossSettings, total_rows: int | None = None,

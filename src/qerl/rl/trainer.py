@@ -2,14 +2,14 @@
 
 Per step: sample prompts -> G completions each from the rollout engine (AQN noise at the scheduled
 sigma, merged into the norm weights) -> rewards -> group advantages -> clipped policy loss on the same
-quantized + LoRA model -> AdamW on the LoRA parameters. The pieces live in their own modules
-(collect, update, losses, logprobs, run_log, checkpointing); this file wires them and keeps the state.
+quantized + LoRA model -> AdamW on the LoRA parameters. The pieces live in their own modules (collect,
+update, losses, logprobs, aqn, run_log, checkpointing; the policy is built by `qerl.models.policy`, the
+rewards named by `qerl.rewards.resolve`) and take settings objects built once from the config
+(`settings`); this file wires them and keeps the state.
 """
 
 import contextlib
-import importlib
 import json
-import math
 import random
 import resource
 import signal
@@ -22,24 +22,19 @@ import torch
 from rich.console import Console
 
 from ..config import TrainConfig, save_config, to_dict
-from ..models import (add_lora, load_adapter, load_causal_lm, lora_parameters, quant_layers, quantize_input_embeddings,
-                      quantize_model, save_adapter)
-from ..models.load import compute_dtype, plain_hf_directory
-from ..models.calibrate import calibration_ids
-from ..models.precision import describe_keep_bf16
-from ..models.stream import stream_quantized
-from ..data.calibration import check_source
-from ..quant import CALIBRATED, check_method
-from ..nn import LoraConfig
-from ..rollout.engine import RolloutEngine
-from ..rollout.sampling import SamplingParams
-from .aqn import AQNSchedule, EntropyController
-from .distributed import barrier, init_distributed, mean_metrics
-from .checkpointing import list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from ..data import build_prompt, encode_prompt, filter_by_length, load_problems
+from ..models import load_adapter, lora_parameters, save_adapter
+from ..models.policy import build_policy
+from ..rewards import RewardRunner
+from ..rewards.resolve import resolve_reward
+from ..rollout import RolloutEngine
+from .checkpointing import (check_same_run, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
+                            set_rng_state)
 from .collect import collect_experience
-from .losses import LossSettings
+from .distributed import barrier, init_distributed, mean_metrics
 from .prompt_stream import PromptStream
 from .run_log import RunLog, plot_metrics, read_metrics
+from .settings import aqn_schedule, collect_settings, entropy_controller, lr_schedule, update_settings
 from .update import NonFiniteError, policy_update
 
 
@@ -86,140 +81,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_policy(cfg: TrainConfig, device: torch.device, train_rows: list[dict] | None = None, console=None):
-    """(model with a frozen quantized base + fresh or loaded LoRA, tokenizer).
-
-    A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is quantized
-    while it loads, one decoder layer at a time, so the 16-bit model never has to fit in memory; other
-    sources (GGUF, already quantized directories) load whole. `cfg.model.quant_method` chooses how (qerl.quant);
-    the calibrated methods draw calibration text from `cfg.model.calibration` (train_rows: the run's problems,
-    which the "auto" source adds to its mixture).
-    """
-    method, cal = cfg.model.quant_method, cfg.model.calibration
-    check_method(method, cfg.model.format)
-    if method in CALIBRATED:
-        check_source(cal.source)
-    lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, use_rslora=cfg.lora.use_rslora,
-                      targets=tuple(cfg.lora.targets))
-    directory = plain_hf_directory(cfg.model.name)
-    dtype = compute_dtype(cfg.model.dtype, device)
-    t0 = time.perf_counter()
-    if directory is not None:
-        ids = None
-        if method in CALIBRATED:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=cfg.model.trust_remote_code)
-            ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, train_rows=train_rows)
-        model, tokenizer = stream_quantized(directory, cfg.model.format, lora, targets=cfg.lora.targets,
-                                            dtype=dtype, device=device, embeddings=cfg.model.quantize_embeddings,
-                                            trust_remote_code=cfg.model.trust_remote_code, method=method,
-                                            calibration=ids, keep_bf16=cfg.model.keep_bf16)
-    else:
-        model, tokenizer = load_causal_lm(cfg.model.name, dtype=dtype, device=device,
-                                          trust_remote_code=cfg.model.trust_remote_code)
-        if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
-            if method != "rtn" or cfg.model.keep_bf16:
-                raise ValueError(f"{cfg.model.name} is already quantized; model.quant_method and model.keep_bf16 "
-                                 "apply only when qerl quantizes the model")
-            add_lora(model, lora)
-            if cfg.model.quantize_embeddings:
-                quantize_input_embeddings(model, model.config.qerl_weight_format)
-        else:
-            ids = None
-            if method in CALIBRATED:
-                ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, model=model,
-                                      train_rows=train_rows)
-            quantize_model(model, cfg.model.format, lora, targets=cfg.lora.targets,
-                           embeddings=cfg.model.quantize_embeddings, method=method, calibration=ids,
-                           keep_bf16=cfg.model.keep_bf16)
-    if console is not None and method != "rtn":
-        console.print(f"quantized to {cfg.model.format} with {method} in {time.perf_counter() - t0:.1f} s")
-    if console is not None and cfg.model.keep_bf16:
-        kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
-        console.print(describe_keep_bf16(model, kept, cfg.model.format))
-    if cfg.model.adapter:
-        load_adapter(model, cfg.model.adapter)
-    if tokenizer is None:
-        raise ValueError(f"{cfg.model.name}: no tokenizer found; training needs one")
-    model.config.use_cache = False
-    if cfg.optim.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    return model.eval(), tokenizer
-
-
-def enable_gradient_checkpointing(model) -> None:
-    """Recompute each decoder layer in the backward (non-reentrant: works with frozen inputs)."""
-    # newer transformers renamed it; 5.17 (our GPU image) only has the old name
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def resolve_reward(name: str):
-    """A built-in reward by name ("math", "format", ...) or a user function "package.module:function"
-    with the TRL signature f(prompts, completions, **columns) -> list[float | None]."""
-    from ..rewards import get_reward
-
-    if ":" not in name:
-        try:
-            return get_reward(name)
-        except KeyError as e:
-            raise ValueError(e.args[0]) from None
-    module, _, attr = name.partition(":")
-    try:
-        func = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {name!r}: cannot import ({e})") from None
-    if not callable(func):
-        raise ValueError(f"reward {name!r} is not callable")
-    return func
-
-
-def _lr_lambda(cfg: TrainConfig):
-    warmup, total = cfg.optim.warmup_steps, cfg.steps
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if cfg.optim.schedule == "cosine":
-            progress = (step - warmup) / max(1, total - warmup)
-            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        return 1.0
-
-    return factor
-
-
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-# Settings a resumed run must share with its checkpoint: they define the model and the adapter's shape.
-_RESUME_KEYS = (("model", "name"), ("model", "format"), ("model", "quant_method"), ("model", "keep_bf16"),
-                ("model", "calibration"), ("model", "quantize_embeddings"), ("lora", "r"),
-                ("lora", "alpha"), ("lora", "targets"), ("lora", "use_rslora"), ("data", "train"))
-_ADDED_LATER = {("model", "quantize_embeddings"): False, ("model", "quant_method"): "rtn", ("model", "keep_bf16"): [],
-                ("model", "calibration"): {"source": "auto", "samples": 128, "max_tokens": 256}}  # what a checkpoint written before the key meant
-
-
-def _check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
-    def old(a, b):
-        return saved[a][b] if b in saved[a] else _ADDED_LATER[(a, b)]
-
-    diffs = [f"{a}.{b}: checkpoint {old(a, b)!r}, now {current[a][b]!r}" for a, b in _RESUME_KEYS
-             if old(a, b) != current[a][b]]
-    if diffs:
-        raise ValueError(f"{checkpoint} belongs to a different run ({'; '.join(diffs)})")
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str | None = None, console: Console | None = None):
-        from ..data import filter_by_length, load_problems
-        from ..rewards import RewardRunner
-
         self.cfg, self.console = cfg, console or Console(stderr=True)
         self.device = resolve_device(cfg.model.device)
         self.dist = init_distributed(self.device)
@@ -238,7 +107,9 @@ class Trainer:
                              question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
         with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} ({cfg.model.quant_method}) "
                                  f"+ LoRA r={cfg.lora.r}"):
-            self.model, self.tokenizer = build_policy(cfg, self.device, train_rows=rows, console=self.console)
+            self.model, self.tokenizer = build_policy(cfg.model, cfg.lora, self.device, train_rows=rows,
+                                                      gradient_checkpointing=cfg.optim.gradient_checkpointing,
+                                                      console=self.console)
         self.engine = RolloutEngine(self.model, self.tokenizer,
                                     max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
@@ -248,14 +119,11 @@ class Trainer:
                                     cfg.reward_timeout_s)
         self.params = list(lora_parameters(self.model).values())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
-        self.aqn = AQNSchedule(cfg.aqn.num_stages, cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.decay,
-                               cfg.aqn.enabled)
-        self.controller = (EntropyController(cfg.aqn.target_entropy, cfg.aqn.controller_gain)
-                           if cfg.aqn.target_entropy is not None else None)
-        self.loss_settings = LossSettings(cfg.algo.name, cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.kl_beta,
-                                          cfg.rollout.max_new_tokens)
-        self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(cfg))
+        self.aqn = aqn_schedule(cfg)
+        self.controller = entropy_controller(cfg)
+        self.collect_settings = collect_settings(cfg, self.dist.world)
+        self.update_settings = update_settings(cfg)
         self.run_dir = Path(cfg.output_dir)
         self.step = 0
         self.bad_in_a_row = self.bad_total = 0
@@ -275,8 +143,6 @@ class Trainer:
     # prompts ----------------------------------------------------------------------------------
 
     def encode(self, row: dict) -> tuple[str, list[int]]:
-        from ..data.templates import build_prompt, encode_prompt
-
         text = build_prompt(row["question"], self.tokenizer, suffix=self.cfg.data.suffix, system=self.cfg.data.system)
         return text, encode_prompt(text, self.tokenizer)
 
@@ -290,13 +156,8 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, t_start = self.cfg, time.perf_counter()
         sigma = self.aqn.sigma(self.step, cfg.steps) * (self.controller.multiplier if self.controller else 1.0)
-        exp = collect_experience(
-            self.engine, self._my_problems, self.encode, self.rewards, group_size=cfg.rollout.group_size,
-            prompts_per_step=cfg.rollout.prompts_per_step // self.dist.world, max_new_tokens=cfg.rollout.max_new_tokens,
-            sampling=self.sampling, sigma=sigma, aqn_per_forward=cfg.aqn.per_forward, generator=self.generator,
-            scale_rewards=cfg.algo.scale_rewards and cfg.algo.name != "dr_grpo",
-            dynamic_sampling=cfg.algo.dynamic_sampling, max_refills=cfg.algo.max_refills,
-            overlong_filter=cfg.algo.overlong_filter, overlong_buffer=cfg.algo.overlong_buffer)
+        exp = collect_experience(self.engine, self._my_problems, self.encode, self.rewards, self.collect_settings,
+                                 sigma=sigma, generator=self.generator)
         if cfg.rollout.release_kv_cache:
             self.engine.release_memory()
         t_rollout = time.perf_counter() - t_start
@@ -319,11 +180,8 @@ class Trainer:
         t_update = time.perf_counter()
         try:
             if mask.any() or self.dist.enabled:  # every rank must join the gradient all-reduce
-                metrics.update(policy_update(
-                    self.model, exp, self.optimizer, self.params, self.loss_settings,
-                    num_updates=cfg.algo.num_updates, micro_batch_size=cfg.optim.micro_batch_size,
-                    max_grad_norm=cfg.optim.max_grad_norm, temperature=cfg.rollout.temperature or 1.0,
-                    old_logprobs=cfg.algo.old_logprobs, tis_cap=cfg.algo.tis_cap, dist_ctx=self.dist))
+                metrics.update(policy_update(self.model, exp, self.optimizer, self.params, self.update_settings,
+                                             dist_ctx=self.dist))
             self.bad_in_a_row = 0
             metrics["skipped"] = 0
         except NonFiniteError as e:
@@ -457,12 +315,12 @@ class Trainer:
                 self.console.print(f"[yellow]skipping checkpoint {candidate}: {e}")
         if state is None:
             raise ValueError(f"{self.run_dir}: no readable checkpoint to resume from")
-        _check_same_run(state["config"], to_dict(self.cfg), checkpoint)
+        check_same_run(state["config"], to_dict(self.cfg), checkpoint)
         load_adapter(self.model, checkpoint / "adapter")
         self.params = list(lora_parameters(self.model).values())  # load_adapter attached fresh parameters
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(self.cfg))
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state(state["data"])
         set_rng_state(state["rng"], self.generator)

@@ -1,16 +1,17 @@
 """The policy update: micro-batched loss and backward over one step's experience, mu optimizer steps.
 
-Which log-probs play pi_old (DESIGN.md, AQN): by default ("recompute") the loss policy itself without
-noise -- for mu = 1 that is just logp.detach() of the same forward (ratio 1, no extra pass); for mu > 1 a
-no-grad pass before the first update. The noisy sampler's log-probs mu(o_t) enter only through
-truncated importance sampling, w_t = min(pi_old / mu, tis_cap), which corrects for sampling from the
-noisy policy. With old_logprobs="sampling" the ratio is pi_theta / mu directly (PPO's behaviour-policy
-ratio) and TIS is not applied.
+Which log-probs play pi_old (docs/training.md, "Which log-probs are π_old"): by default ("recompute") the
+loss policy itself without noise -- for mu = 1 that is just logp.detach() of the same forward (ratio 1, no
+extra pass); for mu > 1 a no-grad pass before the first update. The noisy sampler's log-probs mu(o_t) enter
+only through truncated importance sampling, w_t = min(pi_old / mu, tis_cap), which corrects for sampling
+from the noisy policy. With old_logprobs="sampling" the ratio is pi_theta / mu directly (PPO's
+behaviour-policy ratio) and TIS is not applied.
 """
 
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,25 @@ from .collect import Experience
 from .distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
+
+OLD_LOGPROBS = ("recompute", "sampling")  # the values of UpdateSettings.old_logprobs (config: algo.old_logprobs)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How one step's experience becomes optimizer steps; fixed for a run."""
+
+    loss: LossSettings = field(default_factory=LossSettings)
+    num_updates: int = 1  # mu: optimizer steps on each rollout batch
+    micro_batch_size: int = 8  # sequences per forward / backward (the gradient is accumulated over them)
+    max_grad_norm: float = 1.0  # clip the LoRA gradient to this global L2 norm
+    temperature: float = 1.0  # the rollout's sampling temperature (0 = greedy): log-probs are taken under it
+    old_logprobs: str = "recompute"  # one of OLD_LOGPROBS: which log-probs play pi_old (module docstring)
+    tis_cap: float | None = 2.0  # truncated importance sampling cap, w_t = min(pi_old / mu, tis_cap); None = off
+
+    def __post_init__(self):
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"unknown old_logprobs {self.old_logprobs!r}; choose one of {OLD_LOGPROBS}")
 
 
 class NonFiniteError(RuntimeError):
@@ -40,21 +60,20 @@ def _no_grad_logprobs(model, exp: Experience, micro: int, temperature: float) ->
     return torch.cat([_logprobs(model, exp, sl, temperature) for sl in _micro_batches(len(exp.rewards), micro)])
 
 
-def policy_update(model, exp: Experience, optimizer, params, settings: LossSettings, *, num_updates: int,
-                  micro_batch_size: int, max_grad_norm: float, temperature: float, old_logprobs: str,
-                  tis_cap: float | None, dist_ctx: DistContext = DistContext(),
-                  timings: dict[str, float] | None = None) -> dict[str, float]:
-    """Run `num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when the
+def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSettings, *,
+                  dist_ctx: DistContext = DistContext(), timings: dict[str, float] | None = None) -> dict[str, float]:
+    """Run `settings.num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when the
     gradient norm is not finite -- a NaN/Inf loss makes it so -- and the step is skipped: the caller counts it.
 
-    Statistics stay on the device until the end: one host sync per optimizer step (the grad norm check).
-    With a `timings` dict, seconds per phase are added to it ("reference", "old_logprobs", "loss_backward",
-    "optimizer"; "optimizer" includes the gradient all-reduce); that synchronizes the device at phase ends.
+    params: the trainable (LoRA) parameters the optimizer holds; their gradients are all-reduced over
+    `dist_ctx`'s ranks. Statistics stay on the device until the end: one host sync per optimizer step (the
+    grad norm check). With a `timings` dict, seconds per phase are added to it ("reference", "old_logprobs",
+    "loss_backward", "optimizer"; "optimizer" includes the gradient all-reduce); that synchronizes the device
+    at phase ends.
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
     with dequantized_weights(enabled=on_cpu):  # CPU: dequantize each weight once for the whole update
-        return _update(model, exp, optimizer, params, settings, num_updates, micro_batch_size, max_grad_norm,
-                       temperature, old_logprobs, tis_cap, dist_ctx, timings)
+        return _update(model, exp, optimizer, params, settings, dist_ctx, timings)
 
 
 @contextmanager
@@ -70,39 +89,39 @@ def _phase(timings: dict[str, float] | None, name: str, device: torch.device):
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
-def _update(model, exp, optimizer, params, settings, num_updates, micro_batch_size, max_grad_norm, temperature,
-            old_logprobs, tis_cap, dist_ctx, timings=None) -> dict[str, float]:
+def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_ctx: DistContext,
+            timings: dict[str, float] | None) -> dict[str, float]:
     device = exp.completion_ids.device
     mask = exp.completion_mask
     # the whole (all-rank) batch's counts, so that summed gradients equal one big batch's
     counts = all_reduce_sum(torch.tensor([float(mask.shape[0]), float(mask.sum())], device=dist_ctx.device), dist_ctx)
-    weights = loss_normalizer(mask, settings, total_rows=int(counts[0]), total_tokens=counts[1].to(mask.device))
-    batches = _micro_batches(len(exp.rewards), micro_batch_size)
+    weights = loss_normalizer(mask, s.loss, total_rows=int(counts[0]), total_tokens=counts[1].to(mask.device))
+    batches = _micro_batches(len(exp.rewards), s.micro_batch_size)
     ref = None
-    if settings.kl_beta > 0:
+    if s.loss.kl_beta > 0:
         with _phase(timings, "reference", device), lora_disabled(model):  # adapters off; no second copy
-            ref = _no_grad_logprobs(model, exp, micro_batch_size, temperature)
-    old = exp.sampling_logp if old_logprobs == "sampling" else None
-    if old is None and num_updates > 1:
+            ref = _no_grad_logprobs(model, exp, s.micro_batch_size, s.temperature)
+    old = exp.sampling_logp if s.old_logprobs == "sampling" else None
+    if old is None and s.num_updates > 1:
         with _phase(timings, "old_logprobs", device):
-            old = _no_grad_logprobs(model, exp, micro_batch_size, temperature)
-    use_tis = old_logprobs == "recompute" and tis_cap is not None
+            old = _no_grad_logprobs(model, exp, s.micro_batch_size, s.temperature)
+    use_tis = s.old_logprobs == "recompute" and s.tis_cap is not None
     zero = torch.zeros((), device=mask.device)
     totals = {k: zero.clone() for k in ("tokens", "clipped", "ratio", "kl", "loss", "tis_mean")}
     grad_norm = 0.0
     model.train()
     try:
-        for _ in range(num_updates):
+        for _ in range(s.num_updates):
             optimizer.zero_grad(set_to_none=True)
             with _phase(timings, "loss_backward", device):
                 for sl in batches:
-                    logp = _logprobs(model, exp, sl, temperature)
+                    logp = _logprobs(model, exp, sl, s.temperature)
                     old_mb = logp.detach() if old is None else old[sl]
                     tis = None
                     if use_tis:
-                        tis = torch.exp(old_mb - exp.sampling_logp[sl]).clamp(max=tis_cap) * mask[sl]
+                        tis = torch.exp(old_mb - exp.sampling_logp[sl]).clamp(max=s.tis_cap) * mask[sl]
                         totals["tis_mean"] += tis.sum()
-                    loss, stats = policy_loss(logp, old_mb, exp.advantages[sl], weights[sl], settings,
+                    loss, stats = policy_loss(logp, old_mb, exp.advantages[sl], weights[sl], s.loss,
                                               None if ref is None else ref[sl], tis)
                     loss.backward()
                     totals["loss"] += loss.detach()
@@ -110,7 +129,7 @@ def _update(model, exp, optimizer, params, settings, num_updates, micro_batch_si
                         totals[k] += v
             with _phase(timings, "optimizer", device):
                 all_reduce_gradients(params, dist_ctx)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm))
                 if not math.isfinite(grad_norm):
                     raise NonFiniteError(f"non-finite gradient norm {grad_norm} (loss {totals['loss'].item()})")
                 optimizer.step()
@@ -122,7 +141,7 @@ def _update(model, exp, optimizer, params, settings, num_updates, micro_batch_si
     t = {k: v.item() for k, v in totals.items()}
     tokens = max(t["tokens"], 1.0)
     return {
-        "loss": t["loss"] / num_updates,
+        "loss": t["loss"] / s.num_updates,
         "clip_fraction": t["clipped"] / tokens,
         "ratio_mean": t["ratio"] / tokens,
         "kl": t["kl"] / tokens,
