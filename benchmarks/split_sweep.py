@@ -1,8 +1,8 @@
 """How many K splits the Gluon decode kernel should use, per shape and row count (GPU).
 
 `python benchmarks/split_sweep.py [M,M,...]` (default 1,8,16,32,64): for the Qwen2.5 layer shapes the rollout
-engine runs (q/k/v and gate/up fused), times the routed Gluon kernel (`triton_nvfp4.nvfp4_linear_swap`: the
-mma.sync or, on sm_90 from 17 rows, the wgmma form) with its default tile at its default split and at
+engine runs (q/k/v and gate/up fused), times the routed Gluon kernel (`gluon_nvfp4.nvfp4_linear_gluon`: the
+mma.sync or wgmma form, as `route.route` picks it on this GPU) with its default tile at its default split and at
 splits {1, 2, 3, 4, 6, 8, 12}, in microseconds (CUDA-graph replays, weights rotated through > 2x L2, as
 `qerl bench kernels`), and prints the best split with the programs per SM it gives. `gluon_nvfp4.split_for`
 was tuned from its output.
@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from qerl.bench.kernels import _decode_inputs, _graph_time, _rotated_weights
 from qerl.kernels import gluon_nvfp4 as gk
-from qerl.kernels import triton_gate
-from qerl.kernels import triton_nvfp4 as tk
+from qerl.kernels import route as rt
 
 L2 = 50 * 2**20
 SHAPES = {"7B qkv": (4608, 3584), "7B o": (3584, 3584), "7B gate_up": (37888, 3584), "7B down": (3584, 18944),
@@ -33,15 +32,15 @@ def main() -> None:
         fp4_bytes, copies, bf, q = _rotated_weights(n, k, L2)
         for m in ms:
             xs, calls = _decode_inputs(m, k, fp4_bytes, copies)
-            wg = triton_gate.wgmma_wins(m, n, k) and torch.cuda.get_device_capability() == (9, 0)
+            wg = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability()) in (rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
             cfg, waves = (gk.pick_config_wgmma if wg else gk.pick_config)(m, n, k)
             s_def = gk.split_for(m, n, k, cfg, sms, waves)[0]
             t_cub = _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, 5)
             times = {}
             tiles = k // (2 * cfg[2])
             for s in sorted({s_def, *[s for s in SPLITS if s <= tiles]}):
-                times[s] = _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies], config=cfg,
-                                                                       split=s, wgmma=wg), calls, 5)
+                times[s] = _graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], config=cfg,
+                                                                        split=s, wgmma=wg), calls, 5)
             best = min(times, key=times.get)
             grid = -(-n // cfg[0]) * -(-m // cfg[1])
             per = {s: -(-tiles // (-(-tiles // s))) for s in times}  # splits actually launched

@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 import torch
@@ -25,12 +24,3 @@ def tiny_dir(tmp_path_factory):
     tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(d)
     tiny_tokenizer().save_pretrained(d)
     return d
-
-
-@pytest.fixture(autouse=True)
-def _kernel_poison_stays_in_its_test():
-    """Kernel tests turn on triton_fp4_mm.POISON (NaN-filled outputs); later tests get the normal kernels."""
-    yield
-    mm = sys.modules.get("qerl.kernels.triton_fp4_mm")
-    if mm is not None:
-        mm.POISON = False

@@ -1,5 +1,6 @@
 """Shared by the kernel tests: run a test module's checks under the Triton interpreter, and skip on no CUDA."""
 
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,18 @@ def run_interpreter_suite(module: str, function: str = "interpreter_suite", time
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT"):])
+
+
+def poisoned(fn):
+    """Run fn with every buffer the kernels write filled with NaN first (`workspace.poisoned_outputs`), so an
+    element a kernel forgets to write fails the check instead of passing as leftover memory."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from qerl.kernels.workspace import poisoned_outputs
+
+        with poisoned_outputs():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def require_cuda() -> None:

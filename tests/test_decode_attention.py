@@ -2,7 +2,7 @@
 
 Inputs are 16-bit; the reference is computed from the same values in fp32. Error: max abs difference over
 the reference's max abs value, <= 1e-2 (bf16) / 2e-3 (fp16). Every buffer the kernels write is filled with
-NaN first (triton_decode_attention.POISON), and every cache slot a query must not see (left pads, slots
+NaN first (`workspace.poisoned_outputs`), and every cache slot a query must not see (left pads, slots
 past the decode slot, slots >= S) holds NaN, so an unwritten element or a leaked key fails. Run on the CPU
 through the Triton interpreter (subprocess) and directly on a GPU, where a CUDA-graph replay with new slot
 values is checked too.
@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kernel_testing import require_cuda, run_interpreter_suite
+
+from qerl.kernels.workspace import poisoned_outputs
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # (B, KV, G, hd, S, max_len, block_n, splits): S not a multiple of the chunk, max_len > S, one split (the
@@ -61,8 +63,7 @@ def check_kernel(device: str, dtype=torch.bfloat16, seed: int = 0, cases=CASES, 
 
     fails = []
     gen = torch.Generator().manual_seed(seed)
-    tda.POISON = True
-    try:
+    with poisoned_outputs():
         for i, (B, KV, G, hd, S, max_len, block_n, splits) in enumerate(cases):
             for magnitude in (1.0, 30.0) if i % 2 == 0 else (1.0,):
                 q, k, v, key_valid = _inputs(B, KV, G, hd, max_len, dtype, device, gen, magnitude)
@@ -87,8 +88,6 @@ def check_kernel(device: str, dtype=torch.bfloat16, seed: int = 0, cases=CASES, 
                     blind = ~(key_valid[:, :S] & (torch.arange(S, device=device) <= slot)).any(1)
                     if blind.any() and not (out[blind] == 0).all():
                         fails.append(f"{tag}: a row with no visible key is not all zeros")
-    finally:
-        tda.POISON = False
     return fails
 
 

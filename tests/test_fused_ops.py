@@ -7,7 +7,7 @@ writes and silu * up must match bit for bit; the norm may differ only through th
 its mean (a last-bit difference in a few elements). Run on the CPU through the Triton interpreter
 (subprocess, as in test_kernels_triton) and directly on a GPU, which is the real check of silu: its exp is
 libdevice's there, the same as torch's CUDA kernel, and float64-rounded exp in the interpreter.
-Outputs are filled with NaN first (triton_fp4_mm.POISON), so an unwritten element fails.
+Outputs are filled with NaN first (`workspace.poisoned_outputs`), so an unwritten element fails.
 """
 
 import sys
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_testing import require_cuda, run_interpreter_suite
+from kernel_testing import poisoned, require_cuda, run_interpreter_suite
 
 # (rows, D) for the norm: odd D, a power of two, SmolLM2's 576, Qwen2.5-7B's 3584
 NORM_SHAPES = [(1, 24), (3, 100), (5, 576), (2, 3584)]
@@ -28,13 +28,6 @@ SILU_SHAPES = [(1, 37), (3, 1025), (2, 4864)]
 ROPE_STORE_CASES = [(1, 3, 1, 64, 5, 0), (2, 7, 1, 128, 9, 4), (3, 5, 5, 64, 6, 5), (2, 14, 2, 128, 17, 16)]
 
 
-def _poison():
-    """Kernel outputs start as NaN (reset after each test by conftest)."""
-    from qerl.kernels import triton_fp4_mm
-
-    triton_fp4_mm.POISON = True
-
-
 def _rms_module(d: int, eps: float, dtype, device, gen):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
@@ -44,10 +37,10 @@ def _rms_module(d: int, eps: float, dtype, device, gen):
     return norm
 
 
+@poisoned
 def check_norm(device: str, dtype=torch.bfloat16, seed: int = 0) -> list[str]:
     from qerl.kernels.triton_fused_ops import add_rms_norm
 
-    _poison()
     fails = []
     gen = torch.Generator().manual_seed(seed)
     for rows, d in NORM_SHAPES:
@@ -113,12 +106,12 @@ def _silu_inputs(M: int, I: int, dtype, gen, batch_dims: bool) -> torch.Tensor:
     return gu[:, None] if batch_dims else gu
 
 
+@poisoned
 def check_silu_mul(device: str, dtype=torch.bfloat16, seed: int = 6) -> list[str]:
     """silu_mul on column slices of one [M, 2I] tensor, and on every finite and infinite 16-bit gate value,
     against F.silu(gate) * up on the same device."""
     from qerl.kernels.triton_fused_ops import silu_mul
 
-    _poison()
     fails = []
     gen = torch.Generator().manual_seed(seed)
     for i, (M, I) in enumerate(SILU_SHAPES):
@@ -158,13 +151,13 @@ def _rope_store_inputs(B, H, KV, hd, max_len, dtype, device, gen):
     return q, k, v, cos, sin, *caches
 
 
+@poisoned
 def check_rope_store(device: str, dtype=torch.bfloat16, seed: int = 7, cases=ROPE_STORE_CASES) -> list[str]:
     """rope_store_decode: the returned q, and the whole caches (slot written, every other slot untouched),
     equal to rope_reference + index_copy_; q, k, v unchanged."""
     from qerl.kernels.fused_ops import rope_reference
     from qerl.kernels.triton_fused_ops import rope_store_decode
 
-    _poison()
     fails = []
     gen = torch.Generator().manual_seed(seed)
     for B, H, KV, hd, max_len, slot in cases:
@@ -304,9 +297,11 @@ def test_engine_logits_with_and_without_fused_ops(monkeypatch):
         eng._setup(4)
         return eng.prefill(tokens, pad_len).float()
 
+    from qerl.kernels.route import kernel_policy
+
     fused = prefill_logits()
-    monkeypatch.setenv("QERL_DISABLE_TRITON", "1")
-    eager = prefill_logits()
+    with kernel_policy(triton=False):
+        eager = prefill_logits()
     assert torch.isfinite(fused).all()
     scale = eager.abs().max().item()
     torch.testing.assert_close(fused, eager, atol=0.02 * scale, rtol=0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernel_testing import require_cuda, run_interpreter_suite  # noqa: E402
+from kernel_testing import poisoned, require_cuda, run_interpreter_suite  # noqa: E402
 from test_kernels_triton import REL_TOL, _random_fp4, _rel_err  # noqa: E402
 
 from qerl.formats.nvfp4 import dequantize_nvfp4  # noqa: E402
@@ -24,10 +24,10 @@ CPU_SHAPES = [(24, 48), (33, 160), (7, 64), (40, 96)]  # (N, K): K % 32 == 16 in
 GPU_SHAPES = [(4608, 3584), (3584, 18944), (1000, 1040), (517, 784), (7168, 5120), (10240, 8192)]
 
 
+@poisoned
 def _check_case(device, m, n, k, gs, dtype, seed, config=None, bias=True, entry=False) -> list[str]:
-    from qerl.kernels import nvfp4_linear, triton_fp4_mm, triton_nvfp4 as tk
+    from qerl.kernels import nvfp4_linear, triton_nvfp4 as tk
 
-    triton_fp4_mm.POISON = True
     gen = torch.Generator().manual_seed(seed)
     t = _random_fp4(n, k, 16, False, gen, gs)
     w = dequantize_nvfp4(**t)
@@ -49,12 +49,12 @@ def _check_case(device, m, n, k, gs, dtype, seed, config=None, bias=True, entry=
     return []
 
 
+@poisoned
 def _check_decode_table(device: str) -> list[str]:
     """All 256 code pairs and all 127 finite E4M3 scales through the kernel: x = rows of the identity, so
     y[m, n] = W[n, col] exactly up to the final rounding of one fp32 product (to bf16: <= 2^-8 relative)."""
-    from qerl.kernels import triton_fp4_mm, triton_nvfp4 as tk
+    from qerl.kernels import triton_nvfp4 as tk
 
-    triton_fp4_mm.POISON = True
     fails = []
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).repeat(8, 1)  # [128, 16]: K=32
     e4m3 = torch.arange(128, dtype=torch.int32).to(torch.uint8)

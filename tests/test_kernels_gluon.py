@@ -9,10 +9,11 @@ requirement; it declines other shapes, checked too).
 import pytest
 import torch
 
-from kernel_testing import require_cuda
+from kernel_testing import poisoned, require_cuda
 from test_kernels_triton import REL_TOL, _random_fp4, _rel_err
 
 from qerl.formats.nvfp4 import dequantize_nvfp4
+from qerl.kernels import route as rt
 
 pytestmark = pytest.mark.gpu
 
@@ -21,8 +22,10 @@ SHAPES = [(1, 200, 256), (3, 1000, 384), (8, 77, 1152), (13, 4608, 3584), (16, 3
           (32, 64, 640), (33, 1000, 1024), (64, 96, 3584)]
 
 
-def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0, wgmma=None):
-    from qerl.kernels import triton_fp4_mm, triton_nvfp4 as tk
+@poisoned
+def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0, wgmma=None, x_permuted=None):
+    """One call of the Gluon kernel against the reference; wgmma None: the form `route` picks on this GPU."""
+    from qerl.kernels import gluon_nvfp4
 
     gen = torch.Generator().manual_seed(seed)
     w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, global_scale).items()}
@@ -32,9 +35,12 @@ def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0, 
     if lora_r:  # h as a column slice of a wider matrix, as the engine passes it
         h = torch.randn(m, lora_r + 5, generator=gen).to(torch.bfloat16).cuda()[:, 3:3 + lora_r]
         lora = (h, (torch.randn(n, lora_r, generator=gen) * 0.1).to(torch.bfloat16).cuda())
-    triton_fp4_mm.POISON = True
-    y = tk.nvfp4_linear_swap(x, **w, bias=b, config=config, split=split, lora=lora, wgmma=wgmma)
-    assert y is not None, "the kernel declined a shape it supports"
+    if wgmma is None:
+        backend = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability(), lora_r=lora_r)
+        assert backend in rt.GLUON_NVFP4, f"the route does not send M={m} N={n} K={k} to the Gluon kernel"
+        wgmma = backend != rt.GLUON_MMA
+    y = gluon_nvfp4.nvfp4_linear_gluon(x, **w, bias=b, config=config, split=split, lora=lora, wgmma=wgmma,
+                                       x_permuted=x_permuted)
     ref = x.float() @ dequantize_nvfp4(**w, dtype=torch.float32).t()
     if b is not None:
         ref += b.float()
@@ -68,37 +74,33 @@ def test_mma_sync_and_wgmma_forms(m, n, k, wgmma):
 
 
 @pytest.mark.parametrize("x_permuted", [False, True])
-def test_wgmma_with_x_staged_or_pre_permuted(x_permuted, monkeypatch):
+def test_wgmma_with_x_staged_or_pre_permuted(x_permuted):
     """The wgmma form with x staged through registers every step, or rewritten once in operand order by
     `permute_x_kernel` (NaN-poisoned, so an unwritten element shows) and copied by cp.async."""
     require_cuda()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
-    from qerl.kernels import gluon_nvfp4
-
-    monkeypatch.setattr(gluon_nvfp4, "X_PERMUTED", x_permuted)
     for m, n, k in [(5, 300, 1024), (8, 640, 2048), (9, 333, 1024), (16, 700, 1280), (21, 517, 1024),
                     (40, 1000, 2048), (64, 96, 3584), (100, 517, 1024)]:
         for split in (1, 3):
             _case(m, n, k, seed=m + split, global_scale=900.0, bias=split == 1, split=split,
-                  lora_r=16 if split == 3 else 0, wgmma=True)
-    _case(64, 200, 1024, seed=5, global_scale=900.0, bias=True, config=(64, 64, 128, 16, 3), wgmma=True)
+                  lora_r=16 if split == 3 else 0, wgmma=True, x_permuted=x_permuted)
+    _case(64, 200, 1024, seed=5, global_scale=900.0, bias=True, config=(64, 64, 128, 16, 3), wgmma=True,
+          x_permuted=x_permuted)
 
 
 def test_wgmma_takes_65_to_256_rows_through_the_dispatch():
     """Above 64 rows on sm_90 the router sends the forward to the wgmma form with 128-row activation tiles (up to
     128 rows for every weight, 256 for weights of >= 32M elements): `nvfp4_linear` with bias and a LoRA term
-    equals the reference there, the swap kernel does not decline those shapes, and it declines (dequantize +
-    cuBLAS takes them) where the rule says so."""
+    equals the reference there, and past the rule dequantize + cuBLAS takes them."""
     require_cuda()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
-    from qerl.kernels import triton_gate, triton_nvfp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear
 
     for m, n, k, split in [(65, 333, 1024, None), (100, 1000, 2048, 3), (128, 4608, 3584, None),
                            (200, 8200, 4096, None), (256, 8192, 4096, 2)]:
-        assert triton_gate.wide_wgmma_wins(m, n, k)
+        assert rt.route("nvfp4", m, n, k, (9, 0)) == rt.GLUON_WGMMA_XP
         _case(m, n, k, seed=m, global_scale=900.0, bias=True, split=split, lora_r=16 if m % 2 else 0)
         gen = torch.Generator().manual_seed(m + 1)
         w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 2688.0).items()}
@@ -109,15 +111,17 @@ def test_wgmma_takes_65_to_256_rows_through_the_dispatch():
         y = nvfp4_linear(x, **w, bias=bias, lora=(h, lb))
         ref = x.float() @ dequantize_nvfp4(**w, dtype=torch.float32).t() + bias.float() + h.float() @ lb.float().t()
         assert not torch.isnan(y).any() and _rel_err(y, ref) < REL_TOL
-    for m, n, k in [(129, 1000, 1024), (257, 8192, 4096)]:  # past the rule: the swap kernel declines
-        assert not triton_gate.wide_wgmma_wins(m, n, k)
+    for m, n, k in [(129, 1000, 1024), (257, 8192, 4096)]:  # past the rule: dequantize + cuBLAS
+        assert rt.route("nvfp4", m, n, k, (9, 0)) == rt.TRITON_DEQUANTIZE
         gen = torch.Generator().manual_seed(m)
         w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 2688.0).items()}
-        assert tk.nvfp4_linear_swap(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), **w) is None
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        assert _rel_err(nvfp4_linear(x, **w), x.float() @ dequantize_nvfp4(**w, dtype=torch.float32).t()) < REL_TOL
 
 
 @pytest.mark.parametrize("wgmma,x_permuted", [(False, None), (True, False), (True, True)])
-def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted, monkeypatch):
+@poisoned
+def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted):
     """Split-K partials are summed by the last program to arrive: a captured launch replayed with fresh x
     equals the eager call bit for bit (fixed summation order) and the reference; the arrival counters are
     left at zero (else the next replay would finish a tile early). The wgmma form with x pre-permuted also
@@ -125,9 +129,9 @@ def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted, monke
     require_cuda()
     if wgmma and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
-    from qerl.kernels import gluon_nvfp4, triton_fp4_mm, triton_nvfp4 as tk
+    from qerl.kernels import gluon_nvfp4
+    from qerl.kernels.workspace import persistent_tensors
 
-    monkeypatch.setattr(gluon_nvfp4, "X_PERMUTED", x_permuted)  # wgmma: x staged, or rewritten once per call
     m, n, k, r = (40, 700, 2048, 16) if wgmma else (5, 700, 2048, 16)
     gen = torch.Generator().manual_seed(11 + wgmma)
     w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 900.0).items()}
@@ -135,10 +139,11 @@ def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted, monke
     lb = (torch.randn(n, r, generator=gen) * 0.1).to(torch.bfloat16).cuda()
     x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
     h = torch.zeros(m, r, dtype=torch.bfloat16, device="cuda")
-    triton_fp4_mm.POISON = True
 
     def call():
-        return tk.nvfp4_linear_swap(x, **w, bias=b, split=4, lora=(h, lb), wgmma=wgmma)
+        # wgmma: x staged (x_permuted False), or rewritten once per call (True)
+        return gluon_nvfp4.nvfp4_linear_gluon(x, **w, bias=b, split=4, lora=(h, lb), wgmma=wgmma,
+                                              x_permuted=x_permuted)
 
     call()  # compile and allocate the counters outside the capture
     torch.cuda.synchronize()
@@ -156,7 +161,7 @@ def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted, monke
         assert torch.equal(y, eager), f"replay {step}: graph and eager results differ"
         assert _rel_err(y, ref) < REL_TOL
     torch.cuda.synchronize()
-    assert all(int(c.abs().sum()) == 0 for c in gluon_nvfp4._COUNTERS.values()), "arrival counters not reset"
+    assert all(int(c.abs().sum()) == 0 for c in persistent_tensors("gluon")), "arrival counters not reset"
 
 
 @pytest.mark.parametrize("split", [1, 2, 5])
@@ -179,17 +184,21 @@ def test_swap_kernel_adds_the_lora_delta(r):
               split=split, lora_r=r)
 
 
-def test_swap_kernel_declines_what_it_cannot_take():
+def test_shapes_the_swap_kernel_cannot_take_route_elsewhere():
+    """K % 128 != 0, a global scale <= 128, fp16 x: the route sends them to the Triton kernels, the Gluon
+    entry refuses them if called anyway, and `nvfp4_linear` still answers."""
     require_cuda()
-    from qerl.kernels import triton_nvfp4 as tk
+    from qerl.kernels import gluon_nvfp4, nvfp4_linear
+    from qerl.kernels.operands import step_fits_bf16
 
     gen = torch.Generator().manual_seed(0)
     for k, gs, dtype in [(576, 2688.0, torch.bfloat16), (1024, 1.0, torch.bfloat16), (1024, 2688.0, torch.float16)]:
         w = {name: t.cuda() for name, t in _random_fp4(64, k, 16, False, gen, gs).items()}
         x = torch.randn(4, k, device="cuda", dtype=dtype)
-        assert tk.nvfp4_linear_swap(x, **w) is None
-        # ... and the dispatch still answers, through the other kernels
-        from qerl.kernels import nvfp4_linear
-
+        backend = rt.route("nvfp4", 4, 64, k, torch.cuda.get_device_capability(), dtype=dtype,
+                           step_fits=step_fits_bf16(w["weight_global_scale"]))
+        assert backend == rt.TRITON_DOT
+        with pytest.raises(ValueError):
+            gluon_nvfp4.nvfp4_linear_gluon(x, **w)
         ref = x.float() @ dequantize_nvfp4(**w, dtype=torch.float32).t()
         assert _rel_err(nvfp4_linear(x, **w), ref) < REL_TOL

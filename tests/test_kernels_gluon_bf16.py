@@ -38,14 +38,12 @@ def _reference(x, w, b=None, h=None, lb=None):
 
 
 def _kernel(x, w, b=None, lora=None, config=None, split=None):
-    from qerl.kernels import gluon_bf16, triton_fp4_mm
+    from qerl.kernels import gluon_bf16
+    from qerl.kernels.workspace import poisoned_outputs
 
-    triton_fp4_mm.POISON = True
-    try:
+    with poisoned_outputs():
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return gluon_bf16.bf16_linear_swap(x, w, b, sms, config=config, split=split, lora=lora)
-    finally:
-        triton_fp4_mm.POISON = False
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -76,7 +74,7 @@ def test_bf16_kernel_under_graph_replay():
     """Split-K meets in one launch: a captured call replayed with fresh x equals the eager call bit for bit,
     and the arrival counters are back at zero."""
     require_cuda()
-    from qerl.kernels import gluon_nvfp4
+    from qerl.kernels.workspace import persistent_tensors
 
     x, w, b, h, lb = _inputs(8, 700, 2048, seed=3, r=16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -99,22 +97,24 @@ def test_bf16_kernel_under_graph_replay():
         assert torch.equal(y, eager), f"replay {step}: graph and eager results differ"
         assert _rel_err(y, _reference(x, w, b, h, lb)) < REL_TOL
     torch.cuda.synchronize()
-    assert all(int(c.abs().sum()) == 0 for c in gluon_nvfp4._COUNTERS.values()), "arrival counters not reset"
+    assert all(int(c.abs().sum()) == 0 for c in persistent_tensors("gluon")), "arrival counters not reset"
 
 
 def test_bf16_linear_routes_decode_rows_to_the_kernel():
-    """`bf16_linear` (the bf16 format's entry point): the kernel up to BF16_SWAP_MAX_M rows (the same bits as
-    calling it directly), cuBLAS above; both equal the reference, with bias and LoRA, on [B, T, K] inputs."""
+    """`bf16_linear` (the bf16 format's entry point): the kernel up to `KernelPolicy.bf16_swap_max_m` rows (the
+    same bits as calling it directly), cuBLAS above; both equal the reference, with bias and LoRA, on [B, T, K]
+    inputs."""
     require_cuda()
-    from qerl.kernels import triton_gate
+    from qerl.kernels import route as rt
     from qerl.kernels.bf16_matmul import bf16_linear
 
-    for m in (1, 8, triton_gate.BF16_SWAP_MAX_M, triton_gate.BF16_SWAP_MAX_M + 1, 100):
+    top = rt.current_policy().bf16_swap_max_m
+    for m in (1, 8, top, top + 1, 100):
         x, w, b, h, lb = _inputs(m, 1000, 3584, seed=m, r=16)
         y = bf16_linear(x.view(1, m, -1), w, b, (h, lb))
         assert y.shape == (1, m, 1000)
         assert _rel_err(y.view(m, -1), _reference(x, w, b, h, lb)) < REL_TOL
-        if triton_gate.bf16_swap_wins(m, 1000, 3584):
+        if rt.route("bf16", m, 1000, 3584, torch.cuda.get_device_capability(), lora_r=16) == rt.GLUON_BF16:
             assert torch.equal(y.view(m, -1), _kernel(x, w, b, (h, lb)))
 
 

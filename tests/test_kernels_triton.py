@@ -7,7 +7,7 @@ The same checks run two ways:
   - on a GPU (`-m gpu`), directly, with larger shapes and every tile configuration the dispatch picks.
 Inputs are fresh random tensors; weights are drawn as raw codes and scale bytes so that all 16 E2M1
 codes, subnormal E4M3 scales, zero blocks and extreme global scales occur; every buffer the kernels
-write is filled with NaN first (triton_fp4_mm.POISON), so an unwritten element fails the check.
+write is filled with NaN first (`workspace.poisoned_outputs`), so an unwritten element fails the check.
 """
 
 import subprocess
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from kernel_testing import require_cuda, run_interpreter_suite
+from kernel_testing import poisoned, require_cuda, run_interpreter_suite
 
 from qerl.formats.mxfp4 import dequantize_mxfp4
 from qerl.formats.nvfp4 import dequantize_nvfp4
@@ -63,11 +63,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+@poisoned
 def _check_case(device: str, m: int, n: int, k: int, mx: bool, gs: float, dtype, seed: int, config=None) -> list[str]:
     """Forward (with bias) and input gradient of one shape; returns the failures as strings."""
-    from qerl.kernels import triton_fp4_mm, triton_nvfp4 as tk
+    from qerl.kernels import triton_nvfp4 as tk
 
-    triton_fp4_mm.POISON = True
     gen = torch.Generator().manual_seed(seed)
     group = 32 if mx else 16
     t = _random_fp4(n, k, group, mx, gen, None if mx else gs)
@@ -95,12 +95,12 @@ def _check_case(device: str, m: int, n: int, k: int, mx: bool, gs: float, dtype,
     return fails
 
 
+@poisoned
 def _check_decode_table(device: str) -> list[str]:
     """Every byte (all 16 x 16 code pairs) and every finite E4M3 / E8M0 scale, dequantized on the device,
     equals the torch dequantize (float32 out: exact up to one float32 rounding of the scale product)."""
-    from qerl.kernels import triton_fp4_mm, triton_nvfp4 as tk
+    from qerl.kernels import triton_nvfp4 as tk
 
-    triton_fp4_mm.POISON = True
     fails = []
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).repeat(8, 1)  # [128, 16]
     e4m3 = torch.arange(128, dtype=torch.int32).to(torch.uint8)

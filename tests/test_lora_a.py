@@ -1,6 +1,6 @@
 """The one-launch LoRA "A" product h = x @ A^T (`qerl.kernels.lora_a`) against a float64 torch reference.
 
-Each case runs on fresh random inputs with the output filled with NaN first (triton_fp4_mm.POISON) and
+Each case runs on fresh random inputs with the output filled with NaN first (`workspace.poisoned_outputs`) and
 every cached split-K workspace filled with NaN before the call, so an element the kernel forgets to write,
 or a partial it reads before it is written, shows up. After each call the arrival counters must be all
 zero again (the next launch, e.g. a CUDA graph replay, relies on it) and a second identical call must give
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from kernel_testing import require_cuda, run_interpreter_suite
+from kernel_testing import poisoned, require_cuda, run_interpreter_suite
 
 # (M, R, K, splits, variant); splits None = the automatic choice; variant: "" plain, "strided" x is a
 # column slice of a wider matrix (row stride > K, misaligned start), "special" huge rows and zero rows/cols;
@@ -55,12 +55,12 @@ GPU_SPLITS = (1, 3, None)
 
 
 def _poison_all():
-    """Outputs start as NaN (conftest turns it off after each test), and so do the cached partials."""
-    from qerl.kernels import triton_fp4_mm, triton_lora_a
+    """The cached split-K partials start as NaN (outputs do too: `_check_one` runs poisoned)."""
+    from qerl.kernels.workspace import persistent_tensors
 
-    triton_fp4_mm.POISON = True
-    for ws, _ in triton_lora_a._BUFFERS.values():
-        ws.fill_(float("nan"))
+    for t in persistent_tensors("lora_a"):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
 
 
 def _inputs(M, R, K, variant, dtype, device, gen):
@@ -80,6 +80,7 @@ def _inputs(M, R, K, variant, dtype, device, gen):
     return x, a
 
 
+@poisoned
 def _check_one(x, a, splits, block_m, tag, call) -> list[str]:
     """One case: `call(x, a, splits, block_m)` against the float64 reference, poisoned, twice."""
     from qerl.kernels import triton_lora_a
@@ -241,8 +242,10 @@ def test_gpu_dispatch(monkeypatch):
     torch.testing.assert_close(h.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
     big = torch.randn(65, 3584, generator=gen).bfloat16().cuda()
     assert torch.equal(la.lora_a(big, a), big @ a.t()) and calls == [1]
-    monkeypatch.setenv("QERL_DISABLE_TRITON", "1")
-    assert torch.equal(la.lora_a(x, a), x.reshape(-1, 3584) @ a.t()) and calls == [1]
+    from qerl.kernels.route import kernel_policy
+
+    with kernel_policy(triton=False):
+        assert torch.equal(la.lora_a(x, a), x.reshape(-1, 3584) @ a.t()) and calls == [1]
 
 
 @pytest.mark.gpu

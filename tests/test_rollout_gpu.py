@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from qerl.kernels.route import kernel_policy
 from qerl.nn.noisy_norm import NoisyNorms
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.memory import bucket_batch
@@ -88,7 +89,6 @@ def test_cuda_graph_equals_eager_through_the_gluon_decode_kernels(batch, x_permu
 
     if batch > 8 and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma form needs sm_90")
-    monkeypatch.setattr(gluon_nvfp4, "X_PERMUTED", x_permuted)
     launches = []
     real = gluon_nvfp4.nvfp4_linear_swap
 
@@ -97,19 +97,20 @@ def test_cuda_graph_equals_eager_through_the_gluon_decode_kernels(batch, x_permu
         return real(x, *args, wgmma=wgmma, **kwargs)
 
     monkeypatch.setattr(gluon_nvfp4, "nvfp4_linear_swap", recording)
-    model = gluon_sized_model()
-    prompts = prompts_of(PROMPT_LENGTHS[:batch], seed=4)
-    sp = SamplingParams(temperature=0.8, top_p=0.9)
-    graph = RolloutEngine(model, max_seq_len=96, kv_block=32).generate(prompts, 40, sp, seed=3, ignore_eos=True)
-    rows = bucket_batch(batch)  # the engine pads the batch to its bucket: 4 or 16 rows
-    assert (rows, rows > 8) in launches, f"no Gluon launch at {rows} rows: {sorted(set(launches))}"
-    eager = RolloutEngine(model, max_seq_len=96, kv_block=32, cuda_graphs=False).generate(
-        prompts, 40, sp, seed=3, ignore_eos=True)
-    assert torch.equal(graph.completion_ids, eager.completion_ids)
-    torch.testing.assert_close(graph.logprobs, eager.logprobs, atol=0, rtol=0)
-    ref_lp, _ = full_forward_logprobs(model, graph, 0.8)
-    assert not torch.isnan(graph.logprobs).any()
-    assert (graph.logprobs - ref_lp).abs().mean() < 0.05
+    with kernel_policy(permute_x=x_permuted):  # None: the route's rule
+        model = gluon_sized_model()
+        prompts = prompts_of(PROMPT_LENGTHS[:batch], seed=4)
+        sp = SamplingParams(temperature=0.8, top_p=0.9)
+        graph = RolloutEngine(model, max_seq_len=96, kv_block=32).generate(prompts, 40, sp, seed=3, ignore_eos=True)
+        rows = bucket_batch(batch)  # the engine pads the batch to its bucket: 4 or 16 rows
+        assert (rows, rows > 8) in launches, f"no Gluon launch at {rows} rows: {sorted(set(launches))}"
+        eager = RolloutEngine(model, max_seq_len=96, kv_block=32, cuda_graphs=False).generate(
+            prompts, 40, sp, seed=3, ignore_eos=True)
+        assert torch.equal(graph.completion_ids, eager.completion_ids)
+        torch.testing.assert_close(graph.logprobs, eager.logprobs, atol=0, rtol=0)
+        ref_lp, _ = full_forward_logprobs(model, graph, 0.8)
+        assert not torch.isnan(graph.logprobs).any()
+        assert (graph.logprobs - ref_lp).abs().mean() < 0.05
 
 
 @pytest.mark.parametrize("batch", [3, 12])

@@ -16,6 +16,8 @@ import torch
 
 from kernel_testing import require_cuda, run_interpreter_suite
 
+from qerl.kernels.workspace import poisoned_outputs
+
 # (B, V, temperature, chunks, dtype, variant): chunks None = the automatic choice
 CASES = [
     (3, 5000, 1.0, None, torch.bfloat16, ""),
@@ -49,16 +51,15 @@ def _reference(logits, temperature):
 
 
 def check_statistics(device, cases=CASES, seed=0) -> list[str]:
-    from qerl.kernels import triton_fp4_mm, triton_sampling as ts
+    from qerl.kernels import triton_sampling as ts
 
     fails = []
     gen = torch.Generator(device=device).manual_seed(seed)
     for B, V, T, chunks, dtype, variant in cases:
         tag = f"sample {device} B={B} V={V} T={T} chunks={chunks} {dtype} {variant or 'plain'}"
         logits = _logits(B, V, dtype, variant, gen, device)
-        triton_fp4_mm.POISON = True
-        tok, lp, ent = ts.sample_triton(logits, T, 2**40 + 1234 + B, 99 + V, chunks=chunks)
-        triton_fp4_mm.POISON = False
+        with poisoned_outputs():
+            tok, lp, ent = ts.sample_triton(logits, T, 2**40 + 1234 + B, 99 + V, chunks=chunks)
         ref_lp, ref_ent = _reference(logits, T)
         if tok.dtype != torch.int64 or not ((tok >= 0) & (tok < V)).all():
             fails.append(f"{tag}: tokens {tok.tolist()}")
@@ -75,7 +76,7 @@ def check_statistics(device, cases=CASES, seed=0) -> list[str]:
         again, _, _ = ts.sample_triton(logits, T, 2**40 + 1234 + B, 99 + V, chunks=chunks)
         if not torch.equal(again, tok):
             fails.append(f"{tag}: the same seed and offset drew different tokens")
-        if ts.counters(logits.device, B).any():
+        if ts.row_counters(logits.device, B).any():
             fails.append(f"{tag}: arrival counters not reset")
     return fails
 

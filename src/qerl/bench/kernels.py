@@ -5,8 +5,8 @@ side by side on one GPU:
   cublas    F.linear with a bf16 weight (the 16-bit baseline);
   deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
   fused     the tl.dot kernel (`nvfp4_linear_triton`, the tile `pick_config` chooses);
-  routed    what `nvfp4_linear` dispatches to (`triton_gate`: the Gluon swap-AB kernels up to 64 rows, and
-            on sm_90 up to 128-256; else the kernels above), i.e. what a model's layers get;
+  routed    what `nvfp4_linear` dispatches to (`qerl.kernels.route`: the Gluon swap-AB kernels up to 64 rows,
+            and on sm_90 up to 128-256; else the kernels above), i.e. what a model's layers get;
 and the input gradient dY @ W (fused and routed vs deq+cublas vs cublas). Each timing is the median over CUDA-graph
 replays of a sequence of calls that cycles through enough weight copies to exceed twice the L2 cache, so
 weights come from HBM, as in a real model pass. Bandwidth = bytes of weights + activations moved / time,
@@ -81,7 +81,7 @@ def _weights(n: int, k: int, copies: int):
 def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, config=None) -> list[dict]:
     """cuBLAS bf16, dequantize + cuBLAS, the tl.dot kernel ("fused") and what `nvfp4_linear` /
     `nvfp4_linear_grad_input` route the product to ("routed": the swap-AB kernels, the CUDA-core gemv, the
-    tl.dot kernel or dequantize + cuBLAS, by `triton_gate`)."""
+    tl.dot kernel or dequantize + cuBLAS, by `qerl.kernels.route`)."""
     from qerl.kernels import triton_nvfp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
@@ -223,7 +223,7 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
     """Decode sizes: cuBLAS bf16 vs the Triton kernels the dispatch used before (fused tl.dot; gemv at
     M = 1) vs the Gluon swap-AB kernel with its default tile and (tiles) the fastest of `swap_candidates`."""
     from qerl.kernels import gluon_nvfp4 as gk
-    from qerl.kernels import triton_gate
+    from qerl.kernels import route as rt
     from qerl.kernels import triton_nvfp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -231,13 +231,16 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
     rows = []
     for m in ms:
         xs, calls = _decode_inputs(m, k, fp4_bytes, copies)
+        # the form the route picks here (on sm_90 the wgmma form from 9 rows, and 5-8 rows for the largest weights)
+        wg = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability()) in (rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
         t = {"cublas": _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, replays),
              "fused": _graph_time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies]), calls, replays),
-             "swap": _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies]), calls, replays)}
+             "swap": _graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], wgmma=wg), calls,
+                                 replays)}
         if m == 1:
             t["gemv"] = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)
-        if triton_gate.wgmma_wins(m, n, k):  # the default takes the wgmma form here on sm_90: time mma.sync too
-            t["swap_mma_sync"] = _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies], wgmma=False),
+        if wg:  # time the mma.sync form too
+            t["swap_mma_sync"] = _graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies]),
                                              calls, replays)
         best = (t["swap"], None)
         for cfg, waves in swap_candidates(m) if tiles else []:
@@ -245,8 +248,8 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
             if split is None:
                 continue
             try:
-                tc = _graph_time(lambda i: tk.nvfp4_linear_swap(xs[i % 2], **q[i % copies], config=cfg, split=split),
-                                 calls, replays)
+                tc = _graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], config=cfg,
+                                                                 split=split, wgmma=wg), calls, replays)
             except Exception as e:  # shared memory / registers
                 print(f"  {cfg} waves {waves}: failed {type(e).__name__}: {str(e)[:100]}")
                 continue

@@ -1,12 +1,16 @@
 """Matmuls against quantized weights. Each entry point takes the format's tensors as stored.
 
 `quantized_linear(fmt, x, tensors, bias)` is what the layers call; it dispatches to the format's entry
-point (`nvfp4_linear`, `mxfp4_linear`, `bf16_linear`, ...). CUDA bf16/fp16 inputs of the FP4 formats go to
-Triton/Gluon kernels (imported only then, so CPU users need no Triton): dequant-in-registers for decode sizes
-(NVFP4: the Gluon swap-AB kernels `gluon_nvfp4` / `gluon_nvfp4_wgmma`), one-pass device dequantize + cuBLAS
-above (see `triton_gate`); the 16-bit baseline's decode-sized products take `gluon_bf16`.
-`fused_ops` holds the rollout engine's fused residual-add + RMSNorm and RoPE. Everywhere else the fallback dequantizes the
-weight into a temporary that is freed when the call returns, so the 4-bit tensors stay the only persistent copy.
+module (`nvfp4_matmul`, `mxfp4_matmul`, `bf16_matmul`; other formats dequantize in torch). Each entry asks
+`route.route` for a backend over (format, M, N, K, device) under the scoped `route.KernelPolicy`: on CUDA
+bf16/fp16 the Gluon kernels at decode sizes (`gluon_nvfp4` and its sm_90 form `gluon_nvfp4_wgmma`,
+`gluon_bf16`) and the Triton kernels otherwise (`triton_nvfp4`: tl.dot with W decoded in registers, the
+CUDA-core GEMV, one-pass dequantize + cuBLAS), imported only then, so CPU users need no Triton. Everywhere
+else the plain-torch path dequantizes the weight into a temporary freed when the call returns, so the 4-bit
+tensors stay the only persistent copy.
+The other operations, one entry module each: `decode_attention`, `fused_ops` (residual-add + RMSNorm, RoPE,
+SiLU-mul), `lora_a`; sampling is `triton_sampling` behind `qerl.rollout.sampling`. Shared pieces: `operands`
+(argument views), `workspace` (kernel buffers), `pdl` (programmatic dependent launch).
 """
 
 from .dequant_cache import dequantized_weights

@@ -12,7 +12,7 @@ slots (stale or NaN values there are harmless) and give zeros for a row with no 
 
 import torch
 
-from .triton_gate import use_triton
+from .route import use_triton
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -7,7 +7,8 @@ from ..formats import get_format
 from .dequant_cache import cached_dense_weight
 from .bf16_matmul import bf16_linear
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
-from .nvfp4_matmul import add_lora, nvfp4_linear, nvfp4_linear_grad_input
+from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
+from .operands import add_lora
 
 
 def _dequantize_linear(fmt: str, x: torch.Tensor, tensors: dict, bias: torch.Tensor | None) -> torch.Tensor:

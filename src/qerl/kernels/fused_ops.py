@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .triton_gate import use_triton
+from .route import use_triton
 
 
 def _rms_norm_params(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:

@@ -8,7 +8,7 @@ costs its full launch and ramp latency. This kernel is the NVFP4 decode kernel (
   - out^T = W @ x^T: a [BN, BK] weight tile (16-byte cp.async into an NS-stage shared pipeline) is the A
     operand of mma.sync m16n8k16, the x tile [BM, BK] the B operand (cp.async in the same stage);
   - with PDL the first NS - 1 weight stages are in flight before the wait for the previous kernel;
-  - split-K meets in the same launch (`gluon_nvfp4._store_out`: the last program of a tile sums the fp32
+  - split-K meets in the same launch (`gluon_common._store_out`: the last program of a tile sums the fp32
     partials in a fixed order), and a LoRA term h @ lb^T rides as one more MMA in the epilogue
     (`gluon_nvfp4._lora_tile`), so a bf16+LoRA linear is one launch instead of GEMM + reduce + addmm.
 Rows of W past N and of x past M are zero-filled (no memory access). Requirements (checked by `supported`):
@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
-from .gluon_nvfp4 import _async_load, _barrier, _commit, _lora_tile, _store_out, _wait, launch_buffers, lora_operands
+from .gluon_common import _async_load, _barrier, _commit, _lora_tile, _store_out, _wait, launch_buffers, lora_operands
 
 
 @gluon.jit
@@ -98,11 +98,10 @@ Bf16Config = tuple[int, int, int, int]
 
 
 def pick_config(m: int, n: int, k: int) -> tuple[Bf16Config, float]:
-    """(tile, programs per SM) for [m, k] x [n, k]^T. From `benchmarks/experimental/bf16_decode_sweep.py`
-    (H200, Qwen2.5-7B shapes and the lm_head, M = 1 / 8 / 16): the best tile had 3 stages in 14 of 15 cells and
-    128 columns per step in 10 (64 in the others, gate_up among them), ~2 programs per SM for the large
-    weights (>= 32M elements) and 3-4 for q/k/v and o. This default was set from that sweep and then measured
-    in the engine (docs/benchmarks.md, Rollout "Session 8"), not swept again on its own."""
+    """(tile, programs per SM) for [m, k] x [n, k]^T: 3 stages, 128 columns per step, ~2 programs per SM for
+    weights of >= 32M elements and 3 otherwise (the most frequent best tile of an H200 sweep over the
+    Qwen2.5-7B shapes and the lm_head at M = 1 / 8 / 16; its effect in the engine: `qerl bench rollout`,
+    docs/benchmarks.md "Rollout engine")."""
     bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
     return (64, bm, 128, 3), (2.0 if n * k >= 32 * 2**20 else 3.0)
 

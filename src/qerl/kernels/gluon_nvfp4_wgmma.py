@@ -1,9 +1,8 @@
 """Gluon kernel: NVFP4 weight x bf16 activations, "swap AB" on Hopper wgmma with the A operand in registers.
 
-The decode path for 9-64 activation rows on sm_90, and 5-8 rows for weights of >= 100M elements
-(`gluon_nvfp4.nvfp4_linear_swap` picks it, see `triton_gate.wgmma_wins`; H200: 1.13-1.34x the mma.sync
-kernel at M = 64, where mma.sync issue is the limit). Drop-in variant of `nvfp4_swap_kernel` (same
-arguments, grid and semantics, the LoRA epilogue included):
+The sm_90 form of the NVFP4 decode kernel, for the rows `route.wgmma_rows` gives it (`gluon_nvfp4.nvfp4_linear_swap`
+launches it with wgmma=True). Drop-in variant of `nvfp4_swap_kernel` (same arguments, grid and semantics, the
+LoRA epilogue included):
 out^T[N, M] = W @ x^T with the decoded weight tile [BN, BKH] (BN = 64 or 128 rows per warpgroup) as the
 register A operand of `warpgroup_mma` (wgmma.m64nBMk16) and x_lo^T / x_hi^T [BKH, BM] as the B operand from
 an NVMMA-swizzled shared tile. Everything else is as in the mma.sync kernel: raw bytes/scale bytes by cp.async
@@ -19,17 +18,14 @@ permuted the same way before it is stored, so the product is unchanged (the sum 
 PI maps the A layout's register k-bits (1, 8, 16, 32) -> byte bits (0, 1, 2, 3), its lane k-bits (2, 4) -> 4,
 5 and a further register k-bit (64, BKH = 128) -> 6.
 
-The wgmma is synchronous: an async form (wait for tile i-1 after decoding tile i) was measured not to
-overlap decode and MMA (ptxas waits before reusing the A registers) and was removed; 3 programs per SM
-overlap them instead.
+The wgmma is synchronous (an async form does not overlap decode and MMA: ptxas waits before reusing the A
+registers); several programs per SM overlap them instead.
 x reaches shared memory one of two ways: staged through registers every step (`_stage_x`: global load,
 lo/hi split, PI permutation, store), or, XP=True, rewritten once per call by `permute_x_kernel` into that
 order and copied by cp.async together with the weight bytes of each pipeline stage (`_issue_xp`; no global
-loads into registers, which Nsight Compute showed as the largest stall at M = 64; H200: 1.01-1.51x on
-weights of 67-283M elements, 0.88-0.98x on 13-17M ones, so the dispatch takes it for large weights only).
+loads into registers; `route.permute_x_rule` says when).
 LoRA (RP > 0): the accumulator is moved to the mma.sync layout and the routed kernel's `_lora_tile` adds
-h @ lb^T there (one layout conversion through shared memory in the epilogue).
-Written in an earlier session (experimental until the LoRA epilogue existed); GPU-tested only.
+h @ lb^T there (one layout conversion through shared memory in the epilogue). GPU-tested only.
 """
 
 from triton.experimental import gluon
@@ -37,8 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# shared with the routed mma.sync kernel: API shims, decode, scale step, the cp.async stage
-from .gluon_nvfp4 import (_async_load, _barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile,
+# shared with the mma.sync kernel: API shims, decode, scale step, the cp.async stage
+from .gluon_common import (_async_load, _barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile,
                           _store_out, _wait)
 
 

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from .triton_gate import use_triton
+from .route import use_triton
 
 MAX_M = 64  # rows up to here take the one-launch kernel (decode batches); above it cuBLAS is efficient
 

@@ -1,19 +1,21 @@
 """y = x @ W^T and its input gradient for an NVFP4 weight, without keeping W in 16 bits.
 
-CUDA bf16/fp16 inputs go to the Triton kernels: at decode sizes (forward, M <= triton_gate.SWAP_MAX_M, and
-on sm_90 up to 128-256 rows, `triton_gate.wide_wgmma_wins`) the Gluon swap-AB kernel (`gluon_nvfp4`) where it
-applies, else (M <= triton_gate.GEMV_ROUTE_MAX_M)
-the CUDA-core kernel `triton_fp4_gemv`, otherwise the fused tensor-core kernels (`triton_nvfp4`, imported lazily), which decode W
-tile by tile in registers. Everything else takes the plain-torch path, which is also the reference the
-kernels are tested against: dequantize into a temporary that lives for this call only. On the CPU that is
-the intended trade: speed matters less than staying small.
+The public entry for NVFP4 products. `route.route` picks the backend from (M, N, K, device, dtype) under the
+current `KernelPolicy`: the Gluon swap-AB kernels (`gluon_nvfp4`) at decode sizes, the Triton kernels
+(`triton_nvfp4`: tl.dot with W decoded in registers, the CUDA-core GEMV, or a one-pass dequantize followed by
+cuBLAS) otherwise on CUDA, and on the CPU the plain-torch path, which is also the reference the kernels are
+tested against: dequantize into a temporary that lives for this call only (speed matters less there than
+staying small). Triton and Gluon are imported only when a kernel backend runs.
 """
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from ..formats.nvfp4 import dequantize_nvfp4
-from . import triton_gate
+from . import route as rt
+from .operands import add_lora, step_fits_bf16
 
 
 def nvfp4_linear(
@@ -28,45 +30,63 @@ def nvfp4_linear(
 
     weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_global_scale fp32 [1].
     lora: optional (h [..., R], b [N, R]) in x.dtype: adds h @ b^T (a LoRA delta with h = x @ A^T and
-    b = scaling * B), inside the decode kernel's launch where it can, else as one addmm.
+    b = scaling * B), inside the Gluon kernel's launch where it can, else as one addmm.
     """
-    if triton_gate.use_triton(x):
-        from . import triton_nvfp4 as tk
-
-        m, n, k = triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2
-        if triton_gate.swap_wins(m, n, k):
-            y = tk.nvfp4_linear_swap(x, weight_packed, weight_scale, weight_global_scale, bias, lora=lora)
-            if y is not None:
-                return y
-    return add_lora(_nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias), lora)
-
-
-def add_lora(y: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """y [..., N] + h @ b^T for lora = (h [..., R], b [N, R]) as one addmm (y unchanged when lora is None).
-
-    y must be a fresh result the caller owns (every caller passes its matmul's output): the sum is written
-    into it. In place because an out-of-place addmm first copies y into a new tensor (one extra device copy
-    per call: 112 per 7B decode step of the bf16 engine); same cuBLAS product, same bits."""
-    if lora is None:
-        return y
-    h, b = lora
-    y2 = y.reshape(-1, y.shape[-1])
-    return y2.addmm_(h.reshape(-1, h.shape[-1]), b.t()).view(y.shape)
+    w = (weight_packed, weight_scale, weight_global_scale)
+    m, n, k = rt.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2
+    cap = rt.kernel_capability(x)
+    lora_r = 0 if lora is None else lora[0].shape[-1]
+    fits = cap is not None and step_fits_bf16(weight_global_scale)
+    while True:
+        backend = rt.route("nvfp4", m, n, k, cap, dtype=x.dtype, lora_r=lora_r, step_fits=fits,
+                          unavailable=rt.unavailable())
+        if backend not in rt.GLUON_NVFP4:
+            return add_lora(_linear(backend, x, *w, bias), lora)
+        y = _gluon_linear(backend, x, *w, bias, lora)
+        if y is not None:
+            return y
 
 
-def _nvfp4_linear(x, weight_packed, weight_scale, weight_global_scale, bias):
-    if triton_gate.use_triton(x):
-        from . import triton_nvfp4 as tk
-
-        m, n, k = triton_gate.rows(x), weight_packed.shape[0], weight_packed.shape[1] * 2
-        if triton_gate.gemv_wins(m, n, k):
-            return tk.nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias)
-        if triton_gate.fused_wins(m, n, k):
-            return tk.nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias)
-        w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
+def _linear(backend: str, x, weight_packed, weight_scale, weight_global_scale, bias):
+    if backend == rt.TORCH_DEQUANTIZE:
+        w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-    w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
+    from . import triton_nvfp4 as tk
+
+    if backend == rt.TRITON_GEMV:
+        return tk.nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias)
+    if backend == rt.TRITON_DOT:
+        return tk.nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias)
+    w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _gluon_linear(backend: str, x, weight_packed, weight_scale, weight_global_scale, bias, lora):
+    """The routed Gluon kernel, or None after marking it unavailable when this Triton / GPU cannot build it
+    (then the caller routes again)."""
+    try:
+        from . import gluon_nvfp4
+    except (ImportError, AttributeError) as e:  # no triton.experimental.gluon, or a different API
+        return _unavailable(e, "Gluon NVFP4 kernels", *rt.GLUON_NVFP4)
+    try:
+        return gluon_nvfp4.nvfp4_linear_gluon(x, weight_packed, weight_scale, weight_global_scale, bias,
+                                              wgmma=backend != rt.GLUON_MMA, lora=lora,
+                                              x_permuted=backend == rt.GLUON_WGMMA_XP)
+    except (ValueError, TypeError):  # bad arguments (e.g. LoRA operand shapes): the caller's error
+        raise
+    except Exception as e:  # a GPU or Triton build this kernel does not compile for (shared memory, API)
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        if backend == rt.GLUON_MMA:
+            return _unavailable(e, "Gluon NVFP4 decode kernel", *rt.GLUON_NVFP4)
+        return _unavailable(e, "wgmma form of the Gluon NVFP4 decode kernel", rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
+
+
+def _unavailable(e: Exception, what: str, *backends: str) -> None:
+    warnings.warn(f"{what} unavailable here ({type(e).__name__}: {str(e)[:200]}); routing around it",
+                  RuntimeWarning, stacklevel=4)
+    rt.mark_unavailable(*backends)
+    return None
 
 
 def nvfp4_linear_grad_input(
@@ -76,12 +96,14 @@ def nvfp4_linear_grad_input(
     weight_global_scale: torch.Tensor,
 ) -> torch.Tensor:
     """grad_out [..., N] -> grad_out @ W, [..., K] in grad_out.dtype."""
-    if triton_gate.use_triton(grad_out):
-        from . import triton_nvfp4 as tk
+    n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
+    backend = rt.route("nvfp4", rt.rows(grad_out), n, k, rt.kernel_capability(grad_out), op="grad_input",
+                      dtype=grad_out.dtype, unavailable=rt.unavailable())
+    if backend == rt.TORCH_DEQUANTIZE:
+        return grad_out @ dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
+    from . import triton_nvfp4 as tk
 
-        if triton_gate.fused_wins(triton_gate.rows(grad_out), weight_packed.shape[0], weight_packed.shape[1] * 2):
-            return tk.nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)
-        w = tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
-        return grad_out @ w
-    w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
-    return grad_out @ w
+    if backend == rt.TRITON_DOT:
+        return tk.nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)
+    return grad_out @ tk.nvfp4_dequantize_triton(weight_packed, weight_scale, weight_global_scale,
+                                                 dtype=grad_out.dtype)

@@ -10,39 +10,26 @@ pads and slots >= S are never loaded, so stale or NaN cache contents there canno
 visible key outputs zeros. This module imports Triton: import it lazily (see `decode_attention`).
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
+from .route import sm_count
 from .triton_fp4_decode import round_to
+from .workspace import alloc
 
-# Tests set POISON to fill every buffer the kernels write with NaN first, so an element a kernel forgets
-# to write shows up instead of passing as leftover memory.
-POISON = False
 BLOCK_N = 64  # keys per tile
 PROGRAMS_PER_SM = 2
-# When B * KV programs alone fill the GPU: wider tiles, no split (no combine launch), 2 stages. H200
-# (`benchmarks/experimental/attention_sweep.py`, Qwen2.5-7B heads): 1.30x at batch 64, S = 512 and 1024;
-# at batch 8 the split default stayed best (within 3%).
+# When B * KV programs alone fill the GPU: wider tiles, no split (no combine launch), 2 stages (set from an
+# H200 sweep over Qwen2.5-7B heads at batch 8-64, S = 512-1024; `qerl bench rollout` shows its effect)
 WIDE = dict(block_n=128, programs_per_sm=1, num_stages=2)
 CPU_SMS = 4  # the interpreter has no SMs; a small number still exercises several splits
 
 
-def _alloc(shape, device, dtype) -> torch.Tensor:
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device, CPU_SMS)
 
 
 def choose_tile(rows: int, device: torch.device) -> tuple[int, int, int | None]:
@@ -177,13 +164,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
         splits = triton.cdiv(S, chunk)
-    out = _alloc((B, H, hd), q.device, q.dtype)
+    out = alloc((B, H, hd), q.device, q.dtype)
     direct = splits == 1
     part_m = part_l = part_acc = out  # unused by the direct path
     if not direct:
-        part_m = _alloc((B, H, splits), q.device, torch.float32)
-        part_l = _alloc((B, H, splits), q.device, torch.float32)
-        part_acc = _alloc((B, H, splits, hd), q.device, torch.float32)
+        part_m = alloc((B, H, splits), q.device, torch.float32)
+        part_l = alloc((B, H, splits), q.device, torch.float32)
+        part_acc = alloc((B, H, splits, hd), q.device, torch.float32)
     block_d = triton.next_power_of_2(hd)
     interp = q.device.type != "cuda"
     _split_kernel[(B, KV, splits)](

@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fp4_decode import e4m3_to_f32, round_to
 from . import triton_fp4_mm
+from .triton_fp4_decode import e4m3_to_f32, round_to
+from .workspace import alloc
 
 GEMV_MAX_M = 16
 
@@ -182,7 +183,6 @@ def fp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, glob
     split = triton.cdiv(k8, per)
     even = k8 % cfg.bkw == 0
     partial = split > 1
-    alloc = triton_fp4_mm._alloc
     part = alloc((split, m, n), x.device, torch.float32) if partial else alloc((m, n), x.device, x.dtype)
     b = bias if bias is not None else part
     grid = (triton.cdiv(n, cfg.bn), split)

@@ -15,18 +15,7 @@ import triton
 import triton.language as tl
 
 from .triton_fp4_decode import fp4_decode, fp4_decode_bf16_asm, fp4_load, round_to
-
-
-# Tests set POISON to fill every buffer the kernels write (outputs, split-K partials) with NaN first, so
-# an element a kernel forgets to write shows up instead of passing as leftover memory.
-POISON = False
-
-
-def _alloc(shape, device, dtype) -> torch.Tensor:
-    if POISON:  # NaN, or the most negative integer for integer buffers (an impossible index)
-        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-        return torch.full(shape, fill, device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
+from .workspace import alloc
 
 
 @dataclass(frozen=True)
@@ -202,7 +191,7 @@ def splitk_reduce(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     """fp32 split-K partials [S, M, N] -> sum over S (+ bias [N]) as [M, N] in dtype, in one launch
     (instead of sum, add and cast: at decode sizes each launch costs about as much as the work)."""
     s, m, n = part.shape
-    out = _alloc((m, n), part.device, dtype)
+    out = alloc((m, n), part.device, dtype)
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
         part, bias if bias is not None else out, out, s, m * n, n, part.stride(0), HAS_BIAS=bias is not None,
@@ -233,9 +222,9 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
     per, split = _split_extent(k, cfg.bk, cfg.split)
     partial = split > 1
     if partial:
-        out = _alloc((split, m, n), x.device, torch.float32)
+        out = alloc((split, m, n), x.device, torch.float32)
     else:
-        out = _alloc((m, n), x.device, x.dtype)
+        out = alloc((m, n), x.device, x.dtype)
     gs = global_scale if global_scale is not None else scale  # unused pointer when HAS_GS is False
     b = bias if (bias is not None and not partial) else out
     grid = (triton.cdiv(n, cfg.bn), triton.cdiv(m, cfg.bm), split)
@@ -256,9 +245,9 @@ def fp4_grad_input(g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
     per, split = _split_extent(n, cfg.bn, cfg.split)
     partial = split > 1
     if partial:
-        out = _alloc((split, m, k), g.device, torch.float32)
+        out = alloc((split, m, k), g.device, torch.float32)
     else:
-        out = _alloc((m, k), g.device, g.dtype)
+        out = alloc((m, k), g.device, g.dtype)
     gs = global_scale if global_scale is not None else scale
     grid = (triton.cdiv(k, cfg.bk), triton.cdiv(m, cfg.bm), split)
     _fp4_grad_input_kernel[grid](
@@ -291,7 +280,7 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
                    group: int, mx: bool, dtype: torch.dtype, fits: bool = False) -> torch.Tensor:
     """packed uint8 [N, K/2], scales uint8 [N, K/group] -> W [N, K] in dtype (a new tensor)."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    out = _alloc((n, k), packed.device, dtype)
+    out = alloc((n, k), packed.device, dtype)
     gs = global_scale if global_scale is not None else scale
     bn, bk = 32, 256
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))

@@ -22,7 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
 from .triton_fp4_decode import round_to
-from .triton_fp4_mm import _alloc
+from .workspace import alloc
 
 
 @triton.jit
@@ -69,8 +69,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     D = h.shape[-1]
     h2 = h.reshape(-1, D)
     rows = h2.shape[0]
-    out = _alloc(h2.shape, h2.device, h2.dtype)
-    res = _alloc(h2.shape, h2.device, h2.dtype) if delta is not None else h2
+    out = alloc(h2.shape, h2.device, h2.dtype)
+    res = alloc(h2.shape, h2.device, h2.dtype) if delta is not None else h2
     d2 = delta.reshape(-1, D) if delta is not None else h2
     if h2.stride(-1) != 1 or d2.stride(-1) != 1:
         raise ValueError("add_rms_norm needs a unit stride along the normalised dimension")
@@ -172,7 +172,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError("silu_mul needs gate and up of one shape and dtype, with unit stride on the last dim")
     g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)  # views for column slices of one [..., 2I] output
-    out = _alloc(gate.shape, gate.device, gate.dtype)
+    out = alloc(gate.shape, gate.device, gate.dtype)
     o2 = out.view(-1, I)
     if o2.numel():
         interp = gate.device.type != "cuda"
@@ -249,7 +249,7 @@ def rope_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         raise ValueError("rope_store_decode needs unit stride on hd, cos/sin of one layout, caches of one layout")
     if len({t.dtype for t in (q, k, v, cos, sin, k_cache, v_cache)}) != 1 or slot.dtype != torch.int64:
         raise ValueError("rope_store_decode needs q, k, v, cos, sin and the caches of one dtype, an int64 slot")
-    out = _alloc((B, 1, H, hd), q.device, q.dtype)
+    out = alloc((B, 1, H, hd), q.device, q.dtype)
     _rope_store_kernel[(B, H + KV)](
         q, k, v, cos, sin, out, k_cache, v_cache, slot, H, max_len,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), cos.stride(0),

@@ -29,12 +29,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import pdl, triton_gate
+from . import pdl
+from .route import sm_count
 from .triton_fp4_decode import round_to
-from .triton_fp4_mm import _alloc
+from .workspace import alloc, has_persistent, persistent
 
-# Defaults from `benchmarks/lora_a_sweep.py` on an H200 (2026-11-22, Qwen2.5-7B r16 decode shapes, M 1/8/64):
-# BR 16 won every cell, ~14 splits at K = 3584, and fewer splits at M = 64 (the serial tail grows with M)
+# Defaults set by `benchmarks/lora_a_sweep.py` (Qwen2.5-7B r16 decode shapes, M 1/8/64)
 MIN_K_PER_SPLIT = 256  # a program streams at least this many K columns (fewer: the split overhead dominates)
 PROGRAMS_PER_SM = 2  # target programs per SM in one launch (latency-bound: enough loads in flight)
 BLOCK_M_MAX = 32  # rows per program; M = 33..64 gets 2 M tiles (halves the x bytes per program and the tail)
@@ -43,9 +43,8 @@ RED_ELEMS = 8192  # partial elements the last program loads at once (64 fp32 reg
 RED_ROUNDS = 1  # at most this many such dependent loads in the tail
 PRELOAD_MAX_K = 512  # with PDL, a program's whole K slice (A [BR, <= this]) is loaded before the wait
 
-# (device, M, R, splits, BR) -> (workspace fp32 [n_r, splits, M, BR], counters int32 [n_r, n_m]).
-# Kept for the life of the process: captured CUDA graphs hold their addresses.
-_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# Split launches keep (workspace fp32 [n_r, splits, M, BR], counters int32 [n_r, n_m]) per (device, M, R,
+# splits, BR, BM) in `workspace.persistent`, for the life of the process: captured CUDA graphs hold their addresses.
 
 
 @triton.jit
@@ -150,7 +149,7 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
 
 
 def _sm_count(device: torch.device) -> int:
-    return triton_gate.sm_count(device, CPU_SMS)
+    return sm_count(device, CPU_SMS)
 
 
 def config(M: int, R: int, K: int, device: torch.device, splits: int | None = None, block_r: int | None = None,
@@ -183,19 +182,16 @@ def buffers(device: torch.device, M: int, R: int, splits: int, BR: int, BM: int)
     """The cached (workspace, counters) of one launch shape; allocated on first use (counters zeroed).
     Calls with different K but the same key share them (fine in one stream: each launch leaves the counters
     at 0 and rewrites the partials before it reads them)."""
-    key = (device, M, R, splits, BR, BM)
-    buf = _BUFFERS.get(key)
-    if buf is None:
-        buf = _BUFFERS[key] = (_alloc((triton.cdiv(R, BR), splits, M, BR), device, torch.float32),
-                               torch.zeros(triton.cdiv(R, BR), triton.cdiv(M, BM), dtype=torch.int32, device=device))
-    return buf
+    return persistent(("lora_a", device, M, R, splits, BR, BM), lambda: (
+        alloc((triton.cdiv(R, BR), splits, M, BR), device, torch.float32),
+        torch.zeros(triton.cdiv(R, BR), triton.cdiv(M, BM), dtype=torch.int32, device=device)))
 
 
 def has_buffers(device: torch.device, M: int, R: int, K: int, splits: int | None = None,
                 block_r: int | None = None, block_m: int | None = None) -> bool:
     """True when a call with these arguments allocates nothing besides its output."""
     cfg = config(M, R, K, device, splits, block_r, block_m)
-    return cfg["splits"] == 1 or (device, M, R, cfg["splits"], cfg["BR"], cfg["BM"]) in _BUFFERS
+    return cfg["splits"] == 1 or has_persistent(("lora_a", device, M, R, cfg["splits"], cfg["BR"], cfg["BM"]))
 
 
 def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, block_r: int | None = None,
@@ -212,7 +208,7 @@ def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, b
     R = a.shape[0]
     assert a.shape[1] == K and a.dtype == x.dtype and x.stride(1) == 1 and a.is_contiguous()
     cfg = config(M, R, K, x.device, splits, block_r, block_m)
-    h = _alloc((M, R), x.device, x.dtype)
+    h = alloc((M, R), x.device, x.dtype)
     split = cfg["splits"] > 1
     if split:
         ws, cnt = buffers(x.device, M, R, cfg["splits"], cfg["BR"], cfg["BM"])

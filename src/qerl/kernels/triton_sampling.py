@@ -2,8 +2,8 @@
 
 The eager sampler (`qerl.rollout.sampling.next_token`) is ~12 kernels per step, several of them full
 fp32 passes over the [B, V] logits (the cast, log_softmax, exp, the exponential draws, log, ...), plus ~12
-small launches for the engine's bookkeeping: at V = 152064 that was 0.15 ms of a 7B batch-8 decode step
-and 0.4 ms at batch 64 (H200, `benchmarks/experimental/decode_timeline.py`). This kernel reads the logits
+small launches for the engine's bookkeeping (at V = 152064 a visible part of a 7B decode step; see
+`python benchmarks/decode_profile.py`). This kernel reads the logits
 twice (the second time mostly from cache) and writes only the per-row results.
 
 Grid (B, NC): program (b, c) takes the slice [c CHUNK, (c + 1) CHUNK) of row b, z = logits / T in fp32:
@@ -28,13 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_gate
-from .triton_fp4_mm import _alloc
+
+from .route import sm_count
+from .workspace import alloc, counters
 
 BLOCK = 2048  # elements per loop step of a program (8 warps: 8 per thread)
 MIN_CHUNK = 4096  # a program takes at least this many elements of a row
 CPU_SMS = 2
-_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, B) -> int32 [B] zeros; left at zero by every launch
 
 
 # Arguments that change from step to step are not specialized on (value 1, divisibility by 16, 16-byte
@@ -140,7 +140,7 @@ def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, step, mpart_ptr, ipart_
 
 
 def _sm_count(device: torch.device) -> int:
-    return triton_gate.sm_count(device, CPU_SMS)
+    return sm_count(device, CPU_SMS)
 
 
 def chunks_for(B: int, V: int, device: torch.device) -> int:
@@ -148,11 +148,9 @@ def chunks_for(B: int, V: int, device: torch.device) -> int:
     return max(1, min(-(-2 * _sm_count(device) // B), -(-V // MIN_CHUNK)))
 
 
-def counters(device: torch.device, B: int) -> torch.Tensor:
-    key = (device, B)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(B, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+def row_counters(device: torch.device, B: int) -> torch.Tensor:
+    """int32 [B] arrival counters, kept for the process; every launch leaves them at zero."""
+    return counters("sampling", device, B)
 
 
 def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int, record: dict | None = None,
@@ -173,11 +171,11 @@ def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int
     nc = chunks or chunks_for(B, V, dev)
     chunk = triton.cdiv(triton.cdiv(V, nc), BLOCK) * BLOCK
     nc = triton.cdiv(V, chunk)
-    mpart = _alloc((B, nc, 4), dev, torch.float32)
-    ipart = _alloc((B, nc), dev, torch.int32)
-    tok = _alloc((B,), dev, torch.int64)
-    lp = _alloc((B,), dev, torch.float32)
-    ent = _alloc((B,), dev, torch.float32)
+    mpart = alloc((B, nc, 4), dev, torch.float32)
+    ipart = alloc((B, nc), dev, torch.int32)
+    tok = alloc((B,), dev, torch.int64)
+    lp = alloc((B,), dev, torch.float32)
+    ent = alloc((B,), dev, torch.float32)
     greedy = temperature == 0
     if record is None:
         rec = dict(done=tok, eos=tok, n_eos=0, pad_id=0, tokens=tok, mask=tok, logprobs=lp, entropies=ent,
@@ -199,7 +197,7 @@ def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int
         rec = dict(record, n_eos=n_eos, stride=stride, eos=record["eos"] if n_eos else tok)  # tok: never read
     _sample_kernel[(B, nc)](
         logits, logits.stride(0), V, 1.0 if greedy else 1.0 / temperature, seed, step, mpart, ipart,
-        counters(dev, B), tok, lp, ent,
+        row_counters(dev, B), tok, lp, ent,
         rec["done"], rec["eos"], rec["n_eos"], rec["pad_id"], rec["tokens"], rec["mask"], rec["logprobs"],
         rec["entropies"], rec["stride"], rec["step_tokens"],
         CHUNK=chunk, BLOCK=BLOCK, NCP=triton.next_power_of_2(nc), EP=max(2, triton.next_power_of_2(rec["n_eos"])),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.triton_gate import triton_enabled
+from ..kernels.route import triton_enabled
 
 
 @dataclass(frozen=True)

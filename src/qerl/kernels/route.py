@@ -1,0 +1,217 @@
+"""Which backend computes a matmul against a stored weight: one rule, `route`, over (format, M, N, K, device).
+
+Imports no Triton (CPU users may not have it). The thresholds live in `KernelPolicy`, a frozen dataclass read
+from a context variable: `with kernel_policy(fused_max_m=32): ...` changes them for a scope (a benchmark, a
+test) and nowhere else. The rules and the measurements that set them (H200; docs/benchmarks.md, section
+"What runs where", and the benchmark named at each field):
+
+  NVFP4 forward x @ W^T (bf16 x, K % 128 == 0, global scale > 128, sm_80+: the Gluon swap-AB kernels)
+    rows 1..swap_max_m          Gluon, mma.sync form (`gluon_mma`); on sm_90 the wgmma form instead for
+                                wgmma_min_m..swap_max_m rows, and from wgmma_small_m rows for weights of
+                                >= wgmma_small_m_min_weight elements (`gluon_wgmma`; `gluon_wgmma_xp` when x is
+                                rewritten once in operand order: weights of >= big_weight elements, and every
+                                weight above swap_max_m rows);
+    sm_90, up to wgmma_max_m    the wgmma form with 128-row tiles (up to wgmma_max_m_big rows for weights of
+                                >= big_weight elements);
+  otherwise (and for fp16 x, other K, small global scales, older GPUs, MXFP4, and the input gradient dY @ W):
+    rows 1..gemv_max_m          the CUDA-core kernel (`triton_gemv`; NVFP4 forward only);
+    rows <= fused_max_m         the tl.dot kernel decoding W in registers (`triton_dot`), also up to
+                                fused_max_m_big rows for weights of >= big_weight elements;
+    above                       one Triton pass dequantizes W into a temporary, then cuBLAS (`triton_dequantize`).
+  bf16 weights: the Gluon bf16 kernel (`gluon_bf16`) for 1..bf16_swap_max_m rows on sm_80+, else F.linear.
+  No CUDA bf16/fp16 input, or Triton off: the plain-torch reference (`torch_dequantize`; `torch_linear` for
+  bf16 weights); it is also what the kernels are tested against.
+
+A LoRA term h @ b^T rides in the Gluon kernels' epilogue up to lora_in_kernel_max_r (`lora_in_kernel`), else
+one addmm follows. A backend that fails to import or compile on this machine is reported once (a warning) and
+excluded from then on (`unavailable` / `mark_unavailable`); `KernelPolicy.disabled` excludes backends on purpose.
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+# Backend names, as `route` returns them
+TORCH_DEQUANTIZE = "torch_dequantize"  # plain torch: dequantize W into a temporary, F.linear (reference, CPU)
+TORCH_LINEAR = "torch_linear"  # F.linear on a 16-bit weight (cuBLAS on CUDA)
+TRITON_DEQUANTIZE = "triton_dequantize"  # `triton_nvfp4.*_dequantize_triton` into a temporary, then cuBLAS
+TRITON_DOT = "triton_dot"  # `triton_nvfp4.*_linear_triton` / `*_grad_input_triton` (tl.dot, W decoded in registers)
+TRITON_GEMV = "triton_gemv"  # `triton_nvfp4.nvfp4_linear_gemv` (CUDA cores)
+GLUON_MMA = "gluon_mma"  # `gluon_nvfp4`, mma.sync
+GLUON_WGMMA = "gluon_wgmma"  # `gluon_nvfp4` launching `gluon_nvfp4_wgmma`, x staged through registers
+GLUON_WGMMA_XP = "gluon_wgmma_xp"  # the same, x rewritten once in operand order (`permute_x_kernel`)
+GLUON_BF16 = "gluon_bf16"  # `gluon_bf16`
+GLUON_NVFP4 = (GLUON_MMA, GLUON_WGMMA, GLUON_WGMMA_XP)
+BACKENDS = (TORCH_DEQUANTIZE, TORCH_LINEAR, TRITON_DEQUANTIZE, TRITON_DOT, TRITON_GEMV, *GLUON_NVFP4, GLUON_BF16)
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The routing thresholds (rows M, weight sizes N * K in elements) and switches; see the module docstring."""
+
+    triton: bool | None = None  # None: when Triton is importable and QERL_DISABLE_TRITON is not "1"
+    # NVFP4 forward, Gluon swap-AB kernels (`qerl bench kernels --swap`, src/qerl/bench/kernels.py)
+    swap_max_m: int = 64
+    wgmma_min_m: int = 9
+    wgmma_small_m: int = 5
+    wgmma_small_m_min_weight: int = 100 * 2**20
+    wgmma_max_m: int = 128  # rows above swap_max_m (`qerl bench kernels`, routed vs deq+cuBLAS at M = 128/256)
+    wgmma_max_m_big: int = 256
+    # "big" weights: above it the wgmma form takes x pre-permuted and more rows, and the tl.dot kernel more rows
+    big_weight: int = 32 * 2**20
+    permute_x: bool | None = None  # wgmma form: force x staged (False) or pre-permuted (True); None: the rule
+    # Triton kernels (`qerl bench kernels` and `--decode`)
+    gemv_max_m: int = 1
+    fused_max_m: int = 16
+    fused_max_m_big: int = 64
+    # bf16 weights (`python benchmarks/rollout.py --variants bf16+lora`, docs/benchmarks.md "Rollout engine")
+    bf16_swap_max_m: int = 32
+    # widest LoRA rank sum the Gluon kernels' epilogue takes (its B tile [BN, R] lives in registers)
+    lora_in_kernel_max_r: int = 128
+    disabled: frozenset[str] = frozenset()  # backends `route` must not return (tests, benchmarks, debugging)
+
+
+_POLICY: ContextVar[KernelPolicy] = ContextVar("qerl_kernel_policy", default=KernelPolicy())
+
+
+def current_policy() -> KernelPolicy:
+    return _POLICY.get()
+
+
+@contextmanager
+def kernel_policy(policy: KernelPolicy | None = None, **overrides) -> Iterator[KernelPolicy]:
+    """Inside, kernels route by `policy` (default: the current one) with `overrides` applied, e.g.
+    `with kernel_policy(triton=False):` for the plain-torch reference, `kernel_policy(disabled={"gluon_mma"})`."""
+    p = policy or _POLICY.get()
+    if "disabled" in overrides:
+        overrides["disabled"] = frozenset(overrides["disabled"])
+    token = _POLICY.set(dataclasses.replace(p, **overrides))
+    try:
+        yield _POLICY.get()
+    finally:
+        _POLICY.reset(token)
+
+
+_UNAVAILABLE: set[str] = set()  # backends that failed to import or compile in this process (see mark_unavailable)
+
+
+def mark_unavailable(*backends: str) -> None:
+    """Exclude backends from routing for the rest of the process (they failed to import or compile here)."""
+    _UNAVAILABLE.update(backends)
+
+
+def unavailable() -> frozenset[str]:
+    return frozenset(_UNAVAILABLE)
+
+
+def wgmma_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
+    """Rows for which the sm_90 wgmma form beats the mma.sync form (<= swap_max_m) or dequantize + cuBLAS (above)."""
+    if p.wgmma_small_m <= m < p.wgmma_min_m:
+        return n * k >= p.wgmma_small_m_min_weight
+    if m <= p.swap_max_m:
+        return p.wgmma_min_m <= m
+    return m <= (p.wgmma_max_m_big if n * k >= p.big_weight else p.wgmma_max_m)
+
+
+def permute_x_rule(p: KernelPolicy, m: int, n: int, k: int) -> bool:
+    """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step
+    (always above swap_max_m rows: staging a 128-row x tile through registers every step costs more)."""
+    return n * k >= p.big_weight or m > p.swap_max_m
+
+
+def permute_x(p: KernelPolicy, m: int, n: int, k: int) -> bool:
+    """`permute_x_rule`, unless the policy forces it (p.permute_x)."""
+    return permute_x_rule(p, m, n, k) if p.permute_x is None else p.permute_x
+
+
+def fused_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
+    """The tl.dot kernel (True) or dequantize + cuBLAS (False), either direction."""
+    return m <= p.fused_max_m or (m <= p.fused_max_m_big and n * k >= p.big_weight)
+
+
+def route(fmt: str, m: int, n: int, k: int, capability: tuple[int, int] | None, *, op: str = "forward",
+          dtype: torch.dtype = torch.bfloat16, lora_r: int = 0, step_fits: bool = True,
+          unavailable: frozenset[str] = frozenset(), policy: KernelPolicy | None = None) -> str:
+    """The backend for y[M, N] = x[M, K] @ W[N, K]^T (op "forward") or dY[M, N] @ W (op "grad_input"), W stored
+    in `fmt`. capability: the CUDA device's (major, minor), None when the input is not on a CUDA device or
+    Triton is off (`kernel_capability`); dtype: the activation's; lora_r: the rank sum of a LoRA term added to
+    the forward (0: none); step_fits: the NVFP4 global scale allows the bf16 decode step (`step_fits_bf16`);
+    unavailable: backends that cannot run here. Pure: the same arguments always give the same name."""
+    p = policy or _POLICY.get()
+    off = p.disabled | unavailable
+    kernels = capability is not None and dtype in (torch.bfloat16, torch.float16)
+    if fmt == "bf16":
+        if (kernels and dtype == torch.bfloat16 and op == "forward" and 1 <= m <= p.bf16_swap_max_m
+                and lora_r <= p.lora_in_kernel_max_r and capability >= (8, 0) and k % 8 == 0 and n * k < 2**31
+                and GLUON_BF16 not in off):
+            return GLUON_BF16
+        return TORCH_LINEAR
+    if fmt not in ("nvfp4", "mxfp4") or not kernels:
+        return TORCH_DEQUANTIZE
+    if fmt == "nvfp4" and op == "forward":
+        if dtype == torch.bfloat16 and k % 128 == 0 and step_fits and capability >= (8, 0) and m >= 1:
+            if capability == (9, 0) and wgmma_rows(p, m, n, k):
+                wg = GLUON_WGMMA_XP if permute_x(p, m, n, k) else GLUON_WGMMA
+                if wg not in off:
+                    return wg
+            if m <= p.swap_max_m and GLUON_MMA not in off:
+                return GLUON_MMA
+        if 1 <= m <= p.gemv_max_m and TRITON_GEMV not in off:
+            return TRITON_GEMV
+    return TRITON_DOT if fused_rows(p, m, n, k) and TRITON_DOT not in off else TRITON_DEQUANTIZE
+
+
+def lora_in_kernel(backend: str, lora_r: int, policy: KernelPolicy | None = None) -> bool:
+    """Whether `backend` adds a LoRA term of rank sum lora_r in its own launch (else one addmm follows)."""
+    p = policy or _POLICY.get()
+    return backend in (*GLUON_NVFP4, GLUON_BF16) and 0 < lora_r <= p.lora_in_kernel_max_r
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_enabled(policy: KernelPolicy | None = None) -> bool:
+    """Triton kernels on: the policy says so, or (policy.triton None) Triton is importable and the
+    QERL_DISABLE_TRITON environment variable is not "1" (a user switch for debugging)."""
+    p = policy or _POLICY.get()
+    if p.triton is not None:
+        return p.triton and triton_available()
+    return os.environ.get("QERL_DISABLE_TRITON", "0") != "1" and triton_available()
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when x should go through the Triton kernels (a CUDA bf16/fp16 tensor, Triton on)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_enabled()
+
+
+def kernel_capability(x: torch.Tensor) -> tuple[int, int] | None:
+    """`route`'s capability argument for an input x: its CUDA device's, or None when no kernel may take it."""
+    return torch.cuda.get_device_capability(x.device) if use_triton(x) else None
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device, cpu_stand_in: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); `cpu_stand_in` for the Triton interpreter on the
+    CPU, which has none (a small number that still exercises the kernels' splits)."""
+    if device.type != "cuda":
+        return cpu_stand_in
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def rows(x: torch.Tensor) -> int:
+    """Number of rows M of x viewed as [M, features]."""
+    return x.numel() // max(1, x.shape[-1])

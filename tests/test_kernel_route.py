@@ -1,0 +1,119 @@
+"""The routing rule `qerl.kernels.route.route` as a table (CPU only: the rule is pure, no kernel runs).
+
+Shapes are Qwen2.5 layers (N, K): 7B q/k/v 4608x3584 (16.5M elements), 7B gate_up 37888x3584 (136M),
+72B o 8192x8192 (67M), SmolLM2 k/v 192x576 (K % 128 != 0). Capabilities: (8, 0) A100, (8, 9) L4,
+(9, 0) H100/H200, (10, 0) B200, (12, 0) RTX 50xx, None = CPU input or Triton off.
+"""
+
+import pytest
+import torch
+
+from qerl.kernels import route as rt
+
+QKV, GATE_UP, O72, SMOL = (4608, 3584), (37888, 3584), (8192, 8192), (192, 576)
+H100, A100, B200 = (9, 0), (8, 0), (10, 0)
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+# (fmt, op, M, (N, K), capability, dtype, lora_r, step_fits) -> backend
+TABLE = [
+    # NVFP4 forward on Hopper: mma.sync at 1-4 rows, wgmma from 9 (5 for weights >= 100M elements)
+    ("nvfp4", "forward", 1, QKV, H100, BF16, 0, True, rt.GLUON_MMA),
+    ("nvfp4", "forward", 4, GATE_UP, H100, BF16, 16, True, rt.GLUON_MMA),
+    ("nvfp4", "forward", 5, QKV, H100, BF16, 0, True, rt.GLUON_MMA),
+    ("nvfp4", "forward", 5, GATE_UP, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),
+    ("nvfp4", "forward", 8, O72, H100, BF16, 0, True, rt.GLUON_MMA),  # 67M elements: below the 100M bar
+    ("nvfp4", "forward", 9, QKV, H100, BF16, 0, True, rt.GLUON_WGMMA),  # < 32M elements: x staged
+    ("nvfp4", "forward", 9, O72, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),
+    ("nvfp4", "forward", 64, QKV, H100, BF16, 0, True, rt.GLUON_WGMMA),
+    ("nvfp4", "forward", 65, QKV, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),  # above 64 rows x always permuted
+    ("nvfp4", "forward", 128, QKV, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),
+    ("nvfp4", "forward", 129, QKV, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 256, GATE_UP, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),
+    ("nvfp4", "forward", 257, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 4096, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    # other sm_80+ GPUs: mma.sync up to 64 rows, then the Triton kernels
+    ("nvfp4", "forward", 1, QKV, A100, BF16, 0, True, rt.GLUON_MMA),
+    ("nvfp4", "forward", 64, GATE_UP, B200, BF16, 0, True, rt.GLUON_MMA),
+    ("nvfp4", "forward", 65, GATE_UP, B200, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 17, QKV, (12, 0), BF16, 0, True, rt.GLUON_MMA),
+    ("nvfp4", "forward", 100, QKV, (8, 9), BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    # the Gluon kernels decline: the GEMV at one row, then tl.dot (<= 16 rows, <= 64 for big weights)
+    ("nvfp4", "forward", 1, QKV, H100, FP16, 0, True, rt.TRITON_GEMV),
+    ("nvfp4", "forward", 1, QKV, H100, BF16, 0, False, rt.TRITON_GEMV),  # global scale <= 128
+    ("nvfp4", "forward", 1, SMOL, H100, BF16, 0, True, rt.TRITON_GEMV),  # K % 128 != 0
+    ("nvfp4", "forward", 1, QKV, (7, 5), BF16, 0, True, rt.TRITON_GEMV),  # pre-Ampere
+    ("nvfp4", "forward", 2, SMOL, A100, BF16, 0, True, rt.TRITON_DOT),
+    ("nvfp4", "forward", 16, QKV, H100, FP16, 0, True, rt.TRITON_DOT),
+    ("nvfp4", "forward", 17, QKV, H100, FP16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 64, GATE_UP, H100, FP16, 0, True, rt.TRITON_DOT),
+    ("nvfp4", "forward", 65, GATE_UP, H100, FP16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 0, QKV, H100, BF16, 0, True, rt.TRITON_DOT),  # empty input
+    # input gradient and MXFP4: tl.dot or dequantize + cuBLAS only
+    ("nvfp4", "grad_input", 1, QKV, H100, BF16, 0, True, rt.TRITON_DOT),
+    ("nvfp4", "grad_input", 64, GATE_UP, H100, BF16, 0, True, rt.TRITON_DOT),
+    ("nvfp4", "grad_input", 64, QKV, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("mxfp4", "forward", 1, QKV, H100, BF16, 0, True, rt.TRITON_DOT),
+    ("mxfp4", "forward", 17, QKV, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("mxfp4", "grad_input", 4096, GATE_UP, A100, FP16, 0, True, rt.TRITON_DEQUANTIZE),
+    # no kernel: CPU / Triton off, fp32, formats without kernels
+    ("nvfp4", "forward", 1, QKV, None, BF16, 0, True, rt.TORCH_DEQUANTIZE),
+    ("nvfp4", "forward", 1, QKV, H100, FP32, 0, True, rt.TORCH_DEQUANTIZE),
+    ("mxfp4", "grad_input", 8, QKV, None, FP32, 0, True, rt.TORCH_DEQUANTIZE),
+    ("nf4", "forward", 1, QKV, H100, BF16, 0, True, rt.TORCH_DEQUANTIZE),
+    # bf16 weights: the Gluon bf16 kernel for 1-32 bf16 rows on sm_80+, LoRA rank sum <= 128
+    ("bf16", "forward", 1, QKV, H100, BF16, 0, True, rt.GLUON_BF16),
+    ("bf16", "forward", 32, GATE_UP, A100, BF16, 128, True, rt.GLUON_BF16),
+    ("bf16", "forward", 33, QKV, H100, BF16, 0, True, rt.TORCH_LINEAR),
+    ("bf16", "forward", 8, QKV, H100, BF16, 256, True, rt.TORCH_LINEAR),
+    ("bf16", "forward", 8, QKV, H100, FP16, 0, True, rt.TORCH_LINEAR),
+    ("bf16", "forward", 8, QKV, (7, 5), BF16, 0, True, rt.TORCH_LINEAR),
+    ("bf16", "forward", 8, QKV, None, BF16, 0, True, rt.TORCH_LINEAR),
+]
+
+
+@pytest.mark.parametrize("fmt,op,m,nk,cap,dtype,lora_r,fits,want", TABLE)
+def test_route_table(fmt, op, m, nk, cap, dtype, lora_r, fits, want):
+    n, k = nk
+    assert rt.route(fmt, m, n, k, cap, op=op, dtype=dtype, lora_r=lora_r, step_fits=fits) == want
+
+
+def test_lora_rides_in_the_gluon_kernels_up_to_the_epilogue_width():
+    assert rt.lora_in_kernel(rt.GLUON_MMA, 128) and rt.lora_in_kernel(rt.GLUON_BF16, 16)
+    assert not rt.lora_in_kernel(rt.GLUON_WGMMA_XP, 256)  # wider: one addmm after the launch
+    assert not rt.lora_in_kernel(rt.TRITON_DOT, 16) and not rt.lora_in_kernel(rt.GLUON_MMA, 0)
+    # the rank does not change the NVFP4 backend (the kernel runs without it, one addmm adds it)
+    assert rt.route("nvfp4", 8, *QKV, H100, lora_r=256) == rt.GLUON_MMA
+
+
+def test_unavailable_backends_are_routed_around():
+    wg = frozenset({rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP})
+    assert rt.route("nvfp4", 16, *GATE_UP, H100, unavailable=wg) == rt.GLUON_MMA
+    assert rt.route("nvfp4", 100, *GATE_UP, H100, unavailable=wg) == rt.TRITON_DEQUANTIZE
+    assert rt.route("nvfp4", 1, *QKV, H100, unavailable=frozenset(rt.GLUON_NVFP4)) == rt.TRITON_GEMV
+    assert rt.route("bf16", 1, *QKV, H100, unavailable=frozenset({rt.GLUON_BF16})) == rt.TORCH_LINEAR
+
+
+def test_policy_is_scoped_and_overrides_the_rule():
+    assert rt.current_policy() == rt.KernelPolicy()
+    with rt.kernel_policy(fused_max_m=32, disabled={rt.GLUON_MMA}) as p:
+        assert p.fused_max_m == 32 and rt.current_policy() is p
+        assert rt.route("nvfp4", 1, *QKV, A100) == rt.TRITON_GEMV
+        assert rt.route("nvfp4", 32, *QKV, A100, dtype=FP16) == rt.TRITON_DOT
+        with rt.kernel_policy(permute_x=False):
+            assert rt.route("nvfp4", 100, *GATE_UP, H100) == rt.GLUON_WGMMA
+            assert rt.current_policy().fused_max_m == 32  # nested scopes build on the outer one
+    assert rt.current_policy() == rt.KernelPolicy()
+    assert rt.route("nvfp4", 32, *QKV, A100, dtype=FP16) == rt.TRITON_DEQUANTIZE
+    assert rt.route("nvfp4", 1, *QKV, A100, policy=rt.KernelPolicy(gemv_max_m=0)) == rt.GLUON_MMA
+
+
+def test_triton_switch_routes_cuda_inputs_to_the_reference(monkeypatch):
+    x = torch.zeros(2, 8)  # a CPU tensor never takes a kernel
+    assert rt.kernel_capability(x) is None
+    monkeypatch.setenv("QERL_DISABLE_TRITON", "1")
+    assert not rt.triton_enabled()
+    with rt.kernel_policy(triton=True):
+        assert rt.triton_enabled() == rt.triton_available()
+    monkeypatch.delenv("QERL_DISABLE_TRITON")
+    with rt.kernel_policy(triton=False):
+        assert not rt.triton_enabled()
