@@ -124,6 +124,24 @@ def test_streamed_build_equals_whole_model_quantization(method, keep):
     torch.testing.assert_close(whole(x).logits, streamed(x).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch,method", [("llama", "gptq"), ("llama", "awq"), ("qwen2", "gptq")])
+def test_a_bf16_model_calibrates_in_float32_on_the_cpu_and_keeps_its_dtypes(arch, method):
+    base = tiny_model(arch, dtype=torch.bfloat16)
+    cal = torch.randint(3, 160, (8, 32), generator=torch.Generator().manual_seed(2))
+    seen = []
+    hook = base.model.layers[1].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    keep = ("model.layers.0.mlp.down_proj",)
+    ours = quantize_model(copy.deepcopy(base), "nvfp4", method=method, calibration=cal, keep_bf16=keep)
+    hook.remove()
+    assert seen and set(seen) == {torch.float32}
+    rtn = quantize_model(copy.deepcopy(base), "nvfp4", keep_bf16=keep)
+    dtypes = {n: t.dtype for n, t in rtn.state_dict().items()}
+    assert {n: t.dtype for n, t in ours.state_dict().items()} == dtypes
+    assert ours.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16  # the kept layer's weight
+    x = torch.randint(3, 160, (2, 16))
+    assert ours(x).logits.dtype == torch.bfloat16 and torch.isfinite(ours(x).logits).all()
+
+
 def test_methods_are_refused_where_they_do_not_apply():
     with pytest.raises(ValueError, match="needs calibration"):
         quantize_model(tiny_model("llama"), "nvfp4", method="gptq")
@@ -190,3 +208,31 @@ def test_cli_quantize_keeps_layers_in_bf16_and_config_checks_the_syntax(tiny_dir
     assert {f for n, f in formats.items() if n.startswith("model.layers.0.")} == {"nvfp4"}
     with pytest.raises(ConfigError, match="keep_bf16"):
         load_config(None, ["model.keep_bf16=[last:0]"])
+
+
+def test_an_awq_directory_reloads_with_its_channel_scales_so_aqn_draws_the_same_policy(tmp_path):
+    from qerl.models import ModelLoadError, load_causal_lm
+    from qerl.models.checkpoint import CHANNEL_SCALES_FILE
+    from qerl.nn.noisy_norm import NoisyNorms
+    from qerl.quant.awq import channel_scales
+
+    cal = torch.randint(3, 160, (8, 32), generator=torch.Generator().manual_seed(2))
+    model = quantize_model(tiny_model("llama"), "nvfp4", method="awq", calibration=cal)
+    scales = channel_scales(model)
+    assert scales and any(not torch.equal(s, torch.ones_like(s)) for s in scales.values())
+    save_quantized(model, None, tmp_path / "q")
+    assert (tmp_path / "q" / CHANNEL_SCALES_FILE).is_file()
+    reloaded, _ = load_causal_lm(tmp_path / "q", dtype=torch.float32)
+    assert channel_scales(reloaded).keys() == scales.keys()
+    assert all(torch.equal(channel_scales(reloaded)[k], s) for k, s in scales.items())
+    x = torch.randint(3, 160, (2, 12))
+    with torch.no_grad(), NoisyNorms(model, 0.1, seed=3), NoisyNorms(reloaded, 0.1, seed=3):
+        torch.testing.assert_close(reloaded(x).logits, model(x).logits, rtol=0, atol=0)
+    # a directory without awq has no scales file; a broken one names the file
+    save_quantized(quantize_model(tiny_model("llama"), "nvfp4"), None, tmp_path / "rtn")
+    assert not (tmp_path / "rtn" / CHANNEL_SCALES_FILE).exists()
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.input_layernorm": torch.zeros(3)}, tmp_path / "q" / CHANNEL_SCALES_FILE)
+    with pytest.raises(ModelLoadError, match="awq_channel_scales.*finite positive"):
+        load_causal_lm(tmp_path / "q")

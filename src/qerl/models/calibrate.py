@@ -8,6 +8,7 @@ for AWQ. `qerl.models.convert.calibrated_quantize` runs the loop; only one layer
 states [S, T, D] are alive at a time, so it also works on the streaming loader's meta-device skeleton.
 """
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable
 
@@ -72,8 +73,47 @@ def method_quantizer(module: nn.Module, fmt: str, method: str, targets=DEFAULT_T
     return quantize
 
 
-def capture_layer_inputs(model: nn.Module, ids: torch.Tensor, device) -> list[tuple[torch.Tensor, dict]]:
-    """[(hidden [B, T, D], layer kwargs)] per batch of calibration rows, as decoder layer 0 receives them."""
+def calibration_compute_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype the layer-by-layer passes compute in: float32 on the CPU, where bf16 matmuls are ~100x
+    slower (`qerl.models.load.compute_dtype`); None (the model's own) on a GPU."""
+    return torch.float32 if device.type == "cpu" else None
+
+
+def cast_floating(obj, dtype: torch.dtype | None):
+    """obj with every floating tensor in it (nested tuples, lists, dicts) cast to dtype; None keeps it."""
+    if dtype is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+@contextmanager
+def computing_in(layer: nn.Module, dtype: torch.dtype | None):
+    """Run `layer` in `dtype` inside (None: unchanged). On exit the parameters and buffers that the cast
+    changed (present on entry in another dtype, in `dtype` now) get their entry dtype back; tensors
+    created inside (LoRA's fp32 masters, AWQ's channel scales, the formats' own storage) keep theirs."""
+    if dtype is None:
+        yield
+        return
+    entry = {name: t.dtype for name, t in [*layer.named_parameters(), *layer.named_buffers()]}
+    layer.to(dtype)
+    try:
+        yield
+    finally:
+        for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+            if name in entry and t.dtype == dtype != entry[name]:
+                t.data = t.data.to(entry[name])
+
+
+def capture_layer_inputs(model: nn.Module, ids: torch.Tensor, device, dtype: torch.dtype | None = None
+                         ) -> list[tuple[torch.Tensor, dict]]:
+    """[(hidden [B, T, D], layer kwargs)] per batch of calibration rows, as decoder layer 0 receives them;
+    dtype: cast the hidden states and floating kwargs (RoPE cos/sin, an additive mask) to it."""
     layers = model.model.layers
     batches = []
 
@@ -81,7 +121,7 @@ def capture_layer_inputs(model: nn.Module, ids: torch.Tensor, device) -> list[tu
         hidden = args[0] if args else kwargs.pop("hidden_states")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "past_key_values", "past_key_value")}
         kwargs["use_cache"] = False
-        batches.append((hidden.detach(), kwargs))
+        batches.append((cast_floating(hidden.detach(), dtype), cast_floating(kwargs, dtype)))
         raise _Captured
 
     rows = max(1, BATCH_TOKENS // ids.shape[1])
@@ -103,28 +143,43 @@ def layer_output(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.
 
 
 @torch.no_grad()
-def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: int) -> tuple[dict, dict]:
-    """Run the dense `layer` on every batch; ({name: H fp32 [K, K]}, {name: input rows [<= AWQ_SAMPLE_ROWS, K]})."""
-    sums, counts, samples = {}, {}, {}
+def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: int, hessians: bool = True,
+                     samples: bool = True) -> tuple[dict, dict]:
+    """Run the dense `layer` on every batch; ({name: H fp32 [K, K]}, {name: input rows [<= AWQ_SAMPLE_ROWS, K]}).
+    hessians / samples: whether to collect each (gptq needs the Hessians, awq the row samples)."""
+    sums, counts, rows = {}, {}, {}
     stride = max(1, -(-total_rows // AWQ_SAMPLE_ROWS))
+    seen = set()
 
     def hook_for(name):
         def hook(_module, args):
+            seen.add(name)
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            sums[name] = sums.get(name, 0) + x.t() @ x
-            counts[name] = counts.get(name, 0) + x.shape[0]
-            samples.setdefault(name, []).append(x[::stride].cpu())
+            if hessians:
+                if name in sums:
+                    sums[name].addmm_(x.t(), x)
+                else:
+                    sums[name] = x.t() @ x
+                counts[name] = counts.get(name, 0) + x.shape[0]
+            if samples:
+                rows.setdefault(name, []).append(x[::stride].cpu())
+            if len(seen) == len(names):  # every input recorded: the rest of the layer (down_proj...) is not needed
+                raise _Captured
         return hook
 
     handles = [layer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
     try:
         for hidden, kwargs in batches:
-            layer_output(layer, hidden, kwargs)
+            seen.clear()
+            try:
+                layer_output(layer, hidden, kwargs)
+            except _Captured:
+                pass
     finally:
         for h in handles:
             h.remove()
-    hessians = {n: sums[n] / counts[n] for n in sums}
-    return hessians, {n: torch.cat(s)[:AWQ_SAMPLE_ROWS] for n, s in samples.items()}
+    return ({n: sums[n] / counts[n] for n in sums},
+            {n: torch.cat(r)[:AWQ_SAMPLE_ROWS] for n, r in rows.items()})
 
 
 def awq_fake_quant(fmt: str):

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..formats import get_format
 from ..nn import QuantEmbedding, QuantLinear
+from ..quant.awq import channel_scales, set_channel_scales
 from .atomic import atomic_directory
 from .convert import quant_layers, set_module
 from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
@@ -131,8 +132,14 @@ def _write_shards(state: dict[str, torch.Tensor], directory: Path) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+# AWQ's per-channel scales of folded norms (`qerl.quant.awq`), which AQN divides its noise by. In a
+# subdirectory: loaders that read every top-level *.safetensors as weights never see it.
+CHANNEL_SCALES_FILE = "qerl/awq_channel_scales.safetensors"
+
+
 def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) -> Path:
-    """Write the quantized base (no LoRA) as an HF directory; atomic: `out` appears complete or not at all."""
+    """Write the quantized base (no LoRA) as an HF directory; atomic: `out` appears complete or not at all.
+    A model quantized with awq also gets CHANNEL_SCALES_FILE ({norm path: fp32 [D]})."""
     layers, kept = split_kept(model)
     state = checkpoint_state_dict(model)
     fmt = next(iter(layers.values())).weight_format
@@ -155,6 +162,10 @@ def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) ->
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        scales = channel_scales(model)
+        if scales:
+            (tmp / CHANNEL_SCALES_FILE).parent.mkdir()
+            save_file(scales, tmp / CHANNEL_SCALES_FILE)
     return Path(out).expanduser().resolve()
 
 
@@ -268,6 +279,11 @@ def load_quantized(path, dtype=None, device=None):
         raise ModelLoadError(f"{path}: checkpoint lacks tensors {still_meta[:5]}")
     for p in model.parameters():
         p.requires_grad_(False)
+    if (path / CHANNEL_SCALES_FILE).is_file():
+        try:
+            set_channel_scales(model, load_file(str(path / CHANNEL_SCALES_FILE), device=str(device)))
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"{path / CHANNEL_SCALES_FILE}: {e}") from None
     model.config.qerl_weight_format = fmt
     has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     return model.eval(), AutoTokenizer.from_pretrained(path) if has_tokenizer else None

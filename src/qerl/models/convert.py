@@ -18,7 +18,8 @@ from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from ..nn.quant_embedding import check_embedding_shape
 from ..quant import CALIBRATED, check_method
 from ..quant.awq import apply_awq
-from .calibrate import awq_fake_quant, capture_layer_inputs, layer_output, layer_statistics, method_quantizer, sibling_groups
+from .calibrate import (awq_fake_quant, calibration_compute_dtype, capture_layer_inputs, computing_in, layer_output,
+                        layer_statistics, method_quantizer, sibling_groups)
 from .precision import names_under, resolve_keep_bf16
 from .targets import FUSED_GROUPS, find_targets
 
@@ -186,34 +187,46 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
         raise ValueError(f"{method!r} needs no calibration; use quantize_model(method={method!r})")
     targets = list(targets)
     device = torch.device(device or next(p.device for p in model.parameters() if not p.is_meta))
+    compute = calibration_compute_dtype(device)
     body = model.model
-    batches = capture_layer_inputs(model, ids, device)
     awq_scales = {}
     with Progress(disable=not show_progress, transient=True) as progress:
+        batches = capture_layer_inputs(model, ids, device, compute)
         task = progress.add_task(f"calibrating + quantizing to {fmt} ({method})", total=len(body.layers))
         for i, layer in enumerate(body.layers):
             prefix = f"model.layers.{i}."
             if fill is not None:
                 fill(layer, prefix)
-            kept_here = names_under(set(keep), prefix)
-            names = [n for n in find_targets(layer, targets) if n not in kept_here]
-            leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
-            hessians, samples = layer_statistics(layer, leaders, batches, ids.numel())
-            if method == "awq":
-                leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
-                for name, s in apply_awq(layer, leaf_samples, awq_fake_quant(fmt)).items():
-                    awq_scales[prefix + name] = s
-                hessians = {}  # the folded weights see scaled inputs; awq rounds without a Hessian
-            kept = keep_dense_linears(layer, sorted(kept_here))
-            if names:
-                replace_linears(layer, fmt, lora, targets, method_quantizer(layer, fmt, method, targets, hessians))
-            add_lora_to(kept, lora)
-            del hessians, samples
-            batches = [(layer_output(layer, h, kw), kw) for h, kw in batches]
+            with computing_in(layer, compute):
+                awq_scales.update(_calibrate_layer(layer, prefix, fmt, method, lora, targets, keep, batches, ids,
+                                                   device))
+                batches = [(layer_output(layer, h, kw), kw) for h, kw in batches]
             progress.advance(task)
     for name, p in model.named_parameters():  # embeddings, norms, lm_head: frozen as in the rtn path
         p.requires_grad_(".lora_" in name)
     return {"tokens": ids.numel(), "awq_scales": awq_scales}
+
+
+def _calibrate_layer(layer: nn.Module, prefix: str, fmt: str, method: str, lora: LoraConfig | None, targets: list[str],
+                     keep: Iterable[str], batches, ids: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    """One decoder layer of `calibrated_quantize`: statistics, AWQ folding, quantization, in place.
+    Returns this layer's AWQ scales {full module path: s fp32 [K]} (empty for gptq)."""
+    kept_here = names_under(set(keep), prefix)
+    names = [n for n in find_targets(layer, targets) if n not in kept_here]
+    leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
+    # gptq: the Hessians; awq: row samples (it rounds without a Hessian: the folded weights see scaled inputs)
+    hessians, samples = layer_statistics(layer, leaders, batches, ids.numel(), hessians=method == "gptq",
+                                         samples=method == "awq")
+    awq_scales = {}
+    if method == "awq":
+        leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
+        for name, s in apply_awq(layer, leaf_samples, awq_fake_quant(fmt)).items():
+            awq_scales[prefix + name] = s
+    kept = keep_dense_linears(layer, sorted(kept_here))
+    if names:
+        replace_linears(layer, fmt, lora, targets, method_quantizer(layer, fmt, method, targets, hessians))
+    add_lora_to(kept, lora)
+    return awq_scales
 
 
 def input_embeddings_tied(model: nn.Module) -> bool:
