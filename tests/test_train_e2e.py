@@ -81,7 +81,7 @@ def test_cli_train_and_resume(tiny_dir, data_file, tmp_path):
 
 
 def test_compute_dtype_auto_is_bf16_on_a_gpu_and_float32_on_the_cpu():
-    from qerl.models.load import compute_dtype
+    from qerl.models.sources import compute_dtype
 
     assert compute_dtype("auto", "cuda") == torch.bfloat16
     assert compute_dtype("auto", torch.device("cuda", 1)) == torch.bfloat16

@@ -108,7 +108,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def prepare_model(args):
     """Load, quantize when asked, attach the adapter -> (model, tokenizer)."""
     from ..models import load_adapter, load_causal_lm, quant_layers, quantize_model
-    from ..models.load import compute_dtype, plain_hf_directory
+    from ..models.load import plain_hf_directory
+    from ..models.sources import compute_dtype
     from ..models.stream import stream_quantized
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

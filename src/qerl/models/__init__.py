@@ -4,7 +4,8 @@ from .adapter import AdapterError, load_adapter, save_adapter
 from .checkpoint import load_quantized, save_quantized
 from .convert import (add_lora, dequantize_model, lora_parameters, memory_report, quant_embeddings, quant_layers,
                       quantize_input_embeddings, quantize_model)
-from .load import ModelLoadError, load_causal_lm
+from .load import load_causal_lm
+from .sources import ModelLoadError
 from .registry import DEFAULT_MODEL, EMBEDDED
 
 __all__ = [

@@ -30,7 +30,7 @@ from ..nn import QuantEmbedding, QuantLinear
 from ..quant.awq import channel_scales, set_channel_scales
 from .atomic import atomic_directory
 from .convert import quant_layers, set_module
-from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
+from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import partial_sibling_groups
 
 MAX_SHARD_BYTES = 5 * 1024**3
@@ -234,7 +234,7 @@ def load_quantized(path, dtype=None, device=None):
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
-    _check_architecture(config, path)
+    check_architecture(config, path)
     qcfg = config.quantization_config
     qcfg = qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
     fmt = _format_of(qcfg, path)

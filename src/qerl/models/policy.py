@@ -14,7 +14,8 @@ from ..quant import CALIBRATED, check_method
 from .adapter import load_adapter
 from .calibrate import calibration_ids
 from .convert import add_lora, quant_layers, quantize_input_embeddings, quantize_model
-from .load import compute_dtype, load_causal_lm, plain_hf_directory
+from .load import load_causal_lm, plain_hf_directory
+from .sources import compute_dtype
 from .precision import describe_keep_bf16
 from .stream import stream_quantized
 

@@ -16,6 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .gguf import load_gguf
+
 
 @dataclass(frozen=True)
 class EmbeddedModel:
@@ -96,8 +98,6 @@ def embedded_gguf(name: str) -> Path:
 
 def embedded_hf_dir(name: str) -> Path:
     """A cached bf16 Hugging Face directory (config, safetensors, tokenizer) of an embedded model."""
-    from .load import load_gguf  # local import: load imports this module
-
     target = cache_dir() / "models" / name
     if (target / "config.json").is_file():
         return target

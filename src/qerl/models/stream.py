@@ -18,7 +18,7 @@ from torch import nn
 from ..nn import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
 from .convert import add_lora_to, calibrated_quantize, quantize_input_embeddings, quantize_keeping
-from .load import ModelLoadError, _check_architecture, check_safetensors, resolve_dtype
+from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import names_under, resolve_keep_bf16
 
 
@@ -126,7 +126,7 @@ def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = No
     device = torch.device(device or "cpu")
     dtype = resolve_dtype(dtype)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    _check_architecture(config, directory)
+    check_architecture(config, directory)
     with ExitStack() as stack:
         ckpt = _Checkpoint(directory, stack)
         model = build_layer_by_layer(config, fmt, lora, lambda module, prefix: ckpt.fill(module, prefix, device, dtype),
