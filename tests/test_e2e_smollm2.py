@@ -38,7 +38,8 @@ def test_quantize_cli_reports_small_quality_loss(quantized_dir):
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert (out / "tokenizer.json").is_file() or (out / "tokenizer_config.json").is_file()
     assert report["base_bytes_per_param"] == pytest.approx(0.5625, abs=1e-4)
-    # RTN NVFP4 on a 135M model: measured KL 0.28 nats/token, top-1 agreement 0.67 (docs/formats.md).
+    # RTN NVFP4 on SmolLM2-135M: KL ~0.2 nats/token and top-1 agreement ~0.8 on GSM8K text (docs/formats.md;
+    # this test's text differs, hence the loose bounds).
     # A wrong scale or code mapping gives several nats and near-zero agreement.
     assert 0 < report["kl"] < 0.5
     assert report["top1_agreement"] > 0.5

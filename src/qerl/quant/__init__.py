@@ -14,13 +14,13 @@ import warnings
 
 import torch
 
-from ..formats import get_format
+from ..formats import FORMATS, get_format
 from .gptq import HessianError, gptq_nvfp4
 from .nvfp4_scales import quantize_nvfp4_searched
 
 METHODS = ("rtn", "4over6", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")
-SUPPORTED_FORMATS = {"rtn": ("nvfp4", "mxfp4", "nf4", "bf16"), "4over6": ("nvfp4",), "gptq": ("nvfp4",),
+SUPPORTED_FORMATS = {"rtn": tuple(FORMATS), "4over6": ("nvfp4",), "gptq": ("nvfp4",),
                      "awq": ("nvfp4", "mxfp4", "nf4")}
 NVFP4_SEARCH = "mse"  # the scale candidates `4over6` tries (nvfp4_scales.candidate_scales)
 

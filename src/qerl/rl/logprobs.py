@@ -9,14 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..rollout.sampling import logprob_temperature
+
 DEFAULT_CHUNK_BYTES = 256 * 2**20
-
-
-def logprob_temperature(sampling_temperature: float) -> float:
-    """The T of softmax(logits / T) under which a completion's log-probs are taken: the sampling temperature,
-    or 1 for greedy decoding (temperature 0), which has no distribution of its own. The rollout sampler
-    records its log-probs under the same T, so the ratio pi_theta / pi_old starts at 1."""
-    return sampling_temperature if sampling_temperature > 0 else 1.0
 
 
 def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

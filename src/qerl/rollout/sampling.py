@@ -40,10 +40,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The T of softmax(logits / T) under which a completion's log-probs are taken: the sampling temperature,
+    or 1 for greedy decoding (temperature 0), which has no distribution of its own. The sampler records
+    its log-probs under this T and the loss takes them under it too, so the ratio pi_theta / pi_old starts at 1."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
+
+
 def logits_to_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits [B, V] -> log softmax(logits / T) [B, V] fp32 (T = 1 when greedy)."""
-    t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits.float() / t, dim=-1)
+    """logits [B, V] -> log softmax(logits / T) [B, V] fp32, T = logprob_temperature(temperature)."""
+    return torch.log_softmax(logits.float() / logprob_temperature(temperature), dim=-1)
 
 
 def entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
