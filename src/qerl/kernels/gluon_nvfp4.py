@@ -10,7 +10,7 @@ side and the few activation rows its 8-column side. What makes it fast on Hopper
   - even/odd split: byte j of a row holds k = 2j (low nibble) and 2j+1 (high nibble); the low nibbles form
     A_lo [BN, BKH], the high ones A_hi, and out^T += A_lo @ x_lo^T + A_hi @ x_hi^T;
   - decode by inline PTX, two nibbles 16 bits apart per step: t = q & 0x000F000F, (t * 0x1040) &
-    0x81C081C0 = s<<15 | mag<<6 in each half (the E2M1 value * 2^-126 as bf16, see triton_fp4_decode),
+    0x81C081C0 = s<<15 | mag<<6 in each half (the E2M1 value * 2^-126 as bf16, see triton_fp4_codes),
     one mul.rn.bf16x2 by step * 2^126: ~2.1 instructions per weight, ~3.4-3.9 per weight for the whole
     loop at M <= 16 (SASS). The pairing permutes k inside each 4-byte group (SIGMA = [0, 2, 1, 3]); x is
     permuted the same way when split into x_lo / x_hi, so the product is unchanged;

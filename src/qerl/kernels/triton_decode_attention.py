@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
 from .route import sm_count
-from .triton_fp4_decode import round_to
+from .triton_fp4_codes import round_to
 from .workspace import alloc
 
 BLOCK_N = 64  # keys per tile

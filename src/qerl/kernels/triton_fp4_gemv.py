@@ -12,7 +12,7 @@ the tile, BKW words (16 bytes when BKW = 4) per row per step, so its loads are 1
 K reduction inside a step needs no shuffles. x (bf16/fp16) is read once per step per row of x and shared by
 all the thread's weight rows.
 
-Decode of a word, 8 codes, to fp32 (the fp16 bit trick of `triton_fp4_decode`: fp16 bits
+Decode of a word, 8 codes, to fp32 (the fp16 bit trick of `triton_fp4_codes`: fp16 bits
 sign<<15 | mag3<<9 are the E2M1 value * 2^-14, exact for all 16 codes, subnormal 0.5 included):
 nibbles j and j+4 (j = 0..3) form one fp16x2 register, low half = element j, high half = element j+4.
 Rotating the word right by 4j - 9 (mod 32) puts both magnitudes at bits 9..11 and 25..27 at once; rotating
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fp4_mm
-from .triton_fp4_decode import e4m3_to_f32, round_to
+from .triton_fp4_codes import e4m3_to_f32, round_to
 from .workspace import alloc
 
 GEMV_MAX_M = 16

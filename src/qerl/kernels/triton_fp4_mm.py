@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fp4_decode import fp4_decode, fp4_decode_bf16_asm, fp4_load, round_to
+from .triton_fp4_codes import fp4_decode, fp4_decode_bf16_asm, fp4_load, round_to
 from .workspace import alloc
 
 
@@ -79,7 +79,7 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
     pid_k = tl.program_id(2)
     step_mul = 1.0
     if HAS_GS:
-        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr)  # 2^22 (or 2^71) / global_scale: see triton_fp4_decode
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr)  # 2^22 (or 2^71) / global_scale: see triton_fp4_codes
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     m_mask = offs_m < M

@@ -21,7 +21,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
-from .triton_fp4_decode import round_to
+from .triton_fp4_codes import round_to
 from .workspace import alloc
 
 

@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
 from .route import sm_count
-from .triton_fp4_decode import round_to
+from .triton_fp4_codes import round_to
 from .workspace import alloc, has_persistent, persistent
 
 # Defaults set by `benchmarks/lora_a_sweep.py` (Qwen2.5-7B r16 decode shapes, M 1/8/64)
