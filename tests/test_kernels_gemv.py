@@ -26,7 +26,7 @@ GPU_SHAPES = [(4608, 3584), (3584, 18944), (1000, 1040), (517, 784), (7168, 5120
 
 @poisoned
 def _check_case(device, m, n, k, gs, dtype, seed, config=None, bias=True, entry=False) -> list[str]:
-    from qerl.kernels import nvfp4_linear, triton_nvfp4 as tk
+    from qerl.kernels import nvfp4_linear, triton_fp4 as tk
 
     gen = torch.Generator().manual_seed(seed)
     t = _random_fp4(n, k, 16, False, gen, gs)
@@ -53,7 +53,7 @@ def _check_case(device, m, n, k, gs, dtype, seed, config=None, bias=True, entry=
 def _check_decode_table(device: str) -> list[str]:
     """All 256 code pairs and all 127 finite E4M3 scales through the kernel: x = rows of the identity, so
     y[m, n] = W[n, col] exactly up to the final rounding of one fp32 product (to bf16: <= 2^-8 relative)."""
-    from qerl.kernels import triton_nvfp4 as tk
+    from qerl.kernels import triton_fp4 as tk
 
     fails = []
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).repeat(8, 1)  # [128, 16]: K=32

@@ -82,7 +82,7 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
     """cuBLAS bf16, dequantize + cuBLAS, the tl.dot kernel ("fused") and what `nvfp4_linear` /
     `nvfp4_linear_grad_input` route the product to ("routed": the swap-AB kernels, the CUDA-core gemv, the
     tl.dot kernel or dequantize + cuBLAS, by `qerl.kernels.route`)."""
-    from qerl.kernels import triton_nvfp4 as tk
+    from qerl.kernels import triton_fp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
     fp4_bytes = n * k // 2 + n * k // 16
@@ -128,7 +128,7 @@ def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: in
     """Time the fused kernel with each TileConfig (split 0 = the automatic split); (us, config), fastest first."""
     import dataclasses
 
-    from qerl.kernels import triton_nvfp4 as tk
+    from qerl.kernels import triton_fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     fp4_bytes = n * k // 2 + n * k // 16
@@ -177,7 +177,7 @@ def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int):
 def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:
     """Decode sizes: cuBLAS bf16 vs the fused tensor-core kernel vs the CUDA-core gemv kernel (default
     config, and the fastest of `candidates`), weights rotated through > 2x L2 as in `bench_shape`."""
-    from qerl.kernels import triton_nvfp4 as tk
+    from qerl.kernels import triton_fp4 as tk
 
     fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
     rows = []
@@ -224,7 +224,7 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
     M = 1) vs the Gluon swap-AB kernel with its default tile and (tiles) the fastest of `swap_candidates`."""
     from qerl.kernels import gluon_nvfp4 as gk
     from qerl.kernels import route as rt
-    from qerl.kernels import triton_nvfp4 as tk
+    from qerl.kernels import triton_fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)

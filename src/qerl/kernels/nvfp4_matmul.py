@@ -2,7 +2,7 @@
 
 The public entry for NVFP4 products. `route.route` picks the backend from (M, N, K, device, dtype) under the
 current `KernelPolicy`: the Gluon swap-AB kernels (`gluon_nvfp4`) at decode sizes, the Triton kernels
-(`triton_nvfp4`: tl.dot with W decoded in registers, the CUDA-core GEMV, or a one-pass dequantize followed by
+(`triton_fp4`: tl.dot with W decoded in registers, the CUDA-core GEMV, or a one-pass dequantize followed by
 cuBLAS) otherwise on CUDA, and on the CPU the plain-torch path, which is also the reference the kernels are
 tested against: dequantize into a temporary that lives for this call only (speed matters less there than
 staying small). Triton and Gluon are imported only when a kernel backend runs.
@@ -51,7 +51,7 @@ def _linear(backend: str, x, weight_packed, weight_scale, weight_global_scale, b
     if backend == rt.TORCH_DEQUANTIZE:
         w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-    from . import triton_nvfp4 as tk
+    from . import triton_fp4 as tk
 
     if backend == rt.TRITON_GEMV:
         return tk.nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias)
@@ -101,7 +101,7 @@ def nvfp4_linear_grad_input(
                       dtype=grad_out.dtype, unavailable=rt.unavailable())
     if backend == rt.TORCH_DEQUANTIZE:
         return grad_out @ dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
-    from . import triton_nvfp4 as tk
+    from . import triton_fp4 as tk
 
     if backend == rt.TRITON_DOT:
         return tk.nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)

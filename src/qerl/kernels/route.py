@@ -41,9 +41,9 @@ import torch
 # Backend names, as `route` returns them
 TORCH_DEQUANTIZE = "torch_dequantize"  # plain torch: dequantize W into a temporary, F.linear (reference, CPU)
 TORCH_LINEAR = "torch_linear"  # F.linear on a 16-bit weight (cuBLAS on CUDA)
-TRITON_DEQUANTIZE = "triton_dequantize"  # `triton_nvfp4.*_dequantize_triton` into a temporary, then cuBLAS
-TRITON_DOT = "triton_dot"  # `triton_nvfp4.*_linear_triton` / `*_grad_input_triton` (tl.dot, W decoded in registers)
-TRITON_GEMV = "triton_gemv"  # `triton_nvfp4.nvfp4_linear_gemv` (CUDA cores)
+TRITON_DEQUANTIZE = "triton_dequantize"  # `triton_fp4.*_dequantize_triton` into a temporary, then cuBLAS
+TRITON_DOT = "triton_dot"  # `triton_fp4.*_linear_triton` / `*_grad_input_triton` (tl.dot, W decoded in registers)
+TRITON_GEMV = "triton_gemv"  # `triton_fp4.nvfp4_linear_gemv` (CUDA cores)
 GLUON_MMA = "gluon_mma"  # `gluon_nvfp4`, mma.sync
 GLUON_WGMMA = "gluon_wgmma"  # `gluon_nvfp4` launching `gluon_nvfp4_wgmma`, x staged through registers
 GLUON_WGMMA_XP = "gluon_wgmma_xp"  # the same, x rewritten once in operand order (`permute_x_kernel`)

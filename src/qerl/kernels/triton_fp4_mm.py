@@ -1,6 +1,6 @@
 """Triton kernels: x @ W^T and dY @ W for an FP4 weight (NVFP4 or MXFP4), dequantized in registers.
 
-One tiled kernel per product; the shape picks the tile (see `triton_nvfp4.pick_config`):
+One tiled kernel per product; the shape picks the tile (see `triton_fp4.pick_config`):
   - small M (decode): BM = 16 (the smallest tensor-core tile), narrow N tiles, long K tiles and split-K so
     that every SM streams packed weights; partial sums go to a float32 buffer [S, M, N] reduced after;
   - large M (prefill, loss pass): 128 x 128 tiles, the dequantized W tile fed to bf16 tensor cores.
