@@ -5,8 +5,9 @@ pass@1 before/after, reward and entropy curves, time split and memory, as mean Â
       --test reasoning-gym:basic_arithmetic --arms nvfp4+aqn,nvfp4,bf16,bf16+aqn,nf4 --seeds 0,1,2 \\
       --steps 30 --parallel 8 --deadline-s 510 --out runs/study
 
-An arm is FORMAT[+aqn][:DECAY] (FORMAT in nvfp4, mxfp4, nf4, bf16; DECAY, only with +aqn, in exponential
-(the default), linear, cosine, logarithmic). Every (arm, seed) job uses the same data, steps and
+An arm is FORMAT[-METHOD][+aqn][:DECAY][@LR] (FORMAT in nvfp4, mxfp4, nf4, bf16; METHOD in rtn (the default),
+4over6, gptq, awq; DECAY, only with +aqn, in exponential (the default), linear, cosine, logarithmic; @LR the
+arm's own learning rate, e.g. nvfp4@5e-4). Every (arm, seed) job uses the same data, steps and
 hyper-parameters (--set section.key=value adds overrides to all of them); the same seed gives the same data
 order and LoRA initialisation in every arm.
 

@@ -23,6 +23,8 @@ from qerl.bench.study import Arm, Job, StudyError
     ("nvfp4+aqn:exponential", Arm("nvfp4", True, "exponential")),
     ("nvfp4+aqn:linear", Arm("nvfp4", True, "linear")),
     (" nf4 ", Arm("nf4", False)),
+    ("nvfp4@5e-4", Arm("nvfp4", False, lr=5e-4)),
+    ("nvfp4-gptq+aqn:linear@0.0002", Arm("nvfp4", True, "linear", "gptq", 2e-4)),
 ])
 def test_parse_arm(text, arm):
     assert study_arms.parse_arm(text) == arm
@@ -38,6 +40,9 @@ def test_arm_names_and_overrides():
     assert (arm.name, arm.slug, arm.method) == ("nvfp4-gptq+aqn", "nvfp4-gptq_aqn", "gptq")
     assert "model.quant_method=gptq" in arm.overrides()
     assert study_arms.parse_arm("nvfp4-rtn").name == "nvfp4"
+    arm = study_arms.parse_arm("nvfp4-gptq+aqn@0.0002")
+    assert (arm.name, arm.slug) == ("nvfp4-gptq+aqn@0.0002", "nvfp4-gptq_aqn_lr0.0002")
+    assert arm.overrides()[-1] == "optim.lr=0.0002" and "optim.lr" not in " ".join(study_arms.parse_arm("bf16").overrides())
 
 
 @pytest.mark.parametrize("text,match", [
@@ -47,6 +52,9 @@ def test_arm_names_and_overrides():
     ("nvfp4+noise", "expected FORMAT"),
     ("nvfp4-best", "unknown quantization method"),
     ("NVFP4", "expected FORMAT"),
+    ("nvfp4@", "expected FORMAT"),
+    ("nvfp4@2", "must be a number in"),
+    ("nvfp4@1e-4e", "must be a number in"),
     ("", "expected FORMAT"),
 ])
 def test_parse_arm_refuses(text, match):
@@ -60,6 +68,9 @@ def test_parse_arms_and_seeds():
         study.parse_arms("nvfp4+aqn,nvfp4+aqn:exponential")
     with pytest.raises(StudyError, match="no arm"):
         study.parse_arms(" , ")
+    assert [a.name for a in study.parse_arms("nvfp4@1e-4,nvfp4@5e-4")] == ["nvfp4@0.0001", "nvfp4@0.0005"]
+    with pytest.raises(StudyError, match="twice"):
+        study.parse_arms("nvfp4@1e-4,nvfp4@0.0001")
     assert study.parse_seeds("0,1,2") == [0, 1, 2]
     for bad in ("", "a", "0,0", "-1"):
         with pytest.raises(StudyError):
@@ -190,6 +201,8 @@ def test_main_refuses_bad_arguments(capsys):
     assert "optim.nonsense" in capsys.readouterr().err
     assert study.main(["--arms", "nvfp4", "--test", "missing/test.jsonl"]) == 2
     assert "--test missing/test.jsonl: no such file" in capsys.readouterr().err
+    assert study.main(["--arms", "nvfp4@1e-4", "--set", "optim.lr=1e-3"]) == 2
+    assert "both set the learning rate" in capsys.readouterr().err
 
 
 def test_mps_is_optional(monkeypatch):

@@ -3,10 +3,12 @@ pass@1 before/after, reward and entropy curves, time split and memory, aggregate
 seeds. `benchmarks/smollm2_rl.py` is the entry point; this module holds the jobs and the command, with
 arms in `study_arms`, the subprocess runner in `study_jobs`, aggregation and plots in `study_report`.
 
-An arm is FORMAT[-METHOD][+aqn][:DECAY]: FORMAT a weight format (nvfp4, mxfp4, nf4, bf16), METHOD how it is
+An arm is FORMAT[-METHOD][+aqn][:DECAY][@LR]: FORMAT a weight format (nvfp4, mxfp4, nf4, bf16), METHOD how it is
 quantized (rtn, 4over6, gptq, awq; rtn when omitted), +aqn turns Adaptive Quantization Noise on, DECAY
-(exponential, linear, cosine, logarithmic; only with +aqn) is its sigma decay, exponential when omitted ("nvfp4+aqn:exponential" is the same arm as "nvfp4+aqn"). Every (arm, seed) job
-gets the same data, steps and hyper-parameters; the same seed gives the same data order and LoRA
+(exponential, linear, cosine, logarithmic; only with +aqn) is its sigma decay, exponential when omitted
+("nvfp4+aqn:exponential" is the same arm as "nvfp4+aqn"), @LR its own learning rate (a sweep per format:
+nvfp4@1e-4,nvfp4@5e-4,bf16@1e-4,...). Every (arm, seed) job gets the same data, steps and other
+hyper-parameters; the same seed gives the same data order and LoRA
 initialisation in every arm.
 
 Each job runs in its own Python process (its own CUDA context; a 135M model leaves one GPU mostly idle, so
@@ -221,7 +223,7 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--eval-limit", type=int, default=200)
     p.add_argument("--eval-n", type=int, default=4)
     p.add_argument("--eval-temperature", type=float, default=0.6)
-    p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[+aqn][:DECAY],...")
+    p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][+aqn][:DECAY][@LR],...")
     p.add_argument("--seeds", "--seed", default="0", help="comma-separated, e.g. 0,1,2: every arm once per seed")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--set", action="append", default=[], help="section.key=value for every job")
@@ -241,6 +243,8 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
     try:
         arms, seeds = parse_arms(args.arms), parse_seeds(args.seeds)
         check_overrides(args.set)
+        if any(a.lr is not None for a in arms) and any(i.split("=", 1)[0].strip() == "optim.lr" for i in args.set):
+            raise StudyError("--set optim.lr and an arm's @LR both set the learning rate; give one or the other")
         if args.parallel < 1:
             raise StudyError(f"--parallel must be >= 1, got {args.parallel}")
         jobs = make_jobs(arms, seeds, Path(args.out))

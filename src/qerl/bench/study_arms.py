@@ -1,5 +1,6 @@
-"""A study arm, FORMAT[-METHOD][+aqn][:DECAY]: the weight format, how it is quantized, whether AQN is on,
-and its sigma decay (e.g. nvfp4, nvfp4-gptq+aqn, nvfp4+aqn:linear)."""
+"""A study arm, FORMAT[-METHOD][+aqn][:DECAY][@LR]: the weight format, how it is quantized, whether AQN is on,
+its sigma decay, and a learning rate of its own (e.g. nvfp4, nvfp4-gptq+aqn, nvfp4+aqn:linear, nvfp4@5e-4 for a
+learning-rate sweep per format; without @LR the study's optim.lr applies)."""
 
 import re
 from dataclasses import dataclass
@@ -25,31 +26,35 @@ class Arm:
     aqn: bool = False
     decay: str = DEFAULT_DECAY
     method: str = DEFAULT_METHOD
+    lr: float | None = None  # None: the study's optim.lr
 
     @property
     def name(self) -> str:
         """Canonical spelling: the default method and decay are left out."""
         return (self.format + (f"-{self.method}" if self.method != DEFAULT_METHOD else "")
-                + ("+aqn" if self.aqn else "") + (f":{self.decay}" if self.decay != DEFAULT_DECAY else ""))
+                + ("+aqn" if self.aqn else "") + (f":{self.decay}" if self.decay != DEFAULT_DECAY else "")
+                + (f"@{self.lr:g}" if self.lr is not None else ""))
 
     @property
     def slug(self) -> str:
         """The name as a directory name."""
-        return self.name.replace("+", "_").replace(":", "_")
+        return self.name.replace("+", "_").replace(":", "_").replace("@", "_lr")
 
     def overrides(self) -> list[str]:
         return [f"model.format={self.format}", f"model.quant_method={self.method}",
-                f"aqn.enabled={'true' if self.aqn else 'false'}", f"aqn.decay={self.decay}"]
+                f"aqn.enabled={'true' if self.aqn else 'false'}", f"aqn.decay={self.decay}",
+                *([f"optim.lr={self.lr:g}"] if self.lr is not None else [])]
 
 
-_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?P<aqn>\+aqn)?(?::(?P<decay>[a-z]+))?$")
+_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?P<aqn>\+aqn)?(?::(?P<decay>[a-z]+))?"
+                  r"(?:@(?P<lr>[0-9.eE+-]+))?$")
 
 
 def parse_arm(text: str) -> Arm:
     m = _ARM.match(text.strip())
     if not m:
-        raise StudyError(f"arm {text!r}: expected FORMAT[-METHOD][+aqn][:DECAY], e.g. nvfp4, nvfp4-gptq+aqn, "
-                         "nvfp4+aqn:linear")
+        raise StudyError(f"arm {text!r}: expected FORMAT[-METHOD][+aqn][:DECAY][@LR], e.g. nvfp4, nvfp4-gptq+aqn, "
+                         "nvfp4+aqn:linear, nvfp4@5e-4")
     fmt, aqn, decay, method = m["format"], bool(m["aqn"]), m["decay"], m["method"] or DEFAULT_METHOD
     if fmt not in FORMATS:
         raise StudyError(f"arm {text!r}: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -59,7 +64,15 @@ def parse_arm(text: str) -> Arm:
         raise StudyError(f"arm {text!r}: unknown AQN decay {decay!r}; choose one of {', '.join(DECAYS)}")
     if method not in METHODS:
         raise StudyError(f"arm {text!r}: unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
-    return Arm(fmt, aqn, decay or DEFAULT_DECAY, method)
+    lr = None
+    if m["lr"] is not None:
+        try:
+            lr = float(m["lr"])
+        except ValueError:
+            lr = -1.0
+        if not (0 < lr < 1):
+            raise StudyError(f"arm {text!r}: learning rate {m['lr']!r} must be a number in (0, 1), e.g. 5e-4")
+    return Arm(fmt, aqn, decay or DEFAULT_DECAY, method, lr)
 
 
 def parse_arms(text: str) -> list[Arm]:
