@@ -236,3 +236,18 @@ def test_an_awq_directory_reloads_with_its_channel_scales_so_aqn_draws_the_same_
     save_file({"model.layers.0.input_layernorm": torch.zeros(3)}, tmp_path / "q" / CHANNEL_SCALES_FILE)
     with pytest.raises(ModelLoadError, match="awq_channel_scales.*finite positive"):
         load_causal_lm(tmp_path / "q")
+
+
+def test_self_source_generates_in_float32_on_the_cpu_and_leaves_the_model_as_it_was(tmp_path):
+    from qerl.models.calibrate import greedy_answers
+
+    model, tok = tiny_model("llama", dtype=torch.bfloat16), tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    rows = [{"question": f"{a}+{a}=?", "answer": str(2 * a)} for a in range(3)]
+    answers = greedy_answers(model, tok, rows, max_new_tokens=4)
+    hook.remove()
+    assert len(answers) == 3 and set(seen) == {torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.model.embed_tokens.weight or not model.config.tie_word_embeddings

@@ -201,8 +201,14 @@ TOKENS_PER_PROBLEM = 40  # a lower bound with a chat template: problems to draw 
 @torch.no_grad()
 def greedy_answers(model: nn.Module, tokenizer, rows: list[dict], max_new_tokens: int = 128,
                    batch_size: int = 32) -> list[str]:
-    """The (16-bit) model's own greedy completions of the rows' prompts, as calibration answers."""
+    """The (16-bit) model's own greedy completions of the rows' prompts, as calibration answers; on the CPU
+    generated in float32 (the model gets its dtypes back after)."""
     device = next(p.device for p in model.parameters() if not p.is_meta)
+    with computing_in(model, calibration_compute_dtype(device)):
+        return _greedy_answers(model, tokenizer, rows, max_new_tokens, batch_size, device)
+
+
+def _greedy_answers(model, tokenizer, rows, max_new_tokens, batch_size, device) -> list[str]:
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     pad_token = tokenizer.pad_token
     if pad_token is None:  # batching needs one; EOS is masked out by the attention mask anyway
