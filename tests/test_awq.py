@@ -9,7 +9,7 @@ import torch
 
 from qerl.formats import get_format
 from qerl.nn.noisy_norm import CHANNEL_SCALE, NoisyNorms, find_noisy_norms
-from qerl.quant.awq import ACT_FLOOR, apply_awq, awq_search, channel_scales, fold, set_channel_scales
+from qerl.quant.awq import ACT_FLOOR, GROUPS, apply_awq, awq_search, channel_scales, fold, set_channel_scales
 
 from tiny import tiny_model
 
@@ -403,3 +403,60 @@ def test_a_norm_folded_twice_carries_the_product():
     fold(layer.input_layernorm, consumers, s2)
     torch.testing.assert_close(getattr(layer.input_layernorm, CHANNEL_SCALE), s1 * s2)
     torch.testing.assert_close(layer.input_layernorm.weight, w0 / (s1 * s2))
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"num_key_value_heads": 4}), ("qwen2", {"num_key_value_heads": 4}),
+                                            ("llama", {})])
+def test_adapter_of_an_awq_base_is_written_for_the_unfolded_model(tmp_path, arch, overrides):
+    """The adapter qerl writes for a model AWQ-folded in-process loads with real peft onto the unfolded
+    (dequantized) base and gives the folded model's outputs; loading it back folds it again; a checkpoint
+    (original_base=False) keeps the weights as trained."""
+    from peft import PeftModel
+
+    from qerl.models import load_adapter, lora_parameters, quant_layers, quantize_model, save_adapter
+    from qerl.nn import LoraConfig
+    from qerl.quant.awq import FOLDED_SCALES
+
+    base = outlier_model(arch, dtype=torch.float32, **overrides)
+    ids = token_ids(shape=(4, 32))
+    lora = LoraConfig(r=4, alpha=8)
+    folded = quantize_model(copy.deepcopy(base), "nvfp4", lora, method="awq", calibration=ids)
+    scales = getattr(folded, FOLDED_SCALES)
+    assert any(p.endswith("mlp.up_proj") for p in scales)  # a linear producer is folded too
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in lora_parameters(folded).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        ours = folded(ids).logits
+    save_adapter(folded, tmp_path / "original")
+    save_adapter(folded, tmp_path / "as_trained", original_base=False)
+
+    # the unfolded base: the folded quantized weights, dequantized, with every fold undone
+    dense = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, layer in quant_layers(folded).items():
+            dense.get_submodule(name).weight.copy_(layer.dequantized_weight())
+            if layer.bias is not None:
+                dense.get_submodule(name).bias.copy_(layer.bias)
+        for name, module in folded.named_modules():
+            if name.endswith("layernorm"):
+                dense.get_submodule(name).weight.copy_(module.weight)
+        for path, s in scales.items():
+            producer = dense.get_submodule(path)
+            prefix, consumers = next((path[: -len(p)], c) for p, c in GROUPS if path.endswith(p))
+            fold(producer, [dense.get_submodule(prefix + c) for c in consumers], 1.0 / s)
+    peft_model = PeftModel.from_pretrained(dense, tmp_path / "original").eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+    again = quantize_model(copy.deepcopy(base), "nvfp4", method="awq", calibration=ids)
+    load_adapter(again, tmp_path / "original")
+    for k, p in lora_parameters(again).items():
+        torch.testing.assert_close(p, lora_parameters(folded)[k], rtol=1e-6, atol=0)
+    from safetensors.torch import load_file
+
+    raw = load_file(tmp_path / "as_trained" / "adapter_model.safetensors")
+    assert all(torch.equal(raw["base_model.model." + k], p) for k, p in lora_parameters(folded).items())
+    exported = load_file(tmp_path / "original" / "adapter_model.safetensors")
+    assert any(not torch.equal(exported["base_model.model." + k], p) for k, p in lora_parameters(folded).items())

@@ -2,6 +2,11 @@
 
 Keys are PEFT's: `base_model.model.<module path>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
 so `peft.PeftModel.from_pretrained(dense_base, dir)` reproduces qerl's outputs on the dequantized base.
+
+A model quantized with AWQ in this process (`quantize_model(method="awq")`, `qerl train` with
+`model.quant_method: awq`) carries its folded scales; by default its adapters are written for, and read
+as adapters of, the original unfolded model, which is what `base_model_name_or_path` names
+(`qerl.quant.awq.lora_between_bases`). Training checkpoints keep them as trained (`original_base=False`).
 """
 
 import dataclasses
@@ -13,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..nn import LoraConfig
+from ..quant.awq import FOLDED_SCALES, lora_between_bases
 from .atomic import atomic_directory
 from .convert import add_lora, lora_parameters, quant_layers
 
@@ -33,12 +39,18 @@ def lora_config_of(model: nn.Module) -> LoraConfig:
     return dataclasses.replace(cfg, targets=targets)
 
 
-def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
-    """Write the model's LoRA weights as a PEFT adapter directory (atomic)."""
+def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = None, overwrite: bool = False,
+                 original_base: bool = True) -> Path:
+    """Write the model's LoRA weights as a PEFT adapter directory (atomic). original_base: for a model
+    AWQ-folded in this process, write the adapter of the unfolded model (False: as trained)."""
     from peft import LoraConfig as PeftLoraConfig
 
     cfg = lora_config_of(model)
-    weights = {PEFT_PREFIX + k: v.detach().float().contiguous().cpu() for k, v in lora_parameters(model).items()}
+    lora = {k: v.detach() for k, v in lora_parameters(model).items()}
+    scales = getattr(model, FOLDED_SCALES, None)
+    if original_base and scales:
+        lora = lora_between_bases(lora, scales, to_original=True)
+    weights = {PEFT_PREFIX + k: v.float().contiguous().cpu() for k, v in lora.items()}
     peft_cfg = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, use_rslora=cfg.use_rslora,
         target_modules=list(cfg.targets), bias="none", task_type="CAUSAL_LM",
@@ -50,8 +62,9 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
     return Path(out).expanduser().resolve()
 
 
-def load_adapter(model: nn.Module, directory) -> LoraConfig:
-    """Attach (replacing any present) the PEFT adapter in `directory` to a quantized model."""
+def load_adapter(model: nn.Module, directory, original_base: bool = True) -> LoraConfig:
+    """Attach (replacing any present) the PEFT adapter in `directory` to a quantized model. original_base:
+    for a model AWQ-folded in this process, the adapter is one of the unfolded model (False: of this one)."""
     directory = Path(directory)
     cfg_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for f in (cfg_file, weights_file):
@@ -81,9 +94,14 @@ def load_adapter(model: nn.Module, directory) -> LoraConfig:
             f"{len(missing)} LoRA weights missing (e.g. {sorted(missing)[:2]}), "
             f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})"
         )
+    weights = {k[len(PEFT_PREFIX):]: w for k, w in weights.items()}
+    scales = getattr(model, FOLDED_SCALES, None)
+    if original_base and scales:
+        shapes_fit = all(weights[k].shape == p.shape for k, p in params.items())
+        weights = lora_between_bases(weights, scales, to_original=False) if shapes_fit else weights
     with torch.no_grad():
         for name, p in params.items():
-            w = weights[PEFT_PREFIX + name]
+            w = weights[name]
             if w.shape != p.shape:
                 raise AdapterError(f"{weights_file}: {name} has shape {tuple(w.shape)}, the model needs {tuple(p.shape)} "
                                    "(an adapter for a different base model or rank)")

@@ -17,7 +17,7 @@ from ..formats import get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from ..nn.quant_embedding import check_embedding_shape
 from ..quant import CALIBRATED, check_method
-from ..quant.awq import apply_awq
+from ..quant.awq import FOLDED_SCALES, apply_awq
 from .calibrate import (awq_fake_quant, calibration_compute_dtype, capture_layer_inputs, computing_in, layer_output,
                         layer_statistics, method_quantizer, sibling_groups)
 from .precision import names_under, resolve_keep_bf16
@@ -204,6 +204,8 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
             progress.advance(task)
     for name, p in model.named_parameters():  # embeddings, norms, lm_head: frozen as in the rtn path
         p.requires_grad_(".lora_" in name)
+    if awq_scales:  # adapters of this model are saved / loaded as adapters of the unfolded model
+        setattr(model, FOLDED_SCALES, awq_scales)
     return {"tokens": ids.numel(), "awq_scales": awq_scales}
 
 

@@ -14,7 +14,8 @@ The 1/s is folded into whatever produces x, so nothing is added at run time:
                                          v's output channel j is o's input channel j
 A norm folded this way carries s in a non-persistent buffer (`CHANNEL_SCALE`), which AQN reads so its
 noise stays the noise of the unfolded norm (`qerl.nn.noisy_norm`). Checkpoints keep the folded weights; the
-buffer travels beside them through `channel_scales` / `set_channel_scales`.
+buffer travels beside them through `channel_scales` / `set_channel_scales`. LoRA adapters trained on the
+folded layers convert to and from adapters of the unfolded model with `lora_between_bases`.
 
 Norms must compute x * weight (Llama / Qwen2 / Qwen3 / Mistral RMSNorm), not x * (1 + weight).
 """
@@ -252,3 +253,39 @@ def set_channel_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> Non
             raise ValueError(f"AWQ channel scale for {path!r}: need {tuple(w.shape)} finite positive values, "
                              f"got {tuple(s.shape)}")
         module.register_buffer(CHANNEL_SCALE, s.float().to(w.device).clone(), persistent=False)
+
+
+# ------------------------------------------------------------------------------------- LoRA adapters
+
+
+FOLDED_SCALES = "qerl_awq_scales"  # model attribute: {producer path: s fp32 [K]} of folds made in this process
+
+
+def lora_between_bases(lora: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], to_original: bool
+                       ) -> dict[str, torch.Tensor]:
+    """LoRA weights trained on an AWQ-folded base <-> the same adapter for the unfolded (original) model.
+
+    lora: {"<module path>.lora_A.weight": A [r, K], "<module path>.lora_B.weight": B [N, r]} (fp32 copies
+    are returned, the input is not changed); scales: {producer path: s [K]} as `apply_awq` returns them,
+    with the layer prefix (e.g. "model.layers.3.input_layernorm"). A consumer of a fold reads x / s on the
+    folded base, so its A becomes A / s to read x (A * s the other way); a linear producer's output is
+    divided by s there, so its B becomes s * B (B / s). Exact up to one fp32 rounding per element."""
+    out = {k: v.detach().float().clone() for k, v in lora.items()}
+    for path, s in scales.items():
+        s = s.detach().float()
+        for producer, consumers in GROUPS:
+            if not path.endswith(producer):
+                continue
+            prefix = path[: len(path) - len(producer)]
+            for consumer in consumers:
+                key = f"{prefix}{consumer}.lora_A.weight"
+                if key in out:
+                    a = out[key]
+                    out[key] = a / s.to(a.device) if to_original else a * s.to(a.device)
+            key = f"{path}.lora_B.weight"
+            if key in out:  # a linear producer (v_proj, up_proj) with its own adapter
+                b = out[key]
+                out[key] = b * s.to(b.device).unsqueeze(1) if to_original else b / s.to(b.device).unsqueeze(1)
+            break
+    return out
+

@@ -41,7 +41,7 @@ def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, keep_l
     """Write checkpoints/step-NNNNNN (or checkpoints/<name>) atomically; prune to the last keep_last steps."""
     out = run_dir / "checkpoints" / (name or f"step-{step:06d}")
     with atomic_directory(out, overwrite=True) as tmp:
-        save_adapter(model, tmp / "adapter")
+        save_adapter(model, tmp / "adapter", original_base=False)  # as trained: resume reloads it as is
         torch.save({"format_version": FORMAT_VERSION, "qerl_version": __version__, "torch_version": torch.__version__,
                     "step": step, **trainer_state}, tmp / "trainer_state.pt")
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:

@@ -316,7 +316,7 @@ class Trainer:
         if state is None:
             raise ValueError(f"{self.run_dir}: no readable checkpoint to resume from")
         check_same_run(state["config"], to_dict(self.cfg), checkpoint)
-        load_adapter(self.model, checkpoint / "adapter")
+        load_adapter(self.model, checkpoint / "adapter", original_base=False)
         self.params = list(lora_parameters(self.model).values())  # load_adapter attached fresh parameters
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
         self.optimizer.load_state_dict(state["optimizer"])
