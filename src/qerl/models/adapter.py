@@ -95,15 +95,14 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
             f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})"
         )
     weights = {k[len(PEFT_PREFIX):]: w for k, w in weights.items()}
+    for name, p in params.items():
+        if weights[name].shape != p.shape:
+            raise AdapterError(f"{weights_file}: {name} has shape {tuple(weights[name].shape)}, the model needs "
+                               f"{tuple(p.shape)} (an adapter for a different base model or rank)")
     scales = getattr(model, FOLDED_SCALES, None)
     if original_base and scales:
-        shapes_fit = all(weights[k].shape == p.shape for k, p in params.items())
-        weights = lora_between_bases(weights, scales, to_original=False) if shapes_fit else weights
+        weights = lora_between_bases(weights, scales, to_original=False)
     with torch.no_grad():
         for name, p in params.items():
-            w = weights[name]
-            if w.shape != p.shape:
-                raise AdapterError(f"{weights_file}: {name} has shape {tuple(w.shape)}, the model needs {tuple(p.shape)} "
-                                   "(an adapter for a different base model or rank)")
-            p.copy_(w)
+            p.copy_(weights[name])
     return cfg

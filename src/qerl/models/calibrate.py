@@ -74,7 +74,7 @@ def method_quantizer(module: nn.Module, fmt: str, method: str, targets=DEFAULT_T
 
 
 def calibration_compute_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype the layer-by-layer passes compute in: float32 on the CPU, where bf16 matmuls are ~100x
+    """The dtype the layer-by-layer passes compute in: float32 on the CPU, where bf16 matmuls are far
     slower (`qerl.models.sources.compute_dtype`); None (the model's own) on a GPU."""
     return torch.float32 if device.type == "cpu" else None
 

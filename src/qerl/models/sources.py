@@ -37,8 +37,8 @@ def resolve_dtype(dtype) -> torch.dtype:
 
 def compute_dtype(dtype, device) -> torch.dtype:
     """The dtype to compute in on `device`: "auto" is bf16 on a GPU and float32 on the CPU, where bf16 matmuls
-    without AMX/AVX512-BF16 run ~100x slower than float32 (2048x576 @ 576x1536 on 2 AVX2 cores: 2.9 s vs
-    0.023 s, torch 2.13); any other name as `resolve_dtype`."""
+    without AMX / AVX512-BF16 run far slower than float32 (compare with `model.dtype=bf16`); any other name
+    as `resolve_dtype`."""
     if dtype in (None, "auto"):
         return torch.bfloat16 if torch.device(device or "cpu").type == "cuda" else torch.float32
     return resolve_dtype(dtype)

@@ -30,8 +30,8 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01) -> torch.T
 
     Without forming H^-1: with J the index reversal, J H J = L L^T gives H = R R^T for the upper
     triangular R = J L J, so H^-1 = R^-T R^-1 and U = R^-1 (unique: positive diagonal). One Cholesky and
-    one triangular solve instead of Cholesky, LAPACK's cholesky_inverse and a second Cholesky; the
-    cholesky_inverse alone took 0.1 s on one CPU thread and 4-11 s on two busy cores at K = 1536."""
+    one triangular solve instead of Cholesky, LAPACK's cholesky_inverse and a second Cholesky (and
+    cholesky_inverse can stall for seconds when its threads share busy CPU cores)."""
     h = hessian.detach().double().clone()
     if not torch.isfinite(h).all():
         raise HessianError("calibration Hessian has non-finite entries")
