@@ -113,11 +113,77 @@ def test_bad_rows_are_skipped_counted_and_named(tmp_path, caplog):
         b'{not json',
         b'[1, 2]',                                      # not an object
     ])
-    rows = load_problems(jl)
+    rows = load_problems(jl, max_bad_fraction=1.0)  # 1.0: skip and warn, never refuse
     assert rows == [{"question": "ok?", "answer": "1"}]
-    assert "skipped 7 of 7 rows" not in caplog.text and "skipped 7" in caplog.text
+    # the total counts the two unparseable lines too (they never became records)
+    assert "skipped 7 of 8 rows" in caplog.text
     for needle in ("line 6: not UTF-8", "line 7: invalid JSON", "row 1: 'question'", "row 2: 'answer' is missing"):
         assert needle in caplog.text, needle
+
+
+def _mixed_jsonl(path, n_good, n_unparseable, n_invalid):
+    """n_good usable rows, n_unparseable lines that are not JSON, n_invalid rows with an empty question."""
+    lines = [json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}).encode() for i in range(n_good)]
+    lines += [b"{broken"] * n_unparseable + [b'{"question": "", "answer": "1"}'] * n_invalid
+    return _write_jsonl(path, lines)
+
+
+def test_bad_row_count_includes_unparseable_lines(tmp_path, caplog):
+    # the old message divided by the parsed records only: "skipped 2 of 1 rows"
+    jl = _mixed_jsonl(tmp_path / "m.jsonl", n_good=1, n_unparseable=2, n_invalid=0)
+    with pytest.raises(DatasetError, match=r"m\.jsonl: 2 of 3 rows are bad, more than max_bad_fraction=0\.1; "
+                                           r"first: line 2: invalid JSON .*; line 3: invalid JSON"):
+        load_problems(jl)
+    assert len(load_problems(jl, max_bad_fraction=1.0)) == 1
+    assert "skipped 2 of 3 rows" in caplog.text
+
+
+def test_too_many_bad_rows_refuse_the_source(tmp_path, caplog):
+    # 2 bad of 19 (10.5%) is over the default 10%; 1 unparseable + 1 invalid so both kinds count
+    over = _mixed_jsonl(tmp_path / "over.jsonl", n_good=17, n_unparseable=1, n_invalid=1)
+    with pytest.raises(DatasetError, match=r"over\.jsonl: 2 of 19 rows are bad") as err:
+        load_problems(over)
+    assert "\n" not in str(err.value) and "line 18: invalid JSON" in str(err.value) and "row 17" in str(err.value)
+    # the share is of the whole file, whatever `limit` keeps
+    with pytest.raises(DatasetError, match="2 of 19 rows are bad"):
+        load_problems(over, limit=5)
+    assert len(load_problems(over, max_bad_fraction=0.2)) == 17
+    # below the share: skipped with the warning
+    caplog.clear()
+    under = _mixed_jsonl(tmp_path / "under.jsonl", n_good=19, n_unparseable=1, n_invalid=0)
+    assert len(load_problems(under)) == 19
+    assert "under.jsonl: skipped 1 of 20 rows; first: line 20: invalid JSON" in caplog.text
+    # max_bad_fraction=0: any bad row refuses; a clean file still loads
+    with pytest.raises(DatasetError, match="1 of 20 rows are bad, more than max_bad_fraction=0;"):
+        load_problems(under, max_bad_fraction=0)
+    assert len(load_problems(_mixed_jsonl(tmp_path / "clean.jsonl", 3, 0, 0), max_bad_fraction=0)) == 3
+    for wrong in (-0.1, 1.5, float("nan")):
+        with pytest.raises(DatasetError, match="max_bad_fraction must be in"):
+            load_problems(under, max_bad_fraction=wrong)
+
+
+@pytest.mark.parametrize("n_good,n_bad,fraction", [(9, 1, 0.1), (18, 2, 0.1), (27, 63, 0.7)])
+def test_exactly_the_allowed_share_of_bad_rows_is_accepted(tmp_path, caplog, n_good, n_bad, fraction):
+    # bad / total == fraction is allowed; 63 of 90 at 0.7 also catches a bad > fraction * total check,
+    # since 0.7 * 90 is 62.99999999999999 in floats
+    jl = _mixed_jsonl(tmp_path / "edge.jsonl", n_good=n_good, n_unparseable=n_bad, n_invalid=0)
+    assert len(load_problems(jl, max_bad_fraction=fraction)) == n_good
+    assert f"skipped {n_bad} of {n_good + n_bad} rows" in caplog.text
+    # one more bad row is over it
+    jl = _mixed_jsonl(tmp_path / "edge1.jsonl", n_good=n_good, n_unparseable=n_bad, n_invalid=1)
+    with pytest.raises(DatasetError, match=f"{n_bad + 1} of {n_good + n_bad + 1} rows are bad"):
+        load_problems(jl, max_bad_fraction=fraction)
+
+
+def test_the_bad_share_applies_to_hub_sources_too(monkeypatch):
+    # normalize_rows is shared by every source: a hub dataset with mostly empty answers is refused too
+    from qerl.data import datasets
+
+    raw = [{"problem": "p", "answer": "1"}] + [{"problem": "p", "answer": ""}] * 2
+    monkeypatch.setattr(datasets, "load_hub", lambda source, split: raw)
+    with pytest.raises(DatasetError, match="bigmath: 2 of 3 rows are bad"):
+        load_problems("bigmath")
+    assert load_problems("bigmath", max_bad_fraction=1.0) == [{"question": "p", "answer": "1"}]
 
 
 def test_empty_and_unreadable_files(tmp_path):
@@ -170,3 +236,23 @@ def test_filter_by_length(smollm2_tokenizer, caplog):
     assert kept == rows[:1] and "dropped 1 of 2 problems" in caplog.text
     with pytest.raises(DatasetError, match="every one of the 2 prompts"):
         filter_by_length(rows, smollm2_tokenizer, max_prompt_tokens=5)
+
+
+def test_training_refuses_a_mostly_malformed_file_unless_data_max_bad_fraction_allows(tiny_dir, tmp_path,
+                                                                                    monkeypatch):
+    from qerl.config import load_config
+    from qerl.rl.trainer import Trainer
+
+    class ModelLoad(Exception):
+        pass
+
+    def no_model(*args, **kwargs):  # reached only when the data was accepted
+        raise ModelLoad
+
+    monkeypatch.setattr("qerl.rl.trainer.build_policy", no_model)
+    data = _mixed_jsonl(tmp_path / "train.jsonl", n_good=3, n_unparseable=1, n_invalid=0)  # 25% bad
+    base = [f"model.name={tiny_dir}", f"data.train={data}", f"output_dir={tmp_path / 'run'}", "tensorboard=false"]
+    with pytest.raises(DatasetError, match="train.jsonl: 1 of 4 rows are bad, more than max_bad_fraction=0.1"):
+        Trainer(load_config(None, base))
+    with pytest.raises(ModelLoad):
+        Trainer(load_config(None, [*base, "data.max_bad_fraction=0.25"]))

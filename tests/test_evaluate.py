@@ -51,15 +51,29 @@ def test_run_eval_command(tmp_path, monkeypatch, capsys):
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    # one malformed line in four is over the default share of bad rows; --max-bad-fraction lets it through
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + "{not json\n")
     args = add_eval_arguments(argparse.ArgumentParser()).parse_args(
         [str(tmp_path / "m"), "--dataset", str(data), "--n", "2", "--max-new-tokens", "5", "--format", "nvfp4",
-         "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path / "res.jsonl")])
+         "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path / "res.jsonl"), "--max-bad-fraction", "0.25"])
     assert run_eval(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["n_problems"] == 3 and summary["n_samples"] == 2 and 0 <= summary["pass@1"] <= 1
     lines = [json.loads(x) for x in (tmp_path / "res.jsonl").read_text().splitlines()]
     assert len(lines) == 3 and all(len(x["completions"]) == 2 for x in lines)
+
+
+def test_qerl_eval_refuses_a_mostly_malformed_dataset(tmp_path, capsys):
+    """Before: "skipped 2 of 1 rows", then an evaluation of the one row left and exit 0."""
+    from qerl.cli import main
+
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps(ROWS[0]) + "\n{broken\n[1,\n")
+    # the data is checked before the model loads: no model is needed to see the refusal
+    assert main(["eval", str(tmp_path / "no-model"), "--dataset", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and f"{data}: 2 of 3 rows are bad, more than max_bad_fraction=0.1" in " ".join(err.split())
+    assert "line 2: invalid JSON" in err and "no-model" not in err
 
 
 def test_evaluate_rejects_no_rows():

@@ -35,9 +35,13 @@ def _encode(row):
     return row["question"], tok(row["question"]).input_ids
 
 
-def _collect(engine, rows, **kw):
+def broken_reward(prompts, completions, **columns):
+    raise KeyError("solution")
+
+
+def _collect(engine, rows, reward=kind_reward, **kw):
     stream = PromptStream(rows, seed=0)
-    runner = RewardRunner([kind_reward], timeout_s=30, isolation="inline")
+    runner = RewardRunner([reward], timeout_s=30, isolation="inline")
     gen = torch.Generator().manual_seed(0)
     settings = CollectSettings(**{"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 12,
                                   "sampling": SamplingParams(1.0), **kw})
@@ -59,8 +63,14 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_refills(engine):
 
 def test_dynamic_sampling_without_any_signal_says_so(engine):
     rows = [{"question": f"q{i}", "answer": "1", "kind": "easy"} for i in range(4)]
-    with pytest.raises(NoSignalError, match="no group with mixed rewards"):
+    with pytest.raises(NoSignalError, match="no group with mixed rewards in 6 prompts: the task is too easy"):
         _collect(engine, rows, dynamic_sampling=True, max_refills=2)
+
+
+def test_dynamic_sampling_blames_a_reward_that_failed_on_every_row_not_the_task(engine):
+    rows = [{"question": f"q{i}", "answer": "1", "kind": "mixed"} for i in range(4)]
+    with pytest.raises(NoSignalError, match=r"reward broken_reward failed on every row \(raised KeyError: 'solution"):
+        _collect(engine, rows, reward=broken_reward, dynamic_sampling=True, max_refills=1)
 
 
 def test_without_dynamic_sampling_flat_groups_get_zero_advantage(engine):

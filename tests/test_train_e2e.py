@@ -148,7 +148,22 @@ def _deterministic(rows):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
-def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, data_file, tmp_path):
+# A checkpoint after every step; dropout draws RNG. The runs are compared metric for metric, so no outcome may
+# depend on the wall clock: a reward worker's first call imports its module (tiny: torch + transformers, ~2 s
+# idle, far more on a loaded machine) inside the reward time limit, and one run timing out where another did
+# not changes its rewards. The limit here only has to stop a hung test.
+KILL_RUN = {"save_every": 1, "steps": 5, "lora.dropout": 0.1, "reward_timeout_s": 600}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_dir, data_file, tmp_path_factory):
+    """The run every interrupted-and-resumed one must reproduce; read-only (tests copy from it)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    assert main(["train", *_overrides(tiny_dir, data_file, out, **KILL_RUN)]) == 0
+    return out
+
+
+def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, data_file, tmp_path, uninterrupted):
     import os
     import signal
     import subprocess
@@ -156,22 +171,73 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, data_file
     import time
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    common = {"save_every": 1, "steps": 5, "lora.dropout": 0.1}
-    reference = tmp_path / "ref"
-    assert main(["train", *_overrides(tiny_dir, data_file, reference, **common)]) == 0
-
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", *_overrides(tiny_dir, data_file, out, **common)],
+    proc = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", *_overrides(tiny_dir, data_file, out, **KILL_RUN)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+    while True:
+        # whether it had ended is read before the file: a run that finishes (steps take milliseconds, so a
+        # stalled test process can miss them all) between the two reads is then seen with all its lines
+        ended = proc.poll() is not None
+        if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 3:
+            break
+        assert not ended, proc.communicate()[1][-3000:]
         assert time.time() < deadline
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # no handler runs: mid-step, maybe mid-checkpoint
+    os.kill(proc.pid, signal.SIGKILL)  # no handler runs: mid-step, maybe mid-checkpoint (or after the end)
     proc.wait()
-    assert main(["train", *_overrides(tiny_dir, data_file, out, **common), "--resume"]) == 0
-    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(reference / "metrics.jsonl"))
+    assert main(["train", *_overrides(tiny_dir, data_file, out, **KILL_RUN), "--resume"]) == 0
+    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(uninterrupted / "metrics.jsonl"))
+
+
+def _metric_lines(run: Path) -> list[str]:
+    return (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+
+
+def test_killed_before_the_first_checkpoint_resume_starts_again(tiny_dir, data_file, tmp_path, uninterrupted, capsys):
+    # what a kill while the first checkpoint is being written leaves (or any kill before the end with
+    # save_every 0): a metrics line, a hidden partial checkpoint, no complete one. Before, --resume said "no
+    # complete checkpoint" and a new run "already holds a run": the directory was stuck.
+    out = tmp_path / "run"
+    (out / "checkpoints" / ".step-000001.tmp-k9" / "adapter").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text(_metric_lines(uninterrupted)[0])
+    assert main(["train", *_overrides(tiny_dir, data_file, out, **KILL_RUN), "--resume"]) == 0
+    assert "no complete checkpoint yet: starting again from step 0" in " ".join(capsys.readouterr().err.split())
+    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(uninterrupted / "metrics.jsonl"))
+    # a directory that never held a run is still an error: a mistyped output_dir is not silently started
+    assert main(["train", *_overrides(tiny_dir, data_file, tmp_path / "typo", **KILL_RUN), "--resume"]) == 2
+    assert "no complete checkpoint to resume from" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_metrics_line_cut_by_a_kill_is_redone_on_resume(tiny_dir, data_file, tmp_path, uninterrupted):
+    # a kill (or a full disk) in the middle of appending step 5's line leaves half of it, no newline; the
+    # resume from step 4's checkpoint used to fail parsing it ("Expecting property name ...")
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted / "checkpoints" / "step-000004", out / "checkpoints" / "step-000004")
+    lines = _metric_lines(uninterrupted)
+    (out / "metrics.jsonl").write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])
+    assert main(["train", *_overrides(tiny_dir, data_file, out, **KILL_RUN), "--resume"]) == 0
+    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(uninterrupted / "metrics.jsonl"))
+
+
+def test_truncate_metrics_drops_later_steps_and_an_unfinished_line(tmp_path):
+    from qerl.rl.run_log import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    truncate_metrics(path, 3)  # no file yet: nothing to do
+    assert not path.exists()
+    path.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3}\n{"st')
+    truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    path.write_text('{"step": 1, "re')  # not even the first line finished
+    truncate_metrics(path, 2)
+    assert path.read_text() == ""
+    # a finished line that is not JSON is not a kill's doing: named, not dropped
+    path.write_text('{"step": 1}\ngarbage\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
+        truncate_metrics(path, 2)
 
 
 def test_non_finite_steps_are_skipped_counted_then_abort(tiny_dir, data_file, tmp_path):

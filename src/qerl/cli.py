@@ -1,4 +1,4 @@
-"""`qerl` command line: quantize a model, run benchmarks (train / eval come with the RL issues)."""
+"""`qerl` command line: quantize a model, RL-train a LoRA adapter on it, evaluate, run benchmarks."""
 
 import argparse
 import json

@@ -91,6 +91,7 @@ class DataSection:
     limit: int | None = None  # use only the first N problems
     question_key: str | None = None  # column holding the question, when not a usual name
     answer_key: str | None = None  # column holding the reference answer, when not a usual name
+    max_bad_fraction: float = 0.1  # refuse the source when more than this share of its rows is malformed
     # answer-format instruction after the question: gsm8k | boxed | none | literal text (qerl.data.templates);
     # paper: gsm8k (GSM8K), boxed (BigMath)
     suffix: str = "gsm8k"
@@ -185,6 +186,9 @@ class TrainConfig:
     rewards: list[str] = field(default_factory=lambda: ["math"])  # built-in names or package.module:function
     reward_weights: list[float] | None = None  # one per reward, summed; null = all 1
     reward_timeout_s: float = 10.0  # per reward function and batch, seconds; past it the rows are unscored (counted)
+    # stop the run (a checkpoint is written first) after this many steps in a row in which one reward function
+    # failed on every row (raised, timed out or returned no valid number): its weight has silently become zero
+    max_reward_failure_steps: int = 3
     # length and randomness
     steps: int = 20  # training steps (one rollout batch each); paper: 200 (GSM8K), 500 (BigMath)
     seed: int = 0  # data order, LoRA initialisation, sampling and AQN noise
@@ -208,7 +212,7 @@ _CHOICES = {
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_updates",
              "optim.micro_batch_size", "optim.lr", "steps", "data.max_prompt_tokens", "reward_timeout_s",
-             "aqn.num_stages", "optim.max_bad_steps", "model.calibration.samples",
+             "aqn.num_stages", "optim.max_bad_steps", "max_reward_failure_steps", "model.calibration.samples",
              "model.calibration.max_tokens")
 _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_low", "algo.clip_high",
                  "rollout.temperature", "rollout.top_k", "optim.weight_decay", "optim.warmup_steps",

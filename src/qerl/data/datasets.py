@@ -14,8 +14,11 @@ Sources (`load_problems(source, ...)`):
                          parquet needs pyarrow)
 
 Rows keep the source's order (no shuffling; `limit` takes the first N). A row whose question is not a
-non-empty string or whose answer is not a string/number is skipped, counted and reported (warning
-naming the first rows); wrong column names, unreadable files and an empty result are errors.
+non-empty string or whose answer is not a string/number, and a line of a .jsonl file that is not UTF-8 JSON,
+is skipped, counted and reported (warning naming the first rows); when more than `max_bad_fraction` (default
+0.1) of all rows are bad the source is refused instead: so many usually means the wrong file or columns, and
+training or evaluating on the remainder would quietly measure something else. Wrong column names,
+unreadable files and an empty result are errors.
 """
 
 import json
@@ -30,6 +33,7 @@ QUESTION_KEYS = ("question", "problem", "prompt", "query", "input")
 ANSWER_KEYS = ("answer", "final_answer", "ground_truth", "solution", "target", "output")
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "bigmath": ("SynthLabsAI/Big-Math-RL-Verified", None)}
 GYM_TEST_SEED_OFFSET = 1_000_003
+MAX_BAD_FRACTION = 0.1  # default share of bad rows above which a source is refused
 DEFAULT_GYM_SIZE = 2000
 # Task configs chosen so SmolLM2-135M-Instruct solves a fraction of the problems: an RL signal needs
 # groups that are neither all right nor all wrong. Measured pass@1 (bf16, T 0.6, top-p 0.95, GSM8K suffix,
@@ -63,14 +67,22 @@ def _pick_key(columns, requested: str | None, candidates: tuple[str, ...], what:
                        f"{sorted(columns)}; pass {what}_key=")
 
 
+def _check_fraction(max_bad_fraction: float) -> None:
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise DatasetError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
+
+
 def normalize_rows(raw: list, where: str, question_key: str | None = None, answer_key: str | None = None,
-                   skipped: list[str] | None = None) -> list[dict]:
+                   skipped: list[str] | None = None, max_bad_fraction: float = MAX_BAD_FRACTION) -> list[dict]:
     """Raw records -> rows {"question", "answer", **rest}; bad rows are skipped and reported.
 
     raw: list of dicts (anything else in it is a bad row); where: the source name for messages;
-    skipped: problems already found while reading (e.g. unparseable lines), reported together.
+    skipped: problems already found while reading (e.g. unparseable lines), reported together; those rows
+    are not in `raw` but count towards the total. More than max_bad_fraction of the total bad: refused.
     """
+    _check_fraction(max_bad_fraction)
     skipped = list(skipped or [])
+    total = len(raw) + len(skipped)
     dicts = [r for r in raw if isinstance(r, dict)]
     if not dicts:
         raise DatasetError(f"{where}: no records" + (f" ({len(skipped)} unreadable: {skipped[0]})" if skipped else ""))
@@ -91,10 +103,14 @@ def normalize_rows(raw: list, where: str, question_key: str | None = None, answe
             continue
         rest = {k: v for k, v in r.items() if k not in (qk, ak, "question", "answer")}
         rows.append({"question": q, "answer": str(a), **rest})
-    if skipped:
-        log.warning("%s: skipped %d of %d rows; first: %s", where, len(skipped), len(raw), "; ".join(skipped[:5]))
     if not rows:
         raise DatasetError(f"{where}: no usable rows ({len(skipped)} skipped; first: {skipped[0]})")
+    # a ratio, not bad > fraction * total: 63 / 90 and 0.7 are the same float, 0.7 * 90 is below 63
+    if len(skipped) / total > max_bad_fraction:
+        raise DatasetError(f"{where}: {len(skipped)} of {total} rows are bad, more than max_bad_fraction="
+                           f"{max_bad_fraction:g}; first: {'; '.join(skipped[:3])}")
+    if skipped:
+        log.warning("%s: skipped %d of %d rows; first: %s", where, len(skipped), total, "; ".join(skipped[:5]))
     return rows
 
 
@@ -144,8 +160,8 @@ def _read_parquet(path: Path) -> list:
         raise DatasetError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
-def load_file(path, question_key=None, answer_key=None) -> list[dict]:
-    """A local .jsonl / .json / .parquet file -> rows."""
+def load_file(path, question_key=None, answer_key=None, max_bad_fraction: float = MAX_BAD_FRACTION) -> list[dict]:
+    """A local .jsonl / .json / .parquet file -> rows (more than max_bad_fraction of them bad: refused)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
@@ -159,7 +175,7 @@ def load_file(path, question_key=None, answer_key=None) -> list[dict]:
         raw = _read_parquet(path)
     else:
         raise DatasetError(f"{path}: unknown file type {suffix!r}; use .jsonl, .json or .parquet")
-    return normalize_rows(raw, str(path), question_key, answer_key, skipped=bad)
+    return normalize_rows(raw, str(path), question_key, answer_key, skipped=bad, max_bad_fraction=max_bad_fraction)
 
 
 def _package_jsonl(*parts: str) -> list:
@@ -233,14 +249,18 @@ def load_reasoning_gym(spec: str, split: str, seed: int, limit: int | None) -> l
 
 
 def load_problems(source: str, split: str = "train", limit: int | None = None, seed: int = 0,
-                  question_key: str | None = None, answer_key: str | None = None) -> list[dict]:
+                  question_key: str | None = None, answer_key: str | None = None,
+                  max_bad_fraction: float = MAX_BAD_FRACTION) -> list[dict]:
     """Rows {"question": str, "answer": str, **other columns} from a source named in the module docstring.
 
     limit: keep the first N rows; seed: generation seed of reasoning-gym sources;
-    question_key / answer_key: column names when they are not the usual ones.
+    question_key / answer_key: column names when they are not the usual ones;
+    max_bad_fraction: refuse the source when more than this share of its rows (all of them, before `limit`)
+    is bad; 1.0 only skips and warns.
     """
     if limit is not None and limit <= 0:
         raise DatasetError(f"limit must be positive, got {limit}")
+    _check_fraction(max_bad_fraction)  # before a hub download or a generation, not after
     where = source
     if source == "gsm8k-offline":
         raw = load_offline_gsm8k(split)
@@ -251,12 +271,12 @@ def load_problems(source: str, split: str = "train", limit: int | None = None, s
     elif source == "reasoning-gym" or source.startswith("reasoning-gym:"):
         raw = load_reasoning_gym(source.partition(":")[2], split, seed, limit)
     elif Path(source).suffix.lower() in (".jsonl", ".json", ".parquet") or Path(source).exists():
-        rows = load_file(source, question_key, answer_key)
+        rows = load_file(source, question_key, answer_key, max_bad_fraction)
         return rows[:limit] if limit else rows
     else:
         raise DatasetError(f"unknown dataset {source!r}: use gsm8k, gsm8k-offline, aime2025, bigmath, "
                            "reasoning-gym:<task>, or a .jsonl/.json/.parquet file")
-    rows = normalize_rows(raw, where, question_key, answer_key)
+    rows = normalize_rows(raw, where, question_key, answer_key, max_bad_fraction=max_bad_fraction)
     return rows[:limit] if limit else rows
 
 

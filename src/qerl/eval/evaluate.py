@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.datasets import MAX_BAD_FRACTION
 from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt
 from ..formats import FORMATS
 from ..rewards.math import math_reward
@@ -84,6 +85,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="gsm8k, gsm8k-offline (GSM8K test), aime2025, bigmath, reasoning-gym:<task>, or a file")
     parser.add_argument("--split", default="test", help="dataset split (default test)")
     parser.add_argument("--limit", type=int, help="evaluate on the first N problems")
+    parser.add_argument("--max-bad-fraction", type=float, default=MAX_BAD_FRACTION,
+                        help="refuse the dataset when more than this share of its rows is malformed (default "
+                             f"{MAX_BAD_FRACTION}; 1 = skip them all with a warning)")
     parser.add_argument("--n", type=int, default=4, help="samples per problem (pass@1 averages them; default 4)")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.95)
@@ -152,7 +156,8 @@ def run_eval(args) -> int:
     from ..data import load_problems
 
     console = Console(stderr=True)
-    rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed)
+    rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed,
+                         max_bad_fraction=args.max_bad_fraction)
     t0 = time.perf_counter()
     with console.status(f"loading {args.model}"):
         model, tokenizer = prepare_model(args)

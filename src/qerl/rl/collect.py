@@ -104,8 +104,11 @@ def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_ru
         if need <= 0:
             break
     if not kept:
+        broken = failed_rewards(stats, reward_runner.names, stats["groups_sampled"] * group_size)
+        cause = (f"reward {broken[0]} failed on every row ({reward_runner.last_errors.get(broken[0])})" if broken
+                 else "the task is too easy or too hard for the model (or raise algo.max_refills)")
         raise NoSignalError(f"dynamic sampling found no group with mixed rewards in {int(stats['groups_sampled'])} "
-                            "prompts: the task is too easy or too hard for the model (or raise algo.max_refills)")
+                            f"prompts: {cause}")
     both = Rollout.concat(kept, engine.pad_token_id)
     merged = {"prompt_ids": both.prompt_ids, "prompt_mask": both.prompt_mask, "completion_ids": both.completion_ids,
               "completion_mask": both.completion_mask, "sampling_logp": both.logprobs, "entropies": both.entropies}
@@ -124,6 +127,14 @@ def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_ru
     return Experience(merged["prompt_ids"], merged["prompt_mask"], merged["completion_ids"], loss_mask,
                       merged["sampling_logp"], merged["entropies"], rewards, advantages, lengths, truncated,
                       kept_texts, stats)
+
+
+def failed_rewards(stats: dict[str, float], names, rows: float) -> list[str]:
+    """The reward functions (of `names`) that failed on every one of `rows` rows: raised, timed out or gave no
+    valid number (`stats["reward_errors/<name>"]`, as `collect_experience` sums them, or their mean over ranks
+    with `rows` the mean too: a mean equals the mean row count only when every rank failed on every row).
+    A row a function declines (None) is not a failure."""
+    return [name for name in names if rows > 0 and stats.get(f"reward_errors/{name}", 0.0) >= rows]
 
 
 class NoSignalError(RuntimeError):

@@ -40,6 +40,30 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the lines of steps <= `step` (a resumed run redoes the later ones).
+
+    A run killed (or out of disk space) in the middle of appending a line leaves it unfinished, without its
+    newline: that line is dropped, its step is redone. Any other line that is not JSON is an error naming it.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]  # "" when not even the first line was finished
+    kept = []
+    for n, line in enumerate(complete.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {n} is not JSON ({e.msg}); remove it to resume") from None
+        if row["step"] <= step:
+            kept.append(line + "\n")
+    path.write_text("".join(kept))
+
+
 def _running_mean(values, window: int) -> list[float]:
     """Mean of the last `window` values at each point (fewer at the start)."""
     out, total = [], 0.0

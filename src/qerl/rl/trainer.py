@@ -9,7 +9,7 @@ rewards named by `qerl.rewards.resolve`) and take settings objects built once fr
 """
 
 import contextlib
-import json
+import os
 import random
 import resource
 import signal
@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 
 from ..config import TrainConfig, save_config, to_dict
-from ..data import build_prompt, encode_prompt, filter_by_length, load_problems
+from ..data import DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
 from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.policy import build_policy
 from ..rewards import RewardRunner
@@ -30,16 +30,17 @@ from ..rewards.resolve import resolve_reward
 from ..rollout import RolloutEngine
 from .checkpointing import (check_same_run, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
                             set_rng_state)
-from .collect import collect_experience
+from .collect import collect_experience, failed_rewards
 from .distributed import barrier, init_distributed, mean_metrics
 from .prompt_stream import PromptStream
-from .run_log import RunLog, plot_metrics, read_metrics
+from .run_log import RunLog, plot_metrics, read_metrics, truncate_metrics
 from .settings import aqn_schedule, collect_settings, entropy_controller, lr_schedule, update_settings
 from .update import NonFiniteError, policy_update
 
 
 class TrainingAborted(RuntimeError):
-    """Too many bad steps in a row, or out of memory; the message says what happened and what to change."""
+    """Too many bad steps in a row, a reward that always fails, or out of memory; the message says what happened
+    and what to change."""
 
 
 class TrainingInterrupted(RuntimeError):
@@ -81,6 +82,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def compile_notice(device: torch.device) -> str | None:
+    """What to say before the first step on `device`: on a GPU it compiles the Triton kernels (on a CPU nothing
+    compiles, so None). Triton keeps compiled kernels on disk ($TRITON_CACHE_DIR, default ~/.triton/cache), so
+    later runs with the same shapes skip most of it."""
+    if device.type != "cuda":
+        return None
+    cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
+    return f"the first step compiles the GPU kernels (~20 s; cached in {cache} for later runs)"
+
+
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -102,9 +113,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # same on every rank: identical LoRA initialisation
         # each rank samples its own completions (and AQN noise)
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed + 1_000_003 * self.dist.rank)
-        # the data first: a bad source is reported before the expensive model load
-        rows = load_problems(cfg.data.train, split="train", limit=cfg.data.limit, seed=cfg.seed,
-                             question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+        # rewards and data first: a bad reward name or data source is reported before the expensive model load
+        self.rewards = RewardRunner([resolve_reward(name) for name in cfg.rewards], cfg.reward_weights,
+                                    cfg.reward_timeout_s)
+        try:
+            rows = load_problems(cfg.data.train, split="train", limit=cfg.data.limit, seed=cfg.seed,
+                                 question_key=cfg.data.question_key, answer_key=cfg.data.answer_key,
+                                 max_bad_fraction=cfg.data.max_bad_fraction)
+        except OSError as e:  # e.g. permission denied; what the loader checks itself is a DatasetError already
+            raise DatasetError(f"data.train {cfg.data.train!r}: cannot read it ({e})") from None
         with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} ({cfg.model.quant_method}) "
                                  f"+ LoRA r={cfg.lora.r}"):
             self.model, self.tokenizer = build_policy(cfg.model, cfg.lora, self.device, train_rows=rows,
@@ -115,8 +132,6 @@ class Trainer:
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)
-        self.rewards = RewardRunner([resolve_reward(name) for name in cfg.rewards], cfg.reward_weights,
-                                    cfg.reward_timeout_s)
         self.params = list(lora_parameters(self.model).values())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(cfg))
@@ -127,6 +142,7 @@ class Trainer:
         self.run_dir = Path(cfg.output_dir)
         self.step = 0
         self.bad_in_a_row = self.bad_total = 0
+        self.reward_failures_in_a_row = {name: 0 for name in self.rewards.names}  # steps it failed on every row
         self.best_reward, self._rewards_since_save = float("-inf"), []
         if resume:
             self._resume(resume)
@@ -200,7 +216,30 @@ class Trainer:
         metrics["time_update"] = time.perf_counter() - t_update
         metrics["time_step"] = time.perf_counter() - t_start
         metrics["memory_gb"] = peak_memory_gb(self.device)
-        return mean_metrics(metrics, self.dist)
+        metrics = mean_metrics(metrics, self.dist)
+        self._count_reward_failures(metrics)
+        return metrics
+
+    def _count_reward_failures(self, metrics: dict) -> None:
+        """Per reward function, the steps in a row in which it failed on every row (of every rank: `metrics`
+        are the rank mean, so all ranks count alike); a step where it scored any row resets its count."""
+        rows = metrics["groups_sampled"] * self.cfg.rollout.group_size
+        failed = failed_rewards(metrics, self.rewards.names, rows)
+        for name in self.rewards.names:
+            self.reward_failures_in_a_row[name] = self.reward_failures_in_a_row[name] + 1 if name in failed else 0
+
+    def _abort_if_a_reward_keeps_failing(self) -> None:
+        """Stop, after a checkpoint, once one reward function has failed on every row for
+        `max_reward_failure_steps` steps in a row: training on would learn from the other rewards only (or from
+        all-zero rewards) while looking healthy. Called on every rank at the same point of the step."""
+        limit = self.cfg.max_reward_failure_steps
+        for configured, name in zip(self.cfg.rewards, self.rewards.names):
+            if self.reward_failures_in_a_row[name] >= limit:
+                checkpoint = self.save_checkpoint()
+                error = (self.rewards.last_errors.get(name) or "no message").strip().splitlines()[0][:300]
+                raise TrainingAborted(
+                    f"reward {configured!r} failed on every row for {limit} steps in a row (last error: {error}); "
+                    f"fix it and continue with --resume (checkpoint {checkpoint})")
 
     # the run ----------------------------------------------------------------------------------
 
@@ -214,6 +253,9 @@ class Trainer:
             progress = stack.enter_context(Progress(*columns, console=self.console, transient=False))
             task = progress.add_task("train", total=cfg.steps, completed=self.step, info="")
             stop = stack.enter_context(StopRequests(self.console))
+            notice = compile_notice(self.device)
+            if notice and self.dist.is_main and self.step < cfg.steps:
+                progress.console.print(notice, highlight=False)
             while self.step < cfg.steps:
                 metrics = self._guarded_step()
                 signum = self._agreed_stop(stop)
@@ -231,6 +273,7 @@ class Trainer:
                 progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
                 if signum:
                     raise TrainingInterrupted(signum, self.save_checkpoint())
+                self._abort_if_a_reward_keeps_failing()
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint()
         self.save_checkpoint()
@@ -274,6 +317,7 @@ class Trainer:
         cfg = self.cfg
         if signum:
             raise TrainingInterrupted(signum, self.save_checkpoint())
+        self._abort_if_a_reward_keeps_failing()
         if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
             self.save_checkpoint()
 
@@ -302,6 +346,13 @@ class Trainer:
 
     def _resume(self, resume: str) -> None:
         checkpoints = list_checkpoints(self.run_dir) if resume == "auto" else [Path(resume)]
+        started = any((self.run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml"))
+        if not checkpoints and resume == "auto" and started:
+            # stopped before its first checkpoint (e.g. save_every 0 and killed): nothing to continue, so the run
+            # starts again at step 0; refusing would leave a directory neither --resume nor a new run accepts
+            self.console.print(f"[yellow]{self.run_dir} has no complete checkpoint yet: starting again from step 0")
+            self._truncate_metrics(0)
+            return
         if not checkpoints:
             raise FileNotFoundError(f"{self.run_dir}: no complete checkpoint to resume from")
         state, checkpoint = None, None
@@ -334,7 +385,4 @@ class Trainer:
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop metric lines written after the checkpoint (the steps about to be redone)."""
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-            path.write_text("".join(l + "\n" for l in lines))
+        truncate_metrics(self.run_dir / "metrics.jsonl", step)  # also drops a line a kill left unfinished
