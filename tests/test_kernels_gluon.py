@@ -80,8 +80,7 @@ def test_wgmma_with_x_staged_or_pre_permuted(x_permuted):
     require_cuda()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
-    for m, n, k in [(5, 300, 1024), (8, 640, 2048), (9, 333, 1024), (16, 700, 1280), (21, 517, 1024),
-                    (40, 1000, 2048), (64, 96, 3584), (100, 517, 1024)]:
+    for m, n, k in [(5, 300, 1024), (16, 700, 1280), (40, 1000, 2048), (64, 96, 3584), (100, 517, 1024)]:
         for split in (1, 3):
             _case(m, n, k, seed=m + split, global_scale=900.0, bias=split == 1, split=split,
                   lora_r=16 if split == 3 else 0, wgmma=True, x_permuted=x_permuted)
