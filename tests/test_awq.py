@@ -268,17 +268,21 @@ def test_missing_inputs_skip_their_groups_and_a_failing_search_changes_nothing()
 
 
 def test_bf16_layer_is_searched_in_fp32_and_written_back_in_bf16():
-    model = outlier_model(dtype=torch.bfloat16)
+    """The folded bf16 model stays as close to the float32 model as a few bf16 roundings allow: within 4x the
+    distance of the unfolded bf16 model itself (the folded weights and norms are each rounded once more)."""
     ids = token_ids()
     with torch.no_grad():
-        ref = model(ids).logits.float()
+        exact = outlier_model(dtype=torch.float32)(ids).logits
+    model = outlier_model(dtype=torch.bfloat16)
+    with torch.no_grad():
+        bf16_noise = (model(ids).logits.float() - exact).abs().max()
     folded, scales = awq_model(model, ids, nvfp4_fake_quant)
     assert all(p.dtype == torch.bfloat16 for p in folded.parameters())
     norm = folded.model.layers[0].input_layernorm
     assert getattr(norm, CHANNEL_SCALE).dtype == torch.float32
     with torch.no_grad():
         out = folded(ids).logits.float()
-    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    assert torch.isfinite(out).all() and (out - exact).abs().max() < 4 * bf16_noise
 
 
 def fake_quantize_linears(model, fake_quant=nvfp4_fake_quant):

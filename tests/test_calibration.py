@@ -251,3 +251,38 @@ def test_self_source_generates_in_float32_on_the_cpu_and_leaves_the_model_as_it_
     assert len(answers) == 3 and set(seen) == {torch.float32}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight  # the cast round trip keeps the tie
+
+
+def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tiny_dir, tmp_path, monkeypatch,
+                                                                            capsys):
+    """model.calibration.samples: null -> 64 sequences on the CPU (128 on a GPU); a number is kept; 0 is refused."""
+    from qerl.config import ConfigError
+    from qerl.models import policy
+    from qerl.models.calibrate import default_samples
+
+    assert (default_samples("cpu"), default_samples("cuda"), default_samples(torch.device("cuda", 1))) == (64, 128, 128)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(source, tokenizer, samples, *args, **kwargs):
+        seen.append(samples)
+        raise Stop
+
+    monkeypatch.setattr(policy, "calibration_ids", record)
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a}=?", "answer": str(2 * a)}) + "\n" for a in range(9)))
+    base = [f"model.name={tiny_dir}", "model.format=nvfp4", "model.quant_method=gptq",
+            "model.calibration.source=train", f"data.train={data}", "data.suffix=none",
+            f"output_dir={tmp_path / 'run'}", "tensorboard=false", "plots=false"]
+    for extra, want in (([], 64), (["model.calibration.samples=7"], 7)):
+        with pytest.raises(Stop):
+            Trainer(load_config(None, base + extra))
+        assert seen[-1] == want
+    with pytest.raises(ConfigError, match="model.calibration.samples"):
+        load_config(None, base + ["model.calibration.samples=0"])
+    assert main(["quantize", str(tiny_dir), "--method", "gptq", "--calibration-samples", "0",
+                 "--out", str(tmp_path / "q")]) == 2
+    assert "--calibration-samples must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()

@@ -17,7 +17,7 @@ def _quantize(args) -> int:
     from .models import load_causal_lm, memory_report, quantize_model, save_quantized
     from .models.load import plain_hf_directory
     from .data.calibration import check_source
-    from .models.calibrate import calibration_ids
+    from .models.calibrate import calibration_ids, default_samples
     from .models.convert import quant_layers
     from .models.precision import describe_keep_bf16
     from .models.stream import stream_quantized
@@ -30,13 +30,16 @@ def _quantize(args) -> int:
     check_method(args.method, args.format)
     if calibrated:
         check_source(args.calibration)
+    samples = default_samples("cpu") if args.calibration_samples is None else args.calibration_samples
+    if samples <= 0:
+        raise ValueError(f"--calibration-samples must be positive, got {samples}")
     directory = plain_hf_directory(args.model) if args.no_check else None
     ref = ids = cal = None
     if directory is not None:  # no reference needed: never hold the 16-bit model
         if calibrated:
             from transformers import AutoTokenizer
 
-            cal = calibration_ids(args.calibration, AutoTokenizer.from_pretrained(directory), args.calibration_samples,
+            cal = calibration_ids(args.calibration, AutoTokenizer.from_pretrained(directory), samples,
                                   args.calibration_max_tokens)
         model, tokenizer = stream_quantized(directory, args.format, targets=targets, dtype=args.dtype,
                                             trust_remote_code=args.trust_remote_code, show_progress=True,
@@ -53,7 +56,7 @@ def _quantize(args) -> int:
             if tokenizer is None:
                 raise ValueError(f"{args.model}: no tokenizer found; --method {args.method} needs one for calibration")
             with console.status(f"calibration text ({args.calibration})"):
-                cal = calibration_ids(args.calibration, tokenizer, args.calibration_samples,
+                cal = calibration_ids(args.calibration, tokenizer, samples,
                                       args.calibration_max_tokens, model=model)
         t1 = time.perf_counter()
         quantize_model(model, args.format, targets=targets, show_progress=True, method=args.method, calibration=cal,
@@ -125,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration", default="auto",
                    help="calibration text for gptq / awq: auto, reasoning-gym, self (the model's own greedy "
                         "answers), or a .txt / .jsonl file; never an evaluation set")
-    q.add_argument("--calibration-samples", type=int, default=128, help="calibration sequences")
+    q.add_argument("--calibration-samples", type=int,
+                   help="calibration sequences (default 64: qerl quantize calibrates on the CPU; see docs/formats.md)")
     q.add_argument("--calibration-max-tokens", type=int, default=256, help="tokens per calibration sequence")
     q.add_argument("--keep-bf16", default="",
                    help="comma-separated module names / patterns / last:N left in bf16 (e.g. last:2,*.down_proj)")

@@ -38,7 +38,9 @@ class CalibrationSection:
     4over6 read none."""
 
     source: str = "auto"  # auto | reasoning-gym | train | FILE.jsonl / .txt (sources in qerl.data.calibration)
-    samples: int = 128  # sequences
+    # sequences; null: 128 when the model is quantized on a GPU, 64 on a CPU (on SmolLM2 both give the same
+    # KL and 64 keeps GPTQ under two minutes on two cores; docs/formats.md)
+    samples: int | None = None
     max_tokens: int = 256  # tokens per sequence
 
 
@@ -214,6 +216,7 @@ _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_upd
              "optim.micro_batch_size", "optim.lr", "steps", "data.max_prompt_tokens", "reward_timeout_s",
              "aqn.num_stages", "optim.max_bad_steps", "max_reward_failure_steps", "model.calibration.samples",
              "model.calibration.max_tokens")
+_OPTIONAL = ("model.calibration.samples",)  # null means "choose for me" (documented at the field)
 _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_low", "algo.clip_high",
                  "rollout.temperature", "rollout.top_k", "optim.weight_decay", "optim.warmup_steps",
                  "optim.max_grad_norm", "algo.max_refills", "algo.overlong_buffer", "save_every", "keep_last")
@@ -230,6 +233,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {choices}")
     for key in _POSITIVE:
+        if key in _OPTIONAL and _get(cfg, key) is None:
+            continue
         if not _get(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
     for key in _NON_NEGATIVE:

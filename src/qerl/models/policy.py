@@ -12,7 +12,7 @@ from ..data.calibration import check_source
 from ..nn import LoraConfig
 from ..quant import CALIBRATED, check_method
 from .adapter import load_adapter
-from .calibrate import calibration_ids
+from .calibrate import calibration_ids, default_samples
 from .convert import add_lora, quant_layers, quantize_input_embeddings, quantize_model
 from .load import load_causal_lm, plain_hf_directory
 from .sources import compute_dtype
@@ -38,6 +38,7 @@ def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device
     check_method(method, model_cfg.format)
     if method in CALIBRATED:
         check_source(cal.source)
+    samples = default_samples(device) if cal.samples is None else cal.samples
     lora = LoraConfig(**dataclasses.asdict(lora))  # a copy of its own: every layer keeps a reference to it
     directory = plain_hf_directory(model_cfg.name)
     dtype = compute_dtype(model_cfg.dtype, device)
@@ -49,7 +50,7 @@ def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust)
-            ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, train_rows=train_rows)
+            ids = calibration_ids(cal.source, tokenizer, samples, cal.max_tokens, train_rows=train_rows)
         model, tokenizer = stream_quantized(directory, model_cfg.format, lora, targets=lora.targets, dtype=dtype,
                                             device=device, embeddings=model_cfg.quantize_embeddings,
                                             trust_remote_code=trust, method=method, calibration=ids,
@@ -66,7 +67,7 @@ def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device
         else:
             ids = None
             if method in CALIBRATED:
-                ids = calibration_ids(cal.source, tokenizer, cal.samples, cal.max_tokens, model=model,
+                ids = calibration_ids(cal.source, tokenizer, samples, cal.max_tokens, model=model,
                                       train_rows=train_rows)
             quantize_model(model, model_cfg.format, lora, targets=lora.targets,
                            embeddings=model_cfg.quantize_embeddings, method=method, calibration=ids,
