@@ -230,3 +230,26 @@ def test_runner_large_batch_round_trip(runner_pool):
     runner.score(["p" * 300] * n, ["c" * 600] * n, cols)  # starts the worker
     rewards, _, _ = runner.score(["p" * 300] * n, ["c" * 600] * n, cols)
     assert rewards == [float(i) for i in range(n)] and not any(math.isnan(r) for r in rewards)
+
+
+SLOW_IMPORT = '''
+import time
+
+time.sleep(2.0)  # a heavy user module (torch, a tokenizer, a verifier) takes seconds to import
+
+
+def one(prompts, completions, **columns):
+    return [1.0] * len(completions)
+'''
+
+
+def test_runner_imports_a_slow_module_before_the_first_call_is_timed(runner_pool, tmp_path, monkeypatch):
+    """The worker imports the function's module while it starts, so a 2 s import does not use up a 1 s
+    reward timeout on the first call (it did when the import happened while unpickling the call)."""
+    (tmp_path / "slow_import_reward.py").write_text(SLOW_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from slow_import_reward import one
+
+    runner = runner_pool([one], timeout_s=1.0)
+    rewards, _, stats = runner.score(PROMPTS, COMPLETIONS)
+    assert list(rewards) == [1.0] * 4 and stats["reward_errors/one"] == 0

@@ -45,10 +45,11 @@ def func_name(f) -> str:
 
 
 class _ProcessWorker:
-    """One worker subprocess (`qerl.rewards.worker`) serving one reward function; replaced after a
-    timeout or a crash."""
+    """One worker subprocess (`qerl.rewards.worker`) serving one reward function (of `module`, imported
+    while the worker starts); replaced after a timeout or a crash."""
 
-    def __init__(self):
+    def __init__(self, module: str | None = None):
+        self.module = module
         self.proc = None
         self.inbox = self.outbox = None  # our ends: we send on outbox, receive on inbox
 
@@ -61,8 +62,9 @@ class _ProcessWorker:
         os.close(to_child_r), os.close(from_child_w)
         self.outbox = Connection(to_child_w, readable=False)
         self.inbox = Connection(from_child_r, writable=False)
-        self.outbox.send(list(sys.path))
-        # start-up (interpreter, imports, math-verify warm-up: ~1 s) is not charged to a call's timeout
+        self.outbox.send((list(sys.path), self.module))
+        # start-up (interpreter, the function's module, math-verify warm-up: ~1 s) is not charged to a call's
+        # timeout
         if not self.inbox.poll(STARTUP_TIMEOUT_S) or self.inbox.recv()[0] != "ready":
             self.close()
             raise RuntimeError(f"reward worker process did not start within {STARTUP_TIMEOUT_S}s")
@@ -164,7 +166,7 @@ class RewardRunner:
         # duplicate names would merge their stats: suffix them
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         self.funcs, self.weights, self.timeout_s, self.isolation = list(funcs), weights, timeout_s, isolation
-        self.workers = [_ProcessWorker() for _ in funcs]
+        self.workers = [_ProcessWorker(getattr(f, "__module__", None) or type(f).__module__) for f in funcs]
         self.last_errors: dict[str, str] = {}  # name -> first problem of the last `score` call
         self._warned_unpicklable: set[int] = set()
 

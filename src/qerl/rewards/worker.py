@@ -4,9 +4,11 @@ Started by `RewardRunner` as a plain subprocess (not multiprocessing's spawn, wh
 user's `__main__` -- re-running a training script without a main guard). It receives pickled
 (func, prompts, completions, columns) on READ_FD and answers ("ok", values) or ("error", message) on
 WRITE_FD; its own stdout/stderr stay the user's (a reward function may print). The first message is the
-parent's sys.path, so functions from the user's modules unpickle here.
+parent's sys.path, so functions from the user's modules unpickle here, and the module of the function it
+serves, imported before the worker reports ready (a slow import is not charged to the first call's timeout).
 """
 
+import importlib
 import pickle
 import signal
 import sys
@@ -24,8 +26,18 @@ def warm_up() -> None:
         pass
 
 
+def import_quietly(module: str | None) -> None:
+    """Import the reward function's module now; if that fails, the call reports the error."""
+    if module:
+        try:
+            importlib.import_module(module)
+        except BaseException:
+            pass
+
+
 def serve(inbox: Connection, outbox: Connection) -> None:
-    sys.path[:] = inbox.recv()
+    sys.path[:], module = inbox.recv()
+    import_quietly(module)
     warm_up()
     outbox.send(("ready", None))
     while True:
