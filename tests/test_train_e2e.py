@@ -309,3 +309,30 @@ def test_resume_check_reads_a_key_missing_from_an_older_checkpoint_as_its_old_me
     current["model"]["quantize_embeddings"] = True
     with pytest.raises(ValueError, match=r"model.quantize_embeddings: checkpoint False, now True"):
         check_same_run(saved, current, Path("ckpt"))
+
+
+def test_resume_check_compares_the_calibration_only_for_calibrated_methods():
+    """The calibration text shapes a gptq / awq base only: an rtn run resumes whatever it says, a gptq run
+    whose calibration differs (e.g. 128 sequences then, 64 now) is refused."""
+    import copy
+
+    from qerl.config import TrainConfig, to_dict
+    from qerl.rl.checkpointing import check_same_run
+
+    saved = to_dict(TrainConfig())
+    saved["model"]["calibration"]["samples"] = 128
+    current = copy.deepcopy(saved)
+    current["model"]["calibration"]["samples"] = 64
+    check_same_run(saved, current, Path("ckpt"))  # rtn
+    for method in ("gptq", "awq"):
+        saved["model"]["quant_method"] = current["model"]["quant_method"] = method
+        with pytest.raises(ValueError, match=r"model.calibration: checkpoint .*'samples': 128.* now .*'samples': 64"):
+            check_same_run(saved, current, Path("ckpt"))
+
+
+def test_the_run_config_records_the_calibration_samples_used(tiny_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(load_config(None, _overrides(tiny_dir, data_file, out, steps=1)))
+    assert trainer.cfg.model.calibration.samples == 64  # null resolved for the CPU
+    trainer.train()
+    assert "samples: 64" in (out / "config.yaml").read_text()

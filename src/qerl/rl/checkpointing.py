@@ -15,6 +15,7 @@ import torch
 from .. import __version__
 from ..models.adapter import save_adapter
 from ..models.atomic import atomic_directory
+from ..quant import CALIBRATED
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d{6})$")
@@ -73,7 +74,10 @@ def check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
     def old(a, b):
         return saved[a][b] if b in saved[a] else _ADDED_LATER[(a, b)]
 
-    diffs = [f"{a}.{b}: checkpoint {old(a, b)!r}, now {current[a][b]!r}" for a, b in RESUME_KEYS
+    keys = RESUME_KEYS
+    if current["model"]["quant_method"] not in CALIBRATED:  # the calibration text shapes only gptq / awq models
+        keys = [k for k in keys if k != ("model", "calibration")]
+    diffs = [f"{a}.{b}: checkpoint {old(a, b)!r}, now {current[a][b]!r}" for a, b in keys
              if old(a, b) != current[a][b]]
     if diffs:
         raise ValueError(f"{checkpoint} belongs to a different run ({'; '.join(diffs)})")

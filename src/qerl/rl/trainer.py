@@ -9,6 +9,7 @@ rewards named by `qerl.rewards.resolve`) and take settings objects built once fr
 """
 
 import contextlib
+import dataclasses
 import os
 import random
 import resource
@@ -24,6 +25,7 @@ from rich.console import Console
 from ..config import TrainConfig, save_config, to_dict
 from ..data import DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
 from ..models import load_adapter, lora_parameters, save_adapter
+from ..models.calibrate import default_samples
 from ..models.policy import build_policy
 from ..rewards import RewardRunner
 from ..rewards.resolve import resolve_reward
@@ -105,6 +107,9 @@ class Trainer:
         self.dist = init_distributed(self.device)
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
+        if cfg.model.calibration.samples is None:  # the run config records the number used, for resume and repeats
+            calibration = dataclasses.replace(cfg.model.calibration, samples=default_samples(self.device))
+            self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, calibration=calibration))
         if cfg.rollout.prompts_per_step % self.dist.world:
             raise ValueError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple of the "
                              f"number of processes ({self.dist.world})")
