@@ -56,13 +56,17 @@ GPU_VARIANTS = ("", "strided", "special", "/m16")
 
 
 def gpu_cases() -> list[tuple]:
-    """Every (M, R, K) shape once, with the split count and input variant rotating so that every (split,
-    variant) pair also occurs: 45 cases instead of the 540 of the full product, which compiled for minutes
-    while adding no combination of factors the kernel treats jointly (splits and variants act independently
-    of the shape)."""
+    """Every (M, R, K) shape once, with the (split, variant) pair rotating: 45 cases instead of the 540 of the
+    full product (which compiled for minutes), and still every pair of factors (M and split, K and variant,
+    split and variant, ...) occurs together."""
     shapes = [(M, R, K) for M in GPU_M for R in GPU_R for K in GPU_K]
     pairs = [(s, v) for s in GPU_SPLITS for v in GPU_VARIANTS]
-    return [shape + pairs[i % len(pairs)] for i, shape in enumerate(shapes)]
+    cases = [shape + pairs[i % len(pairs)] for i, shape in enumerate(shapes)]
+    levels = (GPU_M, GPU_R, GPU_K, GPU_SPLITS, GPU_VARIANTS)
+    for a in range(5):
+        for b in range(a + 1, 5):
+            assert len({(c[a], c[b]) for c in cases}) == len(levels[a]) * len(levels[b]), (a, b)
+    return cases
 
 
 def _poison_all():
