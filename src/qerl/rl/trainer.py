@@ -91,7 +91,7 @@ def compile_notice(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
-    return f"the first step compiles the GPU kernels (~20 s; cached in {cache} for later runs)"
+    return f"the first step compiles the GPU kernels (tens of seconds; cached in {cache} for later runs)"
 
 
 def peak_memory_gb(device: torch.device) -> float:
