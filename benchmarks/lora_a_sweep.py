@@ -10,20 +10,16 @@ import argparse
 import torch
 
 from qerl.kernels.triton_lora_a import config, lora_a_triton
+from qerl.kernels.workspace import capture_graph
 
 
 def graph_time(fn, reps: int = 50) -> float:
     """Median microseconds per call of `fn` over CUDA-graph replays (capture after a warm-up)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    def all_calls():
         for _ in range(reps):
             fn()
+
+    g, _ = capture_graph(all_calls, warmups=1)
     times = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

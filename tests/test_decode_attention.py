@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kernel_testing import require_cuda, run_interpreter_suite
 
-from qerl.kernels.workspace import poisoned_outputs
+from qerl.kernels.workspace import capture_graph, poisoned_outputs
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # (B, KV, G, hd, S, max_len, block_n, splits): S not a multiple of the chunk, max_len > S, one split (the
@@ -157,11 +157,7 @@ def test_gpu_graph_replay_reads_slot_on_device():
     q, k, v, key_valid = _inputs(4, 2, 7, 128, 512, torch.bfloat16, "cuda", gen)
     S = 300
     slot = torch.tensor(10, device="cuda")
-    decode_attention(q, k, v, key_valid, slot, S, 0.09)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(q, k, v, key_valid, slot, S, 0.09)
+    graph, out = capture_graph(lambda: decode_attention(q, k, v, key_valid, slot, S, 0.09))
     for s in (0, 10, 150, S - 1):
         slot.fill_(s)
         graph.replay()

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from kernel_testing import poisoned, require_cuda, run_interpreter_suite
 
+from qerl.kernels.workspace import capture_graph
+
 # (rows, D) for the norm: odd D, a power of two, SmolLM2's 576, Qwen2.5-7B's 3584
 NORM_SHAPES = [(1, 24), (3, 100), (5, 576), (2, 3584)]
 # (B, L, heads, hd): odd head counts, hd whose half is not a power of two (80 -> 40)
@@ -262,11 +264,8 @@ def test_gpu_dispatch_and_graph_replay(monkeypatch):
     B, H, KV, hd, max_len = 2, 7, 1, 64, 8
     q, k, v, cos, sin, kc, vc = _rope_store_inputs(B, H, KV, hd, max_len, torch.bfloat16, "cuda", gen)
     slot = torch.zeros((), dtype=torch.int64, device="cuda")
-    rope_qk_store(q, k, v, cos, sin, kc.clone(), vc.clone(), slot)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        rq = rope_qk_store(q, k, v, cos, sin, kc, vc, slot)
+    # the warm-up call writes slot 0 for real; ref_k/ref_v start from that
+    graph, rq = capture_graph(lambda: rope_qk_store(q, k, v, cos, sin, kc, vc, slot), warmups=1)
     ref_k, ref_v = kc.clone(), vc.clone()
     for s in (3, 0, max_len - 1):
         slot.fill_(s)

@@ -14,6 +14,7 @@ from test_kernels_triton import REL_TOL, _random_fp4, _rel_err
 
 from qerl.formats.nvfp4 import dequantize_nvfp4
 from qerl.kernels import route as rt
+from qerl.kernels.workspace import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -144,11 +145,7 @@ def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted):
         return gluon_nvfp4.nvfp4_linear_gluon(x, **w, bias=b, split=4, lora=(h, lb), wgmma=wgmma,
                                               x_permuted=x_permuted)
 
-    call()  # compile and allocate the counters outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = call()
+    graph, y = capture_graph(call)
     wref = dequantize_nvfp4(**w, dtype=torch.float32)
     for step in range(4):
         x.copy_(torch.randn(m, k, generator=gen))

@@ -74,7 +74,7 @@ def test_bf16_kernel_under_graph_replay():
     """Split-K meets in one launch: a captured call replayed with fresh x equals the eager call bit for bit,
     and the arrival counters are back at zero."""
     require_cuda()
-    from qerl.kernels.workspace import persistent_tensors
+    from qerl.kernels.workspace import capture_graph, persistent_tensors
 
     x, w, b, h, lb = _inputs(8, 700, 2048, seed=3, r=16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -83,11 +83,7 @@ def test_bf16_kernel_under_graph_replay():
     def call():
         return bf16_linear_swap(x, w, b, sms, split=4, lora=(h, lb))
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = call()
+    graph, y = capture_graph(call)
     gen = torch.Generator().manual_seed(4)
     for step in range(3):
         x.copy_(torch.randn(x.shape, generator=gen))

@@ -18,6 +18,8 @@ import torch
 
 from kernel_testing import poisoned, require_cuda, run_interpreter_suite
 
+from qerl.kernels.workspace import capture_graph
+
 # (M, R, K, splits, variant); splits None = the automatic choice; variant: "" plain, "strided" x is a
 # column slice of a wider matrix (row stride > K, misaligned start), "special" huge rows and zero rows/cols;
 # "/m16" appended: forced 16-row M tiles (several M tiles per R tile, each with its own counter); "/pre": each
@@ -277,12 +279,7 @@ def test_gpu_graph_replay(M, R, K):
     a1 = (torch.randn(R, K, generator=gen) * 0.1).bfloat16().cuda()
     a2 = (torch.randn(R, K, generator=gen) * 0.1).bfloat16().cuda()
     x.copy_(torch.randn(M, K, generator=gen))
-    lora_a(x, a1)  # compile and allocate the buffers outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h1 = lora_a(x, a1)
-        h2 = lora_a(x, a2)
+    graph, (h1, h2) = capture_graph(lambda: (lora_a(x, a1), lora_a(x, a2)))
     for i in range(20):
         x.copy_(torch.randn(M, K, generator=gen) * (1 + i))
         graph.replay()
@@ -292,3 +289,35 @@ def test_gpu_graph_replay(M, R, K):
             err = (h.double() - ref).abs().max().item()
             assert err <= 1e-2 * ref.abs().max().item() + 1e-3, f"replay {i}: max error {err}"
             assert torch.equal(h, lora_a(x, a)), f"replay {i}: differs from an eager call"
+
+
+@pytest.mark.gpu
+def test_gpu_two_streams_keep_their_own_buffers():
+    """Split launches of one shape in flight together on two streams: each stream has its own workspace and
+    counters, and every result equals the same call run alone (shared counters would let one stream's last
+    program sum the other's half-written partials)."""
+    require_cuda()
+    from qerl.kernels import triton_lora_a as tla
+
+    M, R, K = 8, 64, 3584
+    cfg = tla.config(M, R, K, torch.device("cuda"))
+    assert cfg["splits"] > 1
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(M, K, generator=gen).bfloat16().cuda() for _ in range(2)]
+    a = (torch.randn(R, K, generator=gen) * 0.1).bfloat16().cuda()
+    alone = [tla.lora_a_triton(x, a) for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    bufs = []
+    for s in streams:
+        with torch.cuda.stream(s):
+            bufs.append(tla.buffers(torch.device("cuda"), M, R, cfg["splits"], cfg["BR"], cfg["BM"]))
+    assert bufs[0][0].data_ptr() != bufs[1][0].data_ptr() and bufs[0][1].data_ptr() != bufs[1][1].data_ptr()
+    torch.cuda.synchronize()
+    outs = [[], []]
+    for _ in range(50):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(tla.lora_a_triton(xs[i], a))
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert all(torch.equal(h, alone[i]) for h in outs[i]), f"stream {i}: a result differs from the lone call"

@@ -1,6 +1,6 @@
-"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on Qwen2.5 linear shapes (`qerl bench kernels`).
+"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on Qwen2.5 (and SmolLM2-135M) linear shapes (`qerl bench kernels`).
 
-For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-7B/14B/32B/72B) and each M it times,
+For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-7B/14B/32B/72B or SmolLM2-135M) and each M it times,
 side by side on one GPU:
   cublas    F.linear with a bf16 weight (the 16-bit baseline);
   deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
@@ -21,31 +21,29 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-# (hidden, intermediate, heads, kv heads); head_dim 128 for all four
-QWEN25 = {"7B": (3584, 18944, 28, 4), "14B": (5120, 13824, 40, 8), "32B": (5120, 27648, 40, 8),
-          "72B": (8192, 29568, 64, 8)}
+from ..kernels.workspace import capture_graph
+
+# (hidden, intermediate, heads, kv heads, head_dim): Qwen2.5 sizes, and SmolLM2-135M (the embedded model, whose
+# hidden size 576 is not a multiple of 128, the Gluon kernels' K step)
+MODEL_SHAPES = {"7B": (3584, 18944, 28, 4, 128), "14B": (5120, 13824, 40, 8, 128), "32B": (5120, 27648, 40, 8, 128),
+                "72B": (8192, 29568, 64, 8, 128), "SmolLM2": (576, 1536, 9, 3, 64)}
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 BACKWARD_M = (16, 256, 1024, 4096)
 
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """{layer: (N, K)} for y[M, N] = x[M, K] @ W[N, K]^T."""
-    h, inter, heads, kv = QWEN25[model]
-    return {"qkv": (h + 2 * kv * 128, h), "o": (heads * 128, h), "gate_up": (2 * inter, h), "down": (h, inter)}
+    h, inter, heads, kv, hd = MODEL_SHAPES[model]
+    return {"qkv": (h + 2 * kv * hd, h), "o": (heads * hd, h), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
 def _graph_time(fn, calls: int, replays: int) -> float:
     """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
-    for i in range(calls):  # warm-up: compile, autotune caches, cuBLAS handles
-        fn(i)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+    def all_calls():
         for i in range(calls):
             fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
+
+    g, _ = capture_graph(all_calls, warmups=1)  # warm-up: compile, autotune caches, cuBLAS handles
     g.replay()
     times = []
     for _ in range(replays):
@@ -317,7 +315,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="qerl bench kernels", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="7B,14B,32B,72B", help="comma list of Qwen2.5 sizes")
+    p.add_argument("--models", default="7B,14B,32B,72B", help=f"comma list of {','.join(MODEL_SHAPES)} (Qwen2.5 sizes, SmolLM2-135M)")
     p.add_argument("--layers", default="qkv,o,gate_up,down")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (forward)")
     p.add_argument("--backward-m", default=",".join(map(str, BACKWARD_M)), help="comma list of M (dY @ W); '' for none")

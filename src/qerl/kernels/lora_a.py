@@ -15,8 +15,8 @@ call can be captured in a CUDA graph; the first call for a shape should run outs
 compiles the kernel): a first call inside a capture takes the cuBLAS path instead (the zeroing of new
 counters cannot run then).
 
-Caveat: for one stream at a time (the engine's). Two calls of the same shape in flight at once on
-different streams would share the workspace and counters.
+The workspace and counters are kept per CUDA stream (`workspace.persistent`): calls in flight together on
+two streams do not share them. A capture finds them made by a warm-up on the capture stream itself.
 """
 
 import warnings

@@ -43,8 +43,8 @@ RED_ELEMS = 8192  # partial elements the last program loads at once (64 fp32 reg
 RED_ROUNDS = 1  # at most this many such dependent loads in the tail
 PRELOAD_MAX_K = 512  # with PDL, a program's whole K slice (A [BR, <= this]) is loaded before the wait
 
-# Split launches keep (workspace fp32 [n_r, splits, M, BR], counters int32 [n_r, n_m]) per (device, M, R,
-# splits, BR, BM) in `workspace.persistent`, for the life of the process: captured CUDA graphs hold their addresses.
+# Split launches keep (workspace fp32 [n_r, splits, M, BR], counters int32 [n_r, n_m]) per (device, stream, M,
+# R, splits, BR, BM) in `workspace.persistent`, for the life of the process: captured CUDA graphs hold their addresses.
 
 
 @triton.jit
@@ -179,10 +179,10 @@ def config(M: int, R: int, K: int, device: torch.device, splits: int | None = No
 
 
 def buffers(device: torch.device, M: int, R: int, splits: int, BR: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached (workspace, counters) of one launch shape; allocated on first use (counters zeroed).
-    Calls with different K but the same key share them (fine in one stream: each launch leaves the counters
-    at 0 and rewrites the partials before it reads them)."""
-    return persistent(("lora_a", device, M, R, splits, BR, BM), lambda: (
+    """The cached (workspace, counters) of one launch shape on the current stream; allocated on first use
+    (counters zeroed). Calls with different K but the same key share them (one stream runs them in order:
+    each launch leaves the counters at 0 and rewrites the partials before it reads them)."""
+    return persistent("lora_a", device, (M, R, splits, BR, BM), lambda: (
         alloc((triton.cdiv(R, BR), splits, M, BR), device, torch.float32),
         torch.zeros(triton.cdiv(R, BR), triton.cdiv(M, BM), dtype=torch.int32, device=device)))
 
@@ -191,15 +191,14 @@ def has_buffers(device: torch.device, M: int, R: int, K: int, splits: int | None
                 block_r: int | None = None, block_m: int | None = None) -> bool:
     """True when a call with these arguments allocates nothing besides its output."""
     cfg = config(M, R, K, device, splits, block_r, block_m)
-    return cfg["splits"] == 1 or has_persistent(("lora_a", device, M, R, cfg["splits"], cfg["BR"], cfg["BM"]))
+    return cfg["splits"] == 1 or has_persistent("lora_a", device, (M, R, cfg["splits"], cfg["BR"], cfg["BM"]))
 
 
 def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, block_r: int | None = None,
                   block_m: int | None = None, preload: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride, any row stride), a [R, K] contiguous, both bf16 or fp16 -> h [M, R].
 
-    fp32 accumulation, one rounding to x's dtype. For one stream at a time: two launches in flight together
-    on different streams with the same shape would share the workspace and counters. `splits`, `block_r`
+    fp32 accumulation, one rounding to x's dtype. The workspace and counters are kept per stream. `splits`, `block_r`
     (16 or 32 ...) and `block_m` (16, 32, 64) override the automatic choice (tests, tuning). preload: each
     program's K slice as one product, A loaded before the PDL wait (None: when launched with PDL and the
     slice is at most PRELOAD_MAX_K columns).

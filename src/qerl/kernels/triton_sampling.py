@@ -161,8 +161,8 @@ def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int
     record: dict(done, eos, pad_id, tokens, mask, logprobs, entropies, step_tokens) of the engine's per-step
     bookkeeping (see the module docstring): done bool [B] contiguous (updated in place), eos int64 [E],
     the columns tokens int64 / mask bool / logprobs, entropies fp32, each [B] with one row stride,
-    step_tokens int64 [B]. `chunks` overrides the programs per row (tests). For one stream at a time: the
-    row counters are shared by the calls of one batch size (each call leaves them at zero)."""
+    step_tokens int64 [B]. `chunks` overrides the programs per row (tests). The row counters are
+    shared by the calls of one batch size on one stream (each call leaves them at zero)."""
     B, V = logits.shape
     assert logits.stride(1) == 1 and B >= 1 and V >= 1
     if not 2**32 <= seed < 2**62 or not 0 <= step < 2**31:

@@ -5,10 +5,12 @@ buffers are filled with NaN first (the most negative integer for integer buffers
 an element a kernel forgets to write shows up instead of passing as leftover memory; the switch is a
 context variable, so it cannot outlive the test that sets it.
 
-`persistent(key, make)` holds the buffers that must outlive a call: the split-K arrival counters (int32
-zeros that every launch leaves at zero) and workspaces of the Gluon, LoRA-A and sampling kernels. CUDA
-graphs keep their addresses, so they are made once per key and never freed. One stream at a time: two
-launches of the same key in flight on different streams would share them.
+`persistent(owner, device, key, make)` holds the buffers that must outlive a call: the split-K arrival
+counters (int32 zeros that every launch leaves at zero) and workspaces of the Gluon, LoRA-A and sampling
+kernels. CUDA graphs keep their addresses, so they are made once per key and never freed. They are kept per
+CUDA stream (the stream current at the call): launches in flight together on two streams never share a
+counter or a partial sum, and launches on one stream run in order, so they may. A graph capture therefore
+finds the buffers its warm-up made only when both ran on the same stream (`rollout.cuda_graphs` does so).
 """
 
 from collections.abc import Callable, Iterator
@@ -41,26 +43,55 @@ def alloc(shape, device, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, device=device, dtype=dtype)
 
 
-def persistent(key: tuple, make: Callable[[], T]) -> T:
-    """The buffer(s) kept for the process under key (include the owner's name and the device), made on first use."""
-    if key not in _PERSISTENT:
-        _PERSISTENT[key] = make()
-    return _PERSISTENT[key]  # type: ignore[return-value]
+def _full_key(owner: str, device: torch.device, key: tuple) -> tuple:
+    # cuda_stream is the CUstream handle: unique among live streams (a destroyed stream's handle may be
+    # reused by a new one, which then inherits buffers no launch is using any more)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    return (owner, device, stream, *key)
 
 
-def has_persistent(key: tuple) -> bool:
-    return key in _PERSISTENT
+def persistent(owner: str, device: torch.device, key: tuple, make: Callable[[], T]) -> T:
+    """The buffer(s) kept for the process under (owner, device, current stream, *key), made on first use."""
+    full = _full_key(owner, device, key)
+    if full not in _PERSISTENT:
+        _PERSISTENT[full] = make()
+    return _PERSISTENT[full]  # type: ignore[return-value]
+
+
+def has_persistent(owner: str, device: torch.device, key: tuple) -> bool:
+    """Whether `persistent(owner, device, key, ...)` on the current stream would allocate nothing."""
+    return _full_key(owner, device, key) in _PERSISTENT
 
 
 def counters(owner: str, device: torch.device, size: int) -> torch.Tensor:
-    """int32 zeros [size] kept for the process, one per (owner, device, size); launches leave them at zero."""
-    return persistent((owner, device, size), lambda: torch.zeros(size, dtype=torch.int32, device=device))
+    """int32 zeros [size] kept for the process, one per (owner, device, stream, size); launches leave them at
+    zero."""
+    return persistent(owner, device, (size,), lambda: torch.zeros(size, dtype=torch.int32, device=device))
 
 
 def persistent_tensors(owner: str) -> list[torch.Tensor]:
-    """Every tensor kept for `owner` (tests check the counters are back at zero)."""
+    """Every tensor kept for `owner`, on every stream (tests check the counters are back at zero)."""
     out = []
     for key, v in _PERSISTENT.items():
         if key[0] == owner:
             out.extend(v if isinstance(v, tuple) else (v,))
     return out
+
+
+def capture_graph(fn: Callable[[], T], warmups: int = 2, pool=None,
+                  stream: "torch.cuda.Stream | None" = None) -> tuple["torch.cuda.CUDAGraph", T]:
+    """(graph, fn's result in the capture): run fn `warmups` times (Triton compiles, cuBLAS picks kernels,
+    the per-stream buffers above are made) and then capture one call, all on `stream` (default: a new side
+    stream), so that the capture records the buffers the warm-up made. fn must be safe to run repeatedly on the
+    same inputs. Replays may run on any stream."""
+    s = stream if stream is not None else torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=s):
+        out = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph, out

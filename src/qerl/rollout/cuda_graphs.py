@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from ..kernels.workspace import capture_graph
+
 
 class DecodeGraphs:
     """The captured decode steps, keyed by (batch bucket, attended cache length), in one memory pool."""
@@ -17,6 +19,7 @@ class DecodeGraphs:
     def __init__(self):
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._mempool = None
+        self._stream: torch.cuda.Stream | None = None
 
     def replay(self, key: tuple[int, int], step: Callable[[], object]) -> None:
         """Replay the graph of `key`, capturing `step` (one decode step on static buffers) first if there
@@ -27,19 +30,13 @@ class DecodeGraphs:
         graph.replay()
 
     def _capture(self, step: Callable[[], object]) -> "torch.cuda.CUDAGraph":
-        """Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture one step.
+        """Warm up and capture one step on this object's side stream (`kernels.workspace.capture_graph`).
 
         Warm-up runs write the same k/v the real step will write (same inputs), so they are harmless.
         """
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool()):
-            step()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        graph, _ = capture_graph(step, warmups=2, pool=self._pool(), stream=self._stream)
         return graph
 
     def _pool(self):
