@@ -44,8 +44,9 @@ def alloc(shape, device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _full_key(owner: str, device: torch.device, key: tuple) -> tuple:
-    # cuda_stream is the CUstream handle: unique among live streams (a destroyed stream's handle may be
-    # reused by a new one, which then inherits buffers no launch is using any more)
+    # cuda_stream is the CUstream handle: unique among live streams. A destroyed stream's handle may be
+    # reused by a new one, which then shares its buffers, also with graphs captured on the old stream: keep a
+    # capture stream alive as long as its graphs run concurrently with other work (DecodeGraphs does)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     return (owner, device, stream, *key)
 
