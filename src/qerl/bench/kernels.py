@@ -1,7 +1,7 @@
-"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on Qwen2.5 (and SmolLM2-135M) linear shapes (`qerl bench kernels`).
+"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on linear shapes (`qerl bench kernels`).
 
-For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-7B/14B/32B/72B or SmolLM2-135M) and each M it times,
-side by side on one GPU:
+For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-7B/14B/32B/72B or SmolLM2-135M) and each M it
+times, side by side on one GPU:
   cublas    F.linear with a bf16 weight (the 16-bit baseline);
   deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
   fused     the tl.dot kernel (`nvfp4_linear_triton`, the tile `pick_config` chooses);
@@ -315,7 +315,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="qerl bench kernels", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="7B,14B,32B,72B", help=f"comma list of {','.join(MODEL_SHAPES)} (Qwen2.5 sizes, SmolLM2-135M)")
+    p.add_argument("--models", default="7B,14B,32B,72B",
+                   help=f"comma list of {','.join(MODEL_SHAPES)} (Qwen2.5 sizes, SmolLM2-135M)")
     p.add_argument("--layers", default="qkv,o,gate_up,down")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M (forward)")
     p.add_argument("--backward-m", default=",".join(map(str, BACKWARD_M)), help="comma list of M (dY @ W); '' for none")

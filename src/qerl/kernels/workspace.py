@@ -10,7 +10,7 @@ counters (int32 zeros that every launch leaves at zero) and workspaces of the Gl
 kernels. CUDA graphs keep their addresses, so they are made once per key and never freed. They are kept per
 CUDA stream (the stream current at the call): launches in flight together on two streams never share a
 counter or a partial sum, and launches on one stream run in order, so they may. A graph capture therefore
-finds the buffers its warm-up made only when both ran on the same stream (`rollout.cuda_graphs` does so).
+finds the buffers its warm-up made only when both ran on the same stream (`capture_graph` below does so).
 """
 
 from collections.abc import Callable, Iterator
