@@ -68,3 +68,59 @@ def test_gradient_check_in_one_process_is_exact_and_reports_a_noise_floor():
     err, floor = check_distributed(runner, prompts=4)
     assert err == 0.0
     assert 0.0 <= floor < 0.05
+
+
+class _Recorded(StepRunner):
+    """A real runner that also notes, in a list shared by the runners, which variant stepped."""
+
+    def __init__(self, name, log, *a, **kw):
+        super().__init__(*a, **kw)
+        self.name, self.log = name, log
+
+    def step(self, prompts, completion, others_bytes=0):
+        self.log.append((self.name, completion))
+        return super().step(prompts, completion, others_bytes)
+
+
+def test_interleaved_rounds_alternate_the_order_and_report_each_order():
+    """Two resident variants: one warm-up step each, then counterbalanced rounds A B, B A per repetition; each row
+    carries the median per rotation, and the table gives the speedup vs bf16 in every order."""
+    from qerl.bench.step import time_cells
+
+    _, args = parse_args(["--models", "7b", "--variants", "bf16,nvfp4", "--prompts", "2", "--steps", "2",
+                          "--completion", "6", "--warmup-completion", "3", "--prompt", "5", "--group", "2",
+                          "--micro-batch", "2"])
+    log, runners, cells = [], {}, {}
+    for fmt in args.variants:
+        model = build_random_policy(Qwen2Config(**TINY), fmt, lora_r=4, device=torch.device("cpu"))
+        runners[fmt] = _Recorded(fmt, log, model, args, DistContext(), sigma=0.0)
+        cells[fmt] = dict(model="7b", variant=fmt, world=1, weights_gb=0.0)
+    rows = time_cells(runners, cells, 2, args, DistContext())
+    assert log == [("bf16", 3), ("nvfp4", 3)] + [("bf16", 6), ("nvfp4", 6), ("nvfp4", 6), ("bf16", 6)] * 2
+    for row in rows:
+        assert row["orders"] == ["bf16,nvfp4", "nvfp4,bf16"] and row["steps_timed"] == 4
+        assert len(row["step_by_order"]) == 2 and all(t > 0 for t in row["step_by_order"])
+    assert runners["nvfp4"].resident_bytes() > 0
+    text = table(rows, "cpu", args)
+    by_order = text.splitlines()[4].split("|")[10].strip()  # the nvfp4 row's "vs bf16 by order" cell
+    assert by_order.count("x") == 2 and " / " in by_order
+    assert "orders (rounds alternate between them): 1: bf16,nvfp4; 2: nvfp4,bf16" in text
+
+
+def test_resident_bytes_count_optimizer_state_once_it_exists():
+    model = build_random_policy(Qwen2Config(**TINY), "nvfp4", lora_r=4, device=torch.device("cpu"))
+    args = argparse.Namespace(prompt=5, completion=4, group=2, micro_batch=2, kl_beta=0.0)
+    runner = StepRunner(model, args, DistContext(), sigma=0.0)
+    before = runner.resident_bytes()
+    runner.step(prompts=1, completion=4)
+    lora_bytes = sum(p.numel() * p.element_size() for p in runner.params)
+    assert runner.resident_bytes() >= before + 2 * lora_bytes  # AdamW's two moments per LoRA parameter
+
+
+def test_order_and_steps_are_checked():
+    with pytest.raises(SystemExit):
+        parse_args(["--order", "random"])
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "bf16,bf16"])

@@ -8,6 +8,14 @@ micro-batches of --micro-batch sequences), then AdamW. Reported per cell: second
 speedup vs bf16 LoRA at the same model and batch, peak GPU memory; "OOM" when it does not fit.
 `--memory-cap-gib 78` limits this process's GPU memory (the usable memory of an 80 GB H100) to test fit.
 
+Order (`--order`). Which variant runs first changes its times (a process's first loss pass ran up to 40% slower
+than later ones), so by default every variant of a model is built once and the timed steps alternate in
+counterbalanced rounds: for variants A, B the rounds run A B, B A, A B, B A, ... (each rotation of the variant
+list once per repetition, `--steps` repetitions). Each cell reports the median over all its steps and, per
+rotation, the median of the steps in that rotation, so the speedup vs bf16 can be read in every order. Peak
+memory excludes what the other resident variants hold (their weights, LoRA, optimizer state).
+`--order sequential` builds and times one variant at a time (for models whose variants do not fit together).
+
 The model is built layer by layer on the GPU (meta device, then one decoder layer materialised, randomly
 initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed does not depend on
 weight values.
@@ -16,7 +24,8 @@ Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the pr
 gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
 gradient of a fixed batch equals the single-process gradient of the whole batch.
 
-    python benchmarks/e2e.py --models 7b --variants bf16,nf4,nvfp4,nvfp4+aqn --prompts 2,4,8 --out e2e.json
+    python benchmarks/e2e.py --models 7b --variants bf16,nvfp4 --prompts 8 --completion 512 --out e2e.json
+    python benchmarks/e2e.py --models 72b --variants nvfp4 --prompts 8 --order sequential --micro-batch 4
     torchrun --nproc-per-node 2 benchmarks/e2e.py --models 7b --variants nvfp4 --prompts 8 --check-dist
 """
 
@@ -91,8 +100,18 @@ class StepRunner:
                                        micro_batch_size=args.micro_batch)
         self.generator = torch.Generator(model.device).manual_seed(1 + dist_ctx.rank)
 
-    def step(self, prompts: int, completion: int) -> dict:
-        """prompts: this rank's number of prompts; returns seconds per phase and peak memory (GB)."""
+    def resident_bytes(self) -> int:
+        """Bytes this runner holds between steps (on its device): weights, buffers, LoRA gradients, optimizer
+        state."""
+        tensors = [*self.model.parameters(), *self.model.buffers(),
+                   *(p.grad for p in self.params if p.grad is not None),
+                   *(t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
+    def step(self, prompts: int, completion: int, others_bytes: int = 0) -> dict:
+        """prompts: this rank's number of prompts; others_bytes: GPU memory held by other resident runners
+        (subtracted from the peak). Returns seconds per phase and peak memory (GB)."""
         from ..nn.noisy_norm import NoisyNorms
         from ..rl.advantages import group_advantages
         from ..rl.collect import Experience
@@ -122,7 +141,7 @@ class StepRunner:
         policy_update(self.model, exp, self.optimizer, self.params, self.settings, dist_ctx=self.dist, timings=times)
         sync()
         times["step"] = time.perf_counter() - start
-        times["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if on_gpu else 0.0
+        times["peak_gb"] = (torch.cuda.max_memory_allocated() - others_bytes) / 1e9 if on_gpu else 0.0
         times["tokens"] = int(lengths.sum()) * self.dist.world
         return times
 
@@ -182,48 +201,101 @@ def free_gpu():
     torch.cuda.empty_cache()
 
 
+def _median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
+    """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
+    fmt, aqn = _variant(variant)
+    cell = dict(model=size, variant=variant, world=dist_ctx.world)
+    try:
+        t = time.perf_counter()
+        model = build_random_policy(config, fmt, args.lora_r, device)
+        cell["build_s"] = time.perf_counter() - t
+        cell["weights_gb"] = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()]) / 1e9
+        return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0)
+    except torch.OutOfMemoryError:
+        hint = " (try --order sequential)" if args.order == "interleaved" and len(args.variants) > 1 else ""
+        cell["error"] = "OOM (model)" + hint
+        model = None
+        free_gpu()
+        return cell, None
+
+
+def _oom(runner: "StepRunner", row: dict) -> None:
+    row["error"] = "OOM"
+    runner.optimizer.zero_grad(set_to_none=True)
+    runner.engine.release_memory()
+    free_gpu()
+
+
+def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list[dict]:
+    """One row per variant for `prompts` prompts: an untimed warm-up step each, then `args.steps` repetitions of
+    counterbalanced rounds (every rotation of the variant order once). Row values are medians over all timed
+    steps; row["orders"] lists the rotations and row["step_by_order"] the median step seconds in each."""
+    rows = {v: {**cells[v], "prompts": prompts, "sequences": prompts * args.group} for v in runners}
+    if prompts % dist_ctx.world:
+        for row in rows.values():
+            row["error"] = f"prompts not a multiple of {dist_ctx.world} ranks"
+        return list(rows.values())
+    mine = prompts // dist_ctx.world
+    alive = []
+    for v, runner in runners.items():
+        try:
+            runner.step(mine, min(args.warmup_completion, args.completion))  # compile, capture, autotune
+            alive.append(v)
+        except torch.OutOfMemoryError:
+            _oom(runner, rows[v])
+    resident = {v: runners[v].resident_bytes() for v in alive}
+    orders = [alive[o:] + alive[:o] for o in range(len(alive))]
+    samples = {v: [] for v in alive}
+    for _ in range(args.steps):
+        for o, order in enumerate(orders):
+            for v in order:
+                if "error" in rows[v]:
+                    continue
+                others = sum(b for u, b in resident.items() if u != v)
+                try:
+                    samples[v].append((o, runners[v].step(mine, args.completion, others_bytes=others)))
+                except torch.OutOfMemoryError:
+                    _oom(runners[v], rows[v])
+    for v in alive:
+        if "error" in rows[v] or not samples[v]:
+            continue
+        steps = [t for _, t in samples[v]]
+        rows[v].update({k: _median([s[k] for s in steps]) for k in steps[0]})
+        rows[v]["steps_timed"] = len(steps)
+        rows[v]["orders"] = [",".join(order) for order in orders]
+        in_order = [[t["step"] for o2, t in samples[v] if o2 == o] for o in range(len(orders))]
+        rows[v]["step_by_order"] = [_median(s) if s else None for s in in_order]
+    if args.check_dist and dist_ctx.world > 1:
+        for v in alive:
+            if "error" not in rows[v]:
+                rows[v]["dist_grad_rel_err"], rows[v]["dist_grad_noise_floor"] = check_distributed(runners[v], prompts)
+    return list(rows.values())
+
+
 def run(args, dist_ctx) -> list[dict]:
     results = []
     device = torch.device("cuda", dist_ctx.local_rank)
     for size in args.models:
         config = model_config(size, args.layers)
-        for variant in args.variants:
-            fmt, aqn = _variant(variant)
-            cell = dict(model=size, variant=variant, world=dist_ctx.world)
-            runner = None
-            try:
-                t = time.perf_counter()
-                model = build_random_policy(config, fmt, args.lora_r, device)
-                cell["build_s"] = time.perf_counter() - t
-                cell["weights_gb"] = sum(x.numel() * x.element_size()
-                                         for x in [*model.parameters(), *model.buffers()]) / 1e9
-                runner = StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0)
-            except torch.OutOfMemoryError:
-                results.append({**cell, "error": "OOM (model)"})
-                _report(results, args, dist_ctx)
-                runner = model = None
-                free_gpu()
-                continue
-            for prompts in args.prompts:
-                row = {**cell, "prompts": prompts, "sequences": prompts * args.group}
-                if prompts % dist_ctx.world:
-                    row["error"] = f"prompts not a multiple of {dist_ctx.world} ranks"
+        groups = [[v] for v in args.variants] if args.order == "sequential" else [list(args.variants)]
+        for group in groups:
+            runners, cells = {}, {}
+            for variant in group:
+                cell, runner = _build(config, variant, args, dist_ctx, device, size)
+                if runner is None:
+                    results.append(cell)
+                    _report(results, args, dist_ctx)
                 else:
-                    try:
-                        mine = prompts // dist_ctx.world
-                        runner.step(mine, min(args.warmup_completion, args.completion))  # compile, capture, autotune
-                        steps = [runner.step(mine, args.completion) for _ in range(args.steps)]
-                        row.update({k: sorted(s[k] for s in steps)[len(steps) // 2] for k in steps[0]})
-                        if args.check_dist and dist_ctx.world > 1:
-                            row["dist_grad_rel_err"], row["dist_grad_noise_floor"] = check_distributed(runner, prompts)
-                    except torch.OutOfMemoryError:
-                        row["error"] = "OOM"
-                        runner.optimizer.zero_grad(set_to_none=True)
-                        runner.engine.release_memory()
-                        free_gpu()
-                results.append(row)
-                _report(results, args, dist_ctx)
-            del runner, model
+                    runners[variant], cells[variant] = runner, cell
+            for prompts in args.prompts if runners else []:
+                for row in time_cells(runners, cells, prompts, args, dist_ctx):
+                    results.append(row)
+                    _report(results, args, dist_ctx)
+            runners = runner = None  # drop the last references before the next group is built
             free_gpu()
     return results
 
@@ -242,25 +314,36 @@ def _report(results, args, dist_ctx):
 PHASES = ("rollout", "reference", "loss_backward", "optimizer", "step")
 
 
+def _by_order(r: dict, base: dict | None) -> str:
+    """Speedup vs bf16 per rotation ("2.01x / 1.95x"), from steps timed in the same rounds as bf16's."""
+    if (not base or r.get("orders") != base.get("orders") or "step_by_order" not in r
+            or None in r["step_by_order"] or None in base["step_by_order"]):
+        return "-"
+    return " / ".join(f"{b / t:.2f}x" for b, t in zip(base["step_by_order"], r["step_by_order"]))
+
+
 def table(results, device, args) -> str:
-    base = {(r["model"], r["prompts"]): r["step"] for r in results if r.get("variant") == "bf16" and "step" in r}
+    base = {(r["model"], r["prompts"]): r for r in results if r.get("variant") == "bf16" and "step" in r}
+    orders = next((r["orders"] for r in results if "orders" in r and len(r["orders"]) > 1), None)
     lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, completion {args.completion}, "
              f"G {args.group}, LoRA r {args.lora_r}, micro-batch {args.micro_batch}, KL beta {args.kl_beta}, "
-             f"GPUs {results[0]['world'] if results else 1}"
+             f"GPUs {results[0]['world'] if results else 1}, order {args.order}, {args.steps} step(s) per rotation"
              + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
              "| model | variant | prompts x G | rollout s | reference s | loss+backward s | optimizer s | step s "
-             "| vs bf16 | tokens/s | peak GB | weights GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs bf16 | vs bf16 by order | tokens/s | peak GB | weights GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         head = f"| {r['model']} | {r['variant']} | {r.get('prompts', '-')} x {args.group} |"
         if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | | | | {r.get('weights_gb', 0):.1f} |")
+            lines.append(f"{head} {r['error']} | | | | | | | | | {r.get('weights_gb', 0):.1f} |")
             continue
         b = base.get((r["model"], r["prompts"]))
-        speed = f"{b / r['step']:.2f}x" if b else "-"
+        speed = f"{b['step'] / r['step']:.2f}x" if b else "-"
         lines.append(f"{head} {r['rollout']:.2f} | {r.get('reference', 0):.2f} | {r['loss_backward']:.2f} | "
-                     f"{r['optimizer']:.3f} | {r['step']:.2f} | {speed} | {r['tokens'] / r['step']:.0f} | "
-                     f"{r['peak_gb']:.1f} | {r['weights_gb']:.1f} |")
+                     f"{r['optimizer']:.3f} | {r['step']:.2f} | {speed} | {_by_order(r, b)} | "
+                     f"{r['tokens'] / r['step']:.0f} | {r['peak_gb']:.1f} | {r['weights_gb']:.1f} |")
+    if orders:
+        lines.append("\norders (rounds alternate between them): " + "; ".join(f"{i + 1}: {o}" for i, o in enumerate(orders)))
     if any("dist_grad_rel_err" in r for r in results):
         errs = [r["dist_grad_rel_err"] for r in results if "dist_grad_rel_err" in r]
         floor = [r["dist_grad_noise_floor"] for r in results if "dist_grad_noise_floor" in r]
@@ -279,8 +362,11 @@ def parse_args(argv=None):
     ap.add_argument("--completion", type=int, default=2048, help="forced completion length (the paper: 2048)")
     ap.add_argument("--warmup-completion", type=int, default=32, help="completion length of the untimed warm-up step")
     ap.add_argument("--steps", type=int, default=3,
-                    help="timed steps per cell, median reported (one step is noisy: the first timed step of a "
-                         "process ran its loss phase up to 20%% slower, docs/benchmarks.md)")
+                    help="timed steps per variant and order (interleaved: repetitions of the counterbalanced "
+                         "rounds; sequential: timed steps); medians reported")
+    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
+                    help="interleaved: all variants of a model resident, steps alternate in counterbalanced rounds "
+                         "(order-fair); sequential: one variant at a time (less memory)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
@@ -293,6 +379,10 @@ def parse_args(argv=None):
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
     args.prompts = [int(p) for p in args.prompts.split(",")]
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if len(set(args.variants)) != len(args.variants):
+        ap.error(f"--variants lists a variant twice: {','.join(args.variants)}")
     for size in args.models:
         model_config(size, 1)
     for v in args.variants:

@@ -1,0 +1,88 @@
+"""How fast an NVFP4 LoRA step can be at most, against the bf16 LoRA step measured beside it (`qerl bench step`).
+
+A W4A16 kernel does the same bf16 tensor-core work as cuBLAS plus a decode, so on the passes that run
+thousands of rows per matmul (reference, loss + backward) it can at best tie bf16. Only the rollout can gain,
+and a decode step reads, per token, every weight but the input embedding plus the KV cache: its time falls
+at most by the ratio of those bytes. The ceiling keeps bf16's measured reference, loss+backward, optimizer
+and untimed glue, and divides bf16's measured rollout by that byte ratio (an upper bound: it assumes bf16's
+whole rollout scales with bytes read, though part of it is sampling, attention arithmetic and launches).
+
+    python benchmarks/step_ceiling.py docs/results/e2e_7b_h100_2026-11-25_interleaved.json
+"""
+
+import argparse
+import json
+
+from .rollout import qwen25_config
+
+BF16_BYTES = 2
+
+
+def kv_cache_bytes(config, sequences: int, prompt: int, completion: int) -> float:
+    """Bytes of K and V (bf16) one decode step reads, averaged over the completion: every sequence attends to
+    prompt + completion / 2 positions on average, through every layer's K and V."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * BF16_BYTES
+    return sequences * (prompt + completion / 2) * per_position
+
+
+def decode_bytes(config, weights_gb: float) -> float:
+    """Weight bytes one decode step reads: everything the policy holds except the input embedding (a decode
+    step gathers one row of it per sequence)."""
+    return weights_gb * 1e9 - config.vocab_size * config.hidden_size * BF16_BYTES
+
+
+def ceiling(bf16: dict, nvfp4: dict, prompt: int, completion: int) -> dict:
+    """bf16, nvfp4: result rows of one (model, prompts) cell (`qerl bench step --out`, the same run)."""
+    config = qwen25_config(bf16["model"])
+    kv = kv_cache_bytes(config, bf16["sequences"], prompt, completion)
+    ratio = (decode_bytes(config, bf16["weights_gb"]) + kv) / (decode_bytes(config, nvfp4["weights_gb"]) + kv)
+    rest = bf16["step"] - bf16["rollout"]  # reference + loss+backward + optimizer + glue, at best tied
+    best = rest + bf16["rollout"] / ratio
+    return dict(model=bf16["model"], prompts=bf16["prompts"], sequences=bf16["sequences"], completion=completion,
+                kv_gb=kv / 1e9, byte_ratio=ratio, bf16_step=bf16["step"], bf16_rollout=bf16["rollout"],
+                rest=rest, best_step=best, ceiling=bf16["step"] / best,
+                no_rollout_ceiling=bf16["step"] / rest, measured=bf16["step"] / nvfp4["step"],
+                nvfp4_rollout=nvfp4["rollout"], nvfp4_rest=nvfp4["step"] - nvfp4["rollout"])
+
+
+def cells(report: dict) -> list[dict]:
+    """The ceiling of every (model, prompts) cell of a `qerl bench step --out` report that has bf16 and nvfp4."""
+    args, rows = report["args"], [r for r in report["results"] if "step" in r]
+    out = []
+    for r in rows:
+        if r["variant"] != "nvfp4":
+            continue
+        base = next((b for b in rows if b["variant"] == "bf16" and b["model"] == r["model"]
+                     and b["prompts"] == r["prompts"]), None)
+        if base is not None:
+            out.append(ceiling(base, r, args["prompt"], args["completion"]))
+    return out
+
+
+def table(reports: list[tuple[str, dict]]) -> str:
+    lines = ["| run | model | prompts x G | completion | bf16 step s | bf16 rollout s | bf16 rest s | KV GB/step "
+             "| bytes bf16 / NVFP4 | ceiling step s | **ceiling** | no-rollout ceiling | **measured** "
+             "| NVFP4 rollout / rest s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, report in reports:
+        g = report["args"]["group"]
+        for c in cells(report):
+            lines.append(f"| {name} ({report['device']}, {report['date']}) | {c['model']} | {c['prompts']} x {g} "
+                         f"| {c['completion']} | {c['bf16_step']:.2f} | {c['bf16_rollout']:.2f} | {c['rest']:.2f} "
+                         f"| {c['kv_gb']:.2f} | {c['byte_ratio']:.2f} | {c['best_step']:.2f} "
+                         f"| **{c['ceiling']:.2f}x** | {c['no_rollout_ceiling']:.2f}x | **{c['measured']:.2f}x** "
+                         f"| {c['nvfp4_rollout']:.2f} / {c['nvfp4_rest']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="step_ceiling", description=__doc__.split("\n\n")[0])
+    ap.add_argument("reports", nargs="+", help="JSON files written by `qerl bench step --out`")
+    args = ap.parse_args(argv)
+    reports = []
+    for path in args.reports:
+        with open(path) as f:
+            reports.append((path.rsplit("/", 1)[-1], json.load(f)))
+    print(table(reports))
+    return 0
