@@ -18,8 +18,10 @@ permuted the same way before it is stored, so the product is unchanged (the sum 
 PI maps the A layout's register k-bits (1, 8, 16, 32) -> byte bits (0, 1, 2, 3), its lane k-bits (2, 4) -> 4,
 5 and a further register k-bit (64, BKH = 128) -> 6.
 
-The wgmma is synchronous (an async form does not overlap decode and MMA: ptxas waits before reusing the A
-registers); several programs per SM overlap them instead.
+The wgmma is synchronous; several programs per SM (3 fit at 157 registers) overlap one program's decode with
+another's MMA. An asynchronous form whose decode of tile i+1 runs under the MMA of tile i (the wait moved to the
+top of the next step: otherwise ptxas hands the A registers to the decode and waits first) is slower at 64-256
+rows: 185 registers and a third stage leave 2 programs per SM (commit b018af3, docs/benchmarks.md).
 x reaches shared memory one of two ways: staged through registers every step (`_stage_x`: global load,
 lo/hi split, PI permutation, store), or, XP=True, rewritten once per call by `permute_x_kernel` into that
 order and copied by cp.async together with the weight bytes of each pipeline stage (`_issue_xp`; no global
