@@ -100,6 +100,8 @@ def test_interleaved_rounds_alternate_the_order_and_report_each_order():
     for row in rows:
         assert row["orders"] == ["bf16,nvfp4", "nvfp4,bf16"] and row["steps_timed"] == 4
         assert len(row["step_by_order"]) == 2 and all(t > 0 for t in row["step_by_order"])
+        assert [o for o, _ in row["step_samples"]] == [0, 1, 0, 1]
+        assert row["step"] == sorted(t for _, t in row["step_samples"])[2]  # upper median of 4
     assert runners["nvfp4"].resident_bytes() > 0
     text = table(rows, "cpu", args)
     by_order = text.splitlines()[4].split("|")[10].strip()  # the nvfp4 row's "vs bf16 by order" cell

@@ -34,6 +34,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import statistics
 import time
 
 import torch
@@ -202,7 +203,8 @@ def free_gpu():
 
 
 def _median(values):
-    return sorted(values)[len(values) // 2]
+    """The median; for an even count the upper of the two middle values (a value that was measured)."""
+    return statistics.median_high(values)
 
 
 def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
@@ -233,7 +235,8 @@ def _oom(runner: "StepRunner", row: dict) -> None:
 def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list[dict]:
     """One row per variant for `prompts` prompts: an untimed warm-up step each, then `args.steps` repetitions of
     counterbalanced rounds (every rotation of the variant order once). Row values are medians over all timed
-    steps; row["orders"] lists the rotations and row["step_by_order"] the median step seconds in each."""
+    steps; row["orders"] lists the rotations, row["step_by_order"] the median step seconds in each and
+    row["step_samples"] every timed step as [rotation, seconds]."""
     rows = {v: {**cells[v], "prompts": prompts, "sequences": prompts * args.group} for v in runners}
     if prompts % dist_ctx.world:
         for row in rows.values():
@@ -266,6 +269,7 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
         steps = [t for _, t in samples[v]]
         rows[v].update({k: _median([s[k] for s in steps]) for k in steps[0]})
         rows[v]["steps_timed"] = len(steps)
+        rows[v]["step_samples"] = [[o, t["step"]] for o, t in samples[v]]  # (rotation, seconds) in run order
         rows[v]["orders"] = [",".join(order) for order in orders]
         in_order = [[t["step"] for o2, t in samples[v] if o2 == o] for o in range(len(orders))]
         rows[v]["step_by_order"] = [_median(s) if s else None for s in in_order]
@@ -363,7 +367,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-completion", type=int, default=32, help="completion length of the untimed warm-up step")
     ap.add_argument("--steps", type=int, default=3,
                     help="timed steps per variant and order (interleaved: repetitions of the counterbalanced "
-                         "rounds; sequential: timed steps); medians reported")
+                         "rounds; sequential: timed steps); medians reported (the upper middle value for an even "
+                         "count: use 3 or more per order)")
     ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
                     help="interleaved: all variants of a model resident, steps alternate in counterbalanced rounds "
                          "(order-fair); sequential: one variant at a time (less memory)")
