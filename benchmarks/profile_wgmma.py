@@ -12,18 +12,26 @@ Each case launches twice (the tensor-pipe metric reads n/a on the H100); raw res
 """
 
 import torch
-from qerl.bench.kernels import _weights
-from qerl.kernels import gluon_nvfp4 as gk
 
 CASES = [("gate_up", 37888, 3584, 64), ("gate_up", 37888, 3584, 256), ("qkv", 4608, 3584, 128),
-         ("down", 3584, 18944, 256)]
-for name, n, k, m in CASES:
-    _, q = _weights(n, k, 1)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    for _ in range(2):
-        gk.nvfp4_linear_gluon(x, **q[0], wgmma=True, x_permuted=True)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    for _ in range(2):
-        torch.nn.functional.linear(x, w)
-    torch.cuda.synchronize()
-    print(f"{name} {n}x{k} M={m}: launched", flush=True)
+         ("down", 3584, 18944, 256)]  # (name, N, K, M)
+
+
+def main() -> None:
+    from qerl.bench.kernels import _weights
+    from qerl.kernels import gluon_nvfp4 as gk
+
+    for name, n, k, m in CASES:
+        _, q = _weights(n, k, 1)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            gk.nvfp4_linear_gluon(x, **q[0], wgmma=True, x_permuted=True)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            torch.nn.functional.linear(x, w)
+        torch.cuda.synchronize()
+        print(f"{name} {n}x{k} M={m}: launched", flush=True)
+
+
+if __name__ == "__main__":
+    main()
