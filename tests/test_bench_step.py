@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from qerl.bench.step import StepRunner, build_random_policy, parse_args, table
+from qerl.bench.step import StepRunner, build_random_policy, ceiling_table, parse_args, table
 from qerl.nn import QuantLinear
 from qerl.rl.distributed import DistContext
 
@@ -94,7 +94,7 @@ def test_interleaved_rounds_alternate_the_order_and_report_each_order():
     for fmt in args.variants:
         model = build_random_policy(Qwen2Config(**TINY), fmt, lora_r=4, device=torch.device("cpu"))
         runners[fmt] = _Recorded(fmt, log, model, args, DistContext(), sigma=0.0)
-        cells[fmt] = dict(model="7b", variant=fmt, world=1, weights_gb=0.0)
+        cells[fmt] = dict(model="7b", variant=fmt, world=1, weights_gb={"bf16": 15.6, "nvfp4": 6.2}[fmt])
     rows = time_cells(runners, cells, 2, args, DistContext())
     assert log == [("bf16", 3), ("nvfp4", 3)] + [("bf16", 6), ("nvfp4", 6), ("nvfp4", 6), ("bf16", 6)] * 2
     for row in rows:
@@ -107,6 +107,9 @@ def test_interleaved_rounds_alternate_the_order_and_report_each_order():
     by_order = text.splitlines()[4].split("|")[10].strip()  # the nvfp4 row's "vs bf16 by order" cell
     assert by_order.count("x") == 2 and " / " in by_order
     assert "orders (rounds alternate between them): 1: bf16,nvfp4; 2: nvfp4,bf16" in text
+    bound = ceiling_table(rows, "cpu", args)  # the 7b shapes' byte ratio on the tiny models' timings
+    assert "this run (cpu," in bound and bound.count("| 7b |") == 1 and "**measured**" in bound
+    assert ceiling_table([r for r in rows if r["variant"] == "bf16"], "cpu", args) == ""
 
 
 def test_resident_bytes_count_optimizer_state_once_it_exists():

@@ -42,3 +42,12 @@ def test_an_ideal_nvfp4_step_measures_at_the_ceiling(tmp_path, capsys):
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert f"**{c['ceiling']:.2f}x**" in out and out.count("| 7b |") == 1
+
+
+def test_a_run_too_small_for_the_model_is_refused_and_layers_are_honoured():
+    bf16, nvfp4 = _row("bf16", 4.0, 6.0, 0.5), _row("nvfp4", 3.0, 6.0, 0.4)
+    with pytest.raises(ValueError, match="not a run of that model"):
+        ceiling(bf16, nvfp4, prompt=256, completion=512)
+    full = ceiling(_row("bf16", 4.0, 6.0, 15.5), _row("nvfp4", 3.0, 6.0, 6.2), 256, 512)
+    two = ceiling(_row("bf16", 4.0, 6.0, 15.5), _row("nvfp4", 3.0, 6.0, 6.2), 256, 512, layers=2)
+    assert two["kv_gb"] == pytest.approx(full["kv_gb"] * 2 / 28)

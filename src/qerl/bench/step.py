@@ -356,6 +356,20 @@ def table(results, device, args) -> str:
     return "\n".join(lines)
 
 
+def ceiling_table(results, device, args) -> str:
+    """`step_ceiling`'s bound for every (model, prompts) cell with both bf16 and nvfp4 rows, or "" if none."""
+    from .step_ceiling import cells, table as bound_table
+
+    report = dict(device=device, date=str(datetime.date.today()), args=vars(args), results=results)
+    try:
+        if not cells(report):
+            return ""
+        return ("ceiling of the NVFP4 step for 4-bit-weight kernels (python benchmarks/step_ceiling.py --help):\n"
+                + bound_table([("this run", report)]))
+    except ValueError as e:  # the measurements above stand; only the bound is not computable
+        return f"no ceiling for this run: {e}"
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b", help=f"comma list of {','.join(QWEN25)}")
@@ -414,6 +428,9 @@ def main(argv=None) -> int:
     if dist_ctx.is_main:
         device = torch.cuda.get_device_name()
         print(table(results, device, args))
+        bound = ceiling_table(results, device, args)
+        if bound:
+            print("\n" + bound)
     if dist_ctx.enabled:
         torch.distributed.destroy_process_group()
     return 0

@@ -32,11 +32,16 @@ def decode_bytes(config, weights_gb: float) -> float:
     return weights_gb * 1e9 - config.vocab_size * config.hidden_size * BF16_BYTES
 
 
-def ceiling(bf16: dict, nvfp4: dict, prompt: int, completion: int) -> dict:
-    """bf16, nvfp4: result rows of one (model, prompts) cell (`qerl bench step --out`, the same run)."""
-    config = qwen25_config(bf16["model"])
+def ceiling(bf16: dict, nvfp4: dict, prompt: int, completion: int, layers: int | None = None) -> dict:
+    """bf16, nvfp4: result rows of one (model, prompts) cell (`qerl bench step --out`, the same run); layers: the
+    run's --layers (None: the model's own)."""
+    config = qwen25_config(bf16["model"], layers)
     kv = kv_cache_bytes(config, bf16["sequences"], prompt, completion)
-    ratio = (decode_bytes(config, bf16["weights_gb"]) + kv) / (decode_bytes(config, nvfp4["weights_gb"]) + kv)
+    weights = [decode_bytes(config, r["weights_gb"]) for r in (bf16, nvfp4)]
+    if min(weights) <= 0:
+        raise ValueError(f"weights_gb {bf16['weights_gb']} / {nvfp4['weights_gb']} do not exceed the input "
+                         f"embedding of Qwen2.5-{bf16['model']}: not a run of that model")
+    ratio = (weights[0] + kv) / (weights[1] + kv)
     rest = bf16["step"] - bf16["rollout"]  # reference + loss+backward + optimizer + glue, at best tied
     best = rest + bf16["rollout"] / ratio
     return dict(model=bf16["model"], prompts=bf16["prompts"], sequences=bf16["sequences"], completion=completion,
@@ -56,7 +61,7 @@ def cells(report: dict) -> list[dict]:
         base = next((b for b in rows if b["variant"] == "bf16" and b["model"] == r["model"]
                      and b["prompts"] == r["prompts"]), None)
         if base is not None:
-            out.append(ceiling(base, r, args["prompt"], args["completion"]))
+            out.append(ceiling(base, r, args["prompt"], args["completion"], args.get("layers")))
     return out
 
 
