@@ -1,7 +1,7 @@
 """The routing rule `qerl.kernels.route.route` as a table (CPU only: the rule is pure, no kernel runs).
 
 Shapes are Qwen2.5 layers (N, K): 7B q/k/v 4608x3584 (16.5M elements), 7B gate_up 37888x3584 (136M),
-72B o 8192x8192 (67M), SmolLM2 k/v 192x576 (K % 128 != 0). Capabilities: (8, 0) A100, (8, 9) L4,
+7B down 3584x18944 (68M), 72B o 8192x8192 (67M), 72B down 8192x29568 (242M), SmolLM2 k/v 192x576 (K % 128 != 0). Capabilities: (8, 0) A100, (8, 9) L4,
 (9, 0) H100/H200, (10, 0) B200, (12, 0) RTX 50xx, None = CPU input or Triton off.
 """
 
@@ -11,6 +11,7 @@ import torch
 from qerl.kernels import route as rt
 
 QKV, GATE_UP, O72, SMOL = (4608, 3584), (37888, 3584), (8192, 8192), (192, 576)
+DOWN, DOWN72 = (3584, 18944), (8192, 29568)
 H100, A100, B200 = (9, 0), (8, 0), (10, 0)
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -28,8 +29,15 @@ TABLE = [
     ("nvfp4", "forward", 65, QKV, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),  # above 64 rows x always permuted
     ("nvfp4", "forward", 128, QKV, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),
     ("nvfp4", "forward", 129, QKV, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
-    ("nvfp4", "forward", 256, GATE_UP, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),
-    ("nvfp4", "forward", 257, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 255, GATE_UP, H100, BF16, 0, True, rt.GLUON_WGMMA_XP),
+    # the warp-specialized kernel: 256-1024 rows, weights >= 8192 rows and >= 2^27 elements
+    ("nvfp4", "forward", 256, GATE_UP, H100, BF16, 16, True, rt.GLUON_WGMMA_WS),
+    ("nvfp4", "forward", 1024, DOWN72, H100, BF16, 0, True, rt.GLUON_WGMMA_WS),
+    ("nvfp4", "forward", 1025, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 512, DOWN, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),  # 3584 rows: not wide enough
+    ("nvfp4", "forward", 512, O72, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),  # 67M elements: too small
+    ("nvfp4", "forward", 512, GATE_UP, H100, FP16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "forward", 512, GATE_UP, B200, BF16, 0, True, rt.TRITON_DEQUANTIZE),
     ("nvfp4", "forward", 4096, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
     # other sm_80+ GPUs: mma.sync up to 64 rows, then the Triton kernels
     ("nvfp4", "forward", 1, QKV, A100, BF16, 0, True, rt.GLUON_MMA),
@@ -90,6 +98,9 @@ def test_unavailable_backends_are_routed_around():
     assert rt.route("nvfp4", 16, *GATE_UP, H100, unavailable=wg) == rt.GLUON_MMA
     assert rt.route("nvfp4", 100, *GATE_UP, H100, unavailable=wg) == rt.TRITON_DEQUANTIZE
     assert rt.route("nvfp4", 1, *QKV, H100, unavailable=frozenset(rt.GLUON_NVFP4)) == rt.TRITON_GEMV
+    ws = frozenset({rt.GLUON_WGMMA_WS})
+    assert rt.route("nvfp4", 256, *GATE_UP, H100, unavailable=ws) == rt.GLUON_WGMMA_XP
+    assert rt.route("nvfp4", 512, *GATE_UP, H100, unavailable=ws) == rt.TRITON_DEQUANTIZE
     assert rt.route("bf16", 1, *QKV, H100, unavailable=frozenset({rt.GLUON_BF16})) == rt.TORCH_LINEAR
 
 

@@ -223,6 +223,9 @@ def main(argv=None) -> int:
                     help="sample with torch ops instead of the one-launch Triton sampler")
     ap.add_argument("--quantize-embeddings", action="store_true",
                     help="<fmt>+lora variants with a 4-bit fmt also store the input embedding in fmt")
+    ap.add_argument("--disable", default="",
+                    help="comma list of kernel backends to route around (qerl.kernels.route names, e.g. "
+                         "gluon_wgmma_ws): an A/B of one kernel inside the engine")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -232,9 +235,16 @@ def main(argv=None) -> int:
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth()
+    from ..kernels.route import BACKENDS, kernel_policy
+
+    disabled = [b for b in args.disable.split(",") if b]
+    unknown = sorted(set(disabled) - set(BACKENDS))
+    if unknown:
+        ap.error(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
     results = []
-    for size in args.models.split(","):
-        run_size(size, args, bw, results)
+    with kernel_policy(disabled=disabled):
+        for size in args.models.split(","):
+            run_size(size, args, bw, results)
     print(table(results, device, bw))
     if args.out:
         with open(args.out, "w") as f:

@@ -64,6 +64,8 @@ def _linear(backend: str, x, weight_packed, weight_scale, weight_global_scale, b
 def _gluon_linear(backend: str, x, weight_packed, weight_scale, weight_global_scale, bias, lora):
     """The routed Gluon kernel, or None after marking it unavailable when this Triton / GPU cannot build it
     (then the caller routes again)."""
+    if backend == rt.GLUON_WGMMA_WS:
+        return _gluon_ws_linear(x, weight_packed, weight_scale, weight_global_scale, bias, lora)
     try:
         from . import gluon_nvfp4
     except (ImportError, AttributeError) as e:  # no triton.experimental.gluon, or a different API
@@ -80,6 +82,24 @@ def _gluon_linear(backend: str, x, weight_packed, weight_scale, weight_global_sc
         if backend == rt.GLUON_MMA:
             return _unavailable(e, "Gluon NVFP4 decode kernel", *rt.GLUON_NVFP4)
         return _unavailable(e, "wgmma form of the Gluon NVFP4 decode kernel", rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
+
+
+def _gluon_ws_linear(x, weight_packed, weight_scale, weight_global_scale, bias, lora):
+    """The warp-specialized kernel, or None after marking it unavailable (no warp_specialize / TMA in this
+    Triton, or a build that fails here); the other Gluon kernels stay routable."""
+    try:
+        from . import gluon_nvfp4_wgmma_ws
+    except (ImportError, AttributeError) as e:
+        return _unavailable(e, "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS)
+    try:
+        return gluon_nvfp4_wgmma_ws.nvfp4_linear_ws_gluon(x, weight_packed, weight_scale, weight_global_scale, bias,
+                                                          lora)
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        return _unavailable(e, "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS)
 
 
 def _unavailable(e: Exception, what: str, *backends: str) -> None:

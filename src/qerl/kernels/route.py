@@ -13,6 +13,8 @@ test) and nowhere else. The rules and the measurements that set them (H200; docs
                                 weight above swap_max_m rows);
     sm_90, up to wgmma_max_m    the wgmma form with 128-row tiles (up to wgmma_max_m_big rows for weights of
                                 >= big_weight elements);
+    sm_90, ws_min_m..ws_max_m   for weights of >= ws_min_n rows and >= ws_min_weight elements: the
+                                warp-specialized wgmma kernel (`gluon_wgmma_ws`), ahead of the rules above;
   otherwise (and for fp16 x, other K, small global scales, older GPUs, MXFP4, and the input gradient dY @ W):
     rows 1..gemv_max_m          the CUDA-core kernel (`triton_gemv`; NVFP4 forward only);
     rows <= fused_max_m         the tl.dot kernel decoding W in registers (`triton_dot`), also up to
@@ -47,8 +49,9 @@ TRITON_GEMV = "triton_gemv"  # `triton_fp4.nvfp4_linear_gemv` (CUDA cores)
 GLUON_MMA = "gluon_mma"  # `gluon_nvfp4`, mma.sync
 GLUON_WGMMA = "gluon_wgmma"  # `gluon_nvfp4` launching `gluon_nvfp4_wgmma`, x staged through registers
 GLUON_WGMMA_XP = "gluon_wgmma_xp"  # the same, x rewritten once in operand order (`permute_x_kernel`)
+GLUON_WGMMA_WS = "gluon_wgmma_ws"  # `gluon_nvfp4_wgmma_ws`: TMA producer warp, two decoding wgmma warpgroups
 GLUON_BF16 = "gluon_bf16"  # `gluon_bf16`
-GLUON_NVFP4 = (GLUON_MMA, GLUON_WGMMA, GLUON_WGMMA_XP)
+GLUON_NVFP4 = (GLUON_MMA, GLUON_WGMMA, GLUON_WGMMA_XP, GLUON_WGMMA_WS)
 BACKENDS = (TORCH_DEQUANTIZE, TORCH_LINEAR, TRITON_DEQUANTIZE, TRITON_DOT, TRITON_GEMV, *GLUON_NVFP4, GLUON_BF16)
 
 
@@ -64,6 +67,12 @@ class KernelPolicy:
     wgmma_small_m_min_weight: int = 100 * 2**20
     wgmma_max_m: int = 128  # rows above swap_max_m (`qerl bench kernels`, routed vs deq+cuBLAS at M = 128/256)
     wgmma_max_m_big: int = 256
+    # the warp-specialized wgmma kernel: ws_min_m..ws_max_m rows, weights with >= ws_min_n rows and
+    # >= ws_min_weight elements (`python benchmarks/wgmma_ws_ab.py`, docs/benchmarks.md "Kernels")
+    ws_min_m: int = 256
+    ws_max_m: int = 1024
+    ws_min_n: int = 8192
+    ws_min_weight: int = 2**27
     # "big" weights: above it the wgmma form takes x pre-permuted and more rows, and the tl.dot kernel more rows
     big_weight: int = 32 * 2**20
     permute_x: bool | None = None  # wgmma form: force x staged (False) or pre-permuted (True); None: the rule
@@ -120,6 +129,12 @@ def wgmma_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
     return m <= (p.wgmma_max_m_big if n * k >= p.big_weight else p.wgmma_max_m)
 
 
+def ws_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
+    """Shapes for which the warp-specialized wgmma kernel beats both the single-warpgroup form and dequantize +
+    cuBLAS (H100: the 7B/32B/72B MLP weights at 256-1024 rows; it loses on q/k/v, o and the 7B down weight)."""
+    return p.ws_min_m <= m <= p.ws_max_m and n >= p.ws_min_n and n * k >= p.ws_min_weight
+
+
 def permute_x_rule(p: KernelPolicy, m: int, n: int, k: int) -> bool:
     """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step
     (always above swap_max_m rows: staging a 128-row x tile through registers every step costs more)."""
@@ -157,6 +172,8 @@ def route(fmt: str, m: int, n: int, k: int, capability: tuple[int, int] | None, 
         return TORCH_DEQUANTIZE
     if fmt == "nvfp4" and op == "forward":
         if dtype == torch.bfloat16 and k % 128 == 0 and step_fits and capability >= (8, 0) and m >= 1:
+            if capability == (9, 0) and ws_rows(p, m, n, k) and GLUON_WGMMA_WS not in off:
+                return GLUON_WGMMA_WS
             if capability == (9, 0) and wgmma_rows(p, m, n, k):
                 wg = GLUON_WGMMA_XP if permute_x(p, m, n, k) else GLUON_WGMMA
                 if wg not in off:

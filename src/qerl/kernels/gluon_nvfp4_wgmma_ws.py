@@ -1,0 +1,287 @@
+"""Gluon kernel: NVFP4 x bf16 on Hopper, warp-specialized, with the decoded weights kept in registers.
+
+Routed (`route.GLUON_WGMMA_WS`) for large weights at a few hundred rows, where it beats the single-warpgroup
+wgmma form (`route.ws_rows`). Same product and epilogue as `nvfp4_swap_wgmma_kernel` with XP=True
+(out^T[N, M] = W @ xp^T, the weight tile as wgmma's register A operand, x as the shared-memory B operand), but
+the work of a program is split between warps that never meet at a CTA barrier:
+
+    producer (1 warp):   per K step, TMA of the x_lo / x_hi tiles [BM, BKH] and the weight bytes of two 64-row
+                         blocks [64, BKH] into ring slot s, all completing on ready[s]; waits on empty[s] first
+    consumer c (c = 0, 1; one warpgroup each, 64 weight rows each, the same x tile):
+                         wait ready[s] -> read its bytes from shared memory into the A layout, decode -> two
+                         asynchronous wgmmas, wait for them -> arrive on empty[s]; scale bytes come from global
+                         memory into registers one step ahead (8 per row per step: below TMA's 16-byte box)
+
+The profile of the routed form (docs/benchmarks.md, Known limits) shows CTA barriers as the largest stall, three
+4-warp programs per SM that each re-read their x tile, and a kernel that saturates nothing. Here the only waits
+are on mbarriers; the two consumers share one x tile (half the x traffic per multiply of the routed 64 x 128
+tile), and while one consumer decodes the other's wgmma can run.
+
+Grid (cdiv(N, 128), cdiv(M, BM), splits); splits > 1 use the split-K store of `_store_out`, each consumer acting
+as one 64-row program (arrival counters for cdiv(N, 64) x cdiv(M, BM) tiles). x must be `permute_x_kernel`'s
+output for BN = 64. GPU-only: Gluon does not run under the Triton interpreter.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_common import _decode_asm, _lora_tile, _split_group_layout, _step_bf16, _store_out, lora_operands
+from .gluon_nvfp4 import split_for
+from .gluon_nvfp4_wgmma import _phys_layout, _pi_bits, _to_logical, permute_x_kernel
+from .operands import add_lora, as_2d, global_scale_f32, scale_bytes, step_fits_bf16
+from .route import current_policy, sm_count
+from .workspace import alloc, counters
+
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+RB = gl.constexpr(64)  # weight rows per consumer warpgroup (one wgmma M)
+DEFAULT_CONFIG = (256, 64, 3, 232, 0, 2)  # BM (x rows), BKH, stages, registers per consumer, MODE, consumers
+LAST_COMPILED: dict = {}
+
+
+@gluon.jit
+def _scales(s_ptr, N, stride_s, rb, k0, valid, S: gl.constexpr, BKH: gl.constexpr):
+    """Scale bytes [64, BKH / 8] of weight rows [64 rb, 64 rb + 64), columns [k0, k0 + 2 BKH), in layout S
+    (rows >= N clamped; valid False: zeros, no access)."""
+    G: gl.constexpr = BKH // 8
+    rows = gl.minimum(rb * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, S)), N - 1)
+    gg = gl.arange(0, G, layout=gl.SliceLayout(0, S))
+    ptr = s_ptr + gl.expand_dims(rows * stride_s, 1) + gl.expand_dims(k0 // 16 + gg, 0)
+    m = gl.full([RB, G], 1, gl.int1, S) & valid
+    return gl.load(ptr, mask=m, other=0)
+
+
+@gluon.jit
+def _decode(wq_s, sb, c, A: gl.constexpr, P: gl.constexpr, L3: gl.constexpr, p: gl.constexpr, BKH: gl.constexpr):
+    """Weight bytes [64, BKH] of one slot (shared) + their scale bytes sb (registers, SliceLayout(2, L3)) ->
+    (lo, hi) bf16 [64, BKH] in the wgmma A-operand layout A (logical k)."""
+    G: gl.constexpr = BKH // 8
+    q = wq_s.load(P)
+    st = _step_bf16(sb, c)
+    stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([RB, G, 8], 0, gl.bfloat16, L3))[0], [RB, BKH])
+    lo, hi = _decode_asm(q, gl.convert_layout(stb, P, assert_trivial=True))
+    return gl.convert_layout(_to_logical(lo, p, RB, BKH), A), gl.convert_layout(_to_logical(hi, p, RB, BKH), A)
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, xls, xhs, wqs, ready, empty, pid_n, pid_m, k_lo, n, BM: gl.constexpr,
+              BKH: gl.constexpr, NS: gl.constexpr, NC: gl.constexpr):
+    """One warp: fills ring slot i % NS with step i's x_lo, x_hi and the NC weight-byte blocks once every
+    consumer has released it (a fresh barrier passes the parity-1 wait at once)."""
+    BK: gl.constexpr = 2 * BKH
+    STAGE_BYTES: gl.constexpr = 2 * x_desc.block_type.nbytes + NC * w_desc.block_type.nbytes
+    for i in range(n):
+        s = i % NS
+        mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), STAGE_BYTES)
+        k0 = k_lo + i * BK
+        for c in gl.static_range(NC):
+            _tma_load(w_desc, [(pid_n * NC + c) * RB, k0 // 2], ready.index(s), wqs.index(NC * s + c))
+        _tma_load(x_desc, [pid_m * BM, k0], ready.index(s), xls.index(s))
+        _tma_load(x_desc, [pid_m * BM, k0 + BKH], ready.index(s), xhs.index(s))
+
+
+@gluon.jit
+def _consumer(xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om, ws_ptr, cnt_ptr,
+              h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, CID: gl.constexpr, BM: gl.constexpr,
+              BKH: gl.constexpr, NS: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr, RP: gl.constexpr,
+              MODE: gl.constexpr, NC: gl.constexpr, turn):
+    """One warpgroup: weight rows [64 rb, 64 rb + 64) (rb = 2 pid_n + CID) x the shared x tile; its own
+    epilogue (LoRA, bias, split-K) as a 64-row program."""
+    NW: gl.constexpr = 4
+    BK: gl.constexpr = 2 * BKH
+    rb = NC * pid_n + CID
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    al: gl.constexpr = gl.to_linear_layout(A, [RB, BKH])
+    p: gl.constexpr = _pi_bits(al, BKH)
+    P: gl.constexpr = _phys_layout(al, p, RB, BKH)
+    L3: gl.constexpr = _split_group_layout(P, RB, BKH)
+    S: gl.constexpr = gl.SliceLayout(2, L3)
+    c = 1.4757395258967641e20 / gl.load(gs_ptr)  # 2^67 / global_scale
+    acc = gl.zeros([RB, BM], gl.float32, layout=mma)
+    sb = _scales(s_ptr, N, stride_s, rb, k_lo, n > 0, S, BKH)
+    if MODE == 4:
+        # decode of step i+1 under this warpgroup's wgmmas of step i; their wait sits at the top of the next
+        # iteration (at its end ptxas would hand the A registers to the decode and wait first)
+        sb_next = _scales(s_ptr, N, stride_s, rb, k_lo + BK, n > 1, S, BKH)
+        mbarrier.wait(ready.index(0), 0)
+        lo, hi = _decode(wqs.index(CID), sb, c, A, P, L3, p, BKH)
+        sb = sb_next
+        lo_p = lo  # the A registers of the wgmmas in flight (dependencies of their wait)
+        hi_p = hi
+        tok = warpgroup_mma_init(acc)
+        for i in range(n - 1):
+            if i > 0:  # retire step i-1 and release its slot
+                acc, lo_p, hi_p = warpgroup_mma_wait(0, deps=(tok, lo_p, hi_p))
+                mbarrier.arrive(empty.index((i - 1) % NS), count=1)
+            s = i % NS
+            tok = warpgroup_mma(lo, xls.index(s).permute((1, 0)), acc, is_async=True)
+            tok = warpgroup_mma(hi, xhs.index(s).permute((1, 0)), tok, is_async=True)
+            sb_next = _scales(s_ptr, N, stride_s, rb, k_lo + (i + 2) * BK, i + 2 < n, S, BKH)
+            s1 = (i + 1) % NS
+            mbarrier.wait(ready.index(s1), ((i + 1) // NS) & 1)
+            lo_n, hi_n = _decode(wqs.index(NC * s1 + CID), sb, c, A, P, L3, p, BKH)
+            sb = sb_next
+            lo_p = lo
+            hi_p = hi
+            lo = lo_n
+            hi = hi_n
+        acc, lo_p, hi_p = warpgroup_mma_wait(0, deps=(tok, lo_p, hi_p))
+        if n > 1:
+            mbarrier.arrive(empty.index((n - 2) % NS), count=1)
+        s = (n - 1) % NS  # the last step (already decoded)
+        tok = warpgroup_mma(lo, xls.index(s).permute((1, 0)), acc, is_async=True)
+        tok = warpgroup_mma(hi, xhs.index(s).permute((1, 0)), tok, is_async=True)
+        acc, lo, hi = warpgroup_mma_wait(0, deps=(tok, lo, hi))
+        mbarrier.arrive(empty.index(s), count=1)
+    else:
+        for i in range(n):
+            sb_next = _scales(s_ptr, N, stride_s, rb, k_lo + (i + 1) * BK, i + 1 < n, S, BKH)
+            s = i % NS
+            mbarrier.wait(ready.index(s), (i // NS) & 1)
+            if MODE == 2:  # counterfactual: no decode (zero weights), the rest unchanged
+                lo = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
+                hi = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
+            else:
+                lo, hi = _decode(wqs.index(NC * s + CID), sb, c, A, P, L3, p, BKH)
+            if MODE == 1 or MODE == 3:  # ping-pong: the warpgroups take turns (consumer 0 first at every step)
+                mbarrier.wait(turn.index(CID), (i & 1) ^ (1 - CID))
+            tok = warpgroup_mma(lo, xls.index(s).permute((1, 0)), acc, is_async=True)
+            tok = warpgroup_mma(hi, xhs.index(s).permute((1, 0)), tok, is_async=True)
+            if MODE == 1:  # hand over once issued
+                mbarrier.arrive(turn.index(1 - CID), count=1)
+            acc, lo, hi = warpgroup_mma_wait(0, deps=(tok, lo, hi))
+            if MODE == 3:  # hand over once complete
+                mbarrier.arrive(turn.index(1 - CID), count=1)
+            mbarrier.arrive(empty.index(s), count=1)  # this warpgroup's reads of slot s (bytes; x by wgmma) are done
+            sb = sb_next
+    if RP > 0:
+        mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        acc2 = _lora_tile(gl.convert_layout(acc, mma2), h_ptr, lb_ptr, stride_hm, R, M, N, rb, pid_m, pid_k == 0, RB,
+                          BM, RP, NW)
+        _store_out(acc2, mma2, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, rb, pid_m, pid_k, RB, BM, PARTIAL,
+                   HAS_BIAS, NW)
+    else:
+        _store_out(acc, mma, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, rb, pid_m, pid_k, RB, BM, PARTIAL,
+                   HAS_BIAS, NW)
+
+
+@gluon.jit
+def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_s, stride_om, ws_ptr,
+                          cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R, BM: gl.constexpr, BKH: gl.constexpr,
+                          NS: gl.constexpr, CREGS: gl.constexpr, MODE: gl.constexpr, NC: gl.constexpr,
+                          PARTIAL: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, RP: gl.constexpr):
+    """x_desc: TMA descriptor of xp [M, K] bf16 (`permute_x_kernel`, BN = 64), block [BM, BKH]; w_desc: of
+    weight_packed [N, K/2] uint8, block [64, BKH]; launched with num_warps=4 (consumer 0; the other consumer
+    and the producer are added by warp_specialize)."""
+    BK: gl.constexpr = 2 * BKH
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    xls = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BKH], x_desc.layout)
+    xhs = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BKH], x_desc.layout)
+    wqs = gl.allocate_shared_memory(gl.uint8, [NC * NS, RB, BKH], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)  # MODE 1: consumer 1 issued its wgmmas of the previous step
+    mbarrier.init(turn.index(1), count=1)  # MODE 1: consumer 0 issued its wgmmas of this step
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=1)  # the producer's expect (+ the TMA bytes)
+        mbarrier.init(empty.index(s), count=NC)  # one arrive per consumer warpgroup
+    t_lo = pid_k * tiles_per_split
+    n = gl.minimum(K // BK - t_lo, tiles_per_split)  # >= 1 for every program of the launcher's grid
+    k_lo = t_lo * BK
+    if NC == 2:
+        gl.warp_specialize([
+            (_consumer, (xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om,
+                         ws_ptr, cnt_ptr, h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, 0, BM, BKH, NS,
+                         PARTIAL, HAS_BIAS, RP, MODE, NC, turn)),
+            (_consumer, (xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om,
+                         ws_ptr, cnt_ptr, h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, 1, BM, BKH, NS,
+                         PARTIAL, HAS_BIAS, RP, MODE, NC, turn)),
+            (_producer, (x_desc, w_desc, xls, xhs, wqs, ready, empty, pid_n, pid_m, k_lo, n, BM, BKH, NS, NC)),
+        ], [4, 1], [CREGS, 40])
+    else:
+        gl.static_assert(NC == 1, "one or two consumer warpgroups")
+        gl.warp_specialize([
+            (_consumer, (xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om,
+                         ws_ptr, cnt_ptr, h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, 0, BM, BKH, NS,
+                         PARTIAL, HAS_BIAS, RP, MODE, NC, turn)),
+            (_producer, (x_desc, w_desc, xls, xhs, wqs, ready, empty, pid_n, pid_m, k_lo, n, BM, BKH, NS, NC)),
+        ], [1], [40])
+    mbarrier.invalidate(turn.index(0))
+    mbarrier.invalidate(turn.index(1))
+    for s in gl.static_range(NS):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
+                    bias: torch.Tensor | None, sms: int, config: tuple[int, int, int, int, int, int] = DEFAULT_CONFIG,
+                    split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    waves: float = 1.0) -> torch.Tensor:
+    """x [M, K] bf16 -> x @ W^T (+ bias) (+ h @ lb^T), [M, N] bf16; operands as `gluon_nvfp4.nvfp4_linear_swap`.
+    config (BM, BKH, NS, CREGS, MODE, NC): MODE 0 plain, 1 ping-pong handing over at issue, 2 no decode (a
+    counterfactual: wrong results), 3 ping-pong handing over at completion, 4 decode one step ahead; NC consumer
+    warpgroups (1 or 2). split: number of K splits (None: `split_for` at `waves` programs per SM)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    bm, bkh, ns, cregs, mode, nc = config
+    if k % (2 * bkh) or (k // 2) % 16 or packed.data_ptr() % 16:
+        raise ValueError(f"K={k}: needs K % {2 * bkh} == 0 and 16-byte aligned weight rows for TMA")
+    tiles = k // (2 * bkh)
+    if split is None:
+        s, per = split_for(m, n, k, (nc * 64, bm, bkh), sms, waves)
+    else:
+        per = triton.cdiv(tiles, max(1, min(split, tiles)))
+        s = triton.cdiv(tiles, per)
+    grid = (triton.cdiv(n, nc * 64), triton.cdiv(m, bm), s)
+    out = alloc((m, n), x.device, torch.bfloat16)
+    if s > 1:
+        if s * m * n >= 2**31:
+            raise ValueError(f"split-K workspace of {s} x {m} x {n} elements exceeds int32 indexing")
+        ws, cnt = alloc((s, m, n), x.device, torch.float32), counters("gluon_ws", x.device, nc * grid[0] * grid[1])
+    else:
+        ws, cnt = out, out
+    b = bias if bias is not None else out
+    h, lb, stride_hm, r, rp = lora_operands(lora, m, n, out)
+    xp = alloc((m, k), x.device, torch.bfloat16)
+    permute_x_kernel[(triton.cdiv(m, bm), tiles)](x, xp, m, k, x.stride(0), BN=64, BM=bm, BKH=bkh, NW=4, num_warps=4)
+    x_desc = TensorDescriptor.from_tensor(xp, [bm, bkh], gl.NVMMASharedLayout.get_default_for([bm, bkh], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(packed, [64, bkh], gl.NVMMASharedLayout.get_default_for([64, bkh], gl.uint8))
+    LAST_COMPILED["ws"] = nvfp4_wgmma_ws_kernel[grid](
+        x_desc, w_desc, scale_u8, global_scale, b, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per, h, lb,
+        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, MODE=mode, NC=nc, PARTIAL=s > 1, HAS_BIAS=bias is not None, RP=rp,
+        num_warps=4)
+    return out
+
+
+def nvfp4_linear_ws_gluon(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                          weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                          lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., K] bf16 -> x @ W^T + bias (+ h @ lb^T for lora = (h [..., R], lb = scaling * B [N, R])), [..., N]
+    bf16, with the warp-specialized kernel (`gluon_nvfp4.nvfp4_linear_gluon`'s contract: requirements checked,
+    ValueError on a violation; a LoRA term wider than the epilogue takes is one addmm after the launch)."""
+    k = x.shape[-1]
+    if x.dtype != torch.bfloat16 or k % 128 or weight_packed.shape[1] * 2 != k:
+        raise ValueError(f"Gluon NVFP4 kernel: bf16 x with K % 128 == 0 and packed [N, K/2], got {x.dtype}, "
+                         f"K={k}, packed {tuple(weight_packed.shape)}")
+    if not step_fits_bf16(weight_global_scale):
+        raise ValueError("Gluon NVFP4 kernel: the global scale must be > 128 (bf16 decode step)")
+    late = lora is not None and lora[0].shape[-1] > current_policy().lora_in_kernel_max_r
+    n = weight_packed.shape[0]
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    lo = None if lora is None or late else (as_2d(lora[0]), lora[1].contiguous())
+    y = nvfp4_linear_ws(as_2d(x), weight_packed.contiguous(), scale_bytes(weight_scale),
+                        global_scale_f32(weight_global_scale), b, sm_count(x.device, 4), lora=lo)
+    y = y.reshape(*x.shape[:-1], n)
+    return add_lora(y, lora) if late else y
