@@ -12,7 +12,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-MODES = {0: "plain", 1: "pp-issue", 2: "no-decode", 3: "pp-done", 4: "ahead"}
 LAYERS = {"gate_up": (37888, 3584), "down": (3584, 18944), "qkv": (4608, 3584), "o": (3584, 3584),
           "gate_up_32b": (55296, 5120), "down_32b": (5120, 27648), "gate_up_72b": (59136, 8192),
           "down_72b": (8192, 29568)}  # Qwen2.5-7B, -32B, -72B (N, K)
@@ -32,9 +31,10 @@ def _args(argv=None):
                          "ncu -k regex:nvfp4_wgmma_ws ...)")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--waves", default="1", help="programs per SM (K splits from split_for) for the WS kernel")
-    ap.add_argument("--configs", default="256,64,3,232,0,2 256,64,3,232,3,2 128,64,4,232,4,1 256,64,3,232,4,1",
-                    help="WS configs BM,BKH,NS,CREGS,MODE,NC separated by spaces (`gluon_nvfp4_wgmma_ws.nvfp4_linear_ws`"
-                         "; MODE 2, no decode, is a counterfactual and skipped by the correctness check)")
+    ap.add_argument("--configs", default="256,64,3,232 128,64,4,232",
+                    help="WS tiles BM,BKH,NS,CREGS separated by spaces (`gluon_nvfp4_wgmma_ws.nvfp4_linear_ws`)")
+    ap.add_argument("--no-decode", action="store_true",
+                    help="also time each WS tile with zero weights instead of the decode (a counterfactual)")
     ap.add_argument("--dry-run", action="store_true", help="parse arguments, import, print the plan, exit")
     a = ap.parse_args(argv)
     a.ms = [int(v) for v in a.ms.split(",")]
@@ -51,7 +51,9 @@ def _variants(a):
     """(column name, kind, config, waves): 'routed' (nvfp4_matmul.nvfp4_linear), 'ws'."""
     out = [("routed", "routed", None, 0.0)]
     for cfg in a.configs:
-        out += [(f"WS{cfg[5]} BM{cfg[0]} NS{cfg[2]} {MODES[cfg[4]]} w{w:g}", "ws", cfg, w) for w in a.waves]
+        out += [(f"WS BM{cfg[0]} NS{cfg[2]} w{w:g}", "ws", cfg, w) for w in a.waves]
+        if a.no_decode:
+            out += [(f"WS BM{cfg[0]} NS{cfg[2]} no-decode w{w:g}", "ws-no-decode", cfg, w) for w in a.waves]
     return out
 
 
@@ -61,7 +63,8 @@ def _call(kind, cfg, waves, x, packed, scale_u8, gs, bias, sms, split=None, lora
 
     if kind == "routed":
         return nvfp4_linear(x, packed, scale_fp8, gs, bias, lora=lora)
-    return gw.nvfp4_linear_ws(x, packed, scale_u8, gs, bias, sms, config=cfg, split=split, lora=lora, waves=waves)
+    return gw.nvfp4_linear_ws(x, packed, scale_u8, gs, bias, sms, config=cfg, split=split, lora=lora, waves=waves,
+                              no_decode=kind == "ws-no-decode")
 
 
 def _random_weight(n, k, gen, global_scale=900.0):
@@ -94,8 +97,8 @@ def check(a) -> list[str]:
     from qerl.kernels.workspace import poisoned_outputs
 
     sms = sm_count(torch.device("cuda"), 4)
-    kernels = [("routed", "routed", None, 0.0)] + [(f"WS{c[5]} BM{c[0]} NS{c[2]} {MODES[c[4]]}", "ws", c, 1.0)
-                                                    for c in sorted({(64, 64, 4, 232, 0, 2), *a.configs}) if c[4] != 2]
+    kernels = [("routed", "routed", None, 0.0)] + [(f"WS BM{c[0]} NS{c[2]}", "ws", c, 1.0)
+                                                    for c in sorted({(64, 64, 4, 232), *a.configs})]
     fails, worst = [], {}
     k = 3584
     case = 0
@@ -173,7 +176,7 @@ def bench(a) -> None:
                 except Exception as e:  # noqa: BLE001 - e.g. out of resources: report and go on
                     print(f"  {layer} M={m} {name}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
                     times[name] = float("nan")
-            splits = {name: gk.split_for(m, n, k, (64 * cfg[5], cfg[0], cfg[1]), sms, waves)[0] if cfg else 0
+            splits = {name: gk.split_for(m, n, k, (128, cfg[0], cfg[1]), sms, waves)[0] if cfg else 0
                       for name, _, cfg, waves in variants}
             rows.append((layer, m, t_cub, times, splits))
             best = min((t, nm) for nm, t in times.items() if t == t)
@@ -212,10 +215,11 @@ def launch(a) -> None:
         for m in a.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for cfg in a.configs:
-                for _ in range(2):
-                    gw.nvfp4_linear_ws(x, *ops, None, sms, config=cfg)
-                torch.cuda.synchronize()
-                print(f"{layer} {n}x{k} M={m} config {cfg}: launched twice", flush=True)
+                for no_decode in (False, True) if a.no_decode else (False,):
+                    for _ in range(2):
+                        gw.nvfp4_linear_ws(x, *ops, None, sms, config=cfg, no_decode=no_decode)
+                    torch.cuda.synchronize()
+                    print(f"{layer} {n}x{k} M={m} config {cfg} no_decode={no_decode}: launched twice", flush=True)
 
 
 def main(argv=None) -> int:

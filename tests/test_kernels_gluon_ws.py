@@ -64,8 +64,7 @@ def _case(m, n, k, seed, global_scale=900.0, bias=False, lora_r=0, split=None, c
     assert err < REL_TOL, f"M={m} N={n} K={k} split={split} lora_r={lora_r}: rel err {err:.3g}"
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 200, 512), (65, 333, 1024), (256, 8200, 3584), (300, 1000, 2048),
-                                   (1030, 4608, 3584)])
+@pytest.mark.parametrize("m,n,k", [(1, 200, 512), (300, 8200, 2048), (1030, 333, 1024)])
 def test_ws_kernel_matches_reference(m, n, k):
     _require_sm90()
     _case(m, n, k, seed=m + n, bias=m % 2 == 0)
@@ -73,11 +72,10 @@ def test_ws_kernel_matches_reference(m, n, k):
     _case(m, n, k, seed=m + n + 2, bias=True, lora_r=48, split=3)
 
 
-@pytest.mark.parametrize("config", [(256, 64, 3, 232, 0, 2), (128, 64, 4, 232, 0, 2), (128, 64, 4, 232, 1, 2),
-                                    (128, 64, 4, 232, 3, 2), (128, 64, 4, 232, 4, 1), (64, 64, 4, 232, 0, 1)])
-def test_ws_kernel_every_schedule(config):
-    """Every tile and schedule the launcher takes (MODE 0 plain, 1 / 3 ping-pong, 4 decode ahead; one or two
-    consumer warpgroups), with bias, LoRA and split-K."""
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [(128, 64, 4, 232), (64, 64, 4, 200)])
+def test_ws_kernel_other_tiles(config):
+    """Tiles other than the routed one (BM 256, 3 stages), with bias, LoRA and split-K (the benchmark's options)."""
     _require_sm90()
     _case(300, 700, 2048, seed=sum(config), bias=True, lora_r=16, split=2, config=config)
 
