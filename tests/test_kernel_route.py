@@ -1,7 +1,8 @@
 """The routing rule `qerl.kernels.route.route` as a table (CPU only: the rule is pure, no kernel runs).
 
 Shapes are Qwen2.5 layers (N, K): 7B q/k/v 4608x3584 (16.5M elements), 7B gate_up 37888x3584 (136M),
-7B down 3584x18944 (68M), 72B o 8192x8192 (67M), 72B down 8192x29568 (242M), SmolLM2 k/v 192x576 (K % 128 != 0). Capabilities: (8, 0) A100, (8, 9) L4,
+7B down 3584x18944 (68M), 72B o 8192x8192 (67M), 72B down 8192x29568 (242M), SmolLM2 k/v 192x576
+(K % 128 != 0). Capabilities: (8, 0) A100, (8, 9) L4,
 (9, 0) H100/H200, (10, 0) B200, (12, 0) RTX 50xx, None = CPU input or Triton off.
 """
 

@@ -208,8 +208,8 @@ def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tenso
     w_desc = TensorDescriptor.from_tensor(packed, [64, bkh], gl.NVMMASharedLayout.get_default_for([64, bkh], gl.uint8))
     LAST_COMPILED["ws"] = nvfp4_wgmma_ws_kernel[grid](
         x_desc, w_desc, scale_u8, global_scale, b, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per, h, lb,
-        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1, HAS_BIAS=bias is not None, RP=rp,
-        num_warps=4)
+        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1,
+        HAS_BIAS=bias is not None, RP=rp, num_warps=4)
     return out
 
 
