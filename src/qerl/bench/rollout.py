@@ -228,6 +228,12 @@ def main(argv=None) -> int:
                          "gluon_wgmma_ws): an A/B of one kernel inside the engine")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
+    from ..kernels.route import BACKENDS, kernel_policy
+
+    disabled = [b for b in args.disable.split(",") if b]
+    unknown = sorted(set(disabled) - set(BACKENDS))
+    if unknown:
+        ap.error(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
     if not torch.cuda.is_available():
         ap.error("the rollout benchmark needs a CUDA GPU")
     args.variants = args.variants.split(",")
@@ -235,12 +241,6 @@ def main(argv=None) -> int:
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth()
-    from ..kernels.route import BACKENDS, kernel_policy
-
-    disabled = [b for b in args.disable.split(",") if b]
-    unknown = sorted(set(disabled) - set(BACKENDS))
-    if unknown:
-        ap.error(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
     results = []
     with kernel_policy(disabled=disabled):
         for size in args.models.split(","):

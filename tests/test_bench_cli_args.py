@@ -1,0 +1,38 @@
+"""Argument checks of the GPU benchmarks that run on CPU: `qerl bench rollout --disable` and
+`benchmarks/wgmma_ws_ab.py` refuse what they cannot run before looking for a GPU."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from qerl.bench.rollout import main as rollout_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ws_ab():
+    spec = importlib.util.spec_from_file_location("wgmma_ws_ab", ROOT / "benchmarks" / "wgmma_ws_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rollout_refuses_an_unknown_backend_to_disable(capsys):
+    with pytest.raises(SystemExit) as e:
+        rollout_main(["--disable", "gluon_wgmma_ws,no_such_kernel"])
+    assert e.value.code == 2
+    assert "unknown backends ['no_such_kernel']" in capsys.readouterr().err
+
+
+def test_ws_ab_parses_tiles_and_refuses_unknown_layers(capsys):
+    ab = _ws_ab()
+    a = ab._args(["--configs", "256,64,3,232 128,64,4,200", "--ms", "256,1024", "--no-decode",
+                  "--layers", "gate_up,down_72b"])
+    assert a.configs == [(256, 64, 3, 232), (128, 64, 4, 200)] and a.ms == [256, 1024]
+    names = [v[0] for v in ab._variants(a)]
+    assert names == ["routed", "WS BM256 NS3 w1", "WS BM256 NS3 no-decode w1", "WS BM128 NS4 w1",
+                     "WS BM128 NS4 no-decode w1"]
+    with pytest.raises(SystemExit):
+        ab._args(["--layers", "gate_up,lm_head"])
+    assert "unknown layers ['lm_head']" in capsys.readouterr().err
