@@ -14,7 +14,8 @@ test) and nowhere else. The rules and the measurements that set them (H200; docs
     sm_90, up to wgmma_max_m    the wgmma form with 128-row tiles (up to wgmma_max_m_big rows for weights of
                                 >= big_weight elements);
     sm_90, ws_min_m..ws_max_m   for weights of >= ws_min_n rows and >= ws_min_weight elements: the
-                                warp-specialized wgmma kernel (`gluon_wgmma_ws`), ahead of the rules above;
+                                warp-specialized wgmma kernel (`gluon_wgmma_ws`; set on an H100), ahead of
+                                the rules above;
   otherwise (and for fp16 x, other K, small global scales, older GPUs, MXFP4, and the input gradient dY @ W):
     rows 1..gemv_max_m          the CUDA-core kernel (`triton_gemv`; NVFP4 forward only);
     rows <= fused_max_m         the tl.dot kernel decoding W in registers (`triton_dot`), also up to
@@ -68,7 +69,8 @@ class KernelPolicy:
     wgmma_max_m: int = 128  # rows above swap_max_m (`qerl bench kernels`, routed vs deq+cuBLAS at M = 128/256)
     wgmma_max_m_big: int = 256
     # the warp-specialized wgmma kernel: ws_min_m..ws_max_m rows, weights with >= ws_min_n rows and
-    # >= ws_min_weight elements (`python benchmarks/wgmma_ws_ab.py`, docs/benchmarks.md "Kernels")
+    # >= ws_min_weight elements (H100: `python benchmarks/wgmma_ws_ab.py`, docs/benchmarks.md section
+    # "Warp-specialized NVFP4 kernel")
     ws_min_m: int = 256
     ws_max_m: int = 1024
     ws_min_n: int = 8192
@@ -131,7 +133,8 @@ def wgmma_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
 
 def ws_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
     """Shapes for which the warp-specialized wgmma kernel beats both the single-warpgroup form and dequantize +
-    cuBLAS (H100: the 7B/32B/72B MLP weights at 256-1024 rows; it loses on q/k/v, o and the 7B down weight)."""
+    cuBLAS (H100: the 7B/32B/72B gate_up and the 72B down weights at 256-1024 rows; it loses on q/k/v, o and the
+    7B/32B down weights, and from 2048 rows on the 7B gate_up)."""
     return p.ws_min_m <= m <= p.ws_max_m and n >= p.ws_min_n and n * k >= p.ws_min_weight
 
 
