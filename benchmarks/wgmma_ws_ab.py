@@ -151,7 +151,6 @@ def check(a) -> list[str]:
 def bench(a) -> None:
     from qerl.bench.kernels import _decode_inputs, _graph_time, _rotated_weights
     from qerl.kernels import gluon_nvfp4 as gk
-    from qerl.kernels import gluon_nvfp4_wgmma_ws as gw
     from qerl.kernels.operands import global_scale_f32, scale_bytes
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -196,10 +195,7 @@ def bench(a) -> None:
     print("\nK splits per variant (split_for at its waves): " + "; ".join(
         f"{layer} M={m}: " + " ".join(f"{nm.split(' (')[0]}=s{s}" for nm, s in splits.items())
         for layer, m, _, _, splits in rows[:4]) + (" ..." if len(rows) > 4 else ""))
-    print("\ncompiled kernels (last launch of each; no LoRA/bias, PARTIAL as the last shape needed):")
-    for name, ck in gw.LAST_COMPILED.items():
-        print(f"  {name}: n_regs {getattr(ck, 'n_regs', '?')}, n_spills {getattr(ck, 'n_spills', '?')}, "
-              f"shared {getattr(getattr(ck, 'metadata', None), 'shared', '?')} B")
+    print("\nregisters, spills and shared memory of the kernel: python benchmarks/compile_wgmma_ws.py BM=... NS=...")
 
 
 def launch(a) -> None:

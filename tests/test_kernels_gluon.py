@@ -23,6 +23,18 @@ SHAPES = [(1, 200, 256), (3, 1000, 384), (8, 77, 1152), (13, 4608, 3584), (16, 3
           (32, 64, 640), (33, 1000, 1024), (64, 96, 3584)]
 
 
+def _activations(m, n, k, gen, bias, lora_r):
+    """(x [m, k], bias [n] or None, LoRA (h [m, r], lb [n, r]) or None), bf16 on the GPU; h is a column slice of
+    a wider matrix, as the engine passes it."""
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+    b = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16).cuda() if bias else None
+    lora = None
+    if lora_r:
+        h = torch.randn(m, lora_r + 5, generator=gen).to(torch.bfloat16).cuda()[:, 3:3 + lora_r]
+        lora = (h, (torch.randn(n, lora_r, generator=gen) * 0.1).to(torch.bfloat16).cuda())
+    return x, b, lora
+
+
 @poisoned
 def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0, wgmma=None, x_permuted=None):
     """One call of the Gluon kernel against the reference; wgmma None: the form `route` picks on this GPU."""
@@ -30,12 +42,7 @@ def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0, 
 
     gen = torch.Generator().manual_seed(seed)
     w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, global_scale).items()}
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-    b = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16).cuda() if bias else None
-    lora = None
-    if lora_r:  # h as a column slice of a wider matrix, as the engine passes it
-        h = torch.randn(m, lora_r + 5, generator=gen).to(torch.bfloat16).cuda()[:, 3:3 + lora_r]
-        lora = (h, (torch.randn(n, lora_r, generator=gen) * 0.1).to(torch.bfloat16).cuda())
+    x, b, lora = _activations(m, n, k, gen, bias, lora_r)
     if wgmma is None:
         backend = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability(), lora_r=lora_r)
         assert backend in rt.GLUON_NVFP4, f"the route does not send M={m} N={n} K={k} to the Gluon kernel"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernel_testing import poisoned, require_cuda
+from test_kernels_gluon import _activations
 from test_kernels_triton import REL_TOL, _random_fp4, _rel_err
 
 from qerl.formats.nvfp4 import dequantize_nvfp4
@@ -48,12 +49,7 @@ def _case(m, n, k, seed, global_scale=900.0, bias=False, lora_r=0, split=None, c
 
     gen = torch.Generator().manual_seed(seed)
     w = _weight(n, k, gen, global_scale)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-    b = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16).cuda() if bias else None
-    lora = None
-    if lora_r:  # h as a column slice of a wider matrix, as the engine passes it
-        h = torch.randn(m, lora_r + 5, generator=gen).to(torch.bfloat16).cuda()[:, 3:3 + lora_r]
-        lora = (h, (torch.randn(n, lora_r, generator=gen) * 0.1).to(torch.bfloat16).cuda())
+    x, b, lora = _activations(m, n, k, gen, bias, lora_r)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     y = gw.nvfp4_linear_ws(x, w["weight_packed"], scale_bytes(w["weight_scale"]),
                            global_scale_f32(w["weight_global_scale"]), b, sms, split=split, lora=lora,

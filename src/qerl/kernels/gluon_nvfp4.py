@@ -245,14 +245,14 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     return out
 
 
-def nvfp4_linear_gluon(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                       weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None, *, wgmma: bool = False,
-                       x_permuted: bool | None = None, config: SwapConfig | None = None, split: int | None = None,
-                       lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x [..., K] bf16 -> x @ W^T + bias (+ h @ lb^T for lora = (h [..., R], lb = scaling * B [N, R])), [..., N]
-    bf16, for the NVFP4 weight as stored. The caller chose this backend (`route`): the kernel's requirements
-    (module docstring) are checked here and a violation raises ValueError. A LoRA term wider than the
-    epilogue takes (`KernelPolicy.lora_in_kernel_max_r`) is added by one addmm after the launch."""
+def call_on_stored_weight(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                          weight_global_scale: torch.Tensor, bias: torch.Tensor | None,
+                          lora: tuple[torch.Tensor, torch.Tensor] | None, launch) -> torch.Tensor:
+    """What every Gluon NVFP4 entry does around its launch: check the kernels' requirements (ValueError),
+    flatten x [..., K] to 2-D, convert the stored weight's scales, call
+    launch(x2 [M, K], packed, scale_u8, global_scale_f32, bias, sms, lora) -> [M, N] bf16, and restore x's
+    leading dims. A LoRA term wider than the epilogue takes (`KernelPolicy.lora_in_kernel_max_r`) is not passed
+    to the launch; one addmm adds it after."""
     k = x.shape[-1]
     if x.dtype != torch.bfloat16 or k % 128 or weight_packed.shape[1] * 2 != k:
         raise ValueError(f"Gluon NVFP4 kernel: bf16 x with K % 128 == 0 and packed [N, K/2], got {x.dtype}, "
@@ -260,12 +260,24 @@ def nvfp4_linear_gluon(x: torch.Tensor, weight_packed: torch.Tensor, weight_scal
     if not step_fits_bf16(weight_global_scale):
         raise ValueError("Gluon NVFP4 kernel: the global scale must be > 128 (bf16 decode step)")
     late = lora is not None and lora[0].shape[-1] > current_policy().lora_in_kernel_max_r
-    x2 = as_2d(x)
     n = weight_packed.shape[0]
     b = None if bias is None else bias.to(x.dtype).contiguous()
     lo = None if lora is None or late else (as_2d(lora[0]), lora[1].contiguous())
-    y = nvfp4_linear_swap(x2, weight_packed.contiguous(), scale_bytes(weight_scale),
-                          global_scale_f32(weight_global_scale), b, sm_count(x.device, 4), config, split, lo,
-                          wgmma=wgmma, x_permuted=x_permuted)
+    y = launch(as_2d(x), weight_packed.contiguous(), scale_bytes(weight_scale), global_scale_f32(weight_global_scale),
+               b, sm_count(x.device, 4), lo)
     y = y.reshape(*x.shape[:-1], n)
     return add_lora(y, lora) if late else y
+
+
+def nvfp4_linear_gluon(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                       weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None, *, wgmma: bool = False,
+                       x_permuted: bool | None = None, config: SwapConfig | None = None, split: int | None = None,
+                       lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., K] bf16 -> x @ W^T + bias (+ h @ lb^T for lora = (h [..., R], lb = scaling * B [N, R])), [..., N]
+    bf16, for the NVFP4 weight as stored. The caller chose this backend (`route`): the kernel's requirements
+    (module docstring) are checked here and a violation raises ValueError (`call_on_stored_weight`)."""
+    def launch(x2, packed, scale_u8, gs, b, sms, lo):
+        return nvfp4_linear_swap(x2, packed, scale_u8, gs, b, sms, config, split, lo, wgmma=wgmma,
+                                 x_permuted=x_permuted)
+
+    return call_on_stored_weight(x, weight_packed, weight_scale, weight_global_scale, bias, lora, launch)

@@ -35,16 +35,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_common import _decode_asm, _lora_tile, _split_group_layout, _step_bf16, _store_out, lora_operands
-from .gluon_nvfp4 import split_for
+from .gluon_nvfp4 import call_on_stored_weight, split_for
 from .gluon_nvfp4_wgmma import _phys_layout, _pi_bits, _to_logical, permute_x_kernel
-from .operands import add_lora, as_2d, global_scale_f32, scale_bytes, step_fits_bf16
-from .route import current_policy, sm_count
 from .workspace import alloc, counters
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 RB = gl.constexpr(64)  # weight rows per consumer warpgroup (one wgmma M)
 DEFAULT_CONFIG = (256, 64, 3, 232)  # BM (x rows per tile), BKH, pipeline stages, registers per consumer
-LAST_COMPILED: dict = {}
 
 
 @gluon.jit
@@ -206,7 +203,7 @@ def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tenso
     permute_x_kernel[(triton.cdiv(m, bm), tiles)](x, xp, m, k, x.stride(0), BN=64, BM=bm, BKH=bkh, NW=4, num_warps=4)
     x_desc = TensorDescriptor.from_tensor(xp, [bm, bkh], gl.NVMMASharedLayout.get_default_for([bm, bkh], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(packed, [64, bkh], gl.NVMMASharedLayout.get_default_for([64, bkh], gl.uint8))
-    LAST_COMPILED["ws"] = nvfp4_wgmma_ws_kernel[grid](
+    nvfp4_wgmma_ws_kernel[grid](
         x_desc, w_desc, scale_u8, global_scale, b, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per, h, lb,
         stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1,
         HAS_BIAS=bias is not None, RP=rp, num_warps=4)
@@ -217,19 +214,8 @@ def nvfp4_linear_ws_gluon(x: torch.Tensor, weight_packed: torch.Tensor, weight_s
                           weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None,
                           lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] bf16 -> x @ W^T + bias (+ h @ lb^T for lora = (h [..., R], lb = scaling * B [N, R])), [..., N]
-    bf16, with the warp-specialized kernel (`gluon_nvfp4.nvfp4_linear_gluon`'s contract: requirements checked,
-    ValueError on a violation; a LoRA term wider than the epilogue takes is one addmm after the launch)."""
-    k = x.shape[-1]
-    if x.dtype != torch.bfloat16 or k % 128 or weight_packed.shape[1] * 2 != k:
-        raise ValueError(f"Gluon NVFP4 kernel: bf16 x with K % 128 == 0 and packed [N, K/2], got {x.dtype}, "
-                         f"K={k}, packed {tuple(weight_packed.shape)}")
-    if not step_fits_bf16(weight_global_scale):
-        raise ValueError("Gluon NVFP4 kernel: the global scale must be > 128 (bf16 decode step)")
-    late = lora is not None and lora[0].shape[-1] > current_policy().lora_in_kernel_max_r
-    n = weight_packed.shape[0]
-    b = None if bias is None else bias.to(x.dtype).contiguous()
-    lo = None if lora is None or late else (as_2d(lora[0]), lora[1].contiguous())
-    y = nvfp4_linear_ws(as_2d(x), weight_packed.contiguous(), scale_bytes(weight_scale),
-                        global_scale_f32(weight_global_scale), b, sm_count(x.device, 4), lora=lo)
-    y = y.reshape(*x.shape[:-1], n)
-    return add_lora(y, lora) if late else y
+    bf16, with the warp-specialized kernel; `gluon_nvfp4.nvfp4_linear_gluon`'s contract (`call_on_stored_weight`)."""
+    def launch(x2, packed, scale_u8, gs, b, sms, lo):
+        return nvfp4_linear_ws(x2, packed, scale_u8, gs, b, sms, lora=lo)
+
+    return call_on_stored_weight(x, weight_packed, weight_scale, weight_global_scale, bias, lora, launch)
