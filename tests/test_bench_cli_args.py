@@ -1,5 +1,5 @@
-"""Argument checks of the GPU benchmarks that run on CPU: `qerl bench rollout --disable` and
-`benchmarks/wgmma_ws_ab.py` refuse what they cannot run before looking for a GPU."""
+"""The GPU benchmarks' parts that run on CPU: `qerl bench rollout --disable` and `benchmarks/wgmma_ws_ab.py` refuse
+what they cannot run before looking for a GPU, and `benchmarks/compile_wgmma_ws.py` compiles the kernel offline."""
 
 import importlib.util
 from pathlib import Path
@@ -36,3 +36,16 @@ def test_ws_ab_parses_tiles_and_refuses_unknown_layers(capsys):
     with pytest.raises(SystemExit):
         ab._args(["--layers", "gate_up,lm_head"])
     assert "unknown layers ['lm_head']" in capsys.readouterr().err
+
+
+def test_ws_kernel_compiles_for_sm90_without_a_gpu(capsys):
+    """`benchmarks/compile_wgmma_ws.py` (the source of the docs' register and SASS figures) builds the routed
+    tile with this Triton and its ptxas: no spills, one wgmma wait per step in the consumer loop."""
+    pytest.importorskip("triton.experimental.gluon")
+    spec = importlib.util.spec_from_file_location("compile_wgmma_ws", ROOT / "benchmarks" / "compile_wgmma_ws.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["BM=256", "NS=3"]) == 0
+    out = capsys.readouterr().out
+    assert " 0 bytes spilled" in out and "384 threads" in out
+    assert "8 HGMMA, 1 WARPGROUP.DEPBAR" in out, out
