@@ -1,11 +1,15 @@
 """Compile the warp-specialized NVFP4 kernel for sm_90 without a GPU and report what ptxas made of it.
 
-`python benchmarks/compile_wgmma_ws.py [NAME=VALUE ...] [--src DIR]`: NAME=VALUE set the kernel's constexprs
+`python benchmarks/compile_wgmma_ws.py [NAME=VALUE ...] [--src DIR] [--setmaxnreg-floor N]`: NAME=VALUE set the
+kernel's constexprs
 (defaults BM=256 BKH=64 NS=3 CREGS=232 NC=2 where the kernel has them, the others 0); --src imports qerl from
 another tree, e.g. `git worktree add /tmp/a6 a6cd4a0` for the schedules measured there
 (`--src /tmp/a6/src MODE=4 BM=128 NS=4`). Uses the ptxas the installed Triton compiles sm_90 with (docs quote Triton 3.6.0).
 Prints ptxas's registers, spills and warnings, the shared memory, and for the consumer loop (the innermost
 loop holding HGMMAs): its SASS instruction count, HGMMA and WARPGROUP.DEPBAR counts and an opcode histogram.
+--setmaxnreg-floor N raises every `setmaxnreg` below N to N in the PTX before ptxas: a diagnostic of which
+register budget makes ptxas serialize the wgmma pipeline (such a kernel could not be launched: its warpgroups
+would ask for more than the 64K registers of an SM).
 """
 
 import argparse
@@ -26,12 +30,29 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("constexprs", nargs="*", metavar="NAME=VALUE")
     ap.add_argument("--src", default=None, help="directory holding the qerl package to import (default: installed)")
+    ap.add_argument("--setmaxnreg-floor", type=int, default=0, metavar="N",
+                    help="raise every setmaxnreg below N to N before ptxas (diagnostic; not launchable)")
     a = ap.parse_args(argv)
     try:
         a.constexprs = {k: int(v) for k, v in (c.split("=", 1) for c in a.constexprs)}
     except ValueError:
         ap.error("constexprs are NAME=INTEGER")
     return a
+
+
+def raise_setmaxnreg(ptx: str, floor: int) -> tuple[str, int]:
+    """PTX text with every `setmaxnreg.{inc,dec}.sync.aligned.u32 V` below floor set to floor (the inc/dec
+    keyword is left as it was), and how many were raised."""
+    count = 0
+
+    def sub(m):
+        nonlocal count
+        if int(m.group(2)) >= floor:
+            return m.group(0)
+        count += 1
+        return f"{m.group(1)}{floor};"
+
+    return re.sub(r"(setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+)(\d+);", sub, ptx), count
 
 
 def _sass_lines(sass: str) -> list[tuple[int, str, str]]:
@@ -101,8 +122,9 @@ def main(argv=None) -> int:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        text, raised = raise_setmaxnreg(c.asm["ptx"], a.setmaxnreg_floor)
         with open(ptx, "w") as f:
-            f.write(c.asm["ptx"])
+            f.write(text)
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin],
                               capture_output=True, text=True)
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True,
@@ -116,6 +138,8 @@ def main(argv=None) -> int:
     maxreg = max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=0)
     threads = re.search(r"\.reqntid (\d+)", c.asm["ptx"]).group(1)
     print(f"triton {triton.__version__}, constexprs {cx}")
+    if a.setmaxnreg_floor:
+        print(f"setmaxnreg below {a.setmaxnreg_floor} raised to it in {raised} places (diagnostic, not launchable)")
     print(f"ptxas: {regs and regs.group(1)} registers (.maxnreg of the kernel), {spills and spills.group(1)} bytes "
           f"spilled; highest register used anywhere R{maxreg}; shared memory {c.metadata.shared} B; "
           f"{threads} threads")

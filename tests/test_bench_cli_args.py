@@ -2,6 +2,7 @@
 what they cannot run before looking for a GPU, and `benchmarks/compile_wgmma_ws.py` compiles the kernel offline."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,17 @@ def test_ws_kernel_compiles_for_sm90_without_a_gpu(capsys):
     out = capsys.readouterr().out
     assert " 0 bytes spilled" in out and "384 threads" in out
     assert "8 HGMMA, 1 WARPGROUP.DEPBAR" in out, out
+
+
+def test_setmaxnreg_floor_raises_only_the_low_counts():
+    """The diagnostic behind the docs' finding that ptxas serializes the wgmma pipeline when any warpgroup's
+    `setmaxnreg` is below its accumulator + in-flight A registers: only counts below the floor change."""
+    spec = importlib.util.spec_from_file_location("compile_wgmma_ws", ROOT / "benchmarks" / "compile_wgmma_ws.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 \t256;\n\tsetmaxnreg.dec.sync.aligned.u32 \t40;\n"
+           "\tsetmaxnreg.dec.sync.aligned.u32 \t120;\n\tsetmaxnreg.inc.sync.aligned.u32 \t232;\n")
+    out, n = mod.raise_setmaxnreg(ptx, 128)
+    assert n == 2
+    assert [int(v) for v in re.findall(r"u32\s+(\d+);", out)] == [256, 128, 128, 232]
+    assert mod.raise_setmaxnreg(ptx, 0) == (ptx, 0)
