@@ -34,7 +34,8 @@ def _args(argv=None):
     ap.add_argument("--configs", default="256,64,3,232 128,64,4,232",
                     help="WS tiles BM,BKH,NS,CREGS separated by spaces (`gluon_nvfp4_wgmma_ws.nvfp4_linear_ws`)")
     ap.add_argument("--no-decode", action="store_true",
-                    help="also time each WS tile with zero weights instead of the decode (a counterfactual)")
+                    help="also time each WS tile with zero weights instead of the decode (a counterfactual; zeros draw "
+                         "less power, so at the power cap it also runs at a higher clock: benchmarks/ws_clocks.py)")
     ap.add_argument("--dry-run", action="store_true", help="parse arguments, import, print the plan, exit")
     a = ap.parse_args(argv)
     a.ms = [int(v) for v in a.ms.split(",")]

@@ -64,3 +64,23 @@ def test_setmaxnreg_floor_raises_only_the_low_counts():
     assert n == 2
     assert [int(v) for v in re.findall(r"u32\s+(\d+);", out)] == [256, 128, 128, 232]
     assert mod.raise_setmaxnreg(ptx, 0) == (ptx, 0)
+
+
+def test_ws_clocks_parses_nvidia_smi_samples_and_its_arguments(capsys):
+    spec = importlib.util.spec_from_file_location("ws_clocks", ROOT / "benchmarks" / "ws_clocks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = ("2026/11/25 15:46:01.100, 1380, 698.51, 61, 0x0000000000000004\n"
+            "2026/11/25 15:46:01.200, [N/A], 698.00, 61, 0x0000000000000004\n"
+            "2026/11/25 15:46:01.300, 1770, 699.10, 62, 0x00000000000000")
+    rows = mod.parse_samples(text)
+    assert [(r[1], r[2], r[4]) for r in rows] == [(1380.0, 698.51, "0x0000000000000004"),
+                                                   (1770.0, 699.1, "0x00000000000000")]
+    assert rows[1][0] - rows[0][0] == pytest.approx(0.2)
+    a = mod._args(["--m", "1024,4096", "--layers", "gate_up"])
+    assert a.m == [1024, 4096] and a.layers == ["gate_up"]
+    with pytest.raises(SystemExit):
+        mod._args(["--m", "0"])
+    with pytest.raises(SystemExit):
+        mod._args(["--layers", "lm_head"])
+    assert "unknown layers ['lm_head']" in capsys.readouterr().err

@@ -15,12 +15,13 @@ the work of a program is split between warps that never meet at a CTA barrier:
 The profile of the single-warpgroup form (docs/benchmarks.md, Known limits) shows CTA barriers as the largest
 stall and three 4-warp programs per SM that each re-read their x tile. Here the only waits are on mbarriers and
 the two consumers share one 256-row x tile (a quarter of the x traffic per multiply of the 64 x 128 tile). What
-still costs (H100, `benchmarks/wgmma_ws_ab.py`): the decode is not hidden under the other warpgroup's wgmma (with
-zero weights instead of the decode the kernel is 1.14-1.19x cuBLAS on the 7B gate_up weight at 4096-8192 rows,
-with it 0.88-0.93x). Ping-pong turns between the consumers and decoding one step ahead were measured and were
-not faster (commit a6cd4a0): with 12 warps ptxas compiles at 168 registers and serializes the asynchronous wgmma
-once the next step's operands are live; with one consumer warpgroup it does not, but one warpgroup per SM is
-too few.
+still costs (H100, `benchmarks/ws_clocks.py`): at 1024-4096 rows every variant runs at the 700 W power cap, and
+the kernel does 0.84-0.94x the work per clock cycle of cuBLAS, with or without the decode (within 1%, 7% on one
+shape; zero weights instead of the decode run faster because they draw less power: a higher clock).
+Ping-pong turns between the consumers and decoding one step ahead were measured and were not faster (commits
+a6cd4a0 and cd8ac76; with the loads issued by a consumer, so that no warpgroup's setmaxnreg is below the wgmma
+pipeline's registers, ptxas no longer serializes the decode-ahead schedule, and it is as fast as this one at the
+same tile).
 
 Grid (cdiv(N, 128), cdiv(M, BM), splits); splits > 1 use the split-K store of `_store_out`, each consumer acting
 as one 64-row program (arrival counters for cdiv(N, 64) x cdiv(M, BM) tiles). x must be `permute_x_kernel`'s
