@@ -1,10 +1,10 @@
 """Compile the warp-specialized NVFP4 kernel for sm_90 without a GPU and report what ptxas made of it.
 
-`python benchmarks/compile_wgmma_ws.py [NAME=VALUE ...] [--src DIR] [--setmaxnreg-floor N]`: NAME=VALUE set the
-kernel's constexprs
-(defaults BM=256 BKH=64 NS=3 CREGS=232 NC=2 where the kernel has them, the others 0); --src imports qerl from
-another tree, e.g. `git worktree add /tmp/a6 a6cd4a0` for the schedules measured there
-(`--src /tmp/a6/src MODE=4 BM=128 NS=4`). Uses the ptxas the installed Triton compiles sm_90 with (docs quote Triton 3.6.0).
+`python benchmarks/compile_wgmma_ws.py [NAME=VALUE ...] [--src DIR] [--setmaxnreg-floor N]`: NAME=VALUE set
+the kernel's constexprs (defaults BM=256 BKH=64 NS=3 CREGS=232 NC=2 where the kernel has them, the others 0);
+--src imports qerl from another tree, e.g. `git worktree add /tmp/a6 a6cd4a0` for the schedules measured there
+(`--src /tmp/a6/src MODE=4 BM=128 NS=4`). Uses the ptxas the installed Triton compiles sm_90 with (docs quote
+Triton 3.6.0).
 Prints ptxas's registers, spills and warnings, the shared memory, and for the consumer loop (the innermost
 loop holding HGMMAs): its SASS instruction count, HGMMA and WARPGROUP.DEPBAR counts and an opcode histogram.
 --setmaxnreg-floor N raises every `setmaxnreg` below N to N in the PTX before ptxas: a diagnostic of which

@@ -6,8 +6,8 @@ decode, and the same kernel with zero weights instead of the decode: `--no-decod
 results by design) back to back for `--seconds`, while `nvidia-smi` samples the SM clock, board power and
 throttle reasons every 100 ms. Prints one markdown table: microseconds per call, TFLOP/s, the median clock
 and power of the samples taken inside each variant's window, and TFLOP/s per GHz of SM clock (the work a
-kernel does per cycle: at the power cap a kernel that draws less power runs at a higher clock). Weights rotate through more than twice the L2
-(as in `qerl bench kernels`). GPU-only.
+kernel does per cycle: at the power cap a kernel that draws less power runs at a higher clock). Weights rotate
+through more than twice the L2 (as in `qerl bench kernels`). GPU-only.
 """
 
 import argparse

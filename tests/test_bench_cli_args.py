@@ -1,5 +1,6 @@
-"""The GPU benchmarks' parts that run on CPU: `qerl bench rollout --disable` and `benchmarks/wgmma_ws_ab.py` refuse
-what they cannot run before looking for a GPU, and `benchmarks/compile_wgmma_ws.py` compiles the kernel offline."""
+"""The GPU benchmarks' parts that run on CPU: `qerl bench rollout --disable`, `benchmarks/wgmma_ws_ab.py` and
+`benchmarks/ws_clocks.py` refuse what they cannot run before looking for a GPU (ws_clocks also parses nvidia-smi's
+samples), and `benchmarks/compile_wgmma_ws.py` compiles the kernel offline and rewrites its setmaxnreg counts."""
 
 import importlib.util
 import re
@@ -12,8 +13,9 @@ from qerl.bench.rollout import main as rollout_main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ws_ab():
-    spec = importlib.util.spec_from_file_location("wgmma_ws_ab", ROOT / "benchmarks" / "wgmma_ws_ab.py")
+def _bench(name: str):
+    """benchmarks/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -27,7 +29,7 @@ def test_rollout_refuses_an_unknown_backend_to_disable(capsys):
 
 
 def test_ws_ab_parses_tiles_and_refuses_unknown_layers(capsys):
-    ab = _ws_ab()
+    ab = _bench("wgmma_ws_ab")
     a = ab._args(["--configs", "256,64,3,232 128,64,4,200", "--ms", "256,1024", "--no-decode",
                   "--layers", "gate_up,down_72b"])
     assert a.configs == [(256, 64, 3, 232), (128, 64, 4, 200)] and a.ms == [256, 1024]
@@ -43,9 +45,7 @@ def test_ws_kernel_compiles_for_sm90_without_a_gpu(capsys):
     """`benchmarks/compile_wgmma_ws.py` (the source of the docs' register and SASS figures) builds the routed
     tile with this Triton and its ptxas: no spills, one wgmma wait per step in the consumer loop."""
     pytest.importorskip("triton.experimental.gluon")
-    spec = importlib.util.spec_from_file_location("compile_wgmma_ws", ROOT / "benchmarks" / "compile_wgmma_ws.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("compile_wgmma_ws")
     assert mod.main(["BM=256", "NS=3"]) == 0
     out = capsys.readouterr().out
     assert " 0 bytes spilled" in out and "384 threads" in out
@@ -55,9 +55,7 @@ def test_ws_kernel_compiles_for_sm90_without_a_gpu(capsys):
 def test_setmaxnreg_floor_raises_only_the_low_counts():
     """The diagnostic behind the docs' finding that ptxas serializes the wgmma pipeline when any warpgroup's
     `setmaxnreg` is below its accumulator + in-flight A registers: only counts below the floor change."""
-    spec = importlib.util.spec_from_file_location("compile_wgmma_ws", ROOT / "benchmarks" / "compile_wgmma_ws.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("compile_wgmma_ws")
     ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 \t256;\n\tsetmaxnreg.dec.sync.aligned.u32 \t40;\n"
            "\tsetmaxnreg.dec.sync.aligned.u32 \t120;\n\tsetmaxnreg.inc.sync.aligned.u32 \t232;\n")
     out, n = mod.raise_setmaxnreg(ptx, 128)
@@ -67,9 +65,7 @@ def test_setmaxnreg_floor_raises_only_the_low_counts():
 
 
 def test_ws_clocks_parses_nvidia_smi_samples_and_its_arguments(capsys):
-    spec = importlib.util.spec_from_file_location("ws_clocks", ROOT / "benchmarks" / "ws_clocks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("ws_clocks")
     text = ("2026/11/25 15:46:01.100, 1380, 698.51, 61, 0x0000000000000004\n"
             "2026/11/25 15:46:01.200, [N/A], 698.00, 61, 0x0000000000000004\n"
             "2026/11/25 15:46:01.300, 1770, 699.10, 62, 0x00000000000000")
