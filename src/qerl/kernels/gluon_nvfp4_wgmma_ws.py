@@ -20,8 +20,8 @@ the kernel does 0.84-0.94x the work per clock cycle of cuBLAS, with or without t
 shape; zero weights instead of the decode run faster because they draw less power: a higher clock).
 Ping-pong turns between the consumers and decoding one step ahead were measured and were not faster (commits
 a6cd4a0 and cd8ac76; with the loads issued by a consumer, so that no warpgroup's setmaxnreg is below the wgmma
-pipeline's registers, ptxas no longer serializes the decode-ahead schedule, and it is as fast as this one at the
-same tile).
+pipeline's registers, ptxas no longer serializes the decode-ahead schedule; at the same tile it is 0-12% faster
+than this one, and slower than this kernel's 256-row tile).
 
 Grid (cdiv(N, 128), cdiv(M, BM), splits); splits > 1 use the split-K store of `_store_out`, each consumer acting
 as one 64-row program (arrival counters for cdiv(N, 64) x cdiv(M, BM) tiles). x must be `permute_x_kernel`'s
