@@ -89,24 +89,15 @@ class Sampler:
 
 def _sustain(fn, calls: int, seconds: float):
     """Capture `calls` invocations of fn(i) in a graph, replay it for `seconds`; (median s per call, t0, t1)."""
-    from qerl.kernels.workspace import capture_graph
+    from qerl.bench.kernels import _capture_calls, _replay_seconds
 
-    def all_calls():
-        for i in range(calls):
-            fn(i)
-
-    g, _ = capture_graph(all_calls, warmups=1)
-    for _ in range(3):
+    g = _capture_calls(fn, calls)
+    for _ in range(2):
         g.replay()
     torch.cuda.synchronize()
     per, t0 = [], time.time()
     while time.time() - t0 < seconds:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        per.append(start.elapsed_time(end) / 1e3 / calls)
+        per.append(_replay_seconds(g, calls))
     return statistics.median(per), t0, time.time()
 
 

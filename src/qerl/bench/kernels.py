@@ -37,23 +37,31 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (h + 2 * kv * hd, h), "o": (heads * hd, h), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
-def _graph_time(fn, calls: int, replays: int) -> float:
-    """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
+def _capture_calls(fn, calls: int):
+    """A CUDA graph of `calls` invocations fn(0), ..., fn(calls - 1), replayed once (warm)."""
     def all_calls():
         for i in range(calls):
             fn(i)
 
     g, _ = capture_graph(all_calls, warmups=1)  # warm-up: compile, autotune caches, cuBLAS handles
     g.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
+    return g
+
+
+def _replay_seconds(g, calls: int) -> float:
+    """One timed replay of `_capture_calls`'s graph: seconds per call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def _graph_time(fn, calls: int, replays: int) -> float:
+    """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
+    g = _capture_calls(fn, calls)
+    return statistics.median(_replay_seconds(g, calls) for _ in range(replays))
 
 
 def copy_bandwidth() -> float:
