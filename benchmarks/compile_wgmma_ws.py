@@ -20,7 +20,14 @@ import subprocess
 import sys
 import tempfile
 
-DEFAULTS = {"BM": 256, "BKH": 64, "NS": 3, "CREGS": 232, "NC": 2}
+DEFAULTS = {"BM": 256, "BKH": 64, "BNR": 64, "NS": 3, "CREGS": 232, "NC": 2}
+# kernel -> (module, kernel name, {descriptor argument: (dtype, block shape from the constexprs)})
+KERNELS = {
+    "forward": ("gluon_nvfp4_wgmma_ws", "nvfp4_wgmma_ws_kernel",
+                {"x_desc": ("bf16", lambda c: [c["BM"], c["BKH"]]), "w_desc": ("u8", lambda c: [64, c["BKH"]])}),
+    "grad_input": ("gluon_nvfp4_grad_input", "nvfp4_grad_input_kernel",
+                   {"g_desc": ("bf16", lambda c: [c["BM"], c["BNR"]]), "w_desc": ("u8", lambda c: [c["BNR"], 32])}),
+}
 POINTERS = {"s_ptr": "*u8", "gs_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
             "cnt_ptr": "*i32", "h_ptr": "*bf16", "lb_ptr": "*bf16"}
 ALIGNED = {"s_ptr", "gs_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_s", "stride_om", "ws_ptr", "cnt_ptr", "lb_ptr"}
@@ -29,6 +36,8 @@ ALIGNED = {"s_ptr", "gs_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_s", "st
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("constexprs", nargs="*", metavar="NAME=VALUE")
+    ap.add_argument("--kernel", choices=sorted(KERNELS), default="forward",
+                    help="forward: gluon_nvfp4_wgmma_ws; grad_input: gluon_nvfp4_grad_input")
     ap.add_argument("--src", default=None, help="directory holding the qerl package to import (default: installed)")
     ap.add_argument("--setmaxnreg-floor", type=int, default=0, metavar="N",
                     help="raise every setmaxnreg below N to N before ptxas (diagnostic; not launchable)")
@@ -91,26 +100,26 @@ def main(argv=None) -> int:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from qerl.kernels import gluon_nvfp4_wgmma_ws as ws
+    import importlib
 
-    kernel = ws.nvfp4_wgmma_ws_kernel
+    module, name, descs = KERNELS[a.kernel]
+    kernel = getattr(importlib.import_module(f"qerl.kernels.{module}"), name)
     names = [p.name for p in kernel.params if p.is_constexpr]
     cx = {n: a.constexprs.get(n, DEFAULTS.get(n, 0)) for n in names}
+    if a.kernel == "grad_input" and "NS" not in a.constexprs:
+        cx["NS"] = 4
     unknown = sorted(set(a.constexprs) - set(names))
     if unknown:
         print(f"unknown constexprs {unknown}; the kernel has {names}", file=sys.stderr)
         return 2
-    bm, bkh = cx["BM"], cx["BKH"]
-    xl = gl.NVMMASharedLayout.get_default_for([bm, bkh], gl.bfloat16)
-    wl = gl.NVMMASharedLayout.get_default_for([64, bkh], gl.uint8)
     sig = {}
     for n in kernel.arg_names:
         if n in cx:
             sig[n] = "constexpr"
-        elif n == "x_desc":
-            sig[n] = f"tensordesc<bf16[{bm}, {bkh}],{xl!r}>"
-        elif n == "w_desc":
-            sig[n] = f"tensordesc<u8[64, {bkh}],{wl!r}>"
+        elif n in descs:
+            dtype, block = descs[n][0], descs[n][1]({**DEFAULTS, **cx})
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == "bf16" else gl.uint8)
+            sig[n] = f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
         else:
             sig[n] = POINTERS.get(n, "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in ALIGNED}

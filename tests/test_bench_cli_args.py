@@ -80,3 +80,29 @@ def test_ws_clocks_parses_nvidia_smi_samples_and_its_arguments(capsys):
     with pytest.raises(SystemExit):
         mod._args(["--layers", "lm_head"])
     assert "unknown layers ['lm_head']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("m,k", [(64, 3584), (128, 3584), (256, 3584), (256, 18944)])
+def test_grad_input_kernel_compiles_for_sm90_without_a_gpu(capsys, m, k):
+    """Each tile `gluon_nvfp4_grad_input.pick_config` routes to builds with this Triton and its ptxas: no spills,
+    the step's wgmmas waited once (not serialized)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from qerl.kernels.gluon_nvfp4_grad_input import pick_config
+
+    bm, bnr, ns, nc, cregs = pick_config(m, k)
+    mod = _bench("compile_wgmma_ws")
+    assert mod.main(["--kernel", "grad_input", f"BM={bm}", f"BNR={bnr}", f"NS={ns}", f"NC={nc}", f"CREGS={cregs}"]) == 0
+    out = capsys.readouterr().out
+    assert " 0 bytes spilled" in out and f"{(4 * nc + 4) * 32} threads" in out, out
+    assert f"{bnr // 16} HGMMA, 1 WARPGROUP.DEPBAR" in out, out
+
+
+def test_grad_input_ab_parses_tiles_and_refuses_bad_ones(capsys):
+    ab = _bench("grad_input_ab")
+    a = ab._args(["--configs", "64,64,4,4,112 256,128,3,2,232", "--ms", "128,512", "--layers", "gate_up,down_72b"])
+    assert a.configs == [(64, 64, 4, 4, 112), (256, 128, 3, 2, 232)] and a.ms == [128, 512]
+    assert [v[0] for v in ab._variants(a)] == ["routed", "deq+cuBLAS", "kernel BM64 BNR64 NS4 NC4 w1",
+                                               "kernel BM256 BNR128 NS3 NC2 w1"]
+    with pytest.raises(SystemExit):
+        ab._args(["--configs", "256,64,4,232"])
+    assert "each config is BM,BNR,NS,NC,CREGS" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """y = x @ W^T and its input gradient for an NVFP4 weight, without keeping W in 16 bits.
 
 The public entry for NVFP4 products. `route.route` picks the backend from (M, N, K, device, dtype) under the
-current `KernelPolicy`: the Gluon swap-AB kernels (`gluon_nvfp4`) at decode sizes, the Triton kernels
+current `KernelPolicy`: the Gluon swap-AB kernels (`gluon_nvfp4`) at decode sizes, the Gluon input-gradient
+kernel (`gluon_nvfp4_grad_input`) for dY @ W at a few hundred rows, the Triton kernels
 (`triton_fp4`: tl.dot with W decoded in registers, the CUDA-core GEMV, or a one-pass dequantize followed by
 cuBLAS) otherwise on CUDA, and on the CPU the plain-torch path, which is also the reference the kernels are
 tested against: dequantize into a temporary that lives for this call only (speed matters less there than
@@ -102,6 +103,23 @@ def _gluon_ws_linear(x, weight_packed, weight_scale, weight_global_scale, bias, 
         return _unavailable(e, "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS)
 
 
+def _gluon_grad_input(grad_out, weight_packed, weight_scale, weight_global_scale):
+    """The Gluon input-gradient kernel, or None after marking it unavailable (no warp_specialize / TMA in this
+    Triton, or a build that fails here)."""
+    try:
+        from . import gluon_nvfp4_grad_input
+    except (ImportError, AttributeError) as e:
+        return _unavailable(e, "Gluon NVFP4 input-gradient kernel", rt.GLUON_GRAD_INPUT)
+    try:
+        return gluon_nvfp4_grad_input.nvfp4_grad_input_gluon(grad_out, weight_packed, weight_scale, weight_global_scale)
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        return _unavailable(e, "Gluon NVFP4 input-gradient kernel", rt.GLUON_GRAD_INPUT)
+
+
 def _unavailable(e: Exception, what: str, *backends: str) -> None:
     warnings.warn(f"{what} unavailable here ({type(e).__name__}: {str(e)[:200]}); routing around it",
                   RuntimeWarning, stacklevel=4)
@@ -117,8 +135,16 @@ def nvfp4_linear_grad_input(
 ) -> torch.Tensor:
     """grad_out [..., N] -> grad_out @ W, [..., K] in grad_out.dtype."""
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
-    backend = rt.route("nvfp4", rt.rows(grad_out), n, k, rt.kernel_capability(grad_out), op="grad_input",
-                      dtype=grad_out.dtype, unavailable=rt.unavailable())
+    cap = rt.kernel_capability(grad_out)
+    fits = cap is not None and step_fits_bf16(weight_global_scale)
+    backend = rt.route("nvfp4", rt.rows(grad_out), n, k, cap, op="grad_input", dtype=grad_out.dtype, step_fits=fits,
+                      unavailable=rt.unavailable())
+    if backend == rt.GLUON_GRAD_INPUT:
+        y = _gluon_grad_input(grad_out, weight_packed, weight_scale, weight_global_scale)
+        if y is not None:
+            return y
+        backend = rt.route("nvfp4", rt.rows(grad_out), n, k, cap, op="grad_input", dtype=grad_out.dtype,
+                          step_fits=fits, unavailable=rt.unavailable())
     if backend == rt.TORCH_DEQUANTIZE:
         return grad_out @ dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
     from . import triton_fp4 as tk

@@ -20,6 +20,10 @@ test) and nowhere else. The rules and the measurements that set them (H200; docs
     rows 1..gemv_max_m          the CUDA-core kernel (`triton_gemv`; NVFP4 forward only);
     rows <= fused_max_m         the tl.dot kernel decoding W in registers (`triton_dot`), also up to
                                 fused_max_m_big rows for weights of >= big_weight elements;
+    NVFP4 dY @ W on sm_90       (bf16 dY, N % 8 == 0, K % 32 == 0, global scale > 128) the Gluon input-gradient
+                                kernel (`gluon_grad_input`) at grad_input_min_m..grad_input_max_m rows for weights
+                                of >= grad_input_min_weight elements, ahead of the tl.dot rule, and wherever the
+                                next rule would apply when grad_input_no_temporary is set;
     above                       one Triton pass dequantizes W into a temporary, then cuBLAS (`triton_dequantize`).
   bf16 weights: the Gluon bf16 kernel (`gluon_bf16`) for 1..bf16_swap_max_m rows on sm_80+, else F.linear.
   No CUDA bf16/fp16 input, or Triton off: the plain-torch reference (`torch_dequantize`; `torch_linear` for
@@ -52,8 +56,10 @@ GLUON_WGMMA = "gluon_wgmma"  # `gluon_nvfp4` launching `gluon_nvfp4_wgmma`, x st
 GLUON_WGMMA_XP = "gluon_wgmma_xp"  # the same, x rewritten once in operand order (`permute_x_kernel`)
 GLUON_WGMMA_WS = "gluon_wgmma_ws"  # `gluon_nvfp4_wgmma_ws`: TMA producer warp, two decoding wgmma warpgroups
 GLUON_BF16 = "gluon_bf16"  # `gluon_bf16`
+GLUON_GRAD_INPUT = "gluon_grad_input"  # `gluon_nvfp4_grad_input`: dY @ W with W decoded in registers (sm_90)
 GLUON_NVFP4 = (GLUON_MMA, GLUON_WGMMA, GLUON_WGMMA_XP, GLUON_WGMMA_WS)
-BACKENDS = (TORCH_DEQUANTIZE, TORCH_LINEAR, TRITON_DEQUANTIZE, TRITON_DOT, TRITON_GEMV, *GLUON_NVFP4, GLUON_BF16)
+BACKENDS = (TORCH_DEQUANTIZE, TORCH_LINEAR, TRITON_DEQUANTIZE, TRITON_DOT, TRITON_GEMV, *GLUON_NVFP4, GLUON_BF16,
+            GLUON_GRAD_INPUT)
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,14 @@ class KernelPolicy:
     ws_max_m: int = 1024
     ws_min_n: int = 8192
     ws_min_weight: int = 2**27
+    # NVFP4 input gradient dY @ W on sm_90: the Gluon kernel at grad_input_min_m..grad_input_max_m rows for
+    # weights of >= grad_input_min_weight elements (H100: `python benchmarks/grad_input_ab.py`, docs/benchmarks.md
+    # section "NVFP4 input gradient"); grad_input_no_temporary: also at every other M that would dequantize W
+    # into a temporary (slower from ~1024 rows, but never holds an N x K 16-bit copy)
+    grad_input_min_m: int = 64
+    grad_input_max_m: int = 512
+    grad_input_min_weight: int = 2**26
+    grad_input_no_temporary: bool = False
     # "big" weights: above it the wgmma form takes x pre-permuted and more rows, and the tl.dot kernel more rows
     big_weight: int = 32 * 2**20
     permute_x: bool | None = None  # wgmma form: force x staged (False) or pre-permuted (True); None: the rule
@@ -154,6 +168,12 @@ def fused_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
     return m <= p.fused_max_m or (m <= p.fused_max_m_big and n * k >= p.big_weight)
 
 
+def grad_input_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
+    """Shapes for which the NVFP4 input-gradient kernel beats the tl.dot kernel and dequantize + cuBLAS (H100:
+    64-512 rows on weights of >= 2^26 elements; q/k/v and o lose from 128 rows, everything from ~1024)."""
+    return p.grad_input_min_m <= m <= p.grad_input_max_m and n * k >= p.grad_input_min_weight
+
+
 def route(fmt: str, m: int, n: int, k: int, capability: tuple[int, int] | None, *, op: str = "forward",
           dtype: torch.dtype = torch.bfloat16, lora_r: int = 0, step_fits: bool = True,
           unavailable: frozenset[str] = frozenset(), policy: KernelPolicy | None = None) -> str:
@@ -185,7 +205,12 @@ def route(fmt: str, m: int, n: int, k: int, capability: tuple[int, int] | None, 
                 return GLUON_MMA
         if 1 <= m <= p.gemv_max_m and TRITON_GEMV not in off:
             return TRITON_GEMV
-    return TRITON_DOT if fused_rows(p, m, n, k) and TRITON_DOT not in off else TRITON_DEQUANTIZE
+    fused = fused_rows(p, m, n, k) and TRITON_DOT not in off
+    if (fmt == "nvfp4" and op == "grad_input" and dtype == torch.bfloat16 and capability == (9, 0) and step_fits
+            and n % 8 == 0 and k % 32 == 0 and GLUON_GRAD_INPUT not in off
+            and (grad_input_rows(p, m, n, k) or (p.grad_input_no_temporary and not fused))):
+        return GLUON_GRAD_INPUT
+    return TRITON_DOT if fused else TRITON_DEQUANTIZE
 
 
 def lora_in_kernel(backend: str, lora_r: int, policy: KernelPolicy | None = None) -> bool:
