@@ -57,13 +57,14 @@ TABLE = [
     ("nvfp4", "forward", 64, GATE_UP, H100, FP16, 0, True, rt.TRITON_DOT),
     ("nvfp4", "forward", 65, GATE_UP, H100, FP16, 0, True, rt.TRITON_DEQUANTIZE),
     ("nvfp4", "forward", 0, QKV, H100, BF16, 0, True, rt.TRITON_DOT),  # empty input
-    # NVFP4 input gradient: the Gluon kernel on sm_90 at 64-512 rows for weights >= 2^26 elements, ahead of
-    # tl.dot; else tl.dot or dequantize + cuBLAS (MXFP4 only these)
+    # NVFP4 input gradient: the Gluon kernel on sm_90 at 65-256 rows for weights >= 2^26 elements (to 512 rows
+    # from 2^27); else tl.dot or dequantize + cuBLAS (MXFP4 only these)
     ("nvfp4", "grad_input", 1, QKV, H100, BF16, 0, True, rt.TRITON_DOT),
-    ("nvfp4", "grad_input", 63, GATE_UP, H100, BF16, 0, True, rt.TRITON_DOT),
-    ("nvfp4", "grad_input", 64, GATE_UP, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
-    ("nvfp4", "grad_input", 512, DOWN, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
-    ("nvfp4", "grad_input", 300, DOWN72, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
+    ("nvfp4", "grad_input", 64, GATE_UP, H100, BF16, 0, True, rt.TRITON_DOT),
+    ("nvfp4", "grad_input", 65, GATE_UP, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
+    ("nvfp4", "grad_input", 256, DOWN, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
+    ("nvfp4", "grad_input", 257, DOWN, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),  # 68M elements: <= 256 rows
+    ("nvfp4", "grad_input", 512, DOWN72, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
     ("nvfp4", "grad_input", 513, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
     ("nvfp4", "grad_input", 64, QKV, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),  # 16.5M elements: too small
     ("nvfp4", "grad_input", 256, O72, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),  # 67M elements
@@ -114,7 +115,7 @@ def test_unavailable_backends_are_routed_around():
     assert rt.route("nvfp4", 512, *GATE_UP, H100, unavailable=ws) == rt.TRITON_DEQUANTIZE
     assert rt.route("bf16", 1, *QKV, H100, unavailable=frozenset({rt.GLUON_BF16})) == rt.TORCH_LINEAR
     gi = frozenset({rt.GLUON_GRAD_INPUT})
-    assert rt.route("nvfp4", 64, *GATE_UP, H100, op="grad_input", unavailable=gi) == rt.TRITON_DOT
+    assert rt.route("nvfp4", 65, *GATE_UP, H100, op="grad_input", unavailable=gi) == rt.TRITON_DEQUANTIZE
     assert rt.route("nvfp4", 256, *GATE_UP, H100, op="grad_input", unavailable=gi) == rt.TRITON_DEQUANTIZE
 
 
@@ -124,6 +125,7 @@ def test_grad_input_without_a_temporary_takes_the_kernel_wherever_W_would_be_deq
             for nk in (QKV, GATE_UP):
                 assert rt.route("nvfp4", m, *nk, H100, op="grad_input") == rt.GLUON_GRAD_INPUT, (m, nk)
         assert rt.route("nvfp4", 16, *QKV, H100, op="grad_input") == rt.TRITON_DOT  # no temporary there anyway
+        assert rt.route("nvfp4", 64, *GATE_UP, H100, op="grad_input") == rt.TRITON_DOT
         assert rt.route("nvfp4", 4096, *GATE_UP, A100, op="grad_input") == rt.TRITON_DEQUANTIZE  # no kernel
         assert rt.route("nvfp4", 4096, *GATE_UP, H100, op="forward") == rt.TRITON_DEQUANTIZE  # backward only
 

@@ -22,8 +22,9 @@ test) and nowhere else. The rules and the measurements that set them (H200; docs
                                 fused_max_m_big rows for weights of >= big_weight elements;
     NVFP4 dY @ W on sm_90       (bf16 dY, N % 8 == 0, K % 32 == 0, global scale > 128) the Gluon input-gradient
                                 kernel (`gluon_grad_input`) at grad_input_min_m..grad_input_max_m rows for weights
-                                of >= grad_input_min_weight elements, ahead of the tl.dot rule, and wherever the
-                                next rule would apply when grad_input_no_temporary is set;
+                                of >= grad_input_min_weight elements (..grad_input_max_m_big from
+                                grad_input_big_weight), and wherever the next rule would apply when
+                                grad_input_no_temporary is set;
     above                       one Triton pass dequantizes W into a temporary, then cuBLAS (`triton_dequantize`).
   bf16 weights: the Gluon bf16 kernel (`gluon_bf16`) for 1..bf16_swap_max_m rows on sm_80+, else F.linear.
   No CUDA bf16/fp16 input, or Triton off: the plain-torch reference (`torch_dequantize`; `torch_linear` for
@@ -82,12 +83,15 @@ class KernelPolicy:
     ws_min_n: int = 8192
     ws_min_weight: int = 2**27
     # NVFP4 input gradient dY @ W on sm_90: the Gluon kernel at grad_input_min_m..grad_input_max_m rows for
-    # weights of >= grad_input_min_weight elements (H100: `python benchmarks/grad_input_ab.py`, docs/benchmarks.md
-    # section "NVFP4 input gradient"); grad_input_no_temporary: also at every other M that would dequantize W
-    # into a temporary (slower from ~1024 rows, but never holds an N x K 16-bit copy)
-    grad_input_min_m: int = 64
-    grad_input_max_m: int = 512
+    # weights of >= grad_input_min_weight elements, up to grad_input_max_m_big rows from grad_input_big_weight
+    # (H100: `python benchmarks/grad_input_ab.py`, docs/benchmarks.md section "NVFP4 input gradient");
+    # grad_input_no_temporary: also at every other M that would dequantize W into a temporary (slower from ~512
+    # rows, but never holds an N x K 16-bit copy of W)
+    grad_input_min_m: int = 65
+    grad_input_max_m: int = 256
+    grad_input_max_m_big: int = 512
     grad_input_min_weight: int = 2**26
+    grad_input_big_weight: int = 2**27
     grad_input_no_temporary: bool = False
     # "big" weights: above it the wgmma form takes x pre-permuted and more rows, and the tl.dot kernel more rows
     big_weight: int = 32 * 2**20
@@ -170,8 +174,11 @@ def fused_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
 
 def grad_input_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
     """Shapes for which the NVFP4 input-gradient kernel beats the tl.dot kernel and dequantize + cuBLAS (H100:
-    64-512 rows on weights of >= 2^26 elements; q/k/v and o lose from 128 rows, everything from ~1024)."""
-    return p.grad_input_min_m <= m <= p.grad_input_max_m and n * k >= p.grad_input_min_weight
+    65-256 rows on weights of >= 2^26 elements, to 512 rows from 2^27; at 64 rows tl.dot wins on the 72B gate_up,
+    the 7B q/k/v and o lose from 128 rows, every shape from ~1024)."""
+    if m < p.grad_input_min_m or n * k < p.grad_input_min_weight:
+        return False
+    return m <= (p.grad_input_max_m_big if n * k >= p.grad_input_big_weight else p.grad_input_max_m)
 
 
 def route(fmt: str, m: int, n: int, k: int, capability: tuple[int, int] | None, *, op: str = "forward",
