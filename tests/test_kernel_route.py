@@ -58,14 +58,15 @@ TABLE = [
     ("nvfp4", "forward", 65, GATE_UP, H100, FP16, 0, True, rt.TRITON_DEQUANTIZE),
     ("nvfp4", "forward", 0, QKV, H100, BF16, 0, True, rt.TRITON_DOT),  # empty input
     # NVFP4 input gradient: the Gluon kernel on sm_90 at 65-256 rows for weights >= 2^26 elements (to 512 rows
-    # from 2^27); else tl.dot or dequantize + cuBLAS (MXFP4 only these)
+    # from 192M elements); else tl.dot or dequantize + cuBLAS (MXFP4 only these)
     ("nvfp4", "grad_input", 1, QKV, H100, BF16, 0, True, rt.TRITON_DOT),
     ("nvfp4", "grad_input", 64, GATE_UP, H100, BF16, 0, True, rt.TRITON_DOT),
     ("nvfp4", "grad_input", 65, GATE_UP, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
     ("nvfp4", "grad_input", 256, DOWN, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
     ("nvfp4", "grad_input", 257, DOWN, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),  # 68M elements: <= 256 rows
     ("nvfp4", "grad_input", 512, DOWN72, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),
-    ("nvfp4", "grad_input", 513, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
+    ("nvfp4", "grad_input", 257, GATE_UP, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),  # 136M: <= 256 rows
+    ("nvfp4", "grad_input", 513, DOWN72, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),
     ("nvfp4", "grad_input", 64, QKV, H100, BF16, 0, True, rt.TRITON_DEQUANTIZE),  # 16.5M elements: too small
     ("nvfp4", "grad_input", 256, O72, H100, BF16, 0, True, rt.GLUON_GRAD_INPUT),  # 67M elements
     ("nvfp4", "grad_input", 256, GATE_UP, H100, FP16, 0, True, rt.TRITON_DEQUANTIZE),

@@ -91,7 +91,7 @@ class KernelPolicy:
     grad_input_max_m: int = 256
     grad_input_max_m_big: int = 512
     grad_input_min_weight: int = 2**26
-    grad_input_big_weight: int = 2**27
+    grad_input_big_weight: int = 192 * 2**20
     grad_input_no_temporary: bool = False
     # "big" weights: above it the wgmma form takes x pre-permuted and more rows, and the tl.dot kernel more rows
     big_weight: int = 32 * 2**20
@@ -174,8 +174,9 @@ def fused_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
 
 def grad_input_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
     """Shapes for which the NVFP4 input-gradient kernel beats the tl.dot kernel and dequantize + cuBLAS (H100:
-    65-256 rows on weights of >= 2^26 elements, to 512 rows from 2^27; at 64 rows tl.dot wins on the 72B gate_up,
-    the 7B q/k/v and o lose from 128 rows, every shape from ~1024)."""
+    65-256 rows on weights of >= 2^26 elements, to 512 rows from 192M: the 32B/72B MLP weights, not the 7B gate_up,
+    which ties at 512 rows on the H100 and loses 10% on the H200; at 64 rows tl.dot wins on the 72B gate_up, the 7B
+    q/k/v and o lose from 128 rows, every shape from ~1024)."""
     if m < p.grad_input_min_m or n * k < p.grad_input_min_weight:
         return False
     return m <= (p.grad_input_max_m_big if n * k >= p.grad_input_big_weight else p.grad_input_max_m)
