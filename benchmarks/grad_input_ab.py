@@ -30,8 +30,6 @@ def _args(argv=None):
     ap.add_argument("--waves", default="1", help="programs per SM (splits of the reduction) for the kernel")
     ap.add_argument("--configs", default="64,128,4,4,112 256,64,4,2,232 256,128,3,2,232",
                     help="kernel tiles BM,BNR,NS,NC,CREGS separated by spaces (`nvfp4_grad_input_ws`)")
-    ap.add_argument("--n-fast", action="store_true",
-                    help="also time each tile with the grid's K tiles fastest (the launch order before m_fast)")
     ap.add_argument("--dry-run", action="store_true", help="parse arguments, print the plan, exit")
     a = ap.parse_args(argv)
     a.ms = [int(v) for v in a.ms.split(",")]
@@ -49,11 +47,7 @@ def _args(argv=None):
 def _variants(a):
     """(column name, kind, config, waves): 'routed', 'deq' (dequantize + cuBLAS), 'kernel'."""
     out = [("routed", "routed", None, 0.0), ("deq+cuBLAS", "deq", None, 0.0)]
-    for c in a.configs:
-        out += [(f"kernel BM{c[0]} BNR{c[1]} NS{c[2]} NC{c[3]} w{w:g}", "kernel", c, w) for w in a.waves]
-        if a.n_fast:
-            out += [(f"kernel BM{c[0]} BNR{c[1]} NS{c[2]} NC{c[3]} K-fast w{w:g}", "kernel-k-fast", c, w)
-                    for w in a.waves]
+    out += [(f"kernel BM{c[0]} BNR{c[1]} NS{c[2]} NC{c[3]} w{w:g}", "kernel", c, w) for c in a.configs for w in a.waves]
     return out
 
 
@@ -68,8 +62,7 @@ def _call(kind, cfg, waves, g, w, sms, split=None):
     if kind == "deq":
         return g @ tk.nvfp4_dequantize_triton(**w, dtype=torch.bfloat16)
     return gi.nvfp4_grad_input_ws(g, w["weight_packed"], scale_bytes(w["weight_scale"]),
-                                  global_scale_f32(w["weight_global_scale"]), sms, config=cfg, split=split, waves=waves,
-                                  m_fast=kind != "kernel-k-fast")
+                                  global_scale_f32(w["weight_global_scale"]), sms, config=cfg, split=split, waves=waves)
 
 
 def check(a) -> list[str]:

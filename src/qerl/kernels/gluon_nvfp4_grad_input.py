@@ -23,8 +23,7 @@ consumer warpgroups (64 output columns each, the same dY tile) decode and run wg
 (empty[s]). The scale bytes of a step (one byte per weight row and 16 columns) are loaded two per thread, one
 step ahead, and spread across the warp by a layout conversion.
 
-Grid (cdiv(K, 64 NC), cdiv(M, BM), splits), or with one split (cdiv(M, BM), cdiv(K, 64 NC), 1) (M_FAST: the M
-tiles of a weight column block run together, so it is read from DRAM about once); splits > 1 split the reduction over N and use `_store_out`'s split-K
+Grid (cdiv(K, 128), cdiv(M, BM), splits): splits > 1 split the reduction over N and use `_store_out`'s split-K
 store (arrival counters for cdiv(K, 64) x cdiv(M, BM) tiles). Needs bf16 dY with N % 8 == 0 (TMA row
 alignment), K % 32 == 0 and a global scale > 128 (the bf16 decode step). GPU-only: Gluon does not run under the
 Triton interpreter.
@@ -227,16 +226,12 @@ def _consumer(gys, wqs, ready, empty, s_ptr, gs_ptr, out_ptr, M, N, K, stride_s,
 @gluon.jit
 def nvfp4_grad_input_kernel(g_desc, w_desc, s_ptr, gs_ptr, out_ptr, M, N, K, stride_s, stride_om, ws_ptr, cnt_ptr,
                             tiles_per_split, BM: gl.constexpr, BNR: gl.constexpr, NS: gl.constexpr,
-                            NC: gl.constexpr, CREGS: gl.constexpr, PARTIAL: gl.constexpr, M_FAST: gl.constexpr = False):
+                            NC: gl.constexpr, CREGS: gl.constexpr, PARTIAL: gl.constexpr):
     """g_desc: TMA descriptor of dY [M, N] bf16, block [BM, BNR]; w_desc: of weight_packed [N, K/2] uint8, block
     [BNR, 32]; out: dX [M, K] bf16. NC (2 or 4) consumer warpgroups of 64 output columns each. Launched with
     num_warps=4 (consumer 0; the other consumers and the producer are added by warp_specialize)."""
-    if M_FAST:  # grid (M tiles, K tiles): CTAs running together share a weight column block
-        pid_m = gl.program_id(0)
-        pid_k = gl.program_id(1)
-    else:
-        pid_k = gl.program_id(0)
-        pid_m = gl.program_id(1)
+    pid_k = gl.program_id(0)
+    pid_m = gl.program_id(1)
     pid_s = gl.program_id(2)
     gys = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BNR], g_desc.layout)
     wqs = gl.allocate_shared_memory(gl.uint8, [NC * NS, BNR, JB], w_desc.layout)
@@ -277,11 +272,10 @@ def nvfp4_grad_input_kernel(g_desc, w_desc, s_ptr, gs_ptr, out_ptr, M, N, K, str
 
 def nvfp4_grad_input_ws(g: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                         sms: int, config: tuple[int, int, int, int, int] | None = None, split: int | None = None,
-                        waves: float = 1.0, m_fast: bool | None = None) -> torch.Tensor:
+                        waves: float = 1.0) -> torch.Tensor:
     """g [M, N] bf16 (unit column stride) -> g @ W, [M, K] bf16. packed uint8 [N, K/2] contiguous, scale_u8 uint8
     [N, K/16] (E4M3 bits), global_scale fp32 [1]. config (BM, BNR, NS, NC, CREGS); split: number of splits of the
-    reduction over N (None: about `waves` programs per SM). config None: `pick_config`'s. m_fast (one split only;
-    None: whenever there is one split): the grid runs the M tiles of a weight column block next to each other."""
+    reduction over N (None: about `waves` programs per SM). config None: `pick_config`'s."""
     m, n = g.shape
     k = packed.shape[1] * 2
     bm, bnr, ns, nc, cregs = config or pick_config(m, k)
@@ -308,10 +302,9 @@ def nvfp4_grad_input_ws(g: torch.Tensor, packed: torch.Tensor, scale_u8: torch.T
     w_layout = gl.NVMMASharedLayout.get_default_for([bnr, _JB], gl.uint8)
     g_desc = TensorDescriptor.from_tensor(g, [bm, bnr], g_layout)
     w_desc = TensorDescriptor.from_tensor(packed, [bnr, _JB], w_layout)
-    m_fast = s == 1 if m_fast is None else m_fast and s == 1  # split-K counters index (K tile, M tile)
-    nvfp4_grad_input_kernel[(grid_m, grid_k, s) if m_fast else (grid_k, grid_m, s)](
+    nvfp4_grad_input_kernel[(grid_k, grid_m, s)](
         g_desc, w_desc, scale_u8, global_scale, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per,
-        BM=bm, BNR=bnr, NS=ns, NC=nc, CREGS=cregs, PARTIAL=s > 1, M_FAST=m_fast, num_warps=4)
+        BM=bm, BNR=bnr, NS=ns, NC=nc, CREGS=cregs, PARTIAL=s > 1, num_warps=4)
     return out
 
 

@@ -23,8 +23,7 @@ a6cd4a0 and cd8ac76; with the loads issued by a consumer, so that no warpgroup's
 pipeline's registers, ptxas no longer serializes the decode-ahead schedule; at the same tile it is 0-12% faster
 than this one, and slower than this kernel's 256-row tile).
 
-Grid (cdiv(N, 128), cdiv(M, BM), splits), or with one split (cdiv(M, BM), cdiv(N, 128), 1) (M_FAST: the M tiles of a
-weight block run together, so it is read from DRAM about once); splits > 1 use the split-K store of `_store_out`, each consumer acting
+Grid (cdiv(N, 128), cdiv(M, BM), splits); splits > 1 use the split-K store of `_store_out`, each consumer acting
 as one 64-row program (arrival counters for cdiv(N, 64) x cdiv(M, BM) tiles). x must be `permute_x_kernel`'s
 output for BN = 64. GPU-only: Gluon does not run under the Triton interpreter.
 """
@@ -137,18 +136,14 @@ def _consumer(xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, 
 def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_s, stride_om, ws_ptr,
                           cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R, BM: gl.constexpr, BKH: gl.constexpr,
                           NS: gl.constexpr, CREGS: gl.constexpr, NO_DECODE: gl.constexpr,
-                          PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr, RP: gl.constexpr,
-                          M_FAST: gl.constexpr = False):
+                          PARTIAL: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, RP: gl.constexpr):
     """x_desc: TMA descriptor of xp [M, K] bf16 (`permute_x_kernel`, BN = 64), block [BM, BKH]; w_desc: of
     weight_packed [N, K/2] uint8, block [64, BKH]; launched with num_warps=4 (consumer 0; the other consumer
     and the producer are added by warp_specialize)."""
     BK: gl.constexpr = 2 * BKH
-    if M_FAST:  # grid (M tiles, N tiles): CTAs running together share a weight block
-        pid_m = gl.program_id(0)
-        pid_n = gl.program_id(1)
-    else:
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
     pid_k = gl.program_id(2)
     xls = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BKH], x_desc.layout)
     xhs = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BKH], x_desc.layout)
@@ -178,11 +173,10 @@ def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
 def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                     bias: torch.Tensor | None, sms: int, config: tuple[int, int, int, int] = DEFAULT_CONFIG,
                     split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    waves: float = 1.0, no_decode: bool = False, m_fast: bool | None = None) -> torch.Tensor:
+                    waves: float = 1.0, no_decode: bool = False) -> torch.Tensor:
     """x [M, K] bf16 -> x @ W^T (+ bias) (+ h @ lb^T), [M, N] bf16; operands as `gluon_nvfp4.nvfp4_linear_swap`.
     config (BM, BKH, NS, CREGS); split: number of K splits (None: `split_for` at `waves` programs per SM);
-    no_decode: the benchmark's counterfactual (zero weights instead of decoding: wrong results); m_fast (one split
-    only; None: whenever there is one split): the grid runs the M tiles of a weight block next to each other."""
+    no_decode: the benchmark's counterfactual (zero weights instead of decoding: wrong results)."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -196,7 +190,6 @@ def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tenso
     else:
         per = triton.cdiv(tiles, max(1, min(split, tiles)))
         s = triton.cdiv(tiles, per)
-    m_fast = s == 1 if m_fast is None else m_fast and s == 1  # split-K counters index (N tile, M tile)
     grid = (triton.cdiv(n, 2 * 64), triton.cdiv(m, bm), s)
     out = alloc((m, n), x.device, torch.bfloat16)
     if s > 1:
@@ -211,9 +204,9 @@ def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tenso
     permute_x_kernel[(triton.cdiv(m, bm), tiles)](x, xp, m, k, x.stride(0), BN=64, BM=bm, BKH=bkh, NW=4, num_warps=4)
     x_desc = TensorDescriptor.from_tensor(xp, [bm, bkh], gl.NVMMASharedLayout.get_default_for([bm, bkh], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(packed, [64, bkh], gl.NVMMASharedLayout.get_default_for([64, bkh], gl.uint8))
-    nvfp4_wgmma_ws_kernel[(grid[1], grid[0], s) if m_fast else grid](
+    nvfp4_wgmma_ws_kernel[grid](
         x_desc, w_desc, scale_u8, global_scale, b, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per, h, lb,
-        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1, M_FAST=m_fast,
+        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1,
         HAS_BIAS=bias is not None, RP=rp, num_warps=4)
     return out
 
