@@ -36,9 +36,6 @@ def _args(argv=None):
     ap.add_argument("--no-decode", action="store_true",
                     help="also time each WS tile with zero weights instead of the decode (a counterfactual; zeros draw "
                          "less power, so at the power cap it also runs at a higher clock: benchmarks/ws_clocks.py)")
-    ap.add_argument("--persistent", action="store_true",
-                    help="also time each WS tile as a persistent kernel (one program per SM looping over the tiles; "
-                         "one split only)")
     ap.add_argument("--dry-run", action="store_true", help="parse arguments, import, print the plan, exit")
     a = ap.parse_args(argv)
     a.ms = [int(v) for v in a.ms.split(",")]
@@ -58,8 +55,6 @@ def _variants(a):
         out += [(f"WS BM{cfg[0]} NS{cfg[2]} w{w:g}", "ws", cfg, w) for w in a.waves]
         if a.no_decode:
             out += [(f"WS BM{cfg[0]} NS{cfg[2]} no-decode w{w:g}", "ws-no-decode", cfg, w) for w in a.waves]
-        if a.persistent:
-            out += [(f"WS BM{cfg[0]} NS{cfg[2]} persistent w{w:g}", "ws-persistent", cfg, w) for w in a.waves]
     return out
 
 
@@ -70,7 +65,7 @@ def _call(kind, cfg, waves, x, packed, scale_u8, gs, bias, sms, split=None, lora
     if kind == "routed":
         return nvfp4_linear(x, packed, scale_fp8, gs, bias, lora=lora)
     return gw.nvfp4_linear_ws(x, packed, scale_u8, gs, bias, sms, config=cfg, split=split, lora=lora, waves=waves,
-                              no_decode=kind == "ws-no-decode", persistent=kind == "ws-persistent")
+                              no_decode=kind == "ws-no-decode")
 
 
 def _random_weight(n, k, gen, global_scale=900.0):

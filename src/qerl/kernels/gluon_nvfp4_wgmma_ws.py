@@ -70,40 +70,33 @@ def _decode(wq_s, sb, c, A: gl.constexpr, P: gl.constexpr, L3: gl.constexpr, p: 
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, xls, xhs, wqs, ready, empty, t0, t_end, t_step, n_tiles, k_lo, n, BM: gl.constexpr,
+def _producer(x_desc, w_desc, xls, xhs, wqs, ready, empty, pid_n, pid_m, k_lo, n, BM: gl.constexpr,
               BKH: gl.constexpr, NS: gl.constexpr):
-    """One warp: for each of the program's tiles t (weight block t % n_tiles, x tile t // n_tiles), fills ring slot
-    g % NS (g counts steps across tiles) with step i's x_lo, x_hi and the two weight-byte blocks once both
-    consumers have released it (a fresh barrier passes the parity-1 wait at once). The next tile's stages load
-    while the consumers run the epilogue of the last."""
+    """One warp: fills ring slot i % NS with step i's x_lo, x_hi and the two weight-byte blocks once both
+    consumers have released it (a fresh barrier passes the parity-1 wait at once)."""
     BK: gl.constexpr = 2 * BKH
     STAGE_BYTES: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
-    g = 0
-    for t in range(t0, t_end, t_step):
-        pid_n = t % n_tiles
-        pid_m = t // n_tiles
-        for i in range(n):
-            s = g % NS
-            mbarrier.wait(empty.index(s), ((g // NS) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), STAGE_BYTES)
-            k0 = k_lo + i * BK
-            _tma_load(w_desc, [2 * pid_n * RB, k0 // 2], ready.index(s), wqs.index(2 * s))
-            _tma_load(w_desc, [(2 * pid_n + 1) * RB, k0 // 2], ready.index(s), wqs.index(2 * s + 1))
-            _tma_load(x_desc, [pid_m * BM, k0], ready.index(s), xls.index(s))
-            _tma_load(x_desc, [pid_m * BM, k0 + BKH], ready.index(s), xhs.index(s))
-            g += 1
+    for i in range(n):
+        s = i % NS
+        mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), STAGE_BYTES)
+        k0 = k_lo + i * BK
+        _tma_load(w_desc, [2 * pid_n * RB, k0 // 2], ready.index(s), wqs.index(2 * s))
+        _tma_load(w_desc, [(2 * pid_n + 1) * RB, k0 // 2], ready.index(s), wqs.index(2 * s + 1))
+        _tma_load(x_desc, [pid_m * BM, k0], ready.index(s), xls.index(s))
+        _tma_load(x_desc, [pid_m * BM, k0 + BKH], ready.index(s), xhs.index(s))
 
 
 @gluon.jit
 def _consumer(xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om, ws_ptr, cnt_ptr,
-              h_ptr, lb_ptr, stride_hm, R, t0, t_end, t_step, n_tiles, pid_k, k_lo, n, CID: gl.constexpr,
-              BM: gl.constexpr, BKH: gl.constexpr, NS: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr,
-              RP: gl.constexpr, NO_DECODE: gl.constexpr):
-    """One warpgroup, per tile t of the program (as `_producer`): weight rows [64 rb, 64 rb + 64)
-    (rb = 2 (t % n_tiles) + CID) x the shared x tile; its own epilogue (LoRA, bias, split-K) as a 64-row
-    program."""
+              h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, CID: gl.constexpr, BM: gl.constexpr,
+              BKH: gl.constexpr, NS: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr, RP: gl.constexpr,
+              NO_DECODE: gl.constexpr):
+    """One warpgroup: weight rows [64 rb, 64 rb + 64) (rb = 2 pid_n + CID) x the shared x tile; its own
+    epilogue (LoRA, bias, split-K) as a 64-row program."""
     NW: gl.constexpr = 4
     BK: gl.constexpr = 2 * BKH
+    rb = 2 * pid_n + CID
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     al: gl.constexpr = gl.to_linear_layout(A, [RB, BKH])
@@ -112,63 +105,46 @@ def _consumer(xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, 
     L3: gl.constexpr = _split_group_layout(P, RB, BKH)
     S: gl.constexpr = gl.SliceLayout(2, L3)
     c = 1.4757395258967641e20 / gl.load(gs_ptr)  # 2^67 / global_scale
-    g = 0
-    for t in range(t0, t_end, t_step):
-        rb = 2 * (t % n_tiles) + CID
-        pid_m = t // n_tiles
-        acc = gl.zeros([RB, BM], gl.float32, layout=mma)
-        sb = _scales(s_ptr, N, stride_s, rb, k_lo, n > 0, S, BKH)
-        for i in range(n):
-            sb_next = _scales(s_ptr, N, stride_s, rb, k_lo + (i + 1) * BK, i + 1 < n, S, BKH)
-            s = g % NS
-            mbarrier.wait(ready.index(s), (g // NS) & 1)
-            if NO_DECODE:  # counterfactual for the benchmark: zero weights, everything else unchanged
-                lo = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
-                hi = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
-            else:
-                lo, hi = _decode(wqs.index(2 * s + CID), sb, c, A, P, L3, p, BKH)
-            tok = warpgroup_mma(lo, xls.index(s).permute((1, 0)), acc, is_async=True)
-            tok = warpgroup_mma(hi, xhs.index(s).permute((1, 0)), tok, is_async=True)
-            acc, lo, hi = warpgroup_mma_wait(0, deps=(tok, lo, hi))
-            mbarrier.arrive(empty.index(s), count=1)  # this warpgroup's reads of slot s (bytes; x by wgmma) are done
-            sb = sb_next
-            g += 1
-        if RP > 0:
-            mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1],
-                                                           instr_shape=[16, 8])
-            acc2 = _lora_tile(gl.convert_layout(acc, mma2), h_ptr, lb_ptr, stride_hm, R, M, N, rb, pid_m, pid_k == 0,
-                              RB, BM, RP, NW)
-            _store_out(acc2, mma2, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, rb, pid_m, pid_k, RB, BM,
-                       PARTIAL, HAS_BIAS, NW)
+    acc = gl.zeros([RB, BM], gl.float32, layout=mma)
+    sb = _scales(s_ptr, N, stride_s, rb, k_lo, n > 0, S, BKH)
+    for i in range(n):
+        sb_next = _scales(s_ptr, N, stride_s, rb, k_lo + (i + 1) * BK, i + 1 < n, S, BKH)
+        s = i % NS
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        if NO_DECODE:  # counterfactual for the benchmark: zero weights, everything else unchanged
+            lo = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
+            hi = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
         else:
-            _store_out(acc, mma, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, rb, pid_m, pid_k, RB, BM, PARTIAL,
-                       HAS_BIAS, NW)
+            lo, hi = _decode(wqs.index(2 * s + CID), sb, c, A, P, L3, p, BKH)
+        tok = warpgroup_mma(lo, xls.index(s).permute((1, 0)), acc, is_async=True)
+        tok = warpgroup_mma(hi, xhs.index(s).permute((1, 0)), tok, is_async=True)
+        acc, lo, hi = warpgroup_mma_wait(0, deps=(tok, lo, hi))
+        mbarrier.arrive(empty.index(s), count=1)  # this warpgroup's reads of slot s (bytes; x by wgmma) are done
+        sb = sb_next
+    if RP > 0:
+        mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        acc2 = _lora_tile(gl.convert_layout(acc, mma2), h_ptr, lb_ptr, stride_hm, R, M, N, rb, pid_m, pid_k == 0, RB,
+                          BM, RP, NW)
+        _store_out(acc2, mma2, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, rb, pid_m, pid_k, RB, BM, PARTIAL,
+                   HAS_BIAS, NW)
+    else:
+        _store_out(acc, mma, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, rb, pid_m, pid_k, RB, BM, PARTIAL,
+                   HAS_BIAS, NW)
 
 
 @gluon.jit
 def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_s, stride_om, ws_ptr,
                           cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R, BM: gl.constexpr, BKH: gl.constexpr,
                           NS: gl.constexpr, CREGS: gl.constexpr, NO_DECODE: gl.constexpr,
-                          PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr, RP: gl.constexpr,
-                          PERSISTENT: gl.constexpr = False):
+                          PARTIAL: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, RP: gl.constexpr):
     """x_desc: TMA descriptor of xp [M, K] bf16 (`permute_x_kernel`, BN = 64), block [BM, BKH]; w_desc: of
     weight_packed [N, K/2] uint8, block [64, BKH]; launched with num_warps=4 (consumer 0; the other consumer
-    and the producer are added by warp_specialize). PERSISTENT (one split only): a 1-D grid of at most one
-    program per SM, program p taking tiles p, p + grid, ... of the cdiv(N, 128) x cdiv(M, BM) tiles, weight
-    blocks fastest (the order of the non-persistent grid); else the grid of `nvfp4_linear_ws`, one tile each."""
+    and the producer are added by warp_specialize)."""
     BK: gl.constexpr = 2 * BKH
-    n_tiles = (N + 2 * RB - 1) // (2 * RB)
-    if PERSISTENT:
-        gl.static_assert(not PARTIAL, "the persistent grid takes one split")
-        t0 = gl.program_id(0)
-        t_step = gl.num_programs(0)
-        t_end = n_tiles * ((M + BM - 1) // BM)
-        pid_k = 0
-    else:
-        t0 = gl.program_id(1) * n_tiles + gl.program_id(0)
-        t_step = 1
-        t_end = t0 + 1
-        pid_k = gl.program_id(2)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
     xls = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BKH], x_desc.layout)
     xhs = gl.allocate_shared_memory(gl.bfloat16, [NS, BM, BKH], x_desc.layout)
     wqs = gl.allocate_shared_memory(gl.uint8, [2 * NS, RB, BKH], w_desc.layout)
@@ -182,13 +158,12 @@ def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
     k_lo = t_lo * BK
     gl.warp_specialize([
         (_consumer, (xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om, ws_ptr,
-                     cnt_ptr, h_ptr, lb_ptr, stride_hm, R, t0, t_end, t_step, n_tiles, pid_k, k_lo, n, 0, BM, BKH,
-                     NS, PARTIAL, HAS_BIAS, RP, NO_DECODE)),
+                     cnt_ptr, h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, 0, BM, BKH, NS, PARTIAL,
+                     HAS_BIAS, RP, NO_DECODE)),
         (_consumer, (xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om, ws_ptr,
-                     cnt_ptr, h_ptr, lb_ptr, stride_hm, R, t0, t_end, t_step, n_tiles, pid_k, k_lo, n, 1, BM, BKH,
-                     NS, PARTIAL, HAS_BIAS, RP, NO_DECODE)),
-        (_producer, (x_desc, w_desc, xls, xhs, wqs, ready, empty, t0, t_end, t_step, n_tiles, k_lo, n, BM, BKH,
-                     NS)),
+                     cnt_ptr, h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, 1, BM, BKH, NS, PARTIAL,
+                     HAS_BIAS, RP, NO_DECODE)),
+        (_producer, (x_desc, w_desc, xls, xhs, wqs, ready, empty, pid_n, pid_m, k_lo, n, BM, BKH, NS)),
     ], [4, 1], [CREGS, 40])
     for s in gl.static_range(NS):
         mbarrier.invalidate(ready.index(s))
@@ -198,11 +173,10 @@ def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
 def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                     bias: torch.Tensor | None, sms: int, config: tuple[int, int, int, int] = DEFAULT_CONFIG,
                     split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    waves: float = 1.0, no_decode: bool = False, persistent: bool = False) -> torch.Tensor:
+                    waves: float = 1.0, no_decode: bool = False) -> torch.Tensor:
     """x [M, K] bf16 -> x @ W^T (+ bias) (+ h @ lb^T), [M, N] bf16; operands as `gluon_nvfp4.nvfp4_linear_swap`.
     config (BM, BKH, NS, CREGS); split: number of K splits (None: `split_for` at `waves` programs per SM);
-    no_decode: the benchmark's counterfactual (zero weights instead of decoding: wrong results); persistent: one
-    program per SM looping over the tiles (only when the launch has one split)."""
+    no_decode: the benchmark's counterfactual (zero weights instead of decoding: wrong results)."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -230,12 +204,9 @@ def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tenso
     permute_x_kernel[(triton.cdiv(m, bm), tiles)](x, xp, m, k, x.stride(0), BN=64, BM=bm, BKH=bkh, NW=4, num_warps=4)
     x_desc = TensorDescriptor.from_tensor(xp, [bm, bkh], gl.NVMMASharedLayout.get_default_for([bm, bkh], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(packed, [64, bkh], gl.NVMMASharedLayout.get_default_for([64, bkh], gl.uint8))
-    persistent = persistent and s == 1
-    if persistent:
-        grid = (min(grid[0] * grid[1], sms),)
     nvfp4_wgmma_ws_kernel[grid](
         x_desc, w_desc, scale_u8, global_scale, b, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per, h, lb,
-        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1, PERSISTENT=persistent,
+        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1,
         HAS_BIAS=bias is not None, RP=rp, num_warps=4)
     return out
 
