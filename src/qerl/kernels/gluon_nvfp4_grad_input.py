@@ -18,12 +18,12 @@ one byte column: the decode takes four bytes (rows n, n + 8, n + 1, n + 9) per 3
 bf16x2 by its own pair of row scales (`_decode_pairs`). Neither dY nor the output is permuted in memory.
 
 Warp-specialized as the forward kernel: one producer warp issues, per step of BNR weight rows, the TMA copies of
-the dY tile [BM, BNR] and of the weight bytes [BNR, 32] of each consumer into ring slot s (ready[s]); two
-consumer warpgroups (64 output columns each, the same dY tile) decode and run wgmma, then release the slot
-(empty[s]). The scale bytes of a step (one byte per weight row and 16 columns) are loaded two per thread, one
+the dY tile [BM, BNR] and of the weight bytes [BNR, 32] of each consumer into ring slot s (ready[s]); NC
+consumer warpgroups (2, or 4 at <= 64 rows; 64 output columns each, the same dY tile) decode and run wgmma, then
+release the slot (empty[s]). The scale bytes of a step (one byte per weight row and 16 columns) are loaded two per thread, one
 step ahead, and spread across the warp by a layout conversion.
 
-Grid (cdiv(K, 128), cdiv(M, BM), splits): splits > 1 split the reduction over N and use `_store_out`'s split-K
+Grid (cdiv(K, 64 NC), cdiv(M, BM), splits): splits > 1 split the reduction over N and use `_store_out`'s split-K
 store (arrival counters for cdiv(K, 64) x cdiv(M, BM) tiles). Needs bf16 dY with N % 8 == 0 (TMA row
 alignment), K % 32 == 0 and a global scale > 128 (the bf16 decode step). GPU-only: Gluon does not run under the
 Triton interpreter.
@@ -45,8 +45,8 @@ from .workspace import alloc, counters
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 RB = gl.constexpr(64)  # output columns k per consumer warpgroup (one wgmma M)
-JB = gl.constexpr(32)  # their bytes per weight row
-_JB = 32
+JB_BYTES = 32  # their bytes per weight row
+JB = gl.constexpr(JB_BYTES)
 
 
 def pick_config(m: int, k: int) -> tuple[int, int, int, int, int]:
@@ -83,8 +83,8 @@ def _byte_layout(al, BNR):
 
 @gluon.constexpr_function
 def _scale_src_layout(BNR):
-    """Layout of the scale bytes [BNR n, 2 g] a consumer loads per step: two rows n per thread, the lanes along
-    n, one warp per 16-column group g (as in `_byte_layout`, where warp w holds j in [8 w, 8 w + 8))."""
+    """Layout of the scale bytes [BNR n, 4 g] a consumer loads per step: BNR / 32 rows n per thread, the lanes
+    along n, one warp per 16-column group g (as in `_byte_layout`, where warp w holds j in [8 w, 8 w + 8))."""
     per_thread = BNR // 32
     regs = [[1 << i, 0] for i in range(per_thread.bit_length() - 1)]
     lanes = [[per_thread << i, 0] for i in range(5)]
@@ -299,9 +299,9 @@ def nvfp4_grad_input_ws(g: torch.Tensor, packed: torch.Tensor, scale_u8: torch.T
     else:
         ws, cnt = out, out
     g_layout = gl.NVMMASharedLayout.get_default_for([bm, bnr], gl.bfloat16)
-    w_layout = gl.NVMMASharedLayout.get_default_for([bnr, _JB], gl.uint8)
+    w_layout = gl.NVMMASharedLayout.get_default_for([bnr, JB_BYTES], gl.uint8)
     g_desc = TensorDescriptor.from_tensor(g, [bm, bnr], g_layout)
-    w_desc = TensorDescriptor.from_tensor(packed, [bnr, _JB], w_layout)
+    w_desc = TensorDescriptor.from_tensor(packed, [bnr, JB_BYTES], w_layout)
     nvfp4_grad_input_kernel[(grid_k, grid_m, s)](
         g_desc, w_desc, scale_u8, global_scale, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per,
         BM=bm, BNR=bnr, NS=ns, NC=nc, CREGS=cregs, PARTIAL=s > 1, num_warps=4)
