@@ -5,8 +5,9 @@ module (`nvfp4_matmul`, `mxfp4_matmul`, `bf16_matmul`; other formats dequantize 
 `route.route` for a backend over (format, M, N, K, device) under the scoped `route.KernelPolicy`: on CUDA
 bf16/fp16 the Gluon kernels at decode sizes (`gluon_nvfp4` and its sm_90 form `gluon_nvfp4_wgmma`,
 `gluon_bf16`), on sm_90 the warp-specialized ones at a few hundred rows (`gluon_nvfp4_wgmma_ws` forward,
-`gluon_nvfp4_grad_input` for the input gradient) and the Triton kernels otherwise (`triton_fp4`: tl.dot with W decoded in registers, the
-CUDA-core GEMV, one-pass dequantize + cuBLAS), imported only then, so CPU users need no Triton. Everywhere
+`gluon_nvfp4_grad_input` for the input gradient) and the Triton kernels otherwise (`triton_fp4`: tl.dot with W
+decoded in registers, the CUDA-core GEMV, one-pass dequantize + cuBLAS), imported only then, so CPU users need no
+Triton. Everywhere
 else the plain-torch path dequantizes the weight into a temporary freed when the call returns, so the 4-bit
 tensors stay the only persistent copy.
 The other operations, one entry module each: `decode_attention`, `fused_ops` (residual-add + RMSNorm, RoPE,

@@ -20,8 +20,8 @@ bf16x2 by its own pair of row scales (`_decode_pairs`). Neither dY nor the outpu
 Warp-specialized as the forward kernel: one producer warp issues, per step of BNR weight rows, the TMA copies of
 the dY tile [BM, BNR] and of the weight bytes [BNR, 32] of each consumer into ring slot s (ready[s]); NC
 consumer warpgroups (2, or 4 at <= 64 rows; 64 output columns each, the same dY tile) decode and run wgmma, then
-release the slot (empty[s]). The scale bytes of a step (one byte per weight row and 16 columns) are loaded two per thread, one
-step ahead, and spread across the warp by a layout conversion.
+release the slot (empty[s]). The scale bytes of a step (one byte per weight row and 16 columns) are loaded
+BNR / 32 per thread, one step ahead, and spread across the warp by a layout conversion.
 
 Grid (cdiv(K, 64 NC), cdiv(M, BM), splits): splits > 1 split the reduction over N and use `_store_out`'s split-K
 store (arrival counters for cdiv(K, 64) x cdiv(M, BM) tiles). Needs bf16 dY with N % 8 == 0 (TMA row
