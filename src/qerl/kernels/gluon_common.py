@@ -39,13 +39,13 @@ def _split_group_layout(al, BN, BKH):
     )
 
 
-@gluon.jit
-def _decode_asm(q, stepb):
-    """q: uint8 bytes (A layout), stepb: bf16 step*2^126 broadcast over each 8-byte group.
-    Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups)."""
-    return gl.inline_asm_elementwise(
-        asm="""
-        {
+def _decode_ptx(scale_23: str) -> str:
+    """The inline PTX of the nibble decode: input word $4 (four bytes), scale registers $5 (and scale_23 for
+    outputs $1 and $3), outputs $0..$3 (bf16x2: lo nibbles of bytes 0/2, 1/3, then hi nibbles of bytes 0/2, 1/3).
+    A nibble v lands at bits 6-8 (E2M1 exponent and mantissa into the bf16 exponent's low bits and mantissa) and
+    15 (sign) of its half; the multiply by step * 2^126 rescales it."""
+    return f"""
+        {{
         .reg .b32 t, u, q8;
         shr.u32 q8, $4, 8;
         and.b32 t, $4, 0x000F000F;
@@ -55,7 +55,7 @@ def _decode_asm(q, stepb):
         and.b32 u, q8, 0x000F000F;
         mul.lo.u32 u, u, 0x1040;
         and.b32 u, u, 0x81C081C0;
-        mul.rn.bf16x2 $1, u, $5;
+        mul.rn.bf16x2 $1, u, {scale_23};
         and.b32 t, $4, 0x00F000F0;
         mul.lo.u32 t, t, 0x104;
         and.b32 t, t, 0x81C081C0;
@@ -63,9 +63,21 @@ def _decode_asm(q, stepb):
         and.b32 u, q8, 0x00F000F0;
         mul.lo.u32 u, u, 0x104;
         and.b32 u, u, 0x81C081C0;
-        mul.rn.bf16x2 $3, u, $5;
-        }
-        """,
+        mul.rn.bf16x2 $3, u, {scale_23};
+        }}
+        """
+
+
+DECODE_PTX = gl.constexpr(_decode_ptx("$5"))  # one scale pair for the whole word (`_decode_asm`)
+DECODE_PTX_PAIRS = gl.constexpr(_decode_ptx("$6"))  # a scale pair per output register (the input-gradient kernel)
+
+
+@gluon.jit
+def _decode_asm(q, stepb):
+    """q: uint8 bytes (A layout), stepb: bf16 step*2^126 broadcast over each 8-byte group.
+    Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups)."""
+    return gl.inline_asm_elementwise(
+        asm=DECODE_PTX,
         constraints="=r,=r,=r,=r,r,r,r",
         args=[q, stepb],
         dtype=(gl.bfloat16, gl.bfloat16),

@@ -38,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_common import _split_group_layout, _step_bf16, _store_out
+from .gluon_common import DECODE_PTX_PAIRS, _split_group_layout, _step_bf16, _store_out
 from .operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
 from .route import sm_count
 from .workspace import alloc, counters
@@ -100,28 +100,7 @@ def _decode_pairs(q, stepb):
     times its row's step: lo = (W[n, 2j], W[n + 1, 2j], W[n + 8, 2j], W[n + 9, 2j]) per word, hi the same at
     column 2j + 1. Same bit trick as `gluon_common._decode_asm`, with one scale pair per output register."""
     return gl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, u, q8;
-        shr.u32 q8, $4, 8;
-        and.b32 t, $4, 0x000F000F;
-        mul.lo.u32 t, t, 0x1040;
-        and.b32 t, t, 0x81C081C0;
-        mul.rn.bf16x2 $0, t, $5;
-        and.b32 u, q8, 0x000F000F;
-        mul.lo.u32 u, u, 0x1040;
-        and.b32 u, u, 0x81C081C0;
-        mul.rn.bf16x2 $1, u, $6;
-        and.b32 t, $4, 0x00F000F0;
-        mul.lo.u32 t, t, 0x104;
-        and.b32 t, t, 0x81C081C0;
-        mul.rn.bf16x2 $2, t, $5;
-        and.b32 u, q8, 0x00F000F0;
-        mul.lo.u32 u, u, 0x104;
-        and.b32 u, u, 0x81C081C0;
-        mul.rn.bf16x2 $3, u, $6;
-        }
-        """,
+        asm=DECODE_PTX_PAIRS,
         constraints="=r,=r,=r,=r,r,r,r",
         args=[q, stepb],
         dtype=(gl.bfloat16, gl.bfloat16),
