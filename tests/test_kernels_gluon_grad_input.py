@@ -149,7 +149,7 @@ def test_training_backward_routes_to_it_and_matches_the_reference():
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
         g = torch.randn(m, n, generator=gen).to(torch.bfloat16).cuda()
         with rt.kernel_policy(**policy):
-            y = _QuantizedMatmul.apply(x, "nvfp4", tuple(w), None, None, None, 1.0, *w.values())
+            y = _QuantizedMatmul.apply(x, "nvfp4", tuple(w), None, None, None, 1.0, None, *w.values())
             y.backward(g)
         _check(x.grad, _reference(g, w), f"autograd M={m} N={n} K={k} {policy}")
     assert rt.GLUON_GRAD_INPUT not in rt.unavailable()

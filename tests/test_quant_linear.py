@@ -173,3 +173,63 @@ def test_quantized_linear_adds_a_lora_delta(fmt):
     base = quantized_linear(fmt, x, tensors, bias)
     out = quantized_linear(fmt, x, tensors, bias, lora=(h, b))
     torch.testing.assert_close(out, base + (h @ b.t()).view(2, 3, 48), rtol=1e-5, atol=1e-5)
+
+
+def _recording_grad_input(monkeypatch):
+    """Wrap the layer's input-gradient entry to record the kernel policy it runs under (the real one still runs)."""
+    from qerl.kernels.route import current_policy
+    from qerl.nn import quant_linear
+
+    seen = []
+    real = quant_linear.quantized_linear_grad_input
+
+    def recording(*args, **kwargs):
+        seen.append(current_policy())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quant_linear, "quantized_linear_grad_input", recording)
+    return seen
+
+
+def test_backward_runs_under_the_forward_policy_even_on_another_thread(monkeypatch):
+    """On CUDA autograd calls backward on a worker thread, which does not see the caller's `kernel_policy` scope:
+    the policy in effect at forward time goes with the graph. Here the backward runs outside the scope and on a
+    separate thread (as the CUDA engine would), and still sees it; the gradient is the reference one."""
+    import threading
+
+    from qerl.kernels.route import KernelPolicy, kernel_policy
+
+    seen = _recording_grad_input(monkeypatch)
+    layer, _ = make_layer("nvfp4", seed=3)
+    x = torch.randn(5, layer.in_features, requires_grad=True)
+    with kernel_policy(grad_input_no_temporary=True, fused_max_m=3):
+        y = layer(x)
+    t = threading.Thread(target=lambda: y.square().sum().backward())
+    t.start()
+    t.join()
+    assert len(seen) == 1 and seen[0].grad_input_no_temporary and seen[0].fused_max_m == 3
+    xr = x.detach().clone().requires_grad_()
+    reference(layer, xr).square().sum().backward()
+    assert torch.allclose(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    assert KernelPolicy().grad_input_no_temporary is False  # the default is untouched
+
+
+def test_a_layer_routing_policy_wins_over_the_scope_and_survives_checkpoint_recompute(monkeypatch):
+    """`set_routing_policy` pins the routing on the layers, so a non-reentrant activation-checkpoint recompute
+    (which autograd runs inside backward) and its backward use it whatever scope they run in."""
+    from torch.utils.checkpoint import checkpoint
+
+    from qerl.kernels.route import KernelPolicy, kernel_policy
+    from qerl.nn.quant_linear import set_routing_policy
+
+    seen = _recording_grad_input(monkeypatch)
+    first, _ = make_layer("nvfp4", seed=4)
+    model = nn.Sequential(first, nn.GELU(), QuantLinear.from_linear(nn.Linear(OUT, 32), "nvfp4", LoraConfig(r=4)))
+    pinned = KernelPolicy(grad_input_no_temporary=True)
+    assert set_routing_policy(model, pinned) == 2
+    x = torch.randn(3, model[0].in_features, requires_grad=True)
+    with kernel_policy(fused_max_m=1):  # a scope the pinned layers ignore
+        y = checkpoint(model, x, use_reentrant=False)
+    y.sum().backward()
+    assert len(seen) == 2 and all(p == pinned for p in seen)
+    assert set_routing_policy(model, None) == 2 and model[0].routing_policy is None

@@ -336,3 +336,18 @@ def test_the_run_config_records_the_calibration_samples_used(tiny_dir, data_file
     assert trainer.cfg.model.calibration.samples == 64  # null resolved for the CPU
     trainer.train()
     assert "samples: 64" in (out / "config.yaml").read_text()
+
+
+def test_grad_input_no_temporary_pins_the_routing_on_every_quantized_layer(tiny_dir, data_file, tmp_path):
+    """`optim.grad_input_no_temporary` reaches the backward through the layers (not a scope, which autograd's
+    CUDA worker threads would not see); without it the layers follow the caller's scope."""
+    from qerl.nn import QuantLinear
+
+    def layers(trainer):
+        return [m for m in trainer.model.modules() if isinstance(m, QuantLinear)]
+
+    on = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "on",
+                                              **{"optim.grad_input_no_temporary": True})))
+    assert layers(on) and all(m.routing_policy.grad_input_no_temporary for m in layers(on))
+    off = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "off")))
+    assert all(m.routing_policy is None for m in layers(off))

@@ -121,7 +121,7 @@ def kernel_policy(policy: KernelPolicy | None = None, **overrides) -> Iterator[K
     p = policy or _POLICY.get()
     if "disabled" in overrides:
         overrides["disabled"] = frozenset(overrides["disabled"])
-    token = _POLICY.set(dataclasses.replace(p, **overrides))
+    token = _POLICY.set(dataclasses.replace(p, **overrides) if overrides else p)  # frozen: no copy needed
     try:
         yield _POLICY.get()
     finally:

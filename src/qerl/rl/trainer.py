@@ -24,9 +24,11 @@ from rich.console import Console
 
 from ..config import TrainConfig, save_config, to_dict
 from ..data import DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
+from ..kernels.route import current_policy
 from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.calibrate import default_samples
 from ..models.policy import build_policy
+from ..nn.quant_linear import set_routing_policy
 from ..rewards import RewardRunner
 from ..rewards.resolve import resolve_reward
 from ..rollout import RolloutEngine
@@ -132,6 +134,8 @@ class Trainer:
             self.model, self.tokenizer = build_policy(cfg.model, cfg.lora, self.device, train_rows=rows,
                                                       gradient_checkpointing=cfg.optim.gradient_checkpointing,
                                                       console=self.console)
+        if cfg.optim.grad_input_no_temporary:
+            set_routing_policy(self.model, dataclasses.replace(current_policy(), grad_input_no_temporary=True))
         self.engine = RolloutEngine(self.model, self.tokenizer,
                                     max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
