@@ -86,7 +86,7 @@ class KernelPolicy:
     # weights of >= grad_input_min_weight elements, up to grad_input_max_m_big rows from grad_input_big_weight
     # (H100: `python benchmarks/grad_input_ab.py`, docs/benchmarks.md section "NVFP4 input gradient");
     # grad_input_no_temporary: also at every other M that would dequantize W into a temporary (slower from ~512
-    # rows, but never holds an N x K 16-bit copy of W)
+    # rows, but never holds an N x K 16-bit copy of W; the training config's optim.grad_input_no_temporary)
     grad_input_min_m: int = 65
     grad_input_max_m: int = 256
     grad_input_max_m_big: int = 512
