@@ -153,3 +153,31 @@ def test_training_backward_routes_to_it_and_matches_the_reference():
             y.backward(g)
         _check(x.grad, _reference(g, w), f"autograd M={m} N={n} K={k} {policy}")
     assert rt.GLUON_GRAD_INPUT not in rt.unavailable()
+
+
+def test_no_temporary_backward_never_allocates_a_dequantized_weight():
+    """The point of `grad_input_no_temporary`: a CUDA backward (run by autograd on its worker thread) at 1030
+    rows through an 8192 x 8192 NVFP4 weight peaks below half the 134 MB bf16 copy that the default route
+    (dequantize + cuBLAS above 512 rows) allocates, which this test also sees."""
+    _require_sm90()
+    from qerl.kernels import route as rt
+    from qerl.nn.quant_linear import _QuantizedMatmul
+
+    m, n, k = 1030, 8192, 8192
+    w = _weight(n, k, torch.Generator().manual_seed(12), 2688.0)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    peaks = {}
+    policies = {"default": rt.KernelPolicy(), "no_temporary": rt.KernelPolicy(grad_input_no_temporary=True)}
+    for name, policy in policies.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = _QuantizedMatmul.apply(x, "nvfp4", tuple(w), None, None, None, 1.0, policy, *w.values())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y.backward(g)
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        _check(x.grad, _reference(g, w), f"{name} backward")
+    temporary = n * k * 2
+    assert peaks["default"] >= temporary, peaks  # the route dequantizes W there
+    assert peaks["no_temporary"] < temporary // 2, peaks
