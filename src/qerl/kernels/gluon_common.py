@@ -73,11 +73,12 @@ DECODE_PTX_PAIRS = gl.constexpr(_decode_ptx("$6"))  # a scale pair per output re
 
 
 @gluon.jit
-def _decode_asm(q, stepb):
+def _decode_asm(q, stepb, PTX: gl.constexpr = DECODE_PTX):
     """q: uint8 bytes (A layout), stepb: bf16 step*2^126 broadcast over each 8-byte group.
-    Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups)."""
+    Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups).
+    PTX DECODE_PTX_PAIRS: stepb's elements 0, 1 scale outputs $0, $2 and elements 2, 3 outputs $1, $3 instead."""
     return gl.inline_asm_elementwise(
-        asm=DECODE_PTX,
+        asm=PTX,
         constraints="=r,=r,=r,=r,r,r,r",
         args=[q, stepb],
         dtype=(gl.bfloat16, gl.bfloat16),

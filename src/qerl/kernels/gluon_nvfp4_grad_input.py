@@ -15,7 +15,8 @@ the weight column
 
 and the epilogue writes accumulator row r to dX column k(r). A thread's bf16x2 register pairs rows n, n + 1 of
 one byte column: the decode takes four bytes (rows n, n + 8, n + 1, n + 9) per 32-bit word and multiplies each
-bf16x2 by its own pair of row scales (`_decode_pairs`). Neither dY nor the output is permuted in memory.
+bf16x2 by its own pair of row scales (`_decode_asm` with DECODE_PTX_PAIRS). Neither dY nor the output is
+permuted in memory.
 
 Warp-specialized as the forward kernel: one producer warp issues, per step of BNR weight rows, the TMA copies of
 the dY tile [BM, BNR] and of the weight bytes [BNR, 32] of each consumer into ring slot s (ready[s]); NC
@@ -38,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_common import DECODE_PTX_PAIRS, _split_group_layout, _step_bf16, _store_out
+from .gluon_common import DECODE_PTX_PAIRS, _decode_asm, _split_group_layout, _step_bf16, _store_out
 from .operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
 from .route import sm_count
 from .workspace import alloc, counters
@@ -63,8 +64,9 @@ def pick_config(m: int, k: int) -> tuple[int, int, int, int, int]:
 
 @gluon.constexpr_function
 def _byte_layout(al, BNR):
-    """Layout P of a consumer's byte tile [BNR n, 32 j] such that decoding it (`_decode_pairs`), relabelling
-    (`_unswap`, `_to_operand`) gives the wgmma A operand al [64 r, BNR n] with no data movement.
+    """Layout P of a consumer's byte tile [BNR n, 32 j] such that decoding it (`_decode_asm` with
+    DECODE_PTX_PAIRS), relabelling (`_unswap`, `_to_operand`) gives the wgmma A operand al [64 r, BNR n] with no
+    data movement.
     A basis (r, n) of al becomes (n, j(r)), j(r) = (r & 7) + (r >> 4) * 8; the basis r = 8 (the nibble) is
     dropped; and the register bases n + 1 and n + 8 trade places so that the four bytes of one decode word are
     rows n, n + 8, n + 1, n + 9 (the decode pairs bytes 0 and 2, 1 and 3)."""
@@ -90,23 +92,6 @@ def _scale_src_layout(BNR):
     lanes = [[per_thread << i, 0] for i in range(5)]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[[0, 1], [0, 2]],
                                       block_bases=[], shape=[BNR, 4])
-
-
-@gluon.jit
-def _decode_pairs(q, stepb):
-    """q: uint8 bytes, four per 32-bit word in the order rows (n, n + 8, n + 1, n + 9) of one byte column;
-    stepb: bf16 step * 2^126 of those rows in the order (n, n + 1, n + 8, n + 9). Returns (lo, hi) bf16 in q's
-    layout, where element e holds the nibble of byte SIGMA(e) (SIGMA swaps elements 1 and 2 of each word),
-    times its row's step: lo = (W[n, 2j], W[n + 1, 2j], W[n + 8, 2j], W[n + 9, 2j]) per word, hi the same at
-    column 2j + 1. Same bit trick as `gluon_common._decode_asm`, with one scale pair per output register."""
-    return gl.inline_asm_elementwise(
-        asm=DECODE_PTX_PAIRS,
-        constraints="=r,=r,=r,=r,r,r,r",
-        args=[q, stepb],
-        dtype=(gl.bfloat16, gl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
 
 
 @gluon.jit
@@ -154,7 +139,7 @@ def _producer(g_desc, w_desc, gys, wqs, ready, empty, pid_k, pid_m, n_lo, n, BM:
 
 @gluon.jit
 def _scales(s_ptr, N, K, stride_s, rb, n0, valid, SRC: gl.constexpr, BNR: gl.constexpr):
-    """Scale bytes [BNR, 4] of weight rows n0 + swap(n) (row bits 0 and 3 exchanged: the order `_decode_pairs`
+    """Scale bytes [BNR, 4] of weight rows n0 + swap(n) (row bits 0 and 3 exchanged: the order DECODE_PTX_PAIRS
     wants its scale pairs in) and the 4 groups of columns [64 rb, 64 rb + 64), in layout SRC; zeros past N,
     past K or when valid is False."""
     n = gl.arange(0, BNR, layout=gl.SliceLayout(1, SRC))
@@ -190,7 +175,10 @@ def _consumer(gys, wqs, ready, empty, s_ptr, gs_ptr, out_ptr, M, N, K, stride_s,
                          [BNR, JB])
         mbarrier.wait(ready.index(s), (i // NS) & 1)
         q = wqs.index(NC * s + CID).load(P)
-        lo, hi = _decode_pairs(q, gl.convert_layout(stb, P, assert_trivial=True))
+        # each 32-bit word of q holds rows (n, n + 8, n + 1, n + 9) of one byte column and stb their scales in the
+        # order (n, n + 1, n + 8, n + 9): lo = (W[n, 2j], W[n + 1, 2j], W[n + 8, 2j], W[n + 9, 2j]) per word (the
+        # element order SIGMA), hi the same at column 2j + 1
+        lo, hi = _decode_asm(q, gl.convert_layout(stb, P, assert_trivial=True), DECODE_PTX_PAIRS)
         a = gl.convert_layout(_to_operand(_unswap(lo, BNR, JB), _unswap(hi, BNR, JB), BNR), A)
         tok = warpgroup_mma(a, gys.index(s).permute((1, 0)), acc, is_async=True)
         acc, a = warpgroup_mma_wait(0, deps=(tok, a))
