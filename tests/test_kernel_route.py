@@ -155,3 +155,30 @@ def test_triton_switch_routes_cuda_inputs_to_the_reference(monkeypatch):
     monkeypatch.delenv("QERL_DISABLE_TRITON")
     with rt.kernel_policy(triton=False):
         assert not rt.triton_enabled()
+
+
+def test_a_warp_specialized_backend_that_cannot_run_is_marked_and_routed_around(monkeypatch):
+    """`nvfp4_matmul._call_or_mark`: a kernel module that does not import, or a launch that fails to build, marks
+    its backend unavailable (with a warning) and returns None; bad arguments are the caller's error."""
+    from qerl.kernels import nvfp4_matmul
+
+    monkeypatch.setattr(rt, "_UNAVAILABLE", set())
+    with pytest.warns(RuntimeWarning, match="kernel X unavailable here .ModuleNotFoundError"):
+        assert nvfp4_matmul._call_or_mark("no_such_kernel_module", "kernel X", rt.GLUON_GRAD_INPUT, None) is None
+    assert rt.unavailable() == {rt.GLUON_GRAD_INPUT}
+    assert rt.route("nvfp4", 256, *GATE_UP, H100, op="grad_input", unavailable=rt.unavailable()) == \
+        rt.TRITON_DEQUANTIZE
+
+    def fails_to_build(mod):
+        raise RuntimeError("out of shared memory")
+
+    with pytest.warns(RuntimeWarning, match="out of shared memory"):
+        assert nvfp4_matmul._call_or_mark("route", "kernel Y", rt.GLUON_WGMMA_WS, fails_to_build) is None
+    assert rt.unavailable() == {rt.GLUON_GRAD_INPUT, rt.GLUON_WGMMA_WS}
+
+    def bad_arguments(mod):
+        raise ValueError("K % 32")
+
+    with pytest.raises(ValueError, match="K % 32"):
+        nvfp4_matmul._call_or_mark("route", "kernel Z", rt.GLUON_MMA, bad_arguments)
+    assert rt.GLUON_MMA not in rt.unavailable()

@@ -9,6 +9,7 @@ tested against: dequantize into a temporary that lives for this call only (speed
 staying small). Triton and Gluon are imported only when a kernel backend runs.
 """
 
+import importlib
 import warnings
 
 import torch
@@ -78,7 +79,7 @@ def _gluon_linear(backend: str, x, weight_packed, weight_scale, weight_global_sc
     except (ValueError, TypeError):  # bad arguments (e.g. LoRA operand shapes): the caller's error
         raise
     except Exception as e:  # a GPU or Triton build this kernel does not compile for (shared memory, API)
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise
         if backend == rt.GLUON_MMA:
             return _unavailable(e, "Gluon NVFP4 decode kernel", *rt.GLUON_NVFP4)
@@ -88,36 +89,40 @@ def _gluon_linear(backend: str, x, weight_packed, weight_scale, weight_global_sc
 def _gluon_ws_linear(x, weight_packed, weight_scale, weight_global_scale, bias, lora):
     """The warp-specialized kernel, or None after marking it unavailable (no warp_specialize / TMA in this
     Triton, or a build that fails here); the other Gluon kernels stay routable."""
-    try:
-        from . import gluon_nvfp4_wgmma_ws
-    except (ImportError, AttributeError) as e:
-        return _unavailable(e, "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS)
-    try:
-        return gluon_nvfp4_wgmma_ws.nvfp4_linear_ws_gluon(x, weight_packed, weight_scale, weight_global_scale, bias,
-                                                          lora)
-    except (ValueError, TypeError):
-        raise
-    except Exception as e:
-        if torch.cuda.is_current_stream_capturing():
-            raise
-        return _unavailable(e, "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS)
+    return _call_or_mark("gluon_nvfp4_wgmma_ws", "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS,
+                         lambda mod: mod.nvfp4_linear_ws_gluon(x, weight_packed, weight_scale, weight_global_scale,
+                                                               bias, lora))
 
 
 def _gluon_grad_input(grad_out, weight_packed, weight_scale, weight_global_scale):
-    """The Gluon input-gradient kernel, or None after marking it unavailable (no warp_specialize / TMA in this
-    Triton, or a build that fails here)."""
+    """The Gluon input-gradient kernel, or None after marking it unavailable (as `_gluon_ws_linear`)."""
+    return _call_or_mark("gluon_nvfp4_grad_input", "Gluon NVFP4 input-gradient kernel", rt.GLUON_GRAD_INPUT,
+                         lambda mod: mod.nvfp4_grad_input_gluon(grad_out, weight_packed, weight_scale,
+                                                                weight_global_scale))
+
+
+def _call_or_mark(module: str, what: str, backend: str, call):
+    """call(the kernel module) for one warp-specialized backend; None after marking `backend` unavailable when
+    the module does not import (Triton without its Gluon API) or the launch fails to build here. Bad arguments
+    (ValueError, TypeError) are the caller's error and propagate, as does any failure inside a graph capture."""
     try:
-        from . import gluon_nvfp4_grad_input
+        mod = importlib.import_module(f".{module}", __package__)
     except (ImportError, AttributeError) as e:
-        return _unavailable(e, "Gluon NVFP4 input-gradient kernel", rt.GLUON_GRAD_INPUT)
+        return _unavailable(e, what, backend)
     try:
-        return gluon_nvfp4_grad_input.nvfp4_grad_input_gluon(grad_out, weight_packed, weight_scale, weight_global_scale)
+        return call(mod)
     except (ValueError, TypeError):
         raise
     except Exception as e:
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise
-        return _unavailable(e, "Gluon NVFP4 input-gradient kernel", rt.GLUON_GRAD_INPUT)
+        return _unavailable(e, what, backend)
+
+
+def _capturing() -> bool:
+    """Inside a CUDA graph capture (where a failure must surface, not be routed around). CPU builds of torch
+    cannot ask, and capture nothing."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _unavailable(e: Exception, what: str, *backends: str) -> None:
