@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wgmma_ws_ab import LAYERS, L2, REL_TOL, _random_weight, _rel_err  # noqa: E402
+from wgmma_ws_ab import LAYERS, L2, _random_weight, gate  # noqa: E402
 
 DEFAULT_LAYERS = "gate_up,down,qkv,o,gate_up_72b,down_72b"
 
@@ -68,7 +68,6 @@ def _call(kind, cfg, waves, g, w, sms, split=None):
 def check(a) -> list[str]:
     from qerl.formats.nvfp4 import dequantize_nvfp4
     from qerl.kernels.route import sm_count
-    from qerl.kernels.workspace import poisoned_outputs
 
     sms = sm_count(torch.device("cuda"), 4)
     kernels = [(f"kernel BM{c[0]} BNR{c[1]} NS{c[2]} NC{c[3]}", c) for c in sorted({(128, 64, 4, 2, 232), *a.configs})]
@@ -83,21 +82,8 @@ def check(a) -> list[str]:
             w = {name: t.cuda() for name, t in wc.items()}
             for split in (1, 3):
                 for name, cfg in kernels:
-                    tag = f"{name}: M={m} N={n} K={k} split={split}"
-                    try:
-                        with poisoned_outputs():
-                            y = _call("kernel", cfg, 1.0, g, w, sms, split=split)
-                        torch.cuda.synchronize()
-                    except Exception as e:  # noqa: BLE001 - report every failing variant
-                        fails.append(f"{tag}: {type(e).__name__}: {str(e)[:300]}")
-                        continue
-                    nan = bool(torch.isnan(y).any())
-                    err = _rel_err(y, ref)
-                    worst[name] = max(worst.get(name, 0.0), err)
-                    ok = y.shape == (m, k) and y.dtype == torch.bfloat16 and not nan and err < REL_TOL
-                    print(f"{'ok  ' if ok else 'FAIL'} {tag}: rel err {err:.3e}{' NaN' if nan else ''}", flush=True)
-                    if not ok:
-                        fails.append(f"{tag}: rel err {err:.3e}, NaN {nan}, shape {tuple(y.shape)}")
+                    gate(name, f"{name}: M={m} N={n} K={k} split={split}",
+                         lambda: _call("kernel", cfg, 1.0, g, w, sms, split=split), ref, (m, k), fails, worst)
     print("worst relative error per tile: " + ", ".join(f"{k_}: {v:.3e}" for k_, v in worst.items()))
     return fails
 

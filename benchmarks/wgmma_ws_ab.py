@@ -91,11 +91,31 @@ def _rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def gate(name, tag, run, ref, shape, fails: list[str], worst: dict[str, float]) -> None:
+    """Run one variant (run() -> bf16 output) with NaN-poisoned outputs against the float32 `ref`: print ok/FAIL,
+    append failures (exceptions included) to `fails`, keep the worst relative error per `name`."""
+    from qerl.kernels.workspace import poisoned_outputs
+
+    try:
+        with poisoned_outputs():
+            y = run()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - report every failing variant
+        fails.append(f"{tag}: {type(e).__name__}: {str(e)[:300]}")
+        return
+    nan = bool(torch.isnan(y).any())
+    err = _rel_err(y, ref)
+    worst[name] = max(worst.get(name, 0.0), err)
+    ok = tuple(y.shape) == shape and y.dtype == torch.bfloat16 and not nan and err < REL_TOL
+    print(f"{'ok  ' if ok else 'FAIL'} {tag}: rel err {err:.3e}{' NaN' if nan else ''}", flush=True)
+    if not ok:
+        fails.append(f"{tag}: rel err {err:.3e}, NaN {nan}, shape {tuple(y.shape)}")
+
+
 def check(a) -> list[str]:
     from qerl.formats.nvfp4 import dequantize_nvfp4
     from qerl.kernels.operands import global_scale_f32, scale_bytes
     from qerl.kernels.route import sm_count
-    from qerl.kernels.workspace import poisoned_outputs
 
     sms = sm_count(torch.device("cuda"), 4)
     kernels = [("routed", "routed", None, 0.0)] + [(f"WS BM{c[0]} NS{c[2]}", "ws", c, 1.0)
@@ -130,21 +150,9 @@ def check(a) -> list[str]:
                     bd = bias.cuda() if bias is not None else None
                     for name, kind, cfg, waves in kernels:
                         tag = f"{name}: M={m} N={n} K={k} lora_r={lora_r} split={split} bias={bias is not None}"
-                        try:
-                            with poisoned_outputs():
-                                y = _call(kind, cfg, waves, xd, packed, scale_u8, gs, bd, sms, split=split, lora=lora,
-                                          scale_fp8=w["weight_scale"])
-                            torch.cuda.synchronize()
-                        except Exception as e:  # noqa: BLE001 - report every failing variant
-                            fails.append(f"{tag}: {type(e).__name__}: {str(e)[:300]}")
-                            continue
-                        nan = bool(torch.isnan(y).any())
-                        err = _rel_err(y, ref)
-                        worst[name] = max(worst.get(name, 0.0), err)
-                        ok = y.shape == (m, n) and y.dtype == torch.bfloat16 and not nan and err < REL_TOL
-                        print(f"{'ok  ' if ok else 'FAIL'} {tag}: rel err {err:.3e}{' NaN' if nan else ''}", flush=True)
-                        if not ok:
-                            fails.append(f"{tag}: rel err {err:.3e}, NaN {nan}, shape {tuple(y.shape)}")
+                        gate(name, tag, lambda: _call(kind, cfg, waves, xd, packed, scale_u8, gs, bd, sms, split=split,
+                                                      lora=lora, scale_fp8=w["weight_scale"]),
+                             ref, (m, n), fails, worst)
     print("worst relative error per kernel: " + ", ".join(f"{k_}: {v:.3e}" for k_, v in worst.items()))
     return fails
 
