@@ -2,8 +2,8 @@
 
   decode_attention(q, k_cache, v_cache, key_valid, slot, S, scale) -> out [B, H, hd]
 
-Row b attends to cache slots j < S with key_valid[b, j] and j <= slot (slot: 0-d int64 device tensor, so a
-captured CUDA graph can be replayed with new values). GQA follows HF's repeat_kv: query head h reads kv
+Row b attends to cache slots j < S with key_valid[b, j] and j <= slot (slot: 0-d int64 device tensor, or
+int64 [B] with a slot per row; on the device, so a captured CUDA graph can be replayed with new values). GQA follows HF's repeat_kv: query head h reads kv
 head h // (H // KV). On CUDA bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a flash-decoding Triton
 kernel (`triton_decode_attention`: one launch, or two when S is split across programs) in place of SDPA
 plus its bool-mask conversion kernels; elsewhere the fp32 torch reference below. Both never read masked
@@ -20,7 +20,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """Same contract as `decode_attention`, in explicit fp32 math; the output is rounded once to q's dtype."""
     B, H, hd = q.shape
     KV = k_cache.shape[1]
-    visible = key_valid[:, :S] & (torch.arange(S, device=q.device) <= slot)  # [B, S]; slot stays on the device
+    # [B, S]; slot stays on the device
+    visible = key_valid[:, :S] & (torch.arange(S, device=q.device) <= slot.reshape(-1, 1))
     hidden = ~visible[:, None, :, None]  # [B, 1, S, 1]
     k = k_cache[:, :, :S].float().masked_fill(hidden, 0)  # zeroed, not just -inf scores: 0 * NaN is NaN
     v = v_cache[:, :, :S].float().masked_fill(hidden, 0)
@@ -34,8 +35,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor,
                      slot: torch.Tensor, S: int, scale: float) -> torch.Tensor:
     """q [B, H, hd] bf16/fp16 (unit last stride); k_cache, v_cache [B, KV, max_len, hd] of q's dtype (one
-    layer's full cache); key_valid [B, max_len] bool; slot 0-d int64 tensor on q's device (never read on the
-    host); S (int, slot < S <= max_len): leading slots scanned; scale: score multiplier -> [B, H, hd], q's dtype."""
+    layer's full cache); key_valid [B, max_len] bool; slot 0-d int64 tensor or int64 [B] (a slot per row) on
+    q's device (never read on the host); S (int, slot < S <= max_len): leading slots scanned; scale: score multiplier -> [B, H, hd], q's dtype."""
     if use_triton(q):
         from .triton_decode_attention import decode_attention_triton
 

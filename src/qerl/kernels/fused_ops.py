@@ -89,7 +89,7 @@ def _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot) -> bool:
     """The fused decode kernel applies: CUDA 16-bit tensors of one dtype, the layouts it takes."""
     tensors = (q, k, v, cos, sin, k_cache, v_cache)
     return (use_triton(q) and all(t.dtype == q.dtype and t.device == q.device for t in tensors)
-            and slot.device == q.device and slot.dtype == torch.int64 and slot.numel() == 1
+            and slot.device == q.device and slot.dtype == torch.int64 and slot.numel() in (1, q.shape[0])
             and q.shape[1] == 1 and all(t.stride(-1) == 1 for t in tensors)
             and sin.stride() == cos.stride() and v_cache.stride() == k_cache.stride())
 
@@ -97,7 +97,8 @@ def _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot) -> bool:
 def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """One decode token: q [B, 1, H, hd], k, v [B, 1, KV, hd]; cos, sin [B, 1, hd]; one layer's caches
-    k_cache, v_cache [B, KV, max_len, hd]; slot a 0-d int64 tensor on the caches' device.
+    k_cache, v_cache [B, KV, max_len, hd]; slot a 0-d int64 tensor on the caches' device, or int64 [B] (a
+    slot per row: each row writes its own slot).
 
     Returns rope(q) [B, 1, H, hd] (a new tensor; q is not written); writes rope(k) into k_cache[:, :, slot]
     and v into v_cache[:, :, slot]. slot is only read on the device (no sync), so the call can be captured
@@ -109,6 +110,11 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
         return rope_store_decode(q, k, v, cos, sin, k_cache, v_cache, slot)
     rq = rope_reference(q, cos, sin)
-    k_cache.index_copy_(2, slot.view(1), rope_reference(k, cos, sin).transpose(1, 2))
-    v_cache.index_copy_(2, slot.view(1), v.transpose(1, 2))
+    if slot.numel() == 1:
+        k_cache.index_copy_(2, slot.view(1), rope_reference(k, cos, sin).transpose(1, 2))
+        v_cache.index_copy_(2, slot.view(1), v.transpose(1, 2))
+    else:  # row b writes slot[b]
+        rows = torch.arange(q.shape[0], device=slot.device)
+        k_cache[rows, :, slot] = rope_reference(k, cos, sin)[:, 0]
+        v_cache[rows, :, slot] = v[:, 0]
     return rq

@@ -61,7 +61,7 @@ def _mma(a, b, INTERP: tl.constexpr):
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                   S, H, G, HD, CHUNK, SPLITS, qk_scale,
-                  sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h,
+                  sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h, s_slot,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
                   INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """Keys [split * CHUNK, min((split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1 of row b."""
@@ -77,7 +77,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_pt
     heads = kv * G + g
     gd_mask = (g < G)[:, None] & (d < HD)[None, :]
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gd_mask, other=0.0)
-    slot = tl.load(slot_ptr).to(tl.int32)
+    slot = tl.load(slot_ptr + b * s_slot).to(tl.int32)  # s_slot 0: one slot for every row
     lo = split * CHUNK
     hi = tl.minimum(tl.minimum(lo + CHUNK, S), slot + 1)
     k_base = k_ptr + b * sk_b + kv * sk_h
@@ -141,7 +141,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_n: int | None = None, num_warps: int = 4,
                             num_stages: int | None = None) -> torch.Tensor:
     """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
-    stride); key_valid [B, max_len] bool; slot 0-d int64 tensor (read on the device); S <= max_len slots
+    stride); key_valid [B, max_len] bool; slot 0-d int64 tensor, or int64 [B] (a slot per row; read on the
+    device); S <= max_len slots
     scanned -> out [B, H, hd] in q's dtype. block_n None: `choose_tile` (with its num_stages); splits None:
     chosen from S and the SM count (tests force both); num_warps, num_stages (None: Triton's default) of the
     first pass: tuning."""
@@ -150,7 +151,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
             not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k/v {tuple(k_cache.shape)}")
-    if key_valid.shape != (B, max_len) or key_valid.dtype != torch.bool or slot.numel() != 1 or not 0 < S <= max_len:
+    if key_valid.shape != (B, max_len) or key_valid.dtype != torch.bool or slot.numel() not in (1, B) \
+            or slot.dtype != torch.int64 or not 0 < S <= max_len:
         raise ValueError("decode_attention: bad key_valid, slot or S")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or key_valid.stride(-1) != 1:
         raise ValueError("decode_attention needs a unit stride along head_dim and key_valid's last dim")
@@ -178,7 +180,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         S, H, G, hd, chunk, splits, float(scale) * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
+        0 if slot.numel() == 1 else slot.stride(0), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, out, H, hd, splits, out.stride(0), out.stride(1),

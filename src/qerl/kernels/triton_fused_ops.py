@@ -200,12 +200,13 @@ def _copy_head(src, dst, j, jmask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, H, max_len,
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, stride_slot, H, max_len,
                        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb,
                        stride_ob, stride_oh, stride_cacheb, stride_cacheh, stride_caches,
                        HALF: tl.constexpr, BLOCK_J: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, head): head < H rotates query head `head` of row b into qo; head = H + kv rotates key
-    head kv into k cache slot *slot_ptr and copies value head kv into the v cache at the same slot."""
+    head kv into k cache slot slot_ptr[b * stride_slot] and copies value head kv into the v cache at the same
+    slot (stride_slot 0: one slot for every row)."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
@@ -220,7 +221,7 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc
     else:
         kv = head - H
         # read on the device, so that a captured CUDA graph writes wherever the replay's slot says
-        slot = tl.load(slot_ptr)
+        slot = tl.load(slot_ptr + b * stride_slot)
         if (slot >= 0) & (slot < max_len):  # out of range: write nothing (a graph replay cannot raise)
             cache = b.to(tl.int64) * stride_cacheb + kv * stride_cacheh + slot * stride_caches
             _rope_head(k_ptr + b * stride_kb + kv * stride_kh, kc_ptr + cache, j, jmask, c1, c2, s1, s2, HALF, INTERP)
@@ -231,8 +232,8 @@ def rope_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """One decode token, one launch. q [B, 1, H, hd], k, v [B, 1, KV, hd] (unit stride on hd, any other
     strides); cos, sin [B, 1, hd] (unit stride on hd, one layout); k_cache, v_cache [B, KV, max_len, hd]
-    (unit stride on hd, one layout); slot: 0-d (or 1-element) int64 tensor on the device, read by the
-    kernel. All floating tensors of one dtype (bf16/fp16).
+    (unit stride on hd, one layout); slot: 0-d (or 1-element) int64 tensor on the device, or int64 [B] (a
+    slot per row), read by the kernel. All floating tensors of one dtype (bf16/fp16).
 
     Returns rope(q) as a new contiguous [B, 1, H, hd] tensor; writes rope(k) into k_cache[:, :, slot] and v
     into v_cache[:, :, slot], other slots untouched. Rounding as `fused_ops.rope_reference`. A slot outside
@@ -241,7 +242,8 @@ def rope_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     B, L, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if L != 1 or k.shape != (B, 1, KV, hd) or v.shape != k.shape or cos.shape != (B, 1, hd) or sin.shape != cos.shape \
-            or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or hd % 2 or slot.numel() != 1:
+            or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or hd % 2 \
+            or slot.numel() not in (1, B):
         raise ValueError(f"rope_store_decode: bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                          f"cos {tuple(cos.shape)} caches {tuple(k_cache.shape)} {tuple(v_cache.shape)}")
     if any(t.stride(-1) != 1 for t in (q, k, v, cos, k_cache)) or sin.stride() != cos.stride() \
@@ -251,7 +253,7 @@ def rope_store_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         raise ValueError("rope_store_decode needs q, k, v, cos, sin and the caches of one dtype, an int64 slot")
     out = alloc((B, 1, H, hd), q.device, q.dtype)
     _rope_store_kernel[(B, H + KV)](
-        q, k, v, cos, sin, out, k_cache, v_cache, slot, H, max_len,
+        q, k, v, cos, sin, out, k_cache, v_cache, slot, 0 if slot.numel() == 1 else slot.stride(0), H, max_len,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), cos.stride(0),
         out.stride(0), out.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HALF=hd // 2, BLOCK_J=triton.next_power_of_2(hd // 2), INTERP=q.device.type != "cuda", num_warps=1,

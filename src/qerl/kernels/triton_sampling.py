@@ -41,17 +41,17 @@ CPU_SMS = 2
 # alignment of the record columns): each new combination would compile the kernel again, mid-rollout
 @triton.jit(do_not_specialize=["seed", "step", "stride_o", "n_eos", "pad_id"],
             do_not_specialize_on_alignment=["otok_ptr", "omask_ptr", "olp_ptr", "oent_ptr"])
-def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, step, mpart_ptr, ipart_ptr, cnt_ptr,
+def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, step, key_ptr, mpart_ptr, ipart_ptr, cnt_ptr,
                    tok_ptr, lp_ptr, ent_ptr,
                    done_ptr, eos_ptr, n_eos, pad_id, otok_ptr, omask_ptr, olp_ptr, oent_ptr, stride_o, step_ptr,
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NCP: tl.constexpr, EP: tl.constexpr,
-                   GREEDY: tl.constexpr, RECORD: tl.constexpr):
+                   GREEDY: tl.constexpr, RECORD: tl.constexpr, ROW_KEYS: tl.constexpr):
     """logits [B, V] (16-bit or fp32, row stride stride_l, unit column stride) -> tok int64 [B], lp and ent
     fp32 [B]. mpart fp32 [B, NC, 4] and ipart int32 [B, NC]: partials; cnt int32 [B] zeros (left zero).
     RECORD: done bool [B] (read, then or-ed with "token in eos[:n_eos]", int64), otok int64 / omask bool /
     olp, oent fp32 columns [B] with row stride stride_o, step int64 [B] (the next input token).
     seed int64 (>= 2^32, so its type never changes); draw (b, v) of step `step` uses Philox offset
-    (step B + b) V + v."""
+    (step B + b) V + v, or with ROW_KEYS (key[b] + step) V + v, key int64 [B]."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     nc = tl.num_programs(1)
@@ -59,7 +59,10 @@ def _sample_kernel(logits_ptr, stride_l, V, inv_t, seed, step, mpart_ptr, ipart_
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     offs = tl.arange(0, BLOCK)
-    draw0 = (step.to(tl.int64) * tl.num_programs(0) + b) * V  # this row's Philox offsets start here
+    if ROW_KEYS:  # the row's own counter: its draws do not depend on the batch it runs in
+        draw0 = (tl.load(key_ptr + b) + step.to(tl.int64)) * V
+    else:
+        draw0 = (step.to(tl.int64) * tl.num_programs(0) + b) * V  # this row's Philox offsets start here
 
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, CHUNK, BLOCK):  # constant trip count; past V everything is masked
@@ -154,10 +157,14 @@ def row_counters(device: torch.device, B: int) -> torch.Tensor:
 
 
 def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int, record: dict | None = None,
-                  chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  chunks: int | None = None, row_keys: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] (unit column stride) -> (tokens int64 [B], logprob fp32 [B], entropy fp32 [B]) under
     softmax(logits / T) (T = 1 and the argmax when temperature == 0). The draw for element (b, v) uses
     Philox(seed, (step B + b) V + v), seed in [2^32, 2^62): give each step of a rollout its own `step`.
+    row_keys int64 [B] (contiguous, on the device): the draw uses Philox(seed, (row_keys[b] + step) V + v)
+    instead, so a row's stream follows its own key and not its index in the batch (the engine passes
+    key = sequence index * 2^20 - the step the sequence started at: `sampling.draw_keys`).
     record: dict(done, eos, pad_id, tokens, mask, logprobs, entropies, step_tokens) of the engine's per-step
     bookkeeping (see the module docstring): done bool [B] contiguous (updated in place), eos int64 [E],
     the columns tokens int64 / mask bool / logprobs, entropies fp32, each [B] with one row stride,
@@ -195,11 +202,15 @@ def sample_triton(logits: torch.Tensor, temperature: float, seed: int, step: int
             raise ValueError("record: done must be bool [B], step_tokens int64 [B] and eos int64 [E], contiguous")
         n_eos = record["eos"].numel()
         rec = dict(record, n_eos=n_eos, stride=stride, eos=record["eos"] if n_eos else tok)  # tok: never read
+    if row_keys is not None and (row_keys.shape != (B,) or row_keys.dtype != torch.int64
+                                 or not row_keys.is_contiguous() or row_keys.device != dev):
+        raise ValueError("row_keys must be a contiguous int64 [B] tensor on the logits' device")
     _sample_kernel[(B, nc)](
-        logits, logits.stride(0), V, 1.0 if greedy else 1.0 / temperature, seed, step, mpart, ipart,
+        logits, logits.stride(0), V, 1.0 if greedy else 1.0 / temperature, seed, step,
+        tok if row_keys is None else row_keys, mpart, ipart,
         row_counters(dev, B), tok, lp, ent,
         rec["done"], rec["eos"], rec["n_eos"], rec["pad_id"], rec["tokens"], rec["mask"], rec["logprobs"],
         rec["entropies"], rec["stride"], rec["step_tokens"],
         CHUNK=chunk, BLOCK=BLOCK, NCP=triton.next_power_of_2(nc), EP=max(2, triton.next_power_of_2(rec["n_eos"])),
-        GREEDY=greedy, RECORD=record is not None, num_warps=8)
+        GREEDY=greedy, RECORD=record is not None, ROW_KEYS=row_keys is not None, num_warps=8)
     return tok, lp, ent

@@ -1,18 +1,19 @@
 """The rollout engine: batched sampling from the policy the trainer is optimizing, same module objects,
-LoRA never merged. Read top to bottom: `prefill` fills the KV cache from the prompts, `decode_one_token`
-feeds one token per row, `generate` loops them and records what was sampled.
+LoRA never merged. Read top to bottom: `prefill` fills cache rows from prompts, `decode` feeds one token
+per row, `generate` builds the sequences and hands them to a scheduler (`scheduler`: which sequence runs in
+which row; continuous batching by default, the static reference on request), then assembles the result.
 
 The pieces it ties together, one file each: the forward pass over the model's own modules
 (`model_runner`, with `rope` and the adapter snapshot `lora_snapshot`), the static KV cache (`kv_cache`),
-the captured decode steps (`cuda_graphs`), how many rows a pass may hold (`memory`), turning logits into
+the captured decode steps (`cuda_graphs`), how many rows a batch may hold (`memory`), turning logits into
 tokens (`sampling`; on CUDA one Triton launch per step draws the tokens and records them,
 `qerl.kernels.triton_sampling`), stop strings (`stop_strings`) and the result type (`result`). On Hopper
 and newer the decode step's kernels are chained by programmatic dependent launch (`qerl.kernels.pdl`):
 each launches while its predecessor runs and prefetches its static weight bytes before waiting for the
 activations.
 
-Shapes: B batch (padded up to a bucket), P prompt length (left-padded), T new tokens, S cache length,
-V vocabulary.
+Shapes: B rows (a batch bucket), P prompt length, T new tokens, S cache length, V vocabulary. Each cache row
+holds one sequence from slot 0 and decodes at its own slot (`step_slot [B]`).
 """
 
 from typing import Sequence
@@ -24,12 +25,13 @@ from ..kernels import dequantized_weights
 from ..kernels.pdl import programmatic_launches
 from . import memory
 from .cuda_graphs import DecodeGraphs
-from .kv_cache import KVCache
+from .kv_cache import KVCache, PrefillWriter
 from .memory import bucket_batch, round_up
 from .model_runner import CausalLMRunner
 from .result import Rollout
-from .sampling import SamplingParams, fused_sampling_applies, next_token, philox_seed
-from .stop_strings import cut_at_stop_strings, finish_reasons, stop_string_rows
+from .sampling import SamplingParams, fused_sampling_applies, philox_seed
+from .scheduler import SCHEDULERS, Scheduler, make_sequences
+from .stop_strings import cut_at_stop_strings, finish_reasons
 
 __all__ = ["Rollout", "RolloutEngine", "bucket_batch"]
 
@@ -37,25 +39,33 @@ __all__ = ["Rollout", "RolloutEngine", "bucket_batch"]
 class RolloutEngine:
     """Batched sampler over `model` (a HF causal LM, possibly with QuantLinear layers from qerl).
 
-    max_seq_len bounds prompt + completion and sizes the KV cache. cuda_graphs (default: on for CUDA
-    models) captures one decode step per (batch bucket, attended cache length); the attended length grows
-    in blocks of kv_block slots, so early steps do not read the whole cache. A batch larger than what
-    fits runs as several passes: at most `max_batch` rows per pass, or on CUDA by default as many as the
-    KV cache and step buffers of `memory_fraction` of the free memory hold. fuse_siblings (default: on
-    for CUDA models) stores each q/k/v and gate/up group of quantized linears back to back, once, so each
-    group decodes as one matmul (`qerl.models.siblings`: same memory, the modules keep working alone).
-    pdl (default on; used on sm_90+ GPUs, off with QERL_PDL=0): the decode step's Triton kernels launch
-    with programmatic dependent launch, each starting while the previous one finishes (`qerl.kernels.pdl`).
-    fused_sampling (default on; CUDA, no top-k / top-p): each step's draw, log-prob, entropy and bookkeeping
-    in one Triton launch (`qerl.kernels.triton_sampling`) instead of ~24 small torch ops. Same distribution
-    and statistics; the draws come from a counter-based stream seeded once per call from the generator, so
-    a seeded run repeats itself but does not match the eager sampler token for token.
+    max_seq_len bounds prompt + completion and sizes the KV cache. scheduler: "continuous" (default) refills
+    a finished row from the queue of sequences and compacts the survivors into smaller buckets once the
+    queue is empty; "static" (the reference) decodes passes of rows until each pass's last row stops
+    (`scheduler`). Either way a distinct prompt is prefilled once for all its rows. cuda_graphs (default: on
+    for CUDA models) captures one decode step per (batch bucket, attended cache length); the attended
+    length grows in blocks of kv_block slots, so early steps do not read the whole cache. The batch width:
+    at most `max_batch` rows, or on CUDA by default as many as the KV cache and step buffers of
+    `memory_fraction` of the free memory hold. fuse_siblings (default: on for CUDA models) stores each
+    q/k/v and gate/up group of quantized linears back to back, once, so each group decodes as one matmul
+    (`qerl.models.siblings`: same memory, the modules keep working alone). pdl (default on; used on sm_90+
+    GPUs, off with QERL_PDL=0): the decode step's Triton kernels launch with programmatic dependent launch,
+    each starting while the previous one finishes (`qerl.kernels.pdl`). fused_sampling (default on; CUDA, no
+    top-k / top-p): each step's draw, log-prob, entropy and bookkeeping in one Triton launch
+    (`qerl.kernels.triton_sampling`) instead of ~24 small torch ops. Draws are counter-based: token p of
+    sequence s uses the counter (seed, s, p), the seed taken once per call from the generator, so a seeded
+    run repeats itself under either scheduler; the fused and the eager sampler use different streams.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85,
-                 fuse_siblings: bool | None = None, pdl: bool = True, fused_sampling: bool = True):
+                 fuse_siblings: bool | None = None, pdl: bool = True, fused_sampling: bool = True,
+                 scheduler: str = "continuous"):
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {SCHEDULERS}")
+        if check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
         self.runner = CausalLMRunner(model, max_seq_len, fuse_siblings=fuse_siblings)
         self.model, self.tokenizer = model, tokenizer
         self.device = self.runner.device
@@ -63,6 +73,7 @@ class RolloutEngine:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.pdl = pdl
         self.fused_sampling = fused_sampling
+        self.scheduler = scheduler
         self.kv_block = kv_block
         self.check_every = check_every
         self.max_batch, self.memory_fraction = max_batch, memory_fraction
@@ -83,56 +94,65 @@ class RolloutEngine:
     # setup ----------------------------------------------------------------------------------------
 
     def _setup(self, batch: int) -> None:
-        """Allocate the cache and static step buffers for a batch bucket (once per bucket change)."""
-        if self.cache is not None and self.cache.batch == batch:
+        """Allocate the cache and static step buffers for `batch` rows (a bucket; kept while it suffices:
+        a narrower batch decodes in the first rows)."""
+        if self.cache is not None and self.cache.batch >= batch:
             return
         self.cache = None  # free first: the old cache may be most of the free memory
         self.decode_graphs.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        r = self.runner
-        self.cache = KVCache(len(r.layers), batch, r.n_kv, r.head_dim, self.max_seq_len, r.dtype, self.device)
-        # static inputs / outputs of the decode step (fixed addresses for graph replay)
-        self.step_tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        self.step_slot = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.pad_len = torch.zeros(batch, dtype=torch.int64, device=self.device)
-        self.slots = torch.arange(self.max_seq_len, device=self.device)
-        self.step_logits = torch.zeros(batch, self.model.config.vocab_size, dtype=r.dtype, device=self.device)
+        r, dev = self.runner, self.device
+        self.cache = KVCache(len(r.layers), batch, r.n_kv, r.head_dim, self.max_seq_len, r.dtype, dev)
+        # static inputs / outputs of the decode step (fixed addresses for graph replay); row b decodes at
+        # slot max(slot_base[b] + step_index, slot_lo[b]) (clamped into the cache), see `decode_one_token`
+        self.step_tokens = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.step_index = torch.zeros((), dtype=torch.int64, device=dev)
+        self.slot_base = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.slot_lo = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.step_slot = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.slots = torch.arange(self.max_seq_len, device=dev)
+        self.step_logits = torch.zeros(batch, self.model.config.vocab_size, dtype=r.dtype, device=dev)
 
     # the two forward passes -------------------------------------------------------------------------
 
-    def prefill(self, tokens: torch.Tensor, pad_len: torch.Tensor) -> torch.Tensor:
-        """tokens [B, P] int64 left-padded, pad_len [B] int64 -> logits of the last prompt token [B, V] in the
-        model's dtype; fills slots < P."""
-        B, P = tokens.shape
-        self.cache.reset(pad_len)
-        positions = (self.slots[:P][None, :] - pad_len[:, None]).clamp_min(0)
-        causal = self.slots[:P][None, :] <= self.slots[:P][:, None]  # [P(query), P(key)]
-        # pads attend to themselves only: a fully masked softmax row would be nan and leak through v
-        mask = (causal[None] & self.cache.key_valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=self.device)
-        return self.runner.forward(tokens, positions, self.cache, mask[:, None])
+    def prefill(self, prompts: list[list[int]], dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Prefill U distinct prompts (token-id lists) once and write prompt src[j]'s k/v into cache row
+        dst[j] (int64 [R] each, on the device), slots 0..len-1 -> logits of each prompt's last token [U, V]
+        in the model's dtype. The batch is right-padded: pads sit after the real tokens, so causality alone
+        hides them; their k/v land in slots the row rewrites before it can attend to them."""
+        U, P = len(prompts), max(map(len, prompts))
+        tokens = torch.full((U, P), self.pad_token_id, dtype=torch.int64)
+        for j, p in enumerate(prompts):
+            tokens[j, :len(p)] = torch.tensor(p, dtype=torch.int64)
+        tokens = tokens.to(self.device)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        positions = self.slots[:P].expand(U, P)
+        causal = (self.slots[:P][None, :] <= self.slots[:P][:, None])[None, None]  # [1, 1, P(query), P(key)]
+        return self.runner.forward(tokens, positions, PrefillWriter(self.cache, dst, src), causal, last=last)
 
-    def decode_one_token(self, kv_len: int) -> torch.Tensor:
-        """Feed step_tokens [B] int64 at slot step_slot (0-dim int64); returns logits [B, V] in the model's
-        dtype (in step_logits).
+    def decode_one_token(self, b: int, kv_len: int) -> torch.Tensor:
+        """Feed step_tokens[:b] (int64) of rows [:b], each at its slot max(slot_base + step_index, slot_lo);
+        returns logits [b, V] in the model's dtype (in step_logits[:b]).
 
-        Attends over the first kv_len cache slots; everything it reads and writes is a static buffer, so
-        this is exactly what a CUDA graph captures.
-        """
-        positions = (self.step_slot - self.pad_len)[:, None]  # [B, 1]
-        mask = self.cache.key_valid[:, :kv_len] & (self.slots[:kv_len] <= self.step_slot)[None, :]
+        Attends over the first kv_len cache slots; everything it reads and writes is a static buffer (or a
+        view of the first b rows of one), so this is exactly what a CUDA graph captures."""
+        slot = self.step_slot[:b]
+        torch.maximum(self.slot_base[:b] + self.step_index, self.slot_lo[:b], out=slot)
+        slot.clamp_(max=self.max_seq_len - 1)  # finished rows keep stepping until the next check
+        mask = (self.slots[:kv_len][None, :] <= slot[:, None])[:, None, None]  # [b, 1, 1, kv_len]
         with programmatic_launches(self.device, self.pdl):
-            logits = self.runner.forward(self.step_tokens[:, None], positions, self.cache, mask[:, None, None],
-                                         slot=self.step_slot)
-        self.step_logits.copy_(logits)
-        return self.step_logits
+            logits = self.runner.forward(self.step_tokens[:b, None], slot[:, None], self.cache.rows(b), mask,
+                                         slot=slot)
+        self.step_logits[:b].copy_(logits)
+        return self.step_logits[:b]
 
-    def _decode(self, kv_len: int) -> torch.Tensor:
-        """decode_one_token(kv_len): replayed from its CUDA graph (captured on first use) when cuda_graphs."""
+    def decode(self, b: int, kv_len: int) -> torch.Tensor:
+        """decode_one_token(b, kv_len): replayed from its CUDA graph (captured on first use) when cuda_graphs."""
         if not self.cuda_graphs:
-            return self.decode_one_token(kv_len)
-        self.decode_graphs.replay((self.cache.batch, kv_len), lambda: self.decode_one_token(kv_len))
-        return self.step_logits
+            return self.decode_one_token(b, kv_len)
+        self.decode_graphs.replay((b, kv_len), lambda: self.decode_one_token(b, kv_len))
+        return self.step_logits[:b]
 
     # generate -------------------------------------------------------------------------------------
 
@@ -140,132 +160,102 @@ class RolloutEngine:
     def generate(self, prompts, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
                  attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                 aqn=None) -> Rollout:
+                 aqn=None, force_lengths: Sequence[int] | None = None, scheduler: str | None = None) -> Rollout:
         """Sample completions for a batch of prompts.
 
         prompts: list of token-id lists, or an int tensor [B, L] with `attention_mask` (left or right
         padding, or none). stop: strings that end a completion (checked every `check_every` steps and
         cut exactly afterwards; needs a tokenizer). ignore_eos: force max_new_tokens (benchmarks).
-        aqn: an optional `qerl.nn.noisy_norm.NoisyNorms`; applied for this call (and the exact weights
-        restored after) unless already active; with per_forward=True its noise is redrawn before every
-        forward pass, otherwise one draw serves the whole batch.
+        force_lengths: per prompt, the exact number of tokens to generate (EOS ignored; each at most
+        max_new_tokens): benchmarks on real length profiles. aqn: an optional
+        `qerl.nn.noisy_norm.NoisyNorms`; applied for this call (and the exact weights restored after)
+        unless already active; with per_forward=True its noise is redrawn before every forward pass,
+        otherwise one draw serves the whole call. scheduler: overrides the engine's for this call.
+        The result's `stats` count the work: decoded_row_steps (rows computed per step, summed),
+        kept_tokens (completion tokens returned), prefill_tokens / prefill_rows (prompt tokens and prompts
+        prefilled, padding included).
         """
         if aqn is not None and not aqn.active:
             with aqn:
                 return self.generate(prompts, max_new_tokens, sampling, seed, stop, ignore_eos, attention_mask,
-                                     generator, aqn)
+                                     generator, aqn, force_lengths, scheduler)
         rows = _prompt_rows(prompts, attention_mask)
         if not rows:
             raise ValueError("generate needs at least one prompt")
-        if generator is None and seed is not None:
-            generator = torch.Generator(self.device).manual_seed(seed)
-        per_pass = self.rows_per_pass(len(rows), max(map(len, rows)) + max_new_tokens)
-        # CPU: dequantize each weight once for this call instead of once per token (dropped on return).
-        with dequantized_weights(enabled=self.device.type == "cpu"):
-            parts = [self._generate(rows[i:i + per_pass], max_new_tokens, sampling, stop, ignore_eos, generator, aqn)
-                     for i in range(0, len(rows), per_pass)]
-        return parts[0] if len(parts) == 1 else Rollout.concat(parts, self.pad_token_id)
-
-    def _generate(self, rows: list[list[int]], max_new_tokens, sampling, stop, ignore_eos, gen, aqn) -> Rollout:
-        """One pass over rows (token-id lists, at most what `rows_per_pass` allows): prefill, then one
-        `decode_one_token` per new token until max_new_tokens were drawn or every row has stopped (checked
-        every `check_every` steps). gen: the torch.Generator of the draws (None: the default one)."""
-        n, P = len(rows), max(len(r) for r in rows)
-        if min(len(r) for r in rows) == 0:
+        if min(map(len, rows)) == 0:
             raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        budgets = [max_new_tokens] * len(rows)
+        if force_lengths is not None:
+            budgets = [int(n) for n in force_lengths]
+            if len(budgets) != len(rows) or not all(1 <= n <= max_new_tokens for n in budgets):
+                raise ValueError(f"force_lengths needs one length in [1, max_new_tokens={max_new_tokens}] per "
+                                 f"prompt ({len(rows)} prompts, got {len(budgets)} lengths)")
+            ignore_eos = True
+        P = max(map(len, rows))
         if P + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
                              f"({self.max_seq_len}); build the engine with a larger max_seq_len")
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        Bb = bucket_batch(n)
-        self._setup(Bb)
+        if generator is None and seed is not None:
+            generator = torch.Generator(self.device).manual_seed(seed)
+        width = self.rows_per_pass(len(rows), P + max_new_tokens)
+        self._setup(bucket_batch(width))
         self._sync_lora()
+        probe = self.step_logits[:1]
+        fused = self.fused_sampling and fused_sampling_applies(probe, sampling)
+        draw_seed = 2**32 if sampling.greedy else philox_seed(generator, self.device)
+        seqs = make_sequences(rows, budgets)
+        eos = [] if ignore_eos else self.eos_token_ids
+        # CPU: dequantize each weight once for this call instead of once per token (dropped on return).
+        with dequantized_weights(enabled=self.device.type == "cpu"):
+            sched = Scheduler(self, seqs, width, scheduler or self.scheduler, sampling, draw_seed, stop, eos,
+                              aqn, fused)
+            stats = sched.run()
+            return self._result(seqs, sched.records, stop, ignore_eos, stats)
 
-        # left-pad, plus dummy rows (one pad token) up to the bucket
-        tokens = torch.full((Bb, P), self.pad_token_id, dtype=torch.int64)
-        pad_len = torch.full((Bb,), P - 1, dtype=torch.int64)
-        for b, r in enumerate(rows):
-            tokens[b, P - len(r):] = torch.tensor(r, dtype=torch.int64)
-            pad_len[b] = P - len(r)
-        tokens, pad_len = tokens.to(self.device), pad_len.to(self.device)
-        self.pad_len.copy_(pad_len)
-
-        T = max_new_tokens
-        out_tokens = torch.full((Bb, T), self.pad_token_id, dtype=torch.int64, device=self.device)
-        out_mask = torch.zeros(Bb, T, dtype=torch.bool, device=self.device)
-        out_lp = torch.zeros(Bb, T, dtype=torch.float32, device=self.device)
-        out_ent = torch.zeros(Bb, T, dtype=torch.float32, device=self.device)
-        done = torch.arange(Bb, device=self.device) >= n  # dummy rows start finished
-        eos = torch.tensor(self.eos_token_ids if not ignore_eos else [], dtype=torch.int64, device=self.device)
-
-        logits = self.prefill(tokens, pad_len)
-        # one launch per step draws the token and does the bookkeeping below (CUDA, no top-k / top-p)
-        fused = self.fused_sampling and fused_sampling_applies(logits, sampling)
-        if fused:
-            from ..kernels.triton_sampling import sample_triton
-
-            seed = 2**32 if sampling.greedy else philox_seed(gen, self.device)
-        steps = T
-        for i in range(T):
-            if fused:
-                sample_triton(logits, sampling.temperature, seed, i, record=dict(
-                    done=done, eos=eos, pad_id=self.pad_token_id, tokens=out_tokens[:, i], mask=out_mask[:, i],
-                    logprobs=out_lp[:, i], entropies=out_ent[:, i], step_tokens=self.step_tokens))
-            else:
-                tok, lp, ent = next_token(logits, sampling, gen)
-                alive = ~done
-                out_tokens[:, i] = torch.where(alive, tok, self.pad_token_id)
-                out_mask[:, i] = alive
-                out_lp[:, i] = lp * alive
-                out_ent[:, i] = ent * alive
-                done = done | torch.isin(tok, eos)
-            if i == T - 1:
-                break
-            if (i + 1) % self.check_every == 0:  # the only host syncs: every check_every tokens
-                if stop:
-                    done = done | stop_string_rows(self.tokenizer, out_tokens[:n, : i + 1], out_mask[:n, : i + 1],
-                                                   stop, Bb, self.device)
-                if not bool((~done).any()):
-                    steps = i + 1
-                    break
-            if aqn is not None and aqn.per_forward:
-                aqn.resample()
-            slot = P + i
-            if not fused:  # the fused launch wrote it
-                self.step_tokens.copy_(tok)
-            self.step_slot.fill_(slot)
-            logits = self._decode(min(round_up(slot + 1, self.kv_block), self.max_seq_len))
-
-        out_tokens, out_mask, out_lp, out_ent = (t[:n, :steps] for t in (out_tokens, out_mask, out_lp, out_ent))
-        texts, cut = None, [False] * n
+    def _result(self, seqs, records, stop, ignore_eos: bool, stats: dict) -> Rollout:
+        """The Rollout of finished sequences (in call order) from the scheduler's `records`."""
+        tokens, mask, lp, ent = records.gather(seqs, [s.length for s in seqs])
+        cut = [False] * len(seqs)
         if stop:
-            out_mask, cut = cut_at_stop_strings(self.tokenizer, out_tokens, out_mask, stop)
-        out_tokens = out_tokens.masked_fill(~out_mask, self.pad_token_id)
-        out_lp, out_ent = out_lp * out_mask, out_ent * out_mask
-        finish = finish_reasons(out_tokens, out_mask, cut, self.eos_token_ids, ignore_eos)
+            mask, cut = cut_at_stop_strings(self.tokenizer, tokens, mask, stop)
+        tokens = tokens.masked_fill(~mask, self.pad_token_id)
+        lp, ent = lp * mask, ent * mask
+        finish = finish_reasons(tokens, mask, cut, self.eos_token_ids, ignore_eos)
+        texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
-                     for t, m in zip(out_tokens.cpu(), out_mask.cpu())]
-        return Rollout(tokens[:n], self.cache.key_valid[:n, :P].clone(), out_tokens, out_mask, out_lp, out_ent,
-                       finish, texts)
+                     for t, m in zip(tokens.cpu(), mask.cpu())]
+        P = max(len(s.prompt) for s in seqs)
+        prompt_ids = torch.full((len(seqs), P), self.pad_token_id, dtype=torch.int64)
+        prompt_mask = torch.zeros(len(seqs), P, dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            prompt_ids[i, P - len(s.prompt):] = torch.tensor(s.prompt, dtype=torch.int64)
+            prompt_mask[i, P - len(s.prompt):] = True
+        stats = dict(stats, kept_tokens=int(mask.sum()))
+        return Rollout(prompt_ids.to(self.device), prompt_mask.to(self.device), tokens, mask, lp, ent, finish,
+                       texts, stats)
 
     @torch.no_grad()
     def warmup(self, batch: int, max_len: int | None = None) -> None:
-        """Capture now every decode graph a batch of `batch` rows up to `max_len` slots will need (so the
-        first timed or trained rollout does not pay for the captures). No-op without CUDA graphs."""
+        """Capture now every decode graph a batch of `batch` rows up to `max_len` slots will need at its full
+        width (so the first timed or trained rollout does not pay for those captures; the narrower buckets
+        of the continuous scheduler's compaction are captured on first use). No-op without CUDA graphs."""
         Bb = bucket_batch(batch)
         self._setup(Bb)
         self._sync_lora()
         if not self.cuda_graphs:
             return
         max_len = max_len or self.max_seq_len
-        self.cache.reset(torch.zeros(Bb, dtype=torch.int64, device=self.device))
-        self.pad_len.zero_()
+        self.slot_lo.zero_()
         for kv_len in range(self.kv_block, round_up(max_len, self.kv_block) + 1, self.kv_block):
             kv_len = min(kv_len, self.max_seq_len)
-            self.step_slot.fill_(kv_len - 1)
-            self._decode(kv_len)
+            self.slot_base.fill_(kv_len - 1)
+            self.step_index.zero_()
+            self.decode(Bb, kv_len)
 
     # memory sizing --------------------------------------------------------------------------------
 
@@ -304,7 +294,7 @@ class RolloutEngine:
         freed = self.cache.nbytes() if self.cache is not None else 0
         self.cache = None
         self.decode_graphs.reset()
-        for name in ("step_tokens", "step_slot", "pad_len", "slots", "step_logits"):
+        for name in ("step_tokens", "step_index", "slot_base", "slot_lo", "step_slot", "slots", "step_logits"):
             self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -24,7 +24,6 @@ from ..kernels.bf16_matmul import bf16_linear
 from ..kernels.decode_attention import decode_attention
 from ..kernels.fused_ops import add_norm, rope_qk, rope_qk_store, silu_mul
 from ..nn.quant_embedding import QuantEmbedding
-from .kv_cache import KVCache
 from .lora_snapshot import LoraSnapshot
 from .rope import rope_tables
 
@@ -67,12 +66,12 @@ class CausalLMRunner:
 
     # one decoder layer ---------------------------------------------------------------------------
 
-    def attention(self, i: int, x: torch.Tensor, cos, sin, cache: KVCache, mask, slot) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, cos, sin, cache, mask, slot) -> torch.Tensor:
         """x [B, L, D] (already normed) -> attention output [B, L, D]; writes this layer's k/v.
         cos, sin [B, L, hd]: the RoPE tables at each token's position. mask [B, 1, L, S] bool (True = attend).
 
         slot None: prefill of slots 0..L-1, attending over the L new keys. Otherwise decode (L = 1) of
-        slot `slot`, attending over the first mask.shape[-1] slots of the cache.
+        slots `slot` (int64 [B] or 0-dim), attending over the first mask.shape[-1] slots of the cache.
         """
         attn, lin = self.layers[i].self_attn, self.lora.linear
         B, L, _ = x.shape
@@ -103,10 +102,13 @@ class CausalLMRunner:
         gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x)
         return self.lora.linear(mlp.down_proj, silu_mul(gate, up, mlp.act_fn))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask, slot=None):
-        """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> last-position logits [B, V] in the
-        model's dtype. mask [B, 1, L, S] bool (True = attend); slot None for a prefill of slots 0..L-1, else
-        the decode slot (0-dim int64 tensor, L = 1)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask, slot=None,
+                last: torch.Tensor | None = None):
+        """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> logits [B, V] in the model's dtype
+        at position last[b] of each row (int64 [B]; None: the last position). mask [B, 1, L, S] bool (True =
+        attend). slot None: a prefill of slots 0..L-1, whose k/v go to `cache.write_prefill` (a
+        `kv_cache.PrefillWriter`); else the decode slots (int64 [B], or 0-dim for every row;
+        L = 1) of the `KVCache` `cache`."""
         cos, sin = self.cos[positions], self.sin[positions]  # [B, L, hd]
         # residual adds fused with the norm that follows them (one launch each on CUDA, see fused_ops)
         h, x = add_norm(self.embed(tokens), None, self.layers[0].input_layernorm)
@@ -114,10 +116,11 @@ class CausalLMRunner:
             h, x = add_norm(h, self.attention(i, x, cos, sin, cache, mask, slot), layer.post_attention_layernorm)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = add_norm(h, self.mlp(i, x), nxt)
+        x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
         head = self.lm_head
         if type(head) is nn.Linear:  # the bf16 decode kernel where it applies (1.05x cuBLAS, and PDL)
-            return bf16_linear(x[:, -1], head.weight, head.bias)
-        return head(x[:, -1])
+            return bf16_linear(x, head.weight, head.bias)
+        return head(x)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):

@@ -19,6 +19,8 @@ class Rollout:
                     (noise included when AQN is on); 0 where the mask is False
     entropies       [B, T] fp32, entropy of that distribution at each position; 0 where the mask is False
     finish_reason   per row "stop" (EOS or stop string) or "length"
+    stats           work counts of the call (`RolloutEngine.generate`): decoded_row_steps, kept_tokens,
+                    prefill_tokens, prefill_rows
     """
 
     prompt_ids: torch.Tensor
@@ -29,6 +31,7 @@ class Rollout:
     entropies: torch.Tensor
     finish_reason: list[str] = field(default_factory=list)
     texts: list[str] | None = None
+    stats: dict[str, int] = field(default_factory=dict)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -46,7 +49,8 @@ class Rollout:
             _pad_cat([r.logprobs for r in parts], 0.0, left=False),
             _pad_cat([r.entropies for r in parts], 0.0, left=False),
             [f for r in parts for f in r.finish_reason],
-            None if any(r.texts is None for r in parts) else [t for r in parts for t in r.texts])
+            None if any(r.texts is None for r in parts) else [t for r in parts for t in r.texts],
+            {k: sum(r.stats.get(k, 0) for r in parts) for k in {k for r in parts for k in r.stats}})
 
 
 def _pad_cat(tensors: Sequence[torch.Tensor], value, left: bool) -> torch.Tensor:

@@ -101,6 +101,35 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return tokens, token_logprob, entropy_from_logprobs(logprobs)
 
 
+KEY_STRIDE = 2**20  # draw-counter positions per sequence: completions of up to 2^20 tokens
+
+
+def draw_key(sequence: int, start_step: int) -> int:
+    """The draw counter of `sequence` (its index in the generate call) started at decode step `start_step`:
+    token p is drawn at step start_step + p with counter key + step = sequence * KEY_STRIDE + p, so its
+    draws depend on (seed, sequence, p) only, never on the row, batch or step it ran at."""
+    return sequence * KEY_STRIDE - start_step
+
+
+def keyed_next_token(logits: torch.Tensor, params: SamplingParams, seed: int, keys: list[int], step: int):
+    """`next_token` with counter-based draws: row b's exponentials come from a generator seeded by (seed,
+    keys[b] + step) alone (`draw_key`). logits [B, V] -> (tokens [B] int64, logprob [B] fp32, entropy [B] fp32).
+    keys are host ints (no device read). The eager sampler of the engine: CPU, and CUDA with top-k / top-p."""
+    logprobs = logits_to_logprobs(logits, params.temperature)
+    if params.greedy:
+        tokens = logprobs.argmax(-1)
+    else:
+        lp = truncate_logits(logprobs, params.top_k, params.top_p)
+        e = torch.empty_like(lp)
+        gen = torch.Generator(lp.device)
+        for b, key in enumerate(keys):
+            gen.manual_seed(hash((seed, key + step)) & (2**63 - 1))
+            e[b].exponential_(generator=gen)
+        tokens = (lp - e.clamp_min_(1e-30).log()).argmax(-1)
+    token_logprob = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, token_logprob, entropy_from_logprobs(logprobs)
+
+
 def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams) -> bool:
     """Whether one Triton launch (`qerl.kernels.triton_sampling`) can draw from these logits [B, V]: CUDA,
     unit column stride, no top-k / top-p truncation (those need a sort: the eager path keeps them),
