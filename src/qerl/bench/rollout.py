@@ -10,16 +10,32 @@ and -- as gpt-fast does -- the weight bandwidth achieved and the fraction of the
 HF `generate` runs far fewer new tokens (`--hf-new`): at ~60 ms per step a 512-token run per batch would
 cost minutes of device time; its decode rate is measured from the difference of two lengths.
 
+That is the "forced lengths" mode. With `--lengths P` (a completion-length profile, `qerl.bench.length_profiles`:
+a name or a file) a batch is batch / G prompts x G rows (`--group`, each prompt's rows share it, as in an RL
+step), every row forced to a length drawn from P, whole groups at a time (EOS ignored; max_new_tokens = P's
+budget, as a real step calls it), and the cell reports the rollout's seconds, kept tokens/s (real completion
+tokens), tokens/s (rows decoded per second, finished rows still held in a batch included: the engine's
+`decoded_row_steps`), their ratio (row-steps / kept, 1 = no row decoded past its end) and the speedup over the
+static scheduler. `--schedulers continuous,static` times both engine schedulers on the same draws, alternating
+which goes first; `--repeats` draws (seed --seed + repeat) per cell, medians reported.
+
     python benchmarks/rollout.py --models 7b --batches 1,8,32,64,128 --out results.json
+    python benchmarks/rollout.py --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 \\
+        --lengths long-reasoning-4096 --schedulers continuous,static --out ragged.json
 """
 
 import argparse
 import datetime
 import gc
 import json
+import statistics
 import time
 
 import torch
+
+from .length_profiles import NAMED, ProfileError, describe, draw, forced_label, load_profile
+
+SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
 QWEN25 = {  # Qwen2.5 shapes (config.json of the hub releases); vocab 152064, untied embeddings
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -137,19 +153,48 @@ def bench_hf(model, batch, args) -> dict:
                 prefill_s=prefill, peak_gb=torch.cuda.max_memory_allocated() / 1e9, new_tokens=args.hf_new)
 
 
-def bench_engine(engine, batch, args) -> dict:
+def bench_engine(engine, batch, args, scheduler: str = "continuous") -> dict:
     from ..rollout.sampling import SamplingParams
 
     ids = prompts_tensor(batch, args.prompt, engine.model.config.vocab_size)
     sp = SamplingParams(temperature=1.0)
     engine.warmup(batch, args.prompt + args.new)
-    engine.generate(ids, 2, sp, seed=0, ignore_eos=True)
+    engine.generate(ids, 2, sp, seed=0, ignore_eos=True, scheduler=scheduler)
     torch.cuda.reset_peak_memory_stats()
-    prefill = timed(lambda: engine.generate(ids, 1, sp, seed=0, ignore_eos=True))
-    total = timed(lambda: engine.generate(ids, args.new, sp, seed=0, ignore_eos=True))
+    prefill = timed(lambda: engine.generate(ids, 1, sp, seed=0, ignore_eos=True, scheduler=scheduler))
+    total = timed(lambda: engine.generate(ids, args.new, sp, seed=0, ignore_eos=True, scheduler=scheduler))
     step = (total - prefill) / (args.new - 1)
     return dict(step_ms=1e3 * step, decode_tok_s=batch / step, e2e_tok_s=batch * args.new / total,
                 prefill_s=prefill, peak_gb=torch.cuda.max_memory_allocated() / 1e9, new_tokens=args.new)
+
+
+def bench_profile(engine, batch, args, schedulers) -> dict[str, dict]:
+    """Per scheduler: the medians over args.repeats rollouts of batch rows (batch / G prompts x G), each row
+    forced to a length drawn from args.profile (repeat r: seed args.seed + r, the same for every scheduler;
+    the first scheduler alternates). Values: seconds, kept_tok_s, tok_s (decoded row-steps per second),
+    rollout_efficiency (row-steps / kept), prefill_tokens, peak_gb."""
+    from ..rollout.sampling import SamplingParams
+
+    ids = prompts_tensor(batch // args.group, args.prompt, engine.model.config.vocab_size)
+    rows, sp, budget = ids.repeat_interleave(args.group, 0), SamplingParams(temperature=1.0), args.profile.max_new_tokens
+    engine.warmup(batch, args.prompt + budget)
+    for s in schedulers:  # untimed: each scheduler's first call
+        engine.generate(rows, budget, sp, seed=0, ignore_eos=True, force_lengths=[2] * batch, scheduler=s)
+    runs = {s: [] for s in schedulers}
+    for rep in range(args.repeats):
+        lengths = draw(args.profile, batch, args.group, args.seed + rep)
+        for s in schedulers[rep % len(schedulers):] + schedulers[:rep % len(schedulers)]:
+            torch.cuda.reset_peak_memory_stats()
+            out = []
+            seconds = timed(lambda: out.append(engine.generate(rows, budget, sp, seed=rep, ignore_eos=True,
+                                                               force_lengths=lengths, scheduler=s)))
+            st = out[0].stats
+            kept, decoded = float(st["kept_tokens"]), float(st["decoded_row_steps"])
+            runs[s].append(dict(seconds=seconds, kept_tok_s=kept / seconds, tok_s=decoded / seconds,
+                                rollout_efficiency=decoded / max(kept, 1.0), prefill_tokens=float(st["prefill_tokens"]),
+                                kept_tokens=kept, peak_gb=torch.cuda.max_memory_allocated() / 1e9))
+    return {s: {k: statistics.median_high([r[k] for r in rs]) for k in rs[0]} | {"repeats": len(rs)}
+            for s, rs in runs.items()}
 
 
 def free(*objs):
@@ -157,6 +202,14 @@ def free(*objs):
         del o
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _engine_rows(engine, batch, args) -> list[dict]:
+    """The rows of one engine cell: one per scheduler (forced lengths: one after the other; --lengths:
+    alternating on the same draws)."""
+    if args.profile is not None:
+        return [dict(r, scheduler=s) for s, r in bench_profile(engine, batch, args, args.schedulers).items()]
+    return [dict(bench_engine(engine, batch, args, s), scheduler=s) for s in args.schedulers]
 
 
 def run_size(size, args, copy_bw, results):
@@ -169,52 +222,109 @@ def run_size(size, args, copy_bw, results):
         embeddings = args.quantize_embeddings and fmt not in (None, "bf16")
         model = build_model(size, args.layers, fmt, args.lora_r, embeddings)
         read_bytes, total_bytes = policy_bytes(model)
-        engine = None if variant == "hf" else RolloutEngine(model, max_seq_len=args.prompt + args.new,
+        engine = None if variant == "hf" else RolloutEngine(model, max_seq_len=args.prompt + args.budget,
                                                            cuda_graphs=not args.eager,
                                                            fused_sampling=not args.eager_sampling)
         for batch in (args.hf_batches if variant == "hf" else args.batches):
             try:
-                r = bench_hf(model, batch, args) if variant == "hf" else bench_engine(engine, batch, args)
+                rows = [dict(bench_hf(model, batch, args), scheduler="-")] if variant == "hf" else \
+                    _engine_rows(engine, batch, args)
             except torch.OutOfMemoryError:
-                r = dict(error="out of memory")
+                rows = [dict(error="out of memory", scheduler=",".join(args.schedulers))]
                 torch.cuda.empty_cache()
-            if "step_ms" in r:
-                avg_ctx = args.prompt + args.new / 2
-                floor_s = (read_bytes + batch * avg_ctx * kvb) / copy_bw
-                r.update(weight_gb_s=read_bytes / (r["step_ms"] / 1e3) / 1e9,
-                         floor_frac=floor_s / (r["step_ms"] / 1e3))
-            r.update(model=size, variant=variant, batch=batch, policy_gb=total_bytes / 1e9,
-                     quantized_embeddings=embeddings)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+            for r in rows:
+                if "step_ms" in r:
+                    avg_ctx = args.prompt + args.new / 2
+                    floor_s = (read_bytes + batch * avg_ctx * kvb) / copy_bw
+                    r.update(weight_gb_s=read_bytes / (r["step_ms"] / 1e3) / 1e9,
+                             floor_frac=floor_s / (r["step_ms"] / 1e3))
+                r.update(model=size, variant=variant, batch=batch, policy_gb=total_bytes / 1e9,
+                         quantized_embeddings=embeddings, lengths=lengths_label(args))
+                results.append(r)
+                print(json.dumps(r), flush=True)
         del engine, model
         free()
 
 
-def table(results, device, copy_bw) -> str:
-    lines = [f"device: {device}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; {datetime.date.today()}",
-             "| model | variant | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % floor | peak GB | policy GB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def lengths_label(args) -> str:
+    return forced_label(args.new) if args.profile is None else args.profile.label()
+
+
+def _variant_name(r: dict) -> str:
+    return r["variant"] + ("+qemb" if r.get("quantized_embeddings") else "")  # 4-bit input embedding
+
+
+def profile_table(results, device, args) -> str:
+    """The --lengths table: per (model, variant, batch, scheduler) rollout seconds, kept tokens/s, tokens/s,
+    row-steps / kept and the speedup over the static scheduler on the same draws."""
+    lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, {args.repeats} "
+             f"draw(s) per cell (seed {args.seed} + repeat), medians",
+             f"lengths: {describe(args.profile)}; rows forced to drawn lengths, max_new_tokens "
+             f"{args.profile.max_new_tokens}; source: {args.profile.source}",
+             "| model | variant | scheduler | batch (prompts x G) | rollout s | kept tok/s | tok/s | row-steps / kept "
+             "| vs static | peak GB | policy GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        head = (f"| {r['model']} | {_variant_name(r)} | {r['scheduler']} | {r['batch']} "
+                f"({r['batch'] // args.group} x {args.group}) |")
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | {r['batch']} | {r['error']} | | | | | | |")
+            lines.append(f"{head} {r['error']} | | | | | | |")
             continue
-        variant = r["variant"] + ("+qemb" if r.get("quantized_embeddings") else "")  # 4-bit input embedding
-        lines.append(f"| {r['model']} | {variant} | {r['batch']} | {r['e2e_tok_s']:.0f} | {r['decode_tok_s']:.0f}"
+        static = next((b for b in results if "seconds" in b and b["scheduler"] == "static" and b is not r and
+                       all(b[k] == r[k] for k in ("model", "variant", "batch", "quantized_embeddings"))), None)
+        vs = f"{static['seconds'] / r['seconds']:.2f}x" if static else "-"
+        lines.append(f"{head} {r['seconds']:.2f} | {r['kept_tok_s']:.0f} | {r['tok_s']:.0f} | "
+                     f"{r['rollout_efficiency']:.2f} | {vs} | {r['peak_gb']:.1f} | {r['policy_gb']:.2f} |")
+    lines.append("\nkept tok/s: real completion tokens per rollout second; tok/s: rows decoded per second (a finished "
+                 "row still held in the batch counts); row-steps / kept: their ratio (1 = no row decoded past its end)")
+    return "\n".join(lines)
+
+
+def table(results, device, copy_bw, new: int | None = None) -> str:
+    """The forced-lengths table (every row exactly `new` tokens)."""
+    lines = [f"device: {device}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; {datetime.date.today()}"
+             + (f"; lengths: {forced_label(new)}" if new else ""),
+             "| model | variant | scheduler | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % floor | peak GB "
+             "| policy GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        sched = r.get("scheduler", "-")
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['variant']} | {sched} | {r['batch']} | {r['error']} | | | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {_variant_name(r)} | {sched} | {r['batch']} | {r['e2e_tok_s']:.0f} | "
+                     f"{r['decode_tok_s']:.0f}"
                      f" | {r['step_ms']:.2f} | {r['weight_gb_s']:.0f} | {100 * r['floor_frac']:.0f}% "
                      f"| {r['peak_gb']:.1f} | {r['policy_gb']:.2f} |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_schedulers(text: str) -> list[str]:
+    """"continuous,static" -> ["continuous", "static"]; raises ValueError for unknown or repeated names."""
+    names = text.split(",")
+    if any(n not in SCHEDULERS for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"--schedulers {text!r}: a comma list of distinct {', '.join(SCHEDULERS)}")
+    return names
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b", help="comma list of 7b,14b,32b")
     ap.add_argument("--variants", default="hf,bf16,bf16+lora,nvfp4+lora",
                     help="hf (HF generate, bf16), bf16 (engine, plain HF modules), <fmt>+lora (QuantLinear)")
-    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--batches", default="1,8,32,64,128", help="rows per rollout (--lengths: multiples of --group)")
     ap.add_argument("--hf-batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--new", type=int, default=None,
+                    help="forced lengths: every row exactly this many new tokens (default 512); not with --lengths")
+    ap.add_argument("--lengths", default=None,
+                    help=f"completion-length profile: a name ({', '.join(NAMED)}) or a file (JSON, or one int per "
+                         "line); rows are forced to lengths drawn from it, whole groups at a time")
+    ap.add_argument("--group", type=int, default=8, help="--lengths: G rows per prompt")
+    ap.add_argument("--seed", type=int, default=0, help="--lengths: repeat r draws with seed + r")
+    ap.add_argument("--repeats", type=int, default=3, help="--lengths: timed draws per cell (median reported)")
+    ap.add_argument("--schedulers", default="continuous", help="comma list of the engine's schedulers: "
+                                                               "continuous, static")
     ap.add_argument("--hf-new", type=int, default=24)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
@@ -228,28 +338,61 @@ def main(argv=None) -> int:
                          "gluon_wgmma_ws): an A/B of one kernel inside the engine")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
-    from ..kernels.route import BACKENDS, kernel_policy
+    from ..kernels.route import BACKENDS
 
-    disabled = [b for b in args.disable.split(",") if b]
-    unknown = sorted(set(disabled) - set(BACKENDS))
+    args.disable = [b for b in args.disable.split(",") if b]
+    unknown = sorted(set(args.disable) - set(BACKENDS))
     if unknown:
         ap.error(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
-    if not torch.cuda.is_available():
-        ap.error("the rollout benchmark needs a CUDA GPU")
     args.variants = args.variants.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
+    try:
+        args.schedulers = parse_schedulers(args.schedulers)
+    except ValueError as e:
+        ap.error(str(e))
+    args.profile = None
+    if args.lengths is not None:
+        if args.new is not None:
+            ap.error("--lengths draws each row's length; --new forces one length for all: give one of them")
+        if "hf" in args.variants:
+            ap.error("--lengths: HF generate cannot force per-row lengths; drop the hf variant")
+        if args.group < 1 or args.repeats < 1 or any(b < 1 or b % args.group for b in args.batches):
+            ap.error(f"--lengths: --batches must be positive multiples of --group ({args.group}); --repeats >= 1")
+        try:
+            args.profile = load_profile(args.lengths)
+        except ProfileError as e:
+            ap.error(str(e))
+        args.budget = args.profile.max_new_tokens
+    else:
+        args.new = 512 if args.new is None else args.new
+        if args.new < 2:
+            ap.error("--new must be >= 2 (the decode rate is (all - first token) / (new - 1))")
+        args.budget = args.new
+    return ap, args
+
+
+def main(argv=None) -> int:
+    from ..kernels.route import kernel_policy
+
+    ap, args = parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("the rollout benchmark needs a CUDA GPU")
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     results = []
-    with kernel_policy(disabled=disabled):
+    with kernel_policy(disabled=args.disable):
         for size in args.models.split(","):
             run_size(size, args, bw, results)
-    print(table(results, device, bw))
+    print(table(results, device, bw, args.new) if args.profile is None else profile_table(results, device, args))
     if args.out:
+        saved = {k: v for k, v in vars(args).items() if k != "profile"}
+        p = args.profile
+        saved["profile"] = None if p is None else dict(name=p.name, max_new_tokens=p.max_new_tokens, source=p.source,
+                                                       rows=len(p.lengths), group_size=p.group_size)
         with open(args.out, "w") as f:
             json.dump(dict(device=device, date=str(datetime.date.today()), copy_bw=bw, torch=torch.__version__,
-                           args=vars(args), results=results), f, indent=1)
+                           args=saved, results=results), f, indent=1)
     return 0
 
 

@@ -1,30 +1,45 @@
 """End-to-end RL step: rollout -> reference / old log-probs -> loss + backward -> optimizer, on random-weight
 Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN).
 
-A step is what `qerl train` does per step, with forced lengths (EOS ignored) and random 0/1 rewards:
-`prompts` x `group` completions of exactly `--completion` tokens after `--prompt`-token prompts, then one
-policy update (GRPO, KL to the LoRA-disabled reference when --kl-beta > 0, gradient checkpointing,
-micro-batches of --micro-batch sequences), then AdamW. Reported per cell: seconds per phase, step seconds,
-speedup vs bf16 LoRA at the same model and batch, peak GPU memory; "OOM" when it does not fit.
+A step is what `qerl train` does per step, with random 0/1 rewards: `prompts` x `group` completions after
+`--prompt`-token prompts (each prompt's G rows share it, as in GRPO), then one policy update (GRPO, KL to the
+LoRA-disabled reference when --kl-beta > 0, gradient checkpointing), then AdamW. Completion lengths (EOS ignored):
+
+  forced lengths   (--completion N, the default 2048) every row exactly N tokens: the old benchmark.
+  --lengths P      a completion-length profile (`qerl.bench.length_profiles`: a name or a file): each step draws
+                   every group's lengths from P's measured groups (seed --seed + repetition) and forces each row
+                   to its drawn length; the rollout is called with P's budget as max_new_tokens, as a real step
+                   is. Every cell of a repetition gets the same draw.
+
+Modes: `--schedulers continuous,static` (the engine's scheduler) x `--packing on,off` (the update packs rows into
+micro-batches of at most --max-tokens-per-micro-batch tokens, or pads micro-batches of --micro-batch rows);
+`--modes new,old` is the pair continuous+packed / static+padded. Every (variant, mode) is one cell, timed in the
+same counterbalanced rounds. Reported per cell: seconds per phase, step seconds, speedup vs the old mode
+(static+padded, same variant) and vs bf16 LoRA (same mode), kept tokens/s (real completion tokens per step
+second), decoded row-steps / kept tokens (rollout efficiency: 1 = no row decoded past its end), loss tokens
+computed / needed (update efficiency), peak GPU memory; "OOM" when it does not fit.
 `--memory-cap-gib 78` limits this process's GPU memory (the usable memory of an 80 GB H100) to test fit.
 
-Order (`--order`). Which variant runs first changes its times (a process's first loss pass ran up to 40% slower
+Order (`--order`). Which cell runs first changes its times (a process's first loss pass ran up to 40% slower
 than later ones), so by default every variant of a model is built once and the timed steps alternate in
-counterbalanced rounds: for variants A, B the rounds run A B, B A, A B, B A, ... (each rotation of the variant
+counterbalanced rounds: for cells A, B the rounds run A B, B A, A B, B A, ... (each rotation of the cell
 list once per repetition, `--steps` repetitions). Each cell reports the median over all its steps and, per
 rotation, the median of the steps in that rotation, so the speedup vs bf16 can be read in every order. Peak
 memory excludes what the other resident variants hold (their weights, LoRA, optimizer state).
-`--order sequential` builds and times one variant at a time (for models whose variants do not fit together).
+`--order sequential` builds and times one variant at a time (for models whose variants do not fit together;
+its modes still alternate).
 
 The model is built layer by layer on the GPU (meta device, then one decoder layer materialised, randomly
 initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed does not depend on
 weight values.
 
-Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the prompts and the LoRA
-gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
+Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the prompts (whole groups) and the
+LoRA gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
 gradient of a fixed batch equals the single-process gradient of the whole batch.
 
     python benchmarks/e2e.py --models 7b --variants bf16,nvfp4 --prompts 8 --completion 512 --out e2e.json
+    python benchmarks/e2e.py --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 \\
+        --modes new,old --out e2e_ragged.json
     python benchmarks/e2e.py --models 72b --variants nvfp4 --prompts 8 --order sequential --micro-batch 4
     torchrun --nproc-per-node 2 benchmarks/e2e.py --models 7b --variants nvfp4 --prompts 8 --check-dist
 """
@@ -40,6 +55,7 @@ import time
 import torch
 
 from ..formats import FORMATS
+from .length_profiles import NAMED, ProfileError, describe, draw, forced_label, load_profile
 from .rollout import QWEN25, qwen25_config
 
 
@@ -93,12 +109,13 @@ class StepRunner:
 
         self.model, self.args, self.dist, self.sigma = model, args, dist_ctx, sigma
         enable_gradient_checkpointing(model)
-        self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.completion)
+        self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.budget)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
-        # the trainer's defaults: one GRPO update, TIS cap 2
-        self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.completion),
-                                       micro_batch_size=args.micro_batch)
+        # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
+        self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.budget),
+                                       micro_batch_size=args.micro_batch,
+                                       max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
         self.generator = torch.Generator(model.device).manual_seed(1 + dist_ctx.rank)
 
     def resident_bytes(self) -> int:
@@ -110,40 +127,66 @@ class StepRunner:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
-    def step(self, prompts: int, completion: int, others_bytes: int = 0) -> dict:
-        """prompts: this rank's number of prompts; others_bytes: GPU memory held by other resident runners
-        (subtracted from the peak). Returns seconds per phase and peak memory (GB)."""
+    def step(self, prompts: int, completion: int, others_bytes: int = 0, lengths: list[int] | None = None,
+             mode: tuple[str, bool] = ("continuous", True)) -> dict:
+        """One step on this rank's `prompts` prompts x G rows.
+
+        completion: the forced length of every row when `lengths` is None; lengths: this rank's per-row forced
+        lengths (prompts x G ints, each prompt's rows adjacent; the rollout's max_new_tokens is then the budget
+        args.budget); mode: (engine scheduler, packed update); others_bytes: GPU memory held by other resident
+        runners (subtracted from the peak). Returns seconds per phase, peak memory (GB) and the whole step's
+        (all ranks') token counts: tokens (kept completion tokens), decoded_row_steps, prefill_tokens,
+        loss_tokens_computed, loss_tokens_needed, with the ratios kept_tok_s, rollout_efficiency
+        (row-steps / kept) and loss_efficiency (computed / needed)."""
         from ..nn.noisy_norm import NoisyNorms
         from ..rl.advantages import group_advantages
         from ..rl.collect import Experience
+        from ..rl.distributed import all_reduce_sum
         from ..rl.update import policy_update
         from ..rollout.sampling import SamplingParams
 
         args, G = self.args, self.args.group
+        scheduler, packing = mode
         vocab = self.model.config.vocab_size
         ids = torch.randint(0, vocab - 1000, (prompts, args.prompt), generator=torch.Generator().manual_seed(prompts))
         rows = ids.repeat_interleave(G, 0)
+        if lengths is not None and len(lengths) != len(rows):
+            raise ValueError(f"{len(lengths)} forced lengths for {len(rows)} rows")
         on_gpu = self.model.device.type == "cuda"
         sync = torch.cuda.synchronize if on_gpu else (lambda: None)
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
+        settings = dataclasses.replace(self.settings, packing=packing)
         times = {}
         start = time.perf_counter()
         aqn = NoisyNorms(self.model, self.sigma, generator=self.generator) if self.sigma > 0 else None
-        r = self.engine.generate(rows, completion, SamplingParams(temperature=1.0), ignore_eos=True,
-                                 generator=self.generator, aqn=aqn)
+        sp = SamplingParams(temperature=1.0)
+        if lengths is None:
+            r = self.engine.generate(rows, completion, sp, ignore_eos=True, generator=self.generator, aqn=aqn,
+                                     scheduler=scheduler)
+        else:  # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
+            r = self.engine.generate(rows, args.budget, sp, ignore_eos=True, force_lengths=lengths,
+                                     generator=self.generator, aqn=aqn, scheduler=scheduler)
         self.engine.release_memory()  # as the trainer does (rollout.release_kv_cache)
         sync()
         times["rollout"] = time.perf_counter() - start
         rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
-        lengths = r.completion_mask.sum(1)
+        got = r.completion_mask.sum(1)
         exp = Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs, r.entropies,
-                         rewards, group_advantages(rewards, G), lengths, torch.zeros_like(lengths, dtype=torch.bool))
-        policy_update(self.model, exp, self.optimizer, self.params, self.settings, dist_ctx=self.dist, timings=times)
+                         rewards, group_advantages(rewards, G), got, got >= (completion if lengths is None else args.budget))
+        stats = policy_update(self.model, exp, self.optimizer, self.params, settings, dist_ctx=self.dist,
+                              timings=times)
         sync()
         times["step"] = time.perf_counter() - start
         times["peak_gb"] = (torch.cuda.max_memory_allocated() - others_bytes) / 1e9 if on_gpu else 0.0
-        times["tokens"] = int(lengths.sum()) * self.dist.world
+        counts = torch.tensor([float(x) for x in (got.sum(), r.stats["decoded_row_steps"], r.stats["prefill_tokens"],
+                                                  stats["loss_tokens_computed"], stats["loss_tokens_needed"])],
+                              dtype=torch.float64, device=self.dist.device)
+        kept, decoded, prefill, computed, needed = all_reduce_sum(counts, self.dist).tolist()  # per rank -> step
+        times.update(tokens=int(kept), decoded_row_steps=int(decoded), prefill_tokens=int(prefill),
+                     loss_tokens_computed=int(computed), loss_tokens_needed=int(needed),
+                     kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
+                     loss_efficiency=computed / max(needed, 1.0))
         return times
 
 
@@ -159,7 +202,7 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
 
     args, G, world, rank = runner.args, runner.args.group, runner.dist.world, runner.dist.rank
     g = torch.Generator().manual_seed(1234)
-    n, T, dev, vocab = prompts * G, args.completion, runner.model.device, runner.model.config.vocab_size
+    n, T, dev, vocab = prompts * G, args.budget, runner.model.device, runner.model.config.vocab_size
     lengths = torch.randint(T // 2, T + 1, (n,), generator=g)
     mask = torch.arange(T)[None] < lengths[:, None]
     rewards = torch.randint(0, 2, (n,), generator=g).float()
@@ -232,51 +275,95 @@ def _oom(runner: "StepRunner", row: dict) -> None:
     free_gpu()
 
 
+OLD_MODE = ("static", False)  # the reference: static batches, padded micro-batches
+MODES = {"new": ("continuous", True), "old": OLD_MODE}  # --modes names -> (engine scheduler, packed update)
+PACKING = {"on": True, "off": False}
+
+
+def mode_label(mode: tuple[str, bool]) -> str:
+    """("continuous", True) -> "continuous+packed"."""
+    return f"{mode[0]}+{'packed' if mode[1] else 'padded'}"
+
+
+def cell_label(variant: str, mode: tuple[str, bool], args) -> str:
+    """How rotations name a cell: the variant alone when the run has one mode."""
+    return variant if len(args.modes) == 1 else f"{variant} {mode_label(mode)}"
+
+
+def lengths_label(args) -> str:
+    return forced_label(args.completion) if args.profile is None else args.profile.label()
+
+
+def rank_lengths(lengths: list[int], group: int, dist_ctx) -> list[int]:
+    """This rank's rows of a whole step's lengths: whole groups, every world-th from its rank (as the
+    trainer and `check_distributed` split prompts)."""
+    groups = [lengths[i:i + group] for i in range(0, len(lengths), group)]
+    return [n for g in groups[dist_ctx.rank::dist_ctx.world] for n in g]
+
+
+def step_lengths(args, prompts: int, repetition: int) -> list[int] | None:
+    """The whole step's per-row lengths of one repetition (None in forced-lengths mode)."""
+    if args.profile is None:
+        return None
+    return draw(args.profile, prompts * args.group, args.group, args.seed + repetition)
+
+
 def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list[dict]:
-    """One row per variant for `prompts` prompts: an untimed warm-up step each, then `args.steps` repetitions of
-    counterbalanced rounds (every rotation of the variant order once). Row values are medians over all timed
-    steps; row["orders"] lists the rotations, row["step_by_order"] the median step seconds in each and
-    row["step_samples"] every timed step as [rotation, seconds]."""
-    rows = {v: {**cells[v], "prompts": prompts, "sequences": prompts * args.group} for v in runners}
+    """One row per cell (variant x mode of args.modes) for `prompts` prompts: an untimed warm-up step each, then
+    `args.steps` repetitions of counterbalanced rounds (every rotation of the cell order once; every cell of a
+    repetition gets the same length draw). Row values are medians over all timed steps; row["orders"] lists
+    the rotations, row["step_by_order"] the median step seconds in each and row["step_samples"] every timed
+    step as [rotation, seconds]."""
+    keys = [(v, m) for v in runners for m in args.modes]
+    rows = {(v, m): {**cells[v], "scheduler": m[0], "packing": m[1], "mode": mode_label(m),
+                     "lengths": lengths_label(args), "prompts": prompts, "sequences": prompts * args.group}
+            for v, m in keys}
     if prompts % dist_ctx.world:
         for row in rows.values():
             row["error"] = f"prompts not a multiple of {dist_ctx.world} ranks"
         return list(rows.values())
     mine = prompts // dist_ctx.world
+    warm = min(args.warmup_completion, args.budget)
     alive = []
-    for v, runner in runners.items():
+    for v, m in keys:  # compile, capture, autotune: every mode runs its own code
         try:
-            runner.step(mine, min(args.warmup_completion, args.completion))  # compile, capture, autotune
-            alive.append(v)
+            runners[v].step(mine, warm, lengths=None if args.profile is None else [warm] * (mine * args.group), mode=m)
+            alive.append((v, m))
         except torch.OutOfMemoryError:
-            _oom(runner, rows[v])
-    resident = {v: runners[v].resident_bytes() for v in alive}
+            _oom(runners[v], rows[(v, m)])
+    resident = {v: runners[v].resident_bytes() for v in dict.fromkeys(v for v, _ in alive)}
     orders = [alive[o:] + alive[:o] for o in range(len(alive))]
-    samples = {v: [] for v in alive}
-    for _ in range(args.steps):
+    samples = {k: [] for k in alive}
+    for rep in range(args.steps):
+        whole = step_lengths(args, prompts, rep)
+        lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
         for o, order in enumerate(orders):
-            for v in order:
-                if "error" in rows[v]:
+            for v, m in order:
+                if "error" in rows[(v, m)]:
                     continue
                 others = sum(b for u, b in resident.items() if u != v)
                 try:
-                    samples[v].append((o, runners[v].step(mine, args.completion, others_bytes=others)))
+                    samples[(v, m)].append((o, runners[v].step(mine, args.completion, others_bytes=others,
+                                                                lengths=lengths, mode=m)))
                 except torch.OutOfMemoryError:
-                    _oom(runners[v], rows[v])
-    for v in alive:
-        if "error" in rows[v] or not samples[v]:
+                    _oom(runners[v], rows[(v, m)])
+    for k in alive:
+        if "error" in rows[k] or not samples[k]:
             continue
-        steps = [t for _, t in samples[v]]
-        rows[v].update({k: _median([s[k] for s in steps]) for k in steps[0]})
-        rows[v]["steps_timed"] = len(steps)
-        rows[v]["step_samples"] = [[o, t["step"]] for o, t in samples[v]]  # (rotation, seconds) in run order
-        rows[v]["orders"] = [",".join(order) for order in orders]
-        in_order = [[t["step"] for o2, t in samples[v] if o2 == o] for o in range(len(orders))]
-        rows[v]["step_by_order"] = [_median(s) if s else None for s in in_order]
+        steps = [t for _, t in samples[k]]
+        rows[k].update({name: _median([s[name] for s in steps]) for name in steps[0]})
+        rows[k]["steps_timed"] = len(steps)
+        rows[k]["step_samples"] = [[o, t["step"]] for o, t in samples[k]]  # (rotation, seconds) in run order
+        rows[k]["orders"] = [",".join(cell_label(v, m, args) for v, m in order) for order in orders]
+        in_order = [[t["step"] for o2, t in samples[k] if o2 == o] for o in range(len(orders))]
+        rows[k]["step_by_order"] = [_median(s) if s else None for s in in_order]
     if args.check_dist and dist_ctx.world > 1:
-        for v in alive:
-            if "error" not in rows[v]:
-                rows[v]["dist_grad_rel_err"], rows[v]["dist_grad_noise_floor"] = check_distributed(runners[v], prompts)
+        checked = set()
+        for v, m in alive:  # one check per variant: the gradient does not depend on the mode
+            if "error" not in rows[(v, m)] and v not in checked:
+                checked.add(v)
+                rows[(v, m)]["dist_grad_rel_err"], rows[(v, m)]["dist_grad_noise_floor"] = check_distributed(
+                    runners[v], prompts)
     return list(rows.values())
 
 
@@ -304,6 +391,15 @@ def run(args, dist_ctx) -> list[dict]:
     return results
 
 
+def args_json(args) -> dict:
+    """The run's arguments as JSON values: the profile as its name, budget, source and row count."""
+    out = {k: v for k, v in vars(args).items() if k != "profile"}
+    p = args.profile
+    out["profile"] = None if p is None else dict(name=p.name, max_new_tokens=p.max_new_tokens, source=p.source,
+                                                 rows=len(p.lengths), group_size=p.group_size)
+    return out
+
+
 def _report(results, args, dist_ctx):
     """Print the newest cell and rewrite --out with every cell so far (a run cut short keeps its cells)."""
     if not dist_ctx.is_main:
@@ -312,7 +408,7 @@ def _report(results, args, dist_ctx):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()),
-                           torch=torch.__version__, args=vars(args), results=results), f, indent=1)
+                           torch=torch.__version__, args=args_json(args), results=results), f, indent=1)
 
 
 PHASES = ("rollout", "reference", "loss_backward", "optimizer", "step")
@@ -326,26 +422,51 @@ def _by_order(r: dict, base: dict | None) -> str:
     return " / ".join(f"{b / t:.2f}x" for b, t in zip(base["step_by_order"], r["step_by_order"]))
 
 
+def _timed(results, **match) -> dict | None:
+    """The first timed row whose fields equal `match`."""
+    return next((r for r in results if "step" in r and all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _speedup(base: dict | None, r: dict) -> str:
+    return f"{base['step'] / r['step']:.2f}x" if base is not None and base is not r else "-"
+
+
+def lengths_line(args) -> str:
+    """The table's line on completion lengths."""
+    if args.profile is None:
+        return f"lengths: {forced_label(args.completion)}: every row exactly {args.completion} tokens, EOS ignored"
+    return (f"lengths: {describe(args.profile)}; each repetition draws the groups' lengths (seed {args.seed} + "
+            f"repetition), rows forced to them, max_new_tokens {args.budget}; source: {args.profile.source}")
+
+
 def table(results, device, args) -> str:
-    base = {(r["model"], r["prompts"]): r for r in results if r.get("variant") == "bf16" and "step" in r}
     orders = next((r["orders"] for r in results if "orders" in r and len(r["orders"]) > 1), None)
-    lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, completion {args.completion}, "
-             f"G {args.group}, LoRA r {args.lora_r}, micro-batch {args.micro_batch}, KL beta {args.kl_beta}, "
-             f"GPUs {results[0]['world'] if results else 1}, order {args.order}, {args.steps} step(s) per rotation"
-             + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
-             "| model | variant | prompts x G | rollout s | reference s | loss+backward s | optimizer s | step s "
-             "| vs bf16 | vs bf16 by order | tokens/s | peak GB | weights GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, LoRA r {args.lora_r}, "
+             f"micro-batch {args.micro_batch} rows (padded) / {args.max_tokens_per_micro_batch} tokens (packed), "
+             f"KL beta {args.kl_beta}, GPUs {results[0]['world'] if results else 1}, order {args.order}, "
+             f"{args.steps} step(s) per rotation" + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
+             lengths_line(args),
+             "| model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s | step s "
+             "| vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept | loss tokens computed / needed "
+             "| peak GB | weights GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        head = f"| {r['model']} | {r['variant']} | {r.get('prompts', '-')} x {args.group} |"
+        head = f"| {r['model']} | {r['variant']} | {r.get('mode', '-')} | {r.get('prompts', '-')} x {args.group} |"
         if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | | | | | {r.get('weights_gb', 0):.1f} |")
+            lines.append(f"{head} {r['error']} | | | | | | | | | | | | {r.get('weights_gb', 0):.1f} |")
             continue
-        b = base.get((r["model"], r["prompts"]))
-        speed = f"{b['step'] / r['step']:.2f}x" if b else "-"
+        same = dict(model=r["model"], prompts=r["prompts"])
+        b = _timed(results, variant="bf16", mode=r["mode"], **same)
+        old = _timed(results, variant=r["variant"], mode=mode_label(OLD_MODE), **same)
         lines.append(f"{head} {r['rollout']:.2f} | {r.get('reference', 0):.2f} | {r['loss_backward']:.2f} | "
-                     f"{r['optimizer']:.3f} | {r['step']:.2f} | {speed} | {_by_order(r, b)} | "
-                     f"{r['tokens'] / r['step']:.0f} | {r['peak_gb']:.1f} | {r['weights_gb']:.1f} |")
+                     f"{r['optimizer']:.3f} | {r['step']:.2f} | {_speedup(old, r)} | {_speedup(b, r)} | "
+                     f"{_by_order(r, b)} | {r['kept_tok_s']:.0f} | {r['rollout_efficiency']:.2f} | "
+                     f"{r['loss_efficiency']:.2f} | {r['peak_gb']:.1f} | {r['weights_gb']:.1f} |")
+    lines.append("\nvs old: step time of the same variant in mode " + mode_label(OLD_MODE) + " / this one; vs bf16: "
+                 "bf16's in the same mode / this one; kept tok/s: real completion tokens per step second; row-steps / "
+                 "kept: rows the rollout decoded per kept token (1 = none past its end); loss tokens computed / "
+                 "needed: tokens one forward pass of the update runs through the model per token it needs (each "
+                 "group's prompt once + the completion tokens)")
     if orders:
         lines.append("\norders (rounds alternate between them): " + "; ".join(f"{i + 1}: {o}" for i, o in enumerate(orders)))
     if any("dist_grad_rel_err" in r for r in results):
@@ -357,17 +478,43 @@ def table(results, device, args) -> str:
 
 
 def ceiling_table(results, device, args) -> str:
-    """`step_ceiling`'s bound for every (model, prompts) cell with both bf16 and nvfp4 rows, or "" if none."""
+    """`step_ceiling`'s bound for every (model, prompts) cell with both bf16 and nvfp4 rows, one table per mode, or
+    "" if none. Forced lengths only: the bound's KV-cache bytes assume every row has --completion tokens."""
     from .step_ceiling import cells, table as bound_table
 
-    report = dict(device=device, date=str(datetime.date.today()), args=vars(args), results=results)
-    try:
-        if not cells(report):
-            return ""
-        return ("ceiling of the NVFP4 step for 4-bit-weight kernels (python benchmarks/step_ceiling.py --help):\n"
-                + bound_table([("this run", report)]))
-    except ValueError as e:  # the measurements above stand; only the bound is not computable
-        return f"no ceiling for this run: {e}"
+    if args.profile is not None:
+        return ""
+    parts = []
+    for mode in args.modes:
+        rows = [r for r in results if r.get("mode") in (None, mode_label(mode))]  # model-OOM cells have no mode
+        report = dict(device=device, date=str(datetime.date.today()), args=args_json(args), results=rows)
+        name = "" if len(args.modes) == 1 else f" ({mode_label(mode)})"
+        try:
+            if cells(report):
+                parts.append(f"ceiling of the NVFP4 step for 4-bit-weight kernels{name} (python "
+                             "benchmarks/step_ceiling.py --help):\n" + bound_table([("this run", report)]))
+        except ValueError as e:  # the measurements above stand; only the bound is not computable
+            parts.append(f"no ceiling for this run{name}: {e}")
+    return "\n\n".join(parts)
+
+
+def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) -> list[tuple[str, bool]]:
+    """--modes new,old, or the product --schedulers x --packing (defaults continuous, on) -> [(scheduler, packed)].
+    Raises ValueError for unknown or repeated values."""
+    from .rollout import parse_schedulers
+
+    if modes is not None:
+        if schedulers is not None or packing is not None:
+            raise ValueError("--modes replaces --schedulers and --packing; give one or the other")
+        names = modes.split(",")
+        unknown = [n for n in names if n not in MODES]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(f"--modes {modes!r}: a comma list of distinct {', '.join(MODES)}")
+        return [MODES[n] for n in names]
+    packs = (packing or "on").split(",")
+    if any(p not in PACKING for p in packs) or len(set(packs)) != len(packs):
+        raise ValueError(f"--packing {packing!r}: a comma list of distinct on, off")
+    return [(s, PACKING[p]) for s in parse_schedulers(schedulers or "continuous") for p in packs]
 
 
 def parse_args(argv=None):
@@ -377,16 +524,30 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--completion", type=int, default=2048, help="forced completion length (the paper: 2048)")
+    ap.add_argument("--completion", type=int, default=None,
+                    help="forced lengths: every row exactly this many tokens (default 2048, the paper's budget); "
+                         "not with --lengths")
+    ap.add_argument("--lengths", default=None,
+                    help=f"completion-length profile: a name ({', '.join(NAMED)}) or a file (JSON, or one int per "
+                         "line); rows are forced to lengths drawn from it, whole groups at a time")
+    ap.add_argument("--seed", type=int, default=0, help="--lengths: repetition r draws with seed + r")
+    ap.add_argument("--schedulers", default=None, help="comma list of the engine's schedulers: continuous, static "
+                                                       "(default continuous)")
+    ap.add_argument("--packing", default=None, help="comma list of on (packed micro-batches), off (padded); default on")
+    ap.add_argument("--modes", default=None, help="comma list of new (continuous + packing on), old (static + "
+                                                  "packing off); instead of --schedulers / --packing")
     ap.add_argument("--warmup-completion", type=int, default=32, help="completion length of the untimed warm-up step")
     ap.add_argument("--steps", type=int, default=3,
-                    help="timed steps per variant and order (interleaved: repetitions of the counterbalanced "
+                    help="timed steps per cell and order (interleaved: repetitions of the counterbalanced "
                          "rounds; sequential: timed steps); medians reported (the upper middle value for an even "
                          "count: use 3 or more per order)")
     ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
                     help="interleaved: all variants of a model resident, steps alternate in counterbalanced rounds "
                          "(order-fair); sequential: one variant at a time (less memory)")
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the padded update")
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                    help="tokens per micro-batch of the packed update (default: --micro-batch x (prompt + budget), "
+                         "what a padded micro-batch holds)")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
     ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")
@@ -400,6 +561,8 @@ def parse_args(argv=None):
     args.prompts = [int(p) for p in args.prompts.split(",")]
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.group < 1 or args.prompt < 1 or args.micro_batch < 1 or min(args.prompts) < 1:
+        ap.error("--group, --prompt, --micro-batch and --prompts must be >= 1")
     if len(set(args.variants)) != len(args.variants):
         ap.error(f"--variants lists a variant twice: {','.join(args.variants)}")
     for size in args.models:
@@ -409,6 +572,26 @@ def parse_args(argv=None):
             _variant(v)
         except ValueError as e:
             ap.error(str(e))
+    try:
+        args.modes = parse_modes(args.schedulers, args.packing, args.modes)
+    except ValueError as e:
+        ap.error(str(e))
+    args.profile = None
+    if args.lengths is not None:
+        if args.completion is not None:
+            ap.error("--lengths draws each row's length; --completion forces one length for all: give one of them")
+        try:
+            args.profile = load_profile(args.lengths)
+        except ProfileError as e:
+            ap.error(str(e))
+        args.budget = args.profile.max_new_tokens
+    else:
+        args.completion = 2048 if args.completion is None else args.completion
+        if args.completion < 1:
+            ap.error("--completion must be >= 1")
+        args.budget = args.completion
+    if args.max_tokens_per_micro_batch is None:
+        args.max_tokens_per_micro_batch = args.micro_batch * (args.prompt + args.budget)
     return ap, args
 
 
