@@ -50,13 +50,18 @@ class LengthProfile:
         where = self.name or "profile"
         if not self.lengths:
             raise ProfileError(f"{where}: no lengths")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ProfileError(f"{where}: max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         for i, n in enumerate(self.lengths):
             if isinstance(n, bool) or not isinstance(n, int):
                 raise ProfileError(f"{where}: length #{i} is not an int: {n!r}")
-            if not 1 <= n <= self.max_new_tokens:
-                raise ProfileError(f"{where}: length #{i} = {n} is outside [1, max_new_tokens = {self.max_new_tokens}]")
+            if n < 1:
+                raise ProfileError(f"{where}: length #{i} = {n} is outside [1, max_new_tokens]")
+        budget = self.max_new_tokens
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ProfileError(f"{where}: max_new_tokens must be a positive int, got {budget!r}")
+        longest = max(self.lengths)
+        if longest > budget:
+            i = self.lengths.index(longest)
+            raise ProfileError(f"{where}: length #{i} = {longest} is outside [1, max_new_tokens = {budget}]")
         g = self.group_size
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1 or len(self.lengths) % g):
             raise ProfileError(f"{where}: group_size {g!r} must be a positive int dividing the {len(self.lengths)} "
