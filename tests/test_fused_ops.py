@@ -288,13 +288,14 @@ def test_engine_logits_with_and_without_fused_ops(monkeypatch):
 
     model = quantize_tiny(tiny_model("qwen2"), fmt="bf16").cuda().to(torch.bfloat16)
     gen = torch.Generator().manual_seed(4)
-    tokens = torch.randint(3, model.config.vocab_size, (4, 11), generator=gen).cuda()
-    pad_len = torch.tensor([0, 2, 5, 0]).cuda()
+    tokens = torch.randint(3, model.config.vocab_size, (4, 11), generator=gen)
+    prompts = [t[:n].tolist() for t, n in zip(tokens, (11, 9, 6, 11))]  # ragged: right-padded in the prefill
+    rows = torch.arange(4).cuda()
 
     def prefill_logits():
         eng = RolloutEngine(model, max_seq_len=64, kv_block=32, cuda_graphs=False)
         eng._setup(4)
-        return eng.prefill(tokens, pad_len).float()
+        return eng.prefill(prompts, rows, rows).float()
 
     from qerl.kernels.route import kernel_policy
 
