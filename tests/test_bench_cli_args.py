@@ -106,3 +106,151 @@ def test_grad_input_ab_parses_tiles_and_refuses_bad_ones(capsys):
     with pytest.raises(SystemExit):
         ab._args(["--configs", "256,64,4,232"])
     assert "each config is BM,BNR,NS,NC,CREGS" in capsys.readouterr().err
+
+
+# --lengths / --schedulers / --packing / --modes (qerl bench step, qerl bench rollout) ----------------------
+
+
+def _profile_file(tmp_path, text="# max_new_tokens: 100\n10\n20\n30\n100\n"):
+    path = tmp_path / "lens.txt"
+    path.write_text(text)
+    return str(path)
+
+
+def test_step_modes_are_the_product_of_schedulers_and_packing_or_the_named_pair():
+    from qerl.bench.step import parse_args
+
+    _, a = parse_args([])
+    assert a.modes == [("continuous", True)] and a.completion == 2048 == a.budget and a.profile is None
+    assert a.max_tokens_per_micro_batch == 8 * (256 + 2048)  # what a padded micro-batch holds
+    _, a = parse_args(["--schedulers", "continuous,static", "--packing", "on,off"])
+    assert a.modes == [("continuous", True), ("continuous", False), ("static", True), ("static", False)]
+    _, a = parse_args(["--modes", "new,old", "--max-tokens-per-micro-batch", "4096"])
+    assert a.modes == [("continuous", True), ("static", False)] and a.max_tokens_per_micro_batch == 4096
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--modes", "new,old", "--packing", "off"], "--modes replaces --schedulers and --packing"),
+    (["--modes", "newest"], "--modes 'newest'"),
+    (["--modes", "new,new"], "--modes 'new,new'"),
+    (["--schedulers", "greedy"], "--schedulers 'greedy'"),
+    (["--packing", "yes"], "--packing 'yes'"),
+    (["--lengths", "no-such-profile"], "neither a file nor a named length profile"),
+    (["--completion", "0"], "--completion must be >= 1"),
+])
+def test_step_refuses_bad_mode_and_length_flags(capsys, argv, message):
+    from qerl.bench.step import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_step_lengths_take_the_profiles_budget_and_exclude_completion(tmp_path, capsys):
+    from qerl.bench.step import parse_args
+
+    _, a = parse_args(["--lengths", _profile_file(tmp_path), "--micro-batch", "4", "--prompt", "50"])
+    assert a.budget == 100 and a.completion is None and a.profile.lengths == (10, 20, 30, 100)
+    assert a.max_tokens_per_micro_batch == 4 * (50 + 100)
+    with pytest.raises(SystemExit):
+        parse_args(["--lengths", _profile_file(tmp_path), "--completion", "512"])
+    assert "give one of them" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--lengths", _profile_file(tmp_path, "12\nlots\n")])
+    assert "line 2 is not an int" in capsys.readouterr().err
+
+
+def test_rollout_lengths_flags(tmp_path, capsys):
+    from qerl.bench.rollout import parse_args
+
+    _, a = parse_args([])
+    assert a.new == 512 == a.budget and a.schedulers == ["continuous"] and a.profile is None
+    _, a = parse_args(["--variants", "bf16+lora,nvfp4+lora", "--batches", "16,64", "--group", "8", "--lengths",
+                       _profile_file(tmp_path), "--schedulers", "static,continuous"])
+    assert a.budget == 100 and a.schedulers == ["static", "continuous"] and a.new is None
+    for argv, message in [
+        (["--lengths", _profile_file(tmp_path)], "HF generate cannot force per-row lengths"),
+        (["--variants", "bf16", "--batches", "12", "--lengths", _profile_file(tmp_path)], "multiples of --group (8)"),
+        (["--variants", "bf16", "--new", "64", "--lengths", _profile_file(tmp_path)], "give one of them"),
+        (["--schedulers", "continuous,continuous"], "--schedulers 'continuous,continuous'"),
+        (["--new", "1"], "--new must be >= 2"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_qerl_bench_passes_the_new_flags_through():
+    from qerl.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "step", "--lengths", "long-reasoning-4096", "--modes", "new,old"])
+    assert args.what == "step" and args.rest == ["--lengths", "long-reasoning-4096", "--modes", "new,old"]
+
+
+def _rollout_row(**kw):
+    row = dict(model="7b", variant="nvfp4+lora", batch=16, quantized_embeddings=False, policy_gb=6.0, seconds=10.0,
+               kept_tok_s=1000.0, tok_s=2000.0, rollout_efficiency=2.0, peak_gb=20.0, scheduler="static")
+    return dict(row, **kw)
+
+
+def test_rollout_profile_table_gives_kept_and_decoded_rates_and_the_speedup_over_static(tmp_path):
+    from qerl.bench.length_profiles import read_profile
+    from qerl.bench.rollout import parse_args, profile_table
+
+    _, args = parse_args(["--variants", "nvfp4+lora", "--batches", "16", "--lengths", _profile_file(tmp_path),
+                          "--schedulers", "continuous,static"])
+    rows = [_rollout_row(scheduler="continuous", seconds=4.0, kept_tok_s=2500.0, tok_s=2600.0, rollout_efficiency=1.04),
+            _rollout_row(), _rollout_row(batch=64, error="out of memory", scheduler="continuous,static")]
+    text = profile_table(rows, "cpu", args)
+    assert "| 7b | nvfp4+lora | continuous | 16 (2 x 8) | 4.00 | 2500 | 2600 | 1.04 | 2.50x | 20.0 | 6.00 |" in text
+    assert "| 7b | nvfp4+lora | static | 16 (2 x 8) | 10.00 | 1000 | 2000 | 2.00 | - |" in text
+    assert "out of memory" in text and "lens (max 100): 4 rows" in text
+    assert read_profile(args.lengths).source in text
+
+
+class _FakeEngine:
+    """What bench_profile calls on the engine, recording each generate's (scheduler, lengths)."""
+
+    class model:
+        class config:
+            vocab_size = 5000
+
+    def __init__(self):
+        self.calls = []
+
+    def warmup(self, batch, max_len):
+        self.calls.append(("warmup", batch, max_len))
+
+    def generate(self, rows, max_new_tokens, sampling, seed=None, ignore_eos=False, force_lengths=None,
+                 scheduler=None):
+        import types
+
+        self.calls.append((scheduler, max_new_tokens, tuple(force_lengths)))
+        decoded = len(rows) * max(force_lengths) if scheduler == "static" else sum(force_lengths)
+        return types.SimpleNamespace(stats=dict(kept_tokens=sum(force_lengths), decoded_row_steps=decoded,
+                                                prefill_tokens=len(rows) // 8 * 256))
+
+
+def test_rollout_profile_bench_alternates_schedulers_on_the_same_draws(tmp_path, monkeypatch):
+    """The timing (CUDA) is stubbed: one second per rollout; the rest is the benchmark's own logic."""
+    import torch
+
+    import qerl.bench.rollout as rollout
+    from qerl.bench.length_profiles import draw
+
+    monkeypatch.setattr(rollout, "timed", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3e9)
+    _, args = rollout.parse_args(["--variants", "bf16", "--batches", "16", "--lengths", _profile_file(tmp_path),
+                                  "--repeats", "3", "--seed", "7"])
+    engine = _FakeEngine()
+    out = rollout.bench_profile(engine, 16, args, ["continuous", "static"])
+    assert engine.calls[0] == ("warmup", 16, 256 + 100)
+    assert engine.calls[1:3] == [("continuous", 100, (2,) * 16), ("static", 100, (2,) * 16)]  # untimed
+    timed_calls = engine.calls[3:]
+    assert [c[0] for c in timed_calls] == ["continuous", "static", "static", "continuous", "continuous", "static"]
+    for rep in range(3):
+        drawn = tuple(draw(args.profile, 16, 8, 7 + rep))
+        assert timed_calls[2 * rep][2] == timed_calls[2 * rep + 1][2] == drawn
+    assert out["continuous"]["rollout_efficiency"] == 1.0 and out["static"]["rollout_efficiency"] > 1.0
+    assert out["static"]["repeats"] == 3 and out["static"]["peak_gb"] == 3.0 and out["static"]["seconds"] == 1.0
