@@ -178,3 +178,22 @@ def test_record_lengths_refuses_more_prompts_than_fit():
     with pytest.raises(ValueError, match="--prompts 5 exceeds the 3 problems"):
         mod.pick_prompts([{"question": "q"}] * 3, 5, seed=0)
     assert mod.pick_prompts([{"i": i} for i in range(10)], 4, 1) == mod.pick_prompts([{"i": i} for i in range(10)], 4, 1)
+
+
+def test_the_long_profile_is_the_seeded_fit_to_its_published_figures(tmp_path):
+    """make_long_profile.py reproduces the shipped file byte for byte; the fit has the source's median and p99
+    before the budget, and the budget's point mass is the expected share."""
+    mod = _bench("make_long_profile")
+    out = tmp_path / "long.json"
+    assert mod.main(["--out", str(out)]) == 0
+    shipped = packaged_path("long-reasoning-4096")
+    assert shipped.is_file() and out.read_text() == shipped.read_text()
+    p = load_profile("long-reasoning-4096")
+    assert p.max_new_tokens == 4096 and len(p.lengths) == 4096 and p.group_size is None
+    assert mod.SOURCE_URL in p.source and "Not a measured run" in p.source
+    s = summary(p.lengths, 4096)
+    assert 450 <= s["median"] <= 550  # median 500
+    assert mod.truncated_share(500, 5000, 4096) == pytest.approx(0.0168, abs=1e-4)
+    assert 0.012 <= s["truncated"] <= 0.024  # 4096 rows: the 1.7% point mass within ~3 standard errors
+    wide = mod.clipped_lognormal(500, 5000, 10**9, 20000, seed=1)  # no budget: check the p99 of the fit
+    assert 4300 <= sorted(wide)[int(0.99 * len(wide))] <= 5800
