@@ -45,7 +45,7 @@ def _inputs(B, KV, G, hd, max_len, dtype, device, gen, magnitude=1.0):
 def _hide_unseen(k, v, key_valid, slot, S):
     """Copies of k, v with NaN in every slot the query must not read."""
     j = torch.arange(k.shape[2], device=k.device)
-    seen = key_valid & (j <= slot) & (j < S)
+    seen = key_valid & (j <= slot.reshape(-1, 1)) & (j < S)
     hidden = ~seen[:, None, :, None]
     return k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("nan"))
 
@@ -70,8 +70,9 @@ def check_kernel(device: str, dtype=torch.bfloat16, seed: int = 0, cases=CASES, 
                 if i == 1:
                     key_valid[-1] = False  # a dummy row: no visible key at any slot
                 scale = hd ** -0.5
-                for s in (0, S // 2 + 1, S - 1):
-                    slot = torch.tensor(s, dtype=torch.int64, device=device)
+                for s in (0, S // 2 + 1, S - 1, "per row"):  # per row: each row its own slot, as the engine
+                    slot = torch.tensor(s, dtype=torch.int64, device=device) if s != "per row" else \
+                        torch.randint(0, S, (B,), generator=gen).to(device)
                     kn, vn = _hide_unseen(k, v, key_valid, slot, S)
                     if public:
                         out = decode_attention(q, kn, vn, key_valid, slot, S, scale)
@@ -85,7 +86,7 @@ def check_kernel(device: str, dtype=torch.bfloat16, seed: int = 0, cases=CASES, 
                     err = _error(out, ref)
                     if err > TOL[dtype]:
                         fails.append(f"{tag}: relative max error {err:.3g}")
-                    blind = ~(key_valid[:, :S] & (torch.arange(S, device=device) <= slot)).any(1)
+                    blind = ~(key_valid[:, :S] & (torch.arange(S, device=device) <= slot.reshape(-1, 1))).any(1)
                     if blind.any() and not (out[blind] == 0).all():
                         fails.append(f"{tag}: a row with no visible key is not all zeros")
     return fails

@@ -177,6 +177,24 @@ def check_rope_store(device: str, dtype=torch.bfloat16, seed: int = 7, cases=ROP
             fails.append(f"{tag}: cache differs at {bad_k} k, {bad_v} v elements")
         if not all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))):
             fails.append(f"{tag}: an input was written")
+    # a slot per row (the engine's rows decode at their own slots): row b writes slot[b] only, with the
+    # public entry (Triton on CUDA, the torch path elsewhere) against the same reference
+    from qerl.kernels.fused_ops import rope_qk_store
+
+    for B, H, KV, hd, max_len, _ in cases:
+        q, k, v, cos, sin, kc, vc = _rope_store_inputs(B, H, KV, hd, max_len, dtype, device, gen)
+        slots = torch.randint(0, max_len, (B,), generator=gen)
+        ref_k, ref_v = kc.clone(), vc.clone()
+        for b, sl in enumerate(slots.tolist()):
+            ref_k[b, :, sl] = rope_reference(k, cos, sin)[b, 0]
+            ref_v[b, :, sl] = v[b, 0]
+        for fn in (rope_store_decode, rope_qk_store):
+            kk, vv = kc.clone(), vc.clone()
+            out = fn(q, k, v, cos, sin, kk, vv, slots.to(device))
+            if not torch.equal(out, rope_reference(q, cos, sin)) or not torch.equal(kk, ref_k) \
+                    or not torch.equal(vv, ref_v):
+                fails.append(f"rope_store {device} {dtype} {(B, H, KV, hd, max_len)} slots {slots.tolist()} "
+                             f"({fn.__name__}): differs from the per-row reference")
     # a slot outside the cache writes nothing (documented: a graph replay cannot raise as index_copy_ does)
     B, H, KV, hd, max_len, _ = cases[0]
     q, k, v, cos, sin, kc, vc = _rope_store_inputs(B, H, KV, hd, max_len, dtype, device, gen)

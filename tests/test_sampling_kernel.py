@@ -146,8 +146,35 @@ def check_record(device, seed=2) -> list[str]:
     return fails
 
 
+def check_row_keys(device, seed=3) -> list[str]:
+    """Row keys: a row's draw follows its key + step only. The same logits in a permuted batch with the keys
+    permuted alike draw the same tokens per row; a row with key k at step s draws what key k + 1 draws at
+    step s - 1; distinct keys on identical logits draw differently."""
+    from qerl.kernels import triton_sampling as ts
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    B, V = 5, 3000
+    logits = torch.randn(B, V, generator=gen, device=device)  # flat enough that different draws differ
+    keys = torch.tensor([0, 2**20, 3 * 2**20 - 7, 5, 9 * 2**20], device=device)
+    tok, _, _ = ts.sample_triton(logits, 1.0, 2**40 + 3, 11, row_keys=keys)
+    perm = torch.tensor([3, 0, 4, 2, 1], device=device)
+    tok_p, _, _ = ts.sample_triton(logits[perm].contiguous(), 1.0, 2**40 + 3, 11, row_keys=keys[perm].contiguous())
+    shifted, _, _ = ts.sample_triton(logits, 1.0, 2**40 + 3, 10, row_keys=keys + 1)
+    same = logits[:1].expand(B, V).contiguous()
+    spread, _, _ = ts.sample_triton(same, 1.0, 2**40 + 3, 11, row_keys=keys)
+    fails = []
+    if not torch.equal(tok_p, tok[perm]):
+        fails.append(f"row keys: a permuted batch drew {tok_p.tolist()}, expected {tok[perm].tolist()}")
+    if not torch.equal(shifted, tok):
+        fails.append(f"row keys: key + 1 at step - 1 drew {shifted.tolist()}, expected {tok.tolist()}")
+    if len(set(spread.tolist())) < 3:
+        fails.append(f"row keys: distinct keys on one distribution drew {spread.tolist()}")
+    return fails
+
+
 def interpreter_suite() -> list[str]:
-    return check_statistics("cpu") + check_distribution("cpu", rows=(800, 150)) + check_record("cpu")
+    return check_statistics("cpu") + check_distribution("cpu", rows=(800, 150)) + check_record("cpu") + \
+        check_row_keys("cpu")
 
 
 def test_interpreter():
@@ -177,7 +204,7 @@ def test_gpu():
     big = [(B, 152064, T, None, dt, v) for B in (1, 8, 64) for T, dt, v in
            ((1.0, torch.bfloat16, ""), (0.0, torch.bfloat16, "ties"), (0.6, torch.float32, "special"))]
     fails = check_statistics("cuda", CASES + big, seed=3) + check_distribution("cuda", rows=(20000, 20000), seed=4)
-    fails += check_record("cuda")
+    fails += check_record("cuda") + check_row_keys("cuda")
     assert not fails, "\n".join(fails)
 
 

@@ -81,6 +81,8 @@ def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_ru
         rollout = engine.generate(prompt_ids, s.max_new_tokens, s.sampling, generator=generator, aqn=aqn)
         stats["gen_seconds"] += time.perf_counter() - start
         stats["gen_tokens"] += float(rollout.completion_mask.sum())
+        for k in ("decoded_row_steps", "kept_tokens", "prefill_tokens"):  # the rollout's work (engine stats)
+            stats[f"rollout_{k}"] = stats.get(f"rollout_{k}", 0.0) + float(rollout.stats.get(k, 0))
         columns = {k: [r.get(k) for r in rows for _ in range(group_size)] for k in rows[0] if k != "question"}
         rewards, per_func, reward_stats = reward_runner.score(prompt_texts, rollout.texts, columns)
         for k, v in reward_stats.items():

@@ -137,7 +137,8 @@ class Trainer:
         if cfg.optim.grad_input_no_temporary:
             set_routing_policy(self.model, dataclasses.replace(current_policy(), grad_input_no_temporary=True))
         self.engine = RolloutEngine(self.model, self.tokenizer,
-                                    max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+                                    max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                                    scheduler=cfg.rollout.scheduler)
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)
@@ -198,6 +199,8 @@ class Trainer:
             "response_length": float(exp.lengths.float().mean()),
             "truncated_fraction": float(exp.truncated.float().mean()),
             "tokens_per_s": exp.stats["gen_tokens"] / max(exp.stats["gen_seconds"], 1e-9),
+            # work per useful token: decoded row-steps per kept completion token (1 = nothing wasted)
+            "rollout_rows_per_kept": exp.stats["rollout_decoded_row_steps"] / max(exp.stats["rollout_kept_tokens"], 1),
             "lr": self.scheduler.get_last_lr()[0],
         }
         if self.controller is not None:
@@ -207,6 +210,8 @@ class Trainer:
             if mask.any() or self.dist.enabled:  # every rank must join the gradient all-reduce
                 metrics.update(policy_update(self.model, exp, self.optimizer, self.params, self.update_settings,
                                              dist_ctx=self.dist))
+                # tokens one loss pass computes per token it needs (each prompt once per group + completions)
+                metrics["loss_tokens_per_needed"] = metrics["loss_tokens_computed"] / max(metrics["loss_tokens_needed"], 1)
             self.bad_in_a_row = 0
             metrics["skipped"] = 0
         except NonFiniteError as e:
@@ -276,8 +281,10 @@ class Trainer:
                 line = (f"step {metrics['step']:>4}  reward {metrics['reward']:.3f}  entropy {metrics['entropy']:.3f}  "
                         f"sigma {metrics['aqn_sigma']:.1e}  kl {metrics.get('kl', 0):.4f}  "
                         f"clip {metrics.get('clip_fraction', 0):.3f}  len {metrics['response_length']:.0f}  "
-                        f"{metrics['tokens_per_s']:.0f} tok/s  rollout {metrics['time_rollout']:.1f}s  "
-                        f"update {metrics['time_update']:.1f}s  mem {metrics['memory_gb']:.2f} GB")
+                        f"{metrics['tokens_per_s']:.0f} tok/s  rollout {metrics['time_rollout']:.1f}s "
+                        f"(rows/kept {metrics['rollout_rows_per_kept']:.2f})  update {metrics['time_update']:.1f}s "
+                        f"(computed/needed {metrics.get('loss_tokens_per_needed', 0):.2f})  "
+                        f"mem {metrics['memory_gb']:.2f} GB")
                 progress.console.print(line, highlight=False)
                 progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
                 if signum:
