@@ -35,7 +35,8 @@ def loss_settings(cfg: TrainConfig) -> LossSettings:
 
 def update_settings(cfg: TrainConfig) -> UpdateSettings:
     return UpdateSettings(
-        loss=loss_settings(cfg), num_updates=cfg.algo.num_updates, micro_batch_size=cfg.optim.micro_batch_size,
+        loss=loss_settings(cfg), num_updates=cfg.algo.num_updates, packing=cfg.optim.packing,
+        max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch, micro_batch_size=cfg.optim.micro_batch_size,
         max_grad_norm=cfg.optim.max_grad_norm, temperature=cfg.rollout.temperature,
         old_logprobs=cfg.algo.old_logprobs, tis_cap=cfg.algo.tis_cap)
 

@@ -21,6 +21,7 @@ from .collect import Experience
 from .distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
+from .packing import PackedMicroBatch, needed_tokens, packed_logprobs, plan_micro_batches
 
 OLD_LOGPROBS = ("recompute", "sampling")  # the values of UpdateSettings.old_logprobs (config: algo.old_logprobs)
 
@@ -31,7 +32,12 @@ class UpdateSettings:
 
     loss: LossSettings = field(default_factory=LossSettings)
     num_updates: int = 1  # mu: optimizer steps on each rollout batch
-    micro_batch_size: int = 8  # sequences per forward / backward (the gradient is accumulated over them)
+    packing: bool = True  # padding-free micro-batches with each group's prompt once (qerl.rl.packing)
+    # packed path: stream tokens per forward / backward. With gradient checkpointing the activations kept are
+    # ~0.4 MB per token at 7B (each layer's bf16 input, 3584 x 2 B x 28 layers, plus one layer's recompute)
+    # and ~1.6 MB at 72B, so 8192 tokens hold ~3 GB / ~13 GB: room beside the weights on one 80 GB card
+    max_tokens_per_micro_batch: int = 8192
+    micro_batch_size: int = 8  # padded path (packing=False): sequences per forward / backward
     max_grad_norm: float = 1.0  # clip the LoRA gradient to this global L2 norm
     temperature: float = 1.0  # the rollout's sampling temperature (0 = greedy): log-probs are taken under it
     old_logprobs: str = "recompute"  # one of OLD_LOGPROBS: which log-probs play pi_old (module docstring)
@@ -46,18 +52,38 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient was NaN/Inf; the optimizer step was skipped."""
 
 
-def _micro_batches(n: int, size: int):
+def _micro_batches(exp: Experience, s: UpdateSettings) -> list[PackedMicroBatch | slice]:
+    """One pass's micro-batches: packed ones, or row slices of `micro_batch_size` padded sequences."""
+    if s.packing:
+        return plan_micro_batches(exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask,
+                                  s.max_tokens_per_micro_batch)
+    n, size = len(exp.rewards), s.micro_batch_size
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def _logprobs(model, exp: Experience, sl: slice, temperature: float) -> torch.Tensor:
-    return completion_logprobs(model, exp.prompt_ids[sl], exp.prompt_mask[sl], exp.completion_ids[sl],
-                               exp.completion_mask[sl], temperature)
+def _rows(mb: PackedMicroBatch | slice) -> slice:
+    return mb.rows if isinstance(mb, PackedMicroBatch) else mb
+
+
+def _token_counts(exp: Experience, batches: list[PackedMicroBatch | slice]) -> tuple[int, int]:
+    """(tokens one pass forwards, tokens it needs: each distinct prompt once per group + the loss tokens).
+    The padded path forwards every row's full [P + T] width; it counts what it needs with a host sync."""
+    if batches and isinstance(batches[0], PackedMicroBatch):
+        return sum(mb.computed_tokens for mb in batches), sum(mb.needed_tokens for mb in batches)
+    return (exp.prompt_ids.numel() + exp.completion_ids.numel(),
+            needed_tokens(exp.prompt_ids, exp.prompt_mask, exp.completion_mask))
+
+
+def _logprobs(model, exp: Experience, mb: PackedMicroBatch | slice, temperature: float) -> torch.Tensor:
+    if isinstance(mb, PackedMicroBatch):
+        return packed_logprobs(model, mb, exp.completion_ids, temperature)
+    return completion_logprobs(model, exp.prompt_ids[mb], exp.prompt_mask[mb], exp.completion_ids[mb],
+                               exp.completion_mask[mb], temperature)
 
 
 @torch.no_grad()
-def _no_grad_logprobs(model, exp: Experience, micro: int, temperature: float) -> torch.Tensor:
-    return torch.cat([_logprobs(model, exp, sl, temperature) for sl in _micro_batches(len(exp.rewards), micro)])
+def _no_grad_logprobs(model, exp: Experience, batches, temperature: float) -> torch.Tensor:
+    return torch.cat([_logprobs(model, exp, mb, temperature) for mb in batches])
 
 
 def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSettings, *,
@@ -70,6 +96,11 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     grad norm check). With a `timings` dict, seconds per phase are added to it ("reference", "old_logprobs",
     "loss_backward", "optimizer"; "optimizer" includes the gradient all-reduce); that synchronizes the device
     at phase ends.
+
+    Besides the loss statistics it returns `loss_tokens_computed` and `loss_tokens_needed`: the tokens ONE
+    forward pass over the batch runs through the model (the reference, old-log-prob and each policy pass
+    all run the same micro-batches) and the tokens it needs (each distinct prompt once per group plus the
+    loss tokens); with packing their ratio is the prompt repetition of groups split over micro-batches.
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
     with dequantized_weights(enabled=on_cpu):  # CPU: dequantize each weight once for the whole update
@@ -96,15 +127,15 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
     # the whole (all-rank) batch's counts, so that summed gradients equal one big batch's
     counts = all_reduce_sum(torch.tensor([float(mask.shape[0]), float(mask.sum())], device=dist_ctx.device), dist_ctx)
     weights = loss_normalizer(mask, s.loss, total_rows=int(counts[0]), total_tokens=counts[1].to(mask.device))
-    batches = _micro_batches(len(exp.rewards), s.micro_batch_size)
+    batches = _micro_batches(exp, s)  # one plan for the reference, old and policy passes
     ref = None
     if s.loss.kl_beta > 0:
         with _phase(timings, "reference", device), lora_disabled(model):  # adapters off; no second copy
-            ref = _no_grad_logprobs(model, exp, s.micro_batch_size, s.temperature)
+            ref = _no_grad_logprobs(model, exp, batches, s.temperature)
     old = exp.sampling_logp if s.old_logprobs == "sampling" else None
     if old is None and s.num_updates > 1:
         with _phase(timings, "old_logprobs", device):
-            old = _no_grad_logprobs(model, exp, s.micro_batch_size, s.temperature)
+            old = _no_grad_logprobs(model, exp, batches, s.temperature)
     use_tis = s.old_logprobs == "recompute" and s.tis_cap is not None
     zero = torch.zeros((), device=mask.device)
     totals = {k: zero.clone() for k in ("tokens", "clipped", "ratio", "kl", "loss", "tis_mean")}
@@ -114,8 +145,9 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
         for _ in range(s.num_updates):
             optimizer.zero_grad(set_to_none=True)
             with _phase(timings, "loss_backward", device):
-                for sl in batches:
-                    logp = _logprobs(model, exp, sl, s.temperature)
+                for mb in batches:
+                    sl = _rows(mb)
+                    logp = _logprobs(model, exp, mb, s.temperature)
                     old_mb = logp.detach() if old is None else old[sl]
                     tis = None
                     if use_tis:
@@ -139,6 +171,7 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
     finally:
         model.eval()
     t = {k: v.item() for k, v in totals.items()}
+    computed, needed = _token_counts(exp, batches)
     tokens = max(t["tokens"], 1.0)
     return {
         "loss": t["loss"] / s.num_updates,
@@ -147,4 +180,6 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
         "kl": t["kl"] / tokens,
         "tis_weight_mean": t["tis_mean"] / tokens if use_tis else 1.0,
         "grad_norm": grad_norm,
+        "loss_tokens_computed": float(computed),
+        "loss_tokens_needed": float(needed),
     }
