@@ -119,10 +119,11 @@ def _profile_file(tmp_path, text="# max_new_tokens: 100\n10\n20\n30\n100\n"):
 
 def test_step_modes_are_the_product_of_schedulers_and_packing_or_the_named_pair():
     from qerl.bench.step import parse_args
+    from qerl.rl.update import UpdateSettings
 
     _, a = parse_args([])
     assert a.modes == [("continuous", True)] and a.completion == 2048 == a.budget and a.profile is None
-    assert a.max_tokens_per_micro_batch == 8 * (256 + 2048)  # what a padded micro-batch holds
+    assert a.max_tokens_per_micro_batch == UpdateSettings().max_tokens_per_micro_batch  # qerl train's default
     _, a = parse_args(["--schedulers", "continuous,static", "--packing", "on,off"])
     assert a.modes == [("continuous", True), ("continuous", False), ("static", True), ("static", False)]
     _, a = parse_args(["--modes", "new,old", "--max-tokens-per-micro-batch", "4096"])
@@ -149,9 +150,9 @@ def test_step_refuses_bad_mode_and_length_flags(capsys, argv, message):
 def test_step_lengths_take_the_profiles_budget_and_exclude_completion(tmp_path, capsys):
     from qerl.bench.step import parse_args
 
-    _, a = parse_args(["--lengths", _profile_file(tmp_path), "--micro-batch", "4", "--prompt", "50"])
+    _, a = parse_args(["--lengths", _profile_file(tmp_path), "--max-tokens-per-micro-batch", "600"])
     assert a.budget == 100 and a.completion is None and a.profile.lengths == (10, 20, 30, 100)
-    assert a.max_tokens_per_micro_batch == 4 * (50 + 100)
+    assert a.max_tokens_per_micro_batch == 600
     with pytest.raises(SystemExit):
         parse_args(["--lengths", _profile_file(tmp_path), "--completion", "512"])
     assert "give one of them" in capsys.readouterr().err

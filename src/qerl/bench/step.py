@@ -546,8 +546,8 @@ def parse_args(argv=None):
                          "(order-fair); sequential: one variant at a time (less memory)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the padded update")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
-                    help="tokens per micro-batch of the packed update (default: --micro-batch x (prompt + budget), "
-                         "what a padded micro-batch holds)")
+                    help="tokens per micro-batch of the packed update (default: the update's own, as qerl train "
+                         "uses it)")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
     ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")
@@ -590,8 +590,10 @@ def parse_args(argv=None):
         if args.completion < 1:
             ap.error("--completion must be >= 1")
         args.budget = args.completion
-    if args.max_tokens_per_micro_batch is None:
-        args.max_tokens_per_micro_batch = args.micro_batch * (args.prompt + args.budget)
+    if args.max_tokens_per_micro_batch is None:  # what `qerl train` packs unless optim.max_tokens_per_micro_batch
+        from ..rl.update import UpdateSettings
+
+        args.max_tokens_per_micro_batch = UpdateSettings().max_tokens_per_micro_batch
     return ap, args
 
 
