@@ -200,6 +200,7 @@ def summary(lengths, max_new_tokens: int) -> dict:
 def describe(profile: LengthProfile) -> str:
     """One line: name, budget, rows, groups, mean / median / p90 / truncated share."""
     st = summary(profile.lengths, profile.max_new_tokens)
-    groups = f", {len(profile.lengths) // profile.group_size} groups of {profile.group_size}" if profile.group_size else ""
-    return (f"{profile.label()}: {len(profile.lengths)} rows{groups}; mean {st['mean']:.0f}, median {st['median']:.0f}, "
-            f"p90 {st['p90']}, at the budget {100 * st['truncated']:.1f}%")
+    g = profile.group_size
+    groups = f", {len(profile.lengths) // g} groups of {g}" if g else ""
+    return (f"{profile.label()}: {len(profile.lengths)} rows{groups}; mean {st['mean']:.0f}, "
+            f"median {st['median']:.0f}, p90 {st['p90']}, at the budget {100 * st['truncated']:.1f}%")

@@ -176,7 +176,8 @@ def bench_profile(engine, batch, args, schedulers) -> dict[str, dict]:
     from ..rollout.sampling import SamplingParams
 
     ids = prompts_tensor(batch // args.group, args.prompt, engine.model.config.vocab_size)
-    rows, sp, budget = ids.repeat_interleave(args.group, 0), SamplingParams(temperature=1.0), args.profile.max_new_tokens
+    rows, sp = ids.repeat_interleave(args.group, 0), SamplingParams(temperature=1.0)
+    budget = args.profile.max_new_tokens
     engine.warmup(batch, args.prompt + budget)
     for s in schedulers:  # untimed: each scheduler's first call
         engine.generate(rows, budget, sp, seed=0, ignore_eos=True, force_lengths=[2] * batch, scheduler=s)
@@ -284,8 +285,8 @@ def table(results, device, copy_bw, new: int | None = None) -> str:
     """The forced-lengths table (every row exactly `new` tokens)."""
     lines = [f"device: {device}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; {datetime.date.today()}"
              + (f"; lengths: {forced_label(new)}" if new else ""),
-             "| model | variant | scheduler | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % floor | peak GB "
-             "| policy GB |",
+             "| model | variant | scheduler | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % floor "
+             "| peak GB | policy GB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         sched = r.get("scheduler", "-")

@@ -172,8 +172,9 @@ class StepRunner:
         times["rollout"] = time.perf_counter() - start
         rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
         got = r.completion_mask.sum(1)
+        at_budget = got >= (completion if lengths is None else args.budget)
         exp = Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs, r.entropies,
-                         rewards, group_advantages(rewards, G), got, got >= (completion if lengths is None else args.budget))
+                         rewards, group_advantages(rewards, G), got, at_budget)
         stats = policy_update(self.model, exp, self.optimizer, self.params, settings, dist_ctx=self.dist,
                               timings=times)
         sync()
@@ -444,11 +445,12 @@ def table(results, device, args) -> str:
     lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, LoRA r {args.lora_r}, "
              f"micro-batch {args.micro_batch} rows (padded) / {args.max_tokens_per_micro_batch} tokens (packed), "
              f"KL beta {args.kl_beta}, GPUs {results[0]['world'] if results else 1}, order {args.order}, "
-             f"{args.steps} step(s) per rotation" + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
+             f"{args.steps} step(s) per rotation"
+             + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
              lengths_line(args),
-             "| model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s | step s "
-             "| vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept | loss tokens computed / needed "
-             "| peak GB | weights GB |",
+             "| model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s "
+             "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept "
+             "| loss tokens computed / needed | peak GB | weights GB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         head = f"| {r['model']} | {r['variant']} | {r.get('mode', '-')} | {r.get('prompts', '-')} x {args.group} |"
@@ -468,7 +470,8 @@ def table(results, device, args) -> str:
                  "needed: tokens one forward pass of the update runs through the model per token it needs (each "
                  "group's prompt once + the completion tokens)")
     if orders:
-        lines.append("\norders (rounds alternate between them): " + "; ".join(f"{i + 1}: {o}" for i, o in enumerate(orders)))
+        lines.append("\norders (rounds alternate between them): "
+                     + "; ".join(f"{i + 1}: {o}" for i, o in enumerate(orders)))
     if any("dist_grad_rel_err" in r for r in results):
         errs = [r["dist_grad_rel_err"] for r in results if "dist_grad_rel_err" in r]
         floor = [r["dist_grad_noise_floor"] for r in results if "dist_grad_noise_floor" in r]
