@@ -215,6 +215,24 @@ def test_policy_update_with_packing_equals_the_padded_update(algo):
     assert pack["loss_tokens_computed"] == 19 + 18 + 19 and pad["loss_tokens_computed"] == 8 * (P + T)
 
 
+def test_a_batch_without_loss_tokens_updates_as_the_padded_path_does():
+    """Every row masked (e.g. all truncated under the overlong filter): no packed forward at all, a zero
+    gradient, and AdamW's step (weight decay) the same as the padded path's."""
+    pid, pm, cid, cm = make_batch(seed=5)
+    exp = _experience((pid, pm, cid, torch.zeros_like(cm)))
+    results = []
+    for packing in (False, True):
+        model = policy("llama", "nvfp4")
+        params = lora_parameters(model)
+        opt = torch.optim.AdamW(params.values(), lr=0.1, weight_decay=0.5)
+        s = UpdateSettings(LossSettings("dapo"), packing=packing)
+        stats = policy_update(model, exp, opt, list(params.values()), s)
+        assert stats["grad_norm"] == 0 and stats["loss_tokens_needed"] == 0
+        results.append({k: v.detach().clone() for k, v in params.items()})
+    for k in results[0]:
+        torch.testing.assert_close(results[1][k], results[0][k], rtol=0, atol=0)
+
+
 def test_lora_dropout_trains_with_packing():
     """Dropout runs inside the packed forward (train mode: two passes differ) and an update moves the adapter."""
     exp = _experience(make_batch(seed=6))

@@ -89,11 +89,10 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     outs = []
     for b in layout.buckets:
         S, Lq = b.q_index.shape
-        Lk = b.k_index.shape[1]
         qb = q[:, b.q_index].transpose(0, 1)  # [S, H, Lq, hd]
         kb, vb = (_repeat_heads(t[:, b.k_index].transpose(0, 1), H // KV) for t in (k, v))  # [S, H, Lk, hd]
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask(sliding_window),
-                                           dropout_p=dropout if module.training else 0.0, scale=scaling)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask(sliding_window), dropout_p=dropout,
+                                           scale=scaling)
         outs.append(o.transpose(1, 2).reshape(S * Lq, H, -1)[b.take])  # real queries only [n, H, hd]
     out = torch.cat(outs)[layout.order]  # packed order [L, H, hd]
     return out.unsqueeze(0), None
@@ -239,6 +238,8 @@ class _Rows:
         pmask = prompt_mask.cpu().bool()
         self.prompt_cols = [pmask[r].nonzero().squeeze(1) for r in range(self.n)]
         self.group = prompt_groups(prompt_ids, pmask)
+        if any(n and not len(c) for n, c in zip(self.lc, self.prompt_cols)):
+            raise ValueError("a row with loss tokens has an empty prompt: its first token has no predecessor")
         # every stream token is gathered from one flat tensor: prompts first, then completions
         self.flat = torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1).to(prompt_ids.dtype)])
         self.device = completion_ids.device
@@ -298,7 +299,7 @@ def _layout(segments: list[tuple[int, int, int, int]], device) -> PackedLayout:
     made, order = [], []
     for bucket in buckets:
         pre_start, pre_len, start, length = (torch.tensor(c, dtype=torch.long).unsqueeze(1) for c in zip(*bucket))
-        Lq, Lk = int(length.max()), int((pre_len + length).max())
+        Lq, Lk = int(length.max()), -(-int((pre_len + length).max()) // 16) * 16  # mask rows 16-aligned (CUDA SDPA)
         i, j = torch.arange(Lq).unsqueeze(0), torch.arange(Lk).unsqueeze(0)
         real_q = i < length
         q_index = torch.where(real_q, start + i, 0)
@@ -323,7 +324,7 @@ def packed_logprobs(model, mb: PackedMicroBatch, completion_ids: torch.Tensor, t
     if not mb.computed_tokens:  # every row masked: nothing to forward
         return torch.zeros(n_rows, T, dtype=torch.float32, device=device)
     with packed_attention(model), _replay_packed(model):
-        hidden = model.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
+        hidden = model.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False,
                              **{LAYOUT_KWARG: mb.layout}).last_hidden_state[0]
     h = hidden[mb.pred_index]
     targets = completion_ids.reshape(-1)[mb.target_index]

@@ -155,11 +155,15 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
                         totals["tis_mean"] += tis.sum()
                     loss, stats = policy_loss(logp, old_mb, exp.advantages[sl], weights[sl], s.loss,
                                               None if ref is None else ref[sl], tis)
-                    loss.backward()
+                    if loss.requires_grad:  # a packed micro-batch without loss tokens runs no forward
+                        loss.backward()
                     totals["loss"] += loss.detach()
                     for k, v in stats.items():
                         totals[k] += v
             with _phase(timings, "optimizer", device):
+                for p in params:  # no loss token anywhere: the zero gradient the padded path computes
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
                 all_reduce_gradients(params, dist_ctx)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm))
                 if not math.isfinite(grad_norm):
