@@ -255,3 +255,15 @@ def test_sliding_window_attention_matches_the_padded_path():
     batch = make_batch(seed=8)
     with torch.no_grad():
         assert_rel_close(packed(model, batch, SPLIT), padded(model, batch), what="logp")
+
+
+def test_the_config_sets_packing_and_its_budget():
+    from qerl.config import ConfigError, load_config
+    from qerl.rl.settings import update_settings
+
+    default = update_settings(load_config(None))
+    assert default.packing and default.max_tokens_per_micro_batch == 8192
+    s = update_settings(load_config(None, ["optim.packing=false", "optim.max_tokens_per_micro_batch=1234"]))
+    assert not s.packing and s.max_tokens_per_micro_batch == 1234
+    with pytest.raises(ConfigError, match="optim.max_tokens_per_micro_batch must be > 0"):
+        load_config(None, ["optim.max_tokens_per_micro_batch=0"])
