@@ -47,6 +47,12 @@ class NoisyNorms:
 
     sigma: noise std (from `qerl.rl.aqn.AQNSchedule`); per_forward: the rollout engine calls `resample()`
     before every forward pass (otherwise one draw per rollout batch, on entry). sigma == 0 adds nothing.
+
+    Cost: a handful of launches per entry, draw and exit, whatever the number of layers. The norms of one
+    device and dtype are handled as one flat vector: one `randn` over all their channels (each norm's noise
+    is its slice of it), one fused add into a flat buffer and one multi-tensor copy into the weights (in place:
+    the weights keep their address and object, so captured CUDA graphs and every cache keyed on the module
+    stay valid). Nothing here waits for the device.
     """
 
     def __init__(self, model: nn.Module, sigma: float, per_forward: bool = False, seed: int | None = None,
@@ -59,6 +65,7 @@ class NoisyNorms:
         if self.generator is None and seed is not None:
             self.generator = torch.Generator(self.norms[0].weight.device).manual_seed(seed)
         self._saved: list[torch.Tensor] | None = None
+        self._groups: list[_FlatGroup] = []
         self._hooks = []
 
     @property
@@ -69,7 +76,17 @@ class NoisyNorms:
     def __enter__(self) -> "NoisyNorms":
         if self.active:
             raise RuntimeError("NoisyNorms is already applied")
-        self._saved = [n.weight.detach().clone() for n in self.norms]
+        by_kind: dict[tuple, list[int]] = {}
+        for i, n in enumerate(self.norms):
+            by_kind.setdefault((n.weight.device, n.weight.dtype), []).append(i)
+        saved: list[torch.Tensor | None] = [None] * len(self.norms)
+        self._groups = []
+        for index in by_kind.values():
+            group = _FlatGroup([self.norms[i] for i in index], self.sigma)
+            self._groups.append(group)
+            for i, view in zip(index, group.saved):
+                saved[i] = view
+        self._saved = saved
         self._hooks = [n.register_state_dict_post_hook(self._clean_state_dict_hook(i))
                        for i, n in enumerate(self.norms)]
         self.resample()
@@ -84,21 +101,16 @@ class NoisyNorms:
             raise RuntimeError("resample() outside the NoisyNorms context")
         if self.sigma == 0.0:
             return  # bit-identical by construction: nothing is written
-        for norm, clean in zip(self.norms, self._saved):
-            z = torch.randn(clean.shape, generator=self.generator, device=clean.device, dtype=torch.float32)
-            noise = self.sigma * z
-            scale = getattr(norm, CHANNEL_SCALE, None)
-            if scale is not None:
-                noise = noise / scale.float()
-            norm.weight.copy_(clean.float() + noise)
+        for group in self._groups:
+            group.apply_noise(self.sigma, self.generator)
 
     @torch.no_grad()
     def __exit__(self, *exc) -> None:
-        for norm, clean in zip(self.norms, self._saved):
-            norm.weight.copy_(clean)
+        for group in self._groups:
+            group.restore()
         for h in self._hooks:
             h.remove()
-        self._saved, self._hooks = None, []
+        self._saved, self._groups, self._hooks = None, [], []
 
     def _clean_state_dict_hook(self, i: int):
         def hook(module, state_dict, prefix, local_metadata):
@@ -106,3 +118,32 @@ class NoisyNorms:
             if key in state_dict and self._saved is not None:
                 state_dict[key] = self._saved[i].clone()
         return hook
+
+
+class _FlatGroup:
+    """The norms of one device and dtype as one flat vector: the clean weights (exact copy, `saved` holds a view
+    per norm), their fp32 values, the fp32 divisor 1 / s of the AWQ-folded ones (None when no norm is folded)."""
+
+    def __init__(self, norms: list[nn.Module], sigma: float):
+        self.weights = [n.weight for n in norms]
+        self.sizes = [w.numel() for w in self.weights]
+        self.clean = torch.cat([w.detach().reshape(-1) for w in self.weights])  # the exact copy, one launch
+        self.saved = [v.view(w.shape) for v, w in zip(self.clean.split(self.sizes), self.weights)]
+        self.clean32 = self.clean.float() if sigma > 0 else None  # (no copy when already fp32; never written)
+        scales = [getattr(n, CHANNEL_SCALE, None) for n in norms]
+        self.scale = None
+        if sigma > 0 and any(s is not None for s in scales):
+            dev = self.clean.device
+            self.scale = torch.cat([torch.ones(k, device=dev) if s is None else s.detach().reshape(-1).float().to(dev)
+                                    for s, k in zip(scales, self.sizes)])
+
+    def apply_noise(self, sigma: float, generator: torch.Generator | None) -> None:
+        z = torch.randn(self.clean.numel(), generator=generator, device=self.clean.device, dtype=torch.float32)
+        noise = z.mul_(sigma)
+        if self.scale is not None:
+            noise = noise.div_(self.scale)
+        noisy = noise.add_(self.clean32).to(self.clean.dtype)  # w + noise: fp32, one rounding to the dtype
+        torch._foreach_copy_(self.weights, [v.view(w.shape) for v, w in zip(noisy.split(self.sizes), self.weights)])
+
+    def restore(self) -> None:
+        torch._foreach_copy_(self.weights, self.saved)
