@@ -224,7 +224,7 @@ def test_continuous_scheduler_under_cuda_graphs(fmt):
     graph = graph_engine.generate(prompts, 40, sp, seed=3, force_lengths=lengths)
     eager = RolloutEngine(model, cuda_graphs=False, **kw).generate(prompts, 40, sp, seed=3, force_lengths=lengths)
     assert graph.completion_mask.sum(1).tolist() == lengths
-    assert {b for b, _ in graph_engine.graphs} >= {4, 2, 1}, "no compaction into smaller buckets"
+    assert min(b for b, _ in graph_engine.graphs) < 4, "no compaction into a narrower batch"
     assert torch.equal(graph.completion_ids, eager.completion_ids)
     torch.testing.assert_close(graph.logprobs, eager.logprobs, atol=0, rtol=0)
     ref_lp, _ = full_forward_logprobs(model, graph, 0.8)

@@ -270,8 +270,13 @@ def test_out_of_memory_names_the_knobs(tiny_dir, data_file, tmp_path, monkeypatc
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(trainer, "train_step", oom)
-    with pytest.raises(TrainingAborted, match="optim.micro_batch_size .*rollout.prompts_per_step x rollout.group_size"):
+    knob = r"optim.max_tokens_per_micro_batch \(now 8192\), rollout.prompts_per_step x rollout.group_size"
+    with pytest.raises(TrainingAborted, match=knob):
         trainer.train()
+    padded = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "padded", **{"optim.packing": False})))
+    monkeypatch.setattr(padded, "train_step", oom)
+    with pytest.raises(TrainingAborted, match=r"optim.micro_batch_size \(now \d+\), rollout.prompts_per_step"):
+        padded.train()
 
 
 def test_a_half_written_checkpoint_is_ignored(tiny_dir, data_file, tmp_path):

@@ -308,13 +308,20 @@ class Trainer:
         self.console.print(f"adapter: {final}")
         return final
 
+    def _micro_batch_knob(self) -> str:
+        """The setting that sizes the loss pass's micro-batches, with its value (packed: tokens; padded: rows)."""
+        o = self.cfg.optim
+        if o.packing:
+            return f"optim.max_tokens_per_micro_batch (now {o.max_tokens_per_micro_batch})"
+        return f"optim.micro_batch_size (now {o.micro_batch_size})"
+
     def _guarded_step(self) -> dict:
         try:
             return self.train_step()
         except torch.OutOfMemoryError:
             raise TrainingAborted(
-                f"out of GPU memory at step {self.step + 1}: lower optim.micro_batch_size "
-                f"(now {self.cfg.optim.micro_batch_size}), rollout.prompts_per_step x rollout.group_size "
+                f"out of GPU memory at step {self.step + 1}: lower {self._micro_batch_knob()}, "
+                f"rollout.prompts_per_step x rollout.group_size "
                 f"(now {self.cfg.rollout.prompts_per_step} x {self.cfg.rollout.group_size}) or rollout.max_new_tokens "
                 f"(now {self.cfg.rollout.max_new_tokens}); the last checkpoint is intact") from None
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..kernels import dequantized_weights
+from ..kernels.route import use_triton
 from ..kernels.pdl import programmatic_launches
 from . import memory
 from .cuda_graphs import DecodeGraphs
@@ -30,7 +31,7 @@ from .memory import bucket_batch, round_up
 from .model_runner import CausalLMRunner
 from .result import Rollout
 from .sampling import SamplingParams, fused_sampling_applies, philox_seed
-from .scheduler import SCHEDULERS, Scheduler, make_sequences
+from .scheduler import COMPACT_WIDTHS, SCHEDULERS, Scheduler, make_sequences
 from .stop_strings import cut_at_stop_strings, finish_reasons
 
 __all__ = ["Rollout", "RolloutEngine", "bucket_batch"]
@@ -59,7 +60,7 @@ class RolloutEngine:
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-                 check_every: int = 32, max_batch: int | None = None, memory_fraction: float = 0.85,
+                 check_every: int = 16, max_batch: int | None = None, memory_fraction: float = 0.85,
                  fuse_siblings: bool | None = None, pdl: bool = True, fused_sampling: bool = True,
                  scheduler: str = "continuous"):
         if scheduler not in SCHEDULERS:
@@ -146,6 +147,15 @@ class RolloutEngine:
                                          slot=slot)
         self.step_logits[:b].copy_(logits)
         return self.step_logits[:b]
+
+    def attended_len(self, top_slot: int) -> int:
+        """Cache slots a decode step scans when no row's slot exceeds top_slot: whole kv_block blocks past it,
+        or the whole cache under CUDA graphs with the Triton decode attention, whose programs stop at each
+        row's own slot anyway: then one graph per batch bucket serves every length (a capture per bucket
+        and block would cost more than the blocks save, most of all when compaction visits many buckets)."""
+        if self.cuda_graphs and use_triton(self.step_logits):
+            return self.max_seq_len
+        return min(round_up(top_slot + 1, self.kv_block), self.max_seq_len)
 
     def decode(self, b: int, kv_len: int) -> torch.Tensor:
         """decode_one_token(b, kv_len): replayed from its CUDA graph (captured on first use) when cuda_graphs."""
@@ -241,9 +251,9 @@ class RolloutEngine:
 
     @torch.no_grad()
     def warmup(self, batch: int, max_len: int | None = None) -> None:
-        """Capture now every decode graph a batch of `batch` rows up to `max_len` slots will need at its full
-        width (so the first timed or trained rollout does not pay for those captures; the narrower buckets
-        of the continuous scheduler's compaction are captured on first use). No-op without CUDA graphs."""
+        """Capture now every decode graph a batch of up to `batch` rows up to `max_len` slots will need (its
+        bucket and the narrower ones compaction moves to), so the first timed or trained rollout does not
+        pay for those captures. No-op without CUDA graphs."""
         Bb = bucket_batch(batch)
         self._setup(Bb)
         self._sync_lora()
@@ -251,11 +261,12 @@ class RolloutEngine:
             return
         max_len = max_len or self.max_seq_len
         self.slot_lo.zero_()
-        for kv_len in range(self.kv_block, round_up(max_len, self.kv_block) + 1, self.kv_block):
-            kv_len = min(kv_len, self.max_seq_len)
-            self.slot_base.fill_(kv_len - 1)
-            self.step_index.zero_()
-            self.decode(Bb, kv_len)
+        self.step_index.zero_()
+        lengths = sorted({self.attended_len(top) for top in range(0, max_len, self.kv_block)})
+        for b in (x for x in COMPACT_WIDTHS if x <= Bb):  # and the narrower widths compaction moves to
+            for kv_len in lengths:
+                self.slot_base.fill_(kv_len - 1)
+                self.decode(b, kv_len)
 
     # memory sizing --------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ captured CUDA graph per bucket and attended length), one token per row per step;
   stopped; finished rows stay in the batch, computed and masked. Then the next pass.
 - continuous (the default): a finished row is refilled from the queue at the next check, its prompt
   prefilled into the row. Once the queue is empty, the survivors are compacted into the first rows of the
-  cache whenever they fit in half of the current bucket, and decoding continues at the smaller bucket.
+  cache whenever a width of at most 3/4 of the current one holds them (`COMPACT_WIDTHS`: the buckets and
+  3 x 2^k), and decoding continues at that width.
 
 Both prefill a distinct prompt once: sequences with the same prompt (a GRPO group) are one prefill row, its
 k/v written into each of their cache rows; a group split over two refills copies the k/v from a row that
@@ -24,11 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .memory import bucket_batch, round_up
+from .memory import BATCH_BUCKETS, bucket_batch
 from .sampling import draw_key, keyed_next_token
 from .stop_strings import decode_text
 
 SCHEDULERS = ("continuous", "static")
+# batch widths compaction moves to: the batch buckets and the 3 x 2^k between them, so the tail's computed rows
+# stay within 4/3 of the live ones (one captured graph per width)
+COMPACT_WIDTHS = tuple(sorted(set(BATCH_BUCKETS) | {3 * 2**k for k in range(8)}))
+
+
+def compact_width(n: int) -> int:
+    """The smallest compaction width >= n rows."""
+    return next(w for w in COMPACT_WIDTHS if w >= n)
 
 
 @dataclass
@@ -200,6 +209,7 @@ class Scheduler:
         first = [self.queue.popleft() for _ in range(min(self.width, len(self.queue)))]
         b = bucket_batch(len(first))
         self.place(first, list(range(len(first))), 0)
+        self._refresh_limits(b)
         g, decode = 0, False
         self.records.open(0)
         while True:
@@ -238,6 +248,7 @@ class Scheduler:
                     b = self._compact(b, g)
             # rows placed at this check draw their first token from their prefill: a decode step is only
             # needed when other rows are still running
+            self._refresh_limits(b)
             placed = 0 if self.pending is None else len(self.pending[0])
             g, decode = g + 1, sum(s is not None for s in self.rows[:b]) > placed
             self.records.open(g)
@@ -267,16 +278,22 @@ class Scheduler:
         self.row_len[:b] += mask_col
         self.done[:b] |= self.row_len[:b] >= self.budget[:b]
 
+    def _refresh_limits(self, b: int) -> None:
+        """Host summaries of rows [:b], which change only at checks: the step by which every row has reached
+        its budget, and the largest prompt length and slot offset (a row's slot at step g is
+        max(prompt length, prompt length + g - start - 1))."""
+        live = [s for s in self.rows[:b] if s is not None]
+        self._done_by = max((s.start + s.budget - 1 for s in live), default=0)
+        self._top_lo = max((len(s.prompt) for s in live), default=0)
+        self._top_base = max((len(s.prompt) - s.start - 1 for s in live), default=0)
+
     def _surely_done_step(self, b: int) -> int:
         """The step by which every row of [:b] has reached its budget."""
-        return max((s.start + s.budget - 1 for s in self.rows[:b] if s is not None), default=0)
+        return self._done_by
 
     def _kv_len(self, g: int, b: int) -> int:
         """Attended cache length of the decode step at g: past every live row's slot, in kv_block steps."""
-        e = self.e
-        top = max((max(len(s.prompt), len(s.prompt) + g - s.start - 1) for s in self.rows[:b] if s is not None),
-                  default=0)
-        return min(round_up(top + 1, e.kv_block), e.max_seq_len)
+        return self.e.attended_len(max(self._top_lo, self._top_base + g))
 
     def _check(self, b: int) -> None:
         """Read the rows' state; stop-string rows are marked done; finished sequences leave their rows."""
@@ -301,10 +318,11 @@ class Scheduler:
                 self.rows[r] = None
 
     def _compact(self, b: int, g: int) -> int:
-        """Move the live rows of [:b] to the front when they fit in half the bucket; returns the new bucket."""
+        """Move the live rows of [:b] to the front when a compaction width of at most 3/4 b holds them;
+        returns the new width."""
         live = [r for r in range(b) if self.rows[r] is not None]
-        nb = bucket_batch(len(live))
-        if nb > b // 2:
+        nb = compact_width(len(live))
+        if 4 * nb > 3 * b:
             return b
         e = self.e
         src = torch.tensor(live, device=self.dev)
