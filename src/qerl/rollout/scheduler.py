@@ -162,7 +162,7 @@ class Scheduler:
             self.e.cache.move_rows(*(torch.tensor(x, device=self.dev) for x in (copy_src, copy_dst)), length)
         logits = {}
         if fresh:
-            if self.aqn is not None and self.aqn.per_forward:
+            if self.aqn is not None and self.aqn.per_forward and start > 0:  # at 0 the entry draw is still fresh
                 self.aqn.resample()
             dst, src = zip(*fresh_rows)
             out = self.e.prefill(list(fresh.values()), torch.tensor(dst, device=self.dev),
