@@ -199,6 +199,7 @@ class Trainer:
             "response_length": float(exp.lengths.float().mean()),
             "truncated_fraction": float(exp.truncated.float().mean()),
             "tokens_per_s": exp.stats["gen_tokens"] / max(exp.stats["gen_seconds"], 1e-9),
+            "time_generate": exp.stats["gen_seconds"],  # the engine alone (time_rollout adds rewards and selection)
             # work per useful token: decoded row-steps per kept completion token (1 = nothing wasted)
             "rollout_rows_per_kept": exp.stats["rollout_decoded_row_steps"] / max(exp.stats["rollout_kept_tokens"], 1),
             "lr": self.scheduler.get_last_lr()[0],
