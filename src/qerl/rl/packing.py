@@ -26,12 +26,17 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from ..rollout.sampling import logprob_temperature
 from .logprobs import chunked_token_logprobs
 
 ATTN_NAME = "qerl_packed"
+# SDPA backends for the masked, padded segments. Not cuDNN: on an H200 (torch 2.11, bf16, 2026-11-26) its
+# backward gave non-finite LoRA gradients for a 1.5B model's packed micro-batches of ~500-token segments, where
+# the memory-efficient and math backends give finite ones that agree with the padded path (fp32: 1.6e-4)
+MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 LAYOUT_KWARG = "qerl_packing"  # the forward kwarg that carries a PackedLayout down to the attention
 
 
@@ -91,8 +96,9 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
         S, Lq = b.q_index.shape
         qb = q[:, b.q_index].transpose(0, 1)  # [S, H, Lq, hd]
         kb, vb = (_repeat_heads(t[:, b.k_index].transpose(0, 1), H // KV) for t in (k, v))  # [S, H, Lk, hd]
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask(sliding_window), dropout_p=dropout,
-                                           scale=scaling)
+        with sdpa_kernel(MASKED_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask(sliding_window), dropout_p=dropout,
+                                               scale=scaling)
         outs.append(o.transpose(1, 2).reshape(S * Lq, H, -1)[b.take])  # real queries only [n, H, hd]
     out = torch.cat(outs)[layout.order]  # packed order [L, H, hd]
     return out.unsqueeze(0), None
