@@ -128,17 +128,17 @@ def test_forced_lengths_are_checked():
 
 
 def test_compaction_moves_rows_without_changing_them():
-    """All rows fit at once (no refill); most stop early, so the survivors are compacted into smaller buckets
-    several times: their completions and log-probs are unchanged, and fewer row-steps are computed."""
+    """All 64 rows fit at once (no refill); most stop early, so the survivors are compacted into narrower
+    batches twice: their completions and log-probs are unchanged, and fewer row-steps are computed."""
     model = tiny_model("qwen3")
-    prompts = prompts_of([4, 6, 3, 8, 5, 7, 2, 9, 4, 6, 3, 8, 5, 7, 2, 9], seed=6)
-    lengths = [2, 3, 2, 40, 4, 2, 3, 2, 5, 2, 3, 2, 6, 2, 3, 30]
+    prompts = prompts_of([4, 6, 3, 8, 5, 7, 2, 9] * 8, seed=6)
+    lengths = [2, 3, 4, 1] * 11 + [5, 6, 7, 8] * 4 + [30, 30, 30, 40]
     outs = {mode: RolloutEngine(model, max_seq_len=64, check_every=4, scheduler=mode).generate(
         prompts, 40, SamplingParams(temperature=0.9), seed=1, force_lengths=lengths)
         for mode in ("static", "continuous")}
     assert completions(outs["static"]) == completions(outs["continuous"])
     torch.testing.assert_close(outs["static"].logprobs, outs["continuous"].logprobs, atol=1e-5, rtol=1e-5)
-    # static: 16 rows x 40 steps. continuous, checks every 4 steps: 16 rows to the first check (4 left), 4 to
-    # the second (lengths 5 and 6 done), 2 until the check after the 30-token row ends (step 31), then 1
-    assert outs["static"].stats["decoded_row_steps"] == 16 * 40
-    assert outs["continuous"].stats["decoded_row_steps"] == 16 * 4 + 4 * 4 + 2 * 24 + 1 * 8
+    # static: 64 rows x 40 steps. continuous, checks every 4 steps: 64 rows to the first check (20 live: 32
+    # rows), 32 to the second (4 live: 8 rows, the narrowest width), then 8 until the end
+    assert outs["static"].stats["decoded_row_steps"] == 64 * 40
+    assert outs["continuous"].stats["decoded_row_steps"] == 64 * 4 + 32 * 4 + 8 * 32

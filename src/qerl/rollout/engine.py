@@ -263,7 +263,7 @@ class RolloutEngine:
         self.slot_lo.zero_()
         self.step_index.zero_()
         lengths = sorted({self.attended_len(top) for top in range(0, max_len, self.kv_block)})
-        for b in (x for x in COMPACT_WIDTHS if x <= Bb):  # and the narrower widths compaction moves to
+        for b in {Bb, *(x for x in COMPACT_WIDTHS if x <= Bb)}:  # and the narrower widths compaction moves to
             for kv_len in lengths:
                 self.slot_base.fill_(kv_len - 1)
                 self.decode(b, kv_len)

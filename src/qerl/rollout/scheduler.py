@@ -8,8 +8,8 @@ captured CUDA graph per bucket and attended length), one token per row per step;
   stopped; finished rows stay in the batch, computed and masked. Then the next pass.
 - continuous (the default): a finished row is refilled from the queue at the next check, its prompt
   prefilled into the row. Once the queue is empty, the survivors are compacted into the first rows of the
-  cache whenever a width of at most 3/4 of the current one holds them (`COMPACT_WIDTHS`: the buckets and
-  3 x 2^k), and decoding continues at that width.
+  cache whenever a bucket of at most half the current width holds them (not below `MIN_COMPACT_WIDTH`
+  rows), and decoding continues at that width.
 
 Both prefill a distinct prompt once: sequences with the same prompt (a GRPO group) are one prefill row, its
 k/v written into each of their cache rows; a group split over two refills copies the k/v from a row that
@@ -30,14 +30,17 @@ from .sampling import draw_key, keyed_next_token
 from .stop_strings import decode_text
 
 SCHEDULERS = ("continuous", "static")
-# batch widths compaction moves to: the batch buckets and the 3 x 2^k between them, so the tail's computed rows
-# stay within 4/3 of the live ones (one captured graph per width)
-COMPACT_WIDTHS = tuple(sorted(set(BATCH_BUCKETS) | {3 * 2**k for k in range(8)}))
+# Compaction moves the live rows to the smallest batch bucket that holds them, never below MIN_COMPACT_WIDTH rows,
+# and only when that halves the width: each new width costs one decode-graph capture per rollout (the trainer
+# frees the graphs before its backward), which a 7B step at GSM8K lengths did not win back below about 8 rows or
+# with 3 x 2^k widths in between (H200, 2026-11-26: 14 widths made its rollout 1.2x slower than the static one)
+MIN_COMPACT_WIDTH = 8
+COMPACT_WIDTHS = tuple(b for b in BATCH_BUCKETS if b >= MIN_COMPACT_WIDTH)
 
 
 def compact_width(n: int) -> int:
-    """The smallest compaction width >= n rows."""
-    return next(w for w in COMPACT_WIDTHS if w >= n)
+    """The width compaction gives n live rows: their batch bucket, at least MIN_COMPACT_WIDTH."""
+    return bucket_batch(max(n, MIN_COMPACT_WIDTH))
 
 
 @dataclass
@@ -318,11 +321,11 @@ class Scheduler:
                 self.rows[r] = None
 
     def _compact(self, b: int, g: int) -> int:
-        """Move the live rows of [:b] to the front when a compaction width of at most 3/4 b holds them;
+        """Move the live rows of [:b] to the front when a compaction width of at most b / 2 holds them;
         returns the new width."""
         live = [r for r in range(b) if self.rows[r] is not None]
         nb = compact_width(len(live))
-        if 4 * nb > 3 * b:
+        if 2 * nb > b:
             return b
         e = self.e
         src = torch.tensor(live, device=self.dev)
