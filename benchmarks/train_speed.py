@@ -24,8 +24,9 @@ from pathlib import Path
 
 BASE = {"data.train": "gsm8k-offline", "data.suffix": "gsm8k", "data.max_prompt_tokens": 256,
         "rollout.prompts_per_step": 16, "rollout.group_size": 8, "rollout.max_new_tokens": 512,
-        "rollout.temperature": 1.0, "lora.r": 32, "lora.alpha": 64, "optim.lr": 5e-5, "tensorboard": False,
+        "rollout.temperature": 1.0, "lora.r": 32, "lora.alpha": 64, "optim.lr": "5.0e-5", "tensorboard": False,
         "plots": False, "seed": 0}
+# values go through YAML: write floats with a dot ("5.0e-5"; YAML reads 5e-5 as a string)
 MODES = {"new": {}, "old": {"rollout.scheduler": "static", "optim.packing": False, "optim.micro_batch_size": 8}}
 
 
