@@ -129,7 +129,6 @@ class Scheduler:
         self.e, self.mode, self.sampling, self.seed, self.stop, self.aqn, self.fused = (
             engine, mode, sampling, seed, stop, aqn, fused)
         self.queue = deque(seqs)
-        self.seqs = seqs
         self.W = bucket_batch(width)
         self.width = width
         dev = engine.device
@@ -206,7 +205,8 @@ class Scheduler:
 
     # the loop ---------------------------------------------------------------------------------------
 
-    def run(self):
+    def run(self) -> dict[str, int]:
+        """Decode every sequence to its end; returns the work counts (`Rollout.stats` without kept_tokens)."""
         e = self.e
         self._clear_rows(0, self.W)
         first = [self.queue.popleft() for _ in range(min(self.width, len(self.queue)))]
@@ -220,14 +220,14 @@ class Scheduler:
                 if self.aqn is not None and self.aqn.per_forward:
                     self.aqn.resample()
                 e.step_index.fill_(g)
-                e.decode(b, self._kv_len(g, b))
+                e.decode(b, self._kv_len(g))
             if self.pending is not None:  # the placed rows' first logits come from their prefill
                 rows, logits = self.pending
                 e.step_logits.index_copy_(0, rows, logits.to(e.step_logits.dtype))
                 self.pending = None
             self._sample(g, b)
             self.stats["decoded_row_steps"] += b
-            if g + 1 - self.records.starts[-1] < self.records.C and g < self._surely_done_step(b):
+            if g + 1 - self.records.starts[-1] < self.records.C and g < self._done_by:
                 g, decode = g + 1, True
                 continue
             # a check: one host read of every row's state
@@ -290,12 +290,8 @@ class Scheduler:
         self._top_lo = max((len(s.prompt) for s in live), default=0)
         self._top_base = max((len(s.prompt) - s.start - 1 for s in live), default=0)
 
-    def _surely_done_step(self, b: int) -> int:
-        """The step by which every row of [:b] has reached its budget."""
-        return self._done_by
-
-    def _kv_len(self, g: int, b: int) -> int:
-        """Attended cache length of the decode step at g: past every live row's slot, in kv_block steps."""
+    def _kv_len(self, g: int) -> int:
+        """Attended cache length of the decode step at g: past every live row's slot (`RolloutEngine.attended_len`)."""
         return self.e.attended_len(max(self._top_lo, self._top_base + g))
 
     def _check(self, b: int) -> None:
@@ -330,7 +326,8 @@ class Scheduler:
         e = self.e
         src = torch.tensor(live, device=self.dev)
         dst = torch.arange(len(live), device=self.dev)
-        e.cache.move_rows(src, dst, self._kv_len(g + 1, b))
+        in_use = min(max(self._top_lo, self._top_base + g + 1) + 1, e.max_seq_len)  # slots any live row has written
+        e.cache.move_rows(src, dst, in_use)
         for t in (self.done, self.row_len, self.budget, self.keys, e.step_tokens, e.slot_base, e.slot_lo):
             t[dst] = t[src]
         seqs = [self.rows[r] for r in live]
