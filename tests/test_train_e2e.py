@@ -141,7 +141,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_dir, data_file, 
     assert trainer.step == steps[-1]
 
 
-TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_step", "memory_gb", "reward/time_s")
+TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_generate", "time_update", "time_step", "memory_gb", "reward/time_s")
 
 
 def _deterministic(rows):
