@@ -3,8 +3,8 @@
   decode_attention(q, k_cache, v_cache, key_valid, slot, S, scale) -> out [B, H, hd]
 
 Row b attends to cache slots j < S with key_valid[b, j] and j <= slot (slot: 0-d int64 device tensor, or
-int64 [B] with a slot per row; on the device, so a captured CUDA graph can be replayed with new values). GQA follows HF's repeat_kv: query head h reads kv
-head h // (H // KV). On CUDA bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a flash-decoding Triton
+int64 [B] with a slot per row; on the device, so a captured CUDA graph can be replayed with new values). GQA
+follows HF's repeat_kv: query head h reads kv head h // (H // KV). On CUDA bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a flash-decoding Triton
 kernel (`triton_decode_attention`: one launch, or two when S is split across programs) in place of SDPA
 plus its bool-mask conversion kernels; elsewhere the fp32 torch reference below. Both never read masked
 slots (stale or NaN values there are harmless) and give zeros for a row with no visible key.
@@ -36,7 +36,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      slot: torch.Tensor, S: int, scale: float) -> torch.Tensor:
     """q [B, H, hd] bf16/fp16 (unit last stride); k_cache, v_cache [B, KV, max_len, hd] of q's dtype (one
     layer's full cache); key_valid [B, max_len] bool; slot 0-d int64 tensor or int64 [B] (a slot per row) on
-    q's device (never read on the host); S (int, slot < S <= max_len): leading slots scanned; scale: score multiplier -> [B, H, hd], q's dtype."""
+    q's device (never read on the host); S (int, slot < S <= max_len): leading slots scanned; scale: score
+    multiplier -> [B, H, hd], q's dtype."""
     if use_triton(q):
         from .triton_decode_attention import decode_attention_triton
 

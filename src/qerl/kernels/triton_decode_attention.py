@@ -180,7 +180,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         S, H, G, hd, chunk, splits, float(scale) * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
-        0 if slot.numel() == 1 else slot.stride(0), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
+        0 if slot.numel() == 1 else slot.stride(0),
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, out, H, hd, splits, out.stride(0), out.stride(1),
