@@ -150,7 +150,8 @@ class Scheduler:
     def place(self, seqs: list[Sequence], rows: list[int], start: int) -> None:
         """Put seqs into cache rows `rows`, their first token to be drawn at step `start`: k/v of each
         prompt (prefilled once per group, or copied from a row that holds it), row state, first logits."""
-        holders = {s.group: b for b, s in enumerate(self.rows) if s is not None and b not in rows}
+        targets = set(rows)
+        holders = {s.group: b for b, s in enumerate(self.rows) if s is not None and b not in targets}
         copy_src, copy_dst, fresh, fresh_rows = [], [], {}, []
         for s, b in zip(seqs, rows):
             if s.group in holders and s.group in self.group_logits:
