@@ -78,25 +78,27 @@ def truncate_logits(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return out
 
 
-def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           exponentials=None) -> torch.Tensor:
     """Draw one token per row. logprobs [B, V] fp32 (already temperature-scaled) -> tokens [B] int64.
 
     Sampling is argmax(log p - log E), E ~ Exp(1) (the exponential race, equivalent to the Gumbel-max
-    trick): one elementwise pass and an argmax, no multinomial and no host sync.
+    trick): one elementwise pass and an argmax, no multinomial and no host sync. E comes from `generator`, or
+    from exponentials(like) -> fp32 [B, V] when given (`keyed_exponentials`).
     """
     if params.greedy:
         return logprobs.argmax(-1)
     lp = truncate_logits(logprobs, params.top_k, params.top_p)
+    e = torch.empty_like(lp).exponential_(generator=generator) if exponentials is None else exponentials(lp)
     # clamp: an exact 0 draw would give -inf - log 0 = nan on a masked token
-    e = torch.empty_like(lp).exponential_(generator=generator).clamp_min_(1e-30)
-    return (lp - e.log()).argmax(-1)
+    return (lp - e.clamp_min_(1e-30).log()).argmax(-1)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, exponentials=None):
     """One sampling step. logits [B, V] -> (tokens [B] int64, logprob of each token [B] fp32,
-    entropy [B] fp32), both under softmax(logits / T)."""
+    entropy [B] fp32), both under softmax(logits / T). exponentials: as in `sample`."""
     logprobs = logits_to_logprobs(logits, params.temperature)
-    tokens = sample(logprobs, params, generator)
+    tokens = sample(logprobs, params, generator, exponentials)
     token_logprob = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, token_logprob, entropy_from_logprobs(logprobs)
 
@@ -111,23 +113,18 @@ def draw_key(sequence: int, start_step: int) -> int:
     return sequence * KEY_STRIDE - start_step
 
 
-def keyed_next_token(logits: torch.Tensor, params: SamplingParams, seed: int, keys: list[int], step: int):
-    """`next_token` with counter-based draws: row b's exponentials come from a generator seeded by (seed,
-    keys[b] + step) alone (`draw_key`). logits [B, V] -> (tokens [B] int64, logprob [B] fp32, entropy [B] fp32).
-    keys are host ints (no device read). The eager sampler of the engine: CPU, and CUDA with top-k / top-p."""
-    logprobs = logits_to_logprobs(logits, params.temperature)
-    if params.greedy:
-        tokens = logprobs.argmax(-1)
-    else:
-        lp = truncate_logits(logprobs, params.top_k, params.top_p)
-        e = torch.empty_like(lp)
-        gen = torch.Generator(lp.device)
+def keyed_exponentials(seed: int, keys: list[int], step: int):
+    """For `sample`: Exp(1) draws where row b's come from a generator seeded by (seed, keys[b] + step) alone
+    (`draw_key`); keys are host ints (no device read). The engine's eager sampler (CPU, and CUDA with top-k /
+    top-p) uses it so that a sequence's draws do not depend on its row."""
+    def draw(like: torch.Tensor) -> torch.Tensor:
+        e = torch.empty_like(like)
+        gen = torch.Generator(like.device)
         for b, key in enumerate(keys):
             gen.manual_seed(hash((seed, key + step)) & (2**63 - 1))
             e[b].exponential_(generator=gen)
-        tokens = (lp - e.clamp_min_(1e-30).log()).argmax(-1)
-    token_logprob = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, token_logprob, entropy_from_logprobs(logprobs)
+        return e
+    return draw
 
 
 def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams) -> bool:

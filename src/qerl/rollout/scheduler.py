@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .memory import BATCH_BUCKETS, bucket_batch
-from .sampling import draw_key, keyed_next_token
+from .sampling import draw_key, keyed_exponentials, next_token
 from .stop_strings import decode_text
 
 SCHEDULERS = ("continuous", "static")
@@ -271,7 +271,8 @@ class Scheduler:
                 done=self.done[:b], eos=self.eos, pad_id=e.pad_token_id, tokens=tok_col, mask=mask_col,
                 logprobs=lp_col, entropies=ent_col, step_tokens=e.step_tokens[:b]))
         else:
-            tok, lp, ent = keyed_next_token(logits, self.sampling, self.seed, self.host_keys[:b], g)
+            draws = keyed_exponentials(self.seed, self.host_keys[:b], g)
+            tok, lp, ent = next_token(logits, self.sampling, None, draws)
             alive = ~self.done[:b]
             tok_col.copy_(torch.where(alive, tok, e.pad_token_id))
             mask_col.copy_(alive)
