@@ -2,23 +2,13 @@
 `benchmarks/ws_clocks.py` refuse what they cannot run before looking for a GPU (ws_clocks also parses nvidia-smi's
 samples), and `benchmarks/compile_wgmma_ws.py` compiles the kernel offline and rewrites its setmaxnreg counts."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
 from qerl.bench.rollout import main as rollout_main
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench(name: str):
-    """benchmarks/NAME.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_scripts import load_benchmark as _bench
 
 
 def test_rollout_refuses_an_unknown_backend_to_disable(capsys):

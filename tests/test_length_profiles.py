@@ -1,23 +1,14 @@
 """Completion-length profiles (`qerl.bench.length_profiles`): files, validation, named profiles, group-wise draws,
 and the two tools that make profiles (`benchmarks/record_lengths.py` on a tiny model, `make_long_profile.py`)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from qerl.bench.length_profiles import (NAMED, LengthProfile, ProfileError, describe, draw, load_profile,
                                         packaged_path, read_profile, summary, to_json)
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_scripts import load_benchmark as _bench
 
 
 def _write(tmp_path, name, text):

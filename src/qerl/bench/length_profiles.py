@@ -158,6 +158,23 @@ def load_profile(name_or_path) -> LengthProfile:
 # drawing ----------------------------------------------------------------------------------------------------
 
 
+def resolve_lengths(ap, lengths: str | None, forced: int | None, flag: str, default: int, minimum: int):
+    """The CLI choice between `--lengths NAME|FILE` and one forced length (`flag`, e.g. "--new"): returns
+    (profile or None, forced length or None, the budget max_new_tokens); bad input is `ap.error`."""
+    if lengths is None:
+        forced = default if forced is None else forced
+        if forced < minimum:
+            ap.error(f"{flag} must be >= {minimum}")
+        return None, forced, forced
+    if forced is not None:
+        ap.error(f"--lengths draws each row's length; {flag} forces one length for all: give one of them")
+    try:
+        profile = load_profile(lengths)
+    except ProfileError as e:
+        ap.error(str(e))
+    return profile, None, profile.max_new_tokens
+
+
 def draw(profile: LengthProfile, n_rows: int, group_size: int, seed: int) -> list[int]:
     """n_rows lengths for a batch of n_rows / group_size prompts x group_size rows (each prompt's rows adjacent),
     the same for the same arguments.

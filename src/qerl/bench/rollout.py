@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .length_profiles import NAMED, ProfileError, describe, draw, forced_label, load_profile
+from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
@@ -352,24 +352,13 @@ def parse_args(argv=None):
         args.schedulers = parse_schedulers(args.schedulers)
     except ValueError as e:
         ap.error(str(e))
-    args.profile = None
-    if args.lengths is not None:
-        if args.new is not None:
-            ap.error("--lengths draws each row's length; --new forces one length for all: give one of them")
+    # --new >= 2: the decode rate is (all - first token) / (new - 1)
+    args.profile, args.new, args.budget = resolve_lengths(ap, args.lengths, args.new, "--new", 512, 2)
+    if args.profile is not None:
         if "hf" in args.variants:
             ap.error("--lengths: HF generate cannot force per-row lengths; drop the hf variant")
         if args.group < 1 or args.repeats < 1 or any(b < 1 or b % args.group for b in args.batches):
             ap.error(f"--lengths: --batches must be positive multiples of --group ({args.group}); --repeats >= 1")
-        try:
-            args.profile = load_profile(args.lengths)
-        except ProfileError as e:
-            ap.error(str(e))
-        args.budget = args.profile.max_new_tokens
-    else:
-        args.new = 512 if args.new is None else args.new
-        if args.new < 2:
-            ap.error("--new must be >= 2 (the decode rate is (all - first token) / (new - 1))")
-        args.budget = args.new
     return ap, args
 
 

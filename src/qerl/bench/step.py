@@ -55,7 +55,7 @@ import time
 import torch
 
 from ..formats import FORMATS
-from .length_profiles import NAMED, ProfileError, describe, draw, forced_label, load_profile
+from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
 from .rollout import QWEN25, qwen25_config
 
 
@@ -579,20 +579,8 @@ def parse_args(argv=None):
         args.modes = parse_modes(args.schedulers, args.packing, args.modes)
     except ValueError as e:
         ap.error(str(e))
-    args.profile = None
-    if args.lengths is not None:
-        if args.completion is not None:
-            ap.error("--lengths draws each row's length; --completion forces one length for all: give one of them")
-        try:
-            args.profile = load_profile(args.lengths)
-        except ProfileError as e:
-            ap.error(str(e))
-        args.budget = args.profile.max_new_tokens
-    else:
-        args.completion = 2048 if args.completion is None else args.completion
-        if args.completion < 1:
-            ap.error("--completion must be >= 1")
-        args.budget = args.completion
+    args.profile, args.completion, args.budget = resolve_lengths(ap, args.lengths, args.completion, "--completion",
+                                                                 2048, 1)
     if args.max_tokens_per_micro_batch is None:  # what `qerl train` packs unless optim.max_tokens_per_micro_batch
         from ..rl.update import UpdateSettings
 
