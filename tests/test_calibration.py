@@ -286,3 +286,43 @@ def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tin
                  "--out", str(tmp_path / "q")]) == 2
     assert "--calibration-samples must be positive" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def test_cli_quantize_device_choice(tiny_dir, tmp_path, monkeypatch):
+    from qerl.cli import quantize_device
+
+    assert quantize_device("cpu") == torch.device("cpu")
+    assert quantize_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="--device 'gpu0'"):
+        quantize_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert quantize_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        quantize_device("cuda")
+    assert main(["quantize", str(tiny_dir), "--device", "cuda", "--out", str(tmp_path / "q")]) == 2
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_cli_quantize_on_cuda_writes_the_same_format_as_on_cpu(tiny_dir, tmp_path, text_file, method):
+    """Calibration and quantization on the GPU give a directory that loads like the CPU one, with close KL."""
+    from qerl.models import load_quantized
+
+    outs = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        args = ["quantize", str(tiny_dir), "--method", method, "--device", device, "--out", str(out)]
+        if method == "gptq":
+            args += ["--calibration", str(text_file), "--calibration-samples", "4"]
+        assert main(args) == 0
+        outs[device] = out
+    a, _ = load_quantized(outs["cpu"])
+    b, _ = load_quantized(outs["cuda"])
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].shape == sb[k].shape and sa[k].dtype == sb[k].dtype, k
+    if method == "rtn":  # no calibration arithmetic: the bytes agree
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k

@@ -30,7 +30,8 @@ def _quantize(args) -> int:
     check_method(args.method, args.format)
     if calibrated:
         check_source(args.calibration)
-    samples = default_samples("cpu") if args.calibration_samples is None else args.calibration_samples
+    device = quantize_device(args.device)
+    samples = default_samples(device) if args.calibration_samples is None else args.calibration_samples
     if samples <= 0:
         raise ValueError(f"--calibration-samples must be positive, got {samples}")
     directory = plain_hf_directory(args.model) if args.no_check else None
@@ -41,16 +42,18 @@ def _quantize(args) -> int:
 
             cal = calibration_ids(args.calibration, AutoTokenizer.from_pretrained(directory), samples,
                                   args.calibration_max_tokens)
-        model, tokenizer = stream_quantized(directory, args.format, targets=targets, dtype=args.dtype,
+        model, tokenizer = stream_quantized(directory, args.format, targets=targets, dtype=args.dtype, device=device,
                                             trust_remote_code=args.trust_remote_code, show_progress=True,
                                             method=args.method, calibration=cal, keep_bf16=keep)
-        console.print(f"loaded and quantized {args.model} layer by layer ({args.method}) in "
+        console.print(f"loaded and quantized {args.model} layer by layer ({args.method}) on {device} in "
                       f"{time.perf_counter() - t0:.1f}s")
     else:
         with console.status(f"loading {args.model}"):
-            model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-        console.print(f"loaded {args.model} ({type(model).__name__}) in {time.perf_counter() - t0:.1f}s")
-        ids = tokenizer(fidelity_text(), return_tensors="pt").input_ids if (tokenizer and not args.no_check) else None
+            model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, device=device,
+                                              trust_remote_code=args.trust_remote_code)
+        console.print(f"loaded {args.model} ({type(model).__name__}) on {device} in {time.perf_counter() - t0:.1f}s")
+        ids = (tokenizer(fidelity_text(), return_tensors="pt").input_ids.to(device)
+               if (tokenizer and not args.no_check) else None)
         ref = next_token_logprobs(model, ids) if ids is not None else None
         if calibrated:
             if tokenizer is None:
@@ -61,7 +64,7 @@ def _quantize(args) -> int:
         t1 = time.perf_counter()
         quantize_model(model, args.format, targets=targets, show_progress=True, method=args.method, calibration=cal,
                        keep_bf16=keep)
-        console.print(f"quantized to {args.format} with {args.method} in {time.perf_counter() - t1:.1f}s"
+        console.print(f"quantized to {args.format} with {args.method} on {device} in {time.perf_counter() - t1:.1f}s"
                       + (f" ({cal.numel()} calibration tokens)" if cal is not None else ""))
     report = memory_report(model)
     out = save_quantized(model, tokenizer, args.out, overwrite=args.overwrite)
@@ -82,6 +85,21 @@ def _quantize(args) -> int:
     console.print(table)
     print(json.dumps({"output": str(out), "format": args.format, "method": args.method, **report}))
     return 0
+
+
+def quantize_device(name: str):
+    """`--device` of `qerl quantize` -> torch.device: "auto" is the first GPU when there is one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    return device
 
 
 def _train(args) -> int:
@@ -129,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text for gptq / awq: auto, reasoning-gym, self (the model's own greedy "
                         "answers), or a .txt / .jsonl file; never an evaluation set")
     q.add_argument("--calibration-samples", type=int,
-                   help="calibration sequences (default 64: qerl quantize calibrates on the CPU; see docs/formats.md)")
+                   help="calibration sequences (default 128 on a GPU, 64 on the CPU; see docs/formats.md)")
+    q.add_argument("--device", default="auto",
+                   help="where the model is loaded, calibrated and quantized: auto (a GPU when there is one), "
+                        "cpu, cuda, cuda:N")
     q.add_argument("--calibration-max-tokens", type=int, default=256, help="tokens per calibration sequence")
     q.add_argument("--keep-bf16", default="",
                    help="comma-separated module names / patterns / last:N left in bf16 (e.g. last:2,*.down_proj)")
