@@ -1,18 +1,22 @@
 """Quantization methods side by side on a real model: weight error, next-token KL to the unquantized model on
 held-out text, starting pass@1 on held-out problems, the share of short completions, quantization time.
 
-A row is FORMAT[-METHOD][@SOURCE] (bf16, nf4, mxfp4, nvfp4, nvfp4-4over6, nvfp4-gptq, nvfp4-awq@self, ...;
+A row is FORMAT[-METHOD][@SOURCE][#KEEP|KEEP...] (KEEP: a `keep_bf16` pattern left in bf16, e.g. last:2; bf16, nf4, mxfp4, nvfp4, nvfp4-4over6, nvfp4-gptq, nvfp4-awq@self, ...;
 SOURCE is a calibration source of qerl.data.calibration), nvfp4-4over6~SEARCH (another candidate set of
 `qerl.quant.nvfp4_scales.candidate_scales`: 4over6 = only the maximum onto 6 or 4) or a diagnostic row:
   only:LAYER:FORMAT   quantize only one layer type (q_proj, ..., down_proj) to FORMAT (rtn), rest 16-bit
   fake:e4m3-free      NVFP4 codes with block scales kept in fp32 (no E4M3 rounding of the scale)
   fake:e2m1+5         NVFP4 on a grid that also has 5 (no gap between 4 and 6)
 The held-out text is GSM8K test problems with their solutions (never calibration); pass@1 is on --test
-(question/answer JSONL or a reasoning-gym spec) with --n samples at T 0.6, top-p 0.95.
+(question/answer JSONL, a reasoning-gym spec or any qerl dataset source) with --n samples at --temperature
+(default 0.6, top-p 0.95; 0 is greedy).
 
     # GPU (H100/H200): the table in docs/formats.md
     python benchmarks/quant_methods.py --model /tmp/smol-hf --test .gpu/data/arith_test.jsonl --limit 200 \
         --rows bf16,nf4,mxfp4,nvfp4,nvfp4-4over6,nvfp4-gptq,nvfp4-awq --out /tmp/qm.json
+    # GPU: the starting point of a real model on the GSM8K held-out problems (first 500), greedy, <= 512 tokens
+    python benchmarks/quant_methods.py --model /tmp/q15 --test gsm8k-offline --limit 500 --n 1 --temperature 0 \
+        --max-new-tokens 512 --batch-size 128 --rows bf16,nf4,nvfp4,nvfp4-4over6,nvfp4-gptq,nvfp4-awq
     # CPU: KL and time only (pass@1 needs a GPU to be quick)
     python benchmarks/quant_methods.py --rows nvfp4,nvfp4-gptq --no-eval
     # GPU: quantization time at 7B (4 of 28 layers, extrapolated)
@@ -27,16 +31,19 @@ import time
 import torch
 
 
-def parse_row(row: str) -> tuple[str, str, str | None]:
+def parse_row(row: str) -> tuple[str, str, str | None, list[str]]:
+    """'nvfp4-gptq@self#last:2|*.down_proj' -> ("nvfp4", "gptq", "self", ["last:2", "*.down_proj"])."""
+    row, _, keep = row.partition("#")
     spec, _, source = row.partition("@")
     fmt, _, method = spec.partition("-")
-    return fmt, method or "rtn", source or None
+    return fmt, method or "rtn", source or None, [k for k in keep.split("|") if k]
 
 
 def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.Module, float, dict]:
     """A fresh copy of `base` quantized as `row`; (model, seconds, info)."""
     from qerl.models.calibrate import calibration_ids, method_quantizer
     from qerl.models.convert import calibrated_quantize, quantize_model
+    from qerl.models.precision import resolve_keep_bf16
     from qerl.quant import CALIBRATED
 
     model = copy.deepcopy(base)
@@ -44,9 +51,11 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
         t0 = time.perf_counter()
         explain_rows(model, row)
         return model, time.perf_counter() - t0, {}
-    fmt, method, source = parse_row(row)
+    fmt, method, source, keep = parse_row(row)
     t0 = time.perf_counter()
     info = {}
+    if keep:
+        info["kept_bf16"] = len(resolve_keep_bf16(model, keep))
     if "~" in method:  # nvfp4-4over6~4over6: the scale search with another candidate set (nvfp4_scales)
         method, _, search = method.partition("~")
         quantize_model(model, fmt, quantizer=method_quantizer(model, fmt, method, search=search))
@@ -54,10 +63,11 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
         ids = calibration_ids(source or cal_cfg["source"], tok, cal_cfg["samples"], cal_cfg["max_tokens"], model=base)
         info["calibration_s"] = time.perf_counter() - t0
         info["calibration_tokens"] = ids.numel()
-        out = calibrated_quantize(model, fmt, method, ids, device=device)
+        out = calibrated_quantize(model, fmt, method, ids, device=device,
+                                  keep=resolve_keep_bf16(model, keep) if keep else ())
         info["awq_scales"] = out["awq_scales"]
     else:
-        quantize_model(model, fmt, method=method)
+        quantize_model(model, fmt, method=method, keep_bf16=keep)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return model, time.perf_counter() - t0, info
@@ -150,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of pass@1 (0: greedy)")
+    ap.add_argument("--batch-size", type=int, default=64, help="sequences per engine call in pass@1")
     ap.add_argument("--short", type=int, default=16, help="a completion this many tokens or fewer counts as short")
     ap.add_argument("--calibration", default="auto")
     ap.add_argument("--samples", type=int, default=128)
@@ -184,8 +196,11 @@ def main(argv=None) -> int:
         res = {"row": row, "seconds": seconds, "weight_rel_err": None if info.get("awq_scales") else weight_error(base, model),
                **fid, **{k: v for k, v in info.items() if k != "awq_scales"}}
         if rows is not None:
-            ev = evaluate(model, tok, rows, n_samples=args.n, sampling=SamplingParams(0.6, 0, 0.95),
-                          max_new_tokens=args.max_new_tokens, seed=0, progress=False)
+            t_eval = time.perf_counter()
+            ev = evaluate(model, tok, rows, n_samples=args.n,
+                          sampling=SamplingParams(args.temperature, 0, 0.95 if args.temperature else 1.0),
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=0, progress=False)
+            res["eval_s"] = time.perf_counter() - t_eval
             lengths = [n for p in ev["per_problem"] for n in p["lengths"]]
             res.update({"pass1": ev["pass@1"], "mean_length": sum(lengths) / len(lengths),
                         "short_share": sum(n <= args.short for n in lengths) / len(lengths),
