@@ -96,3 +96,14 @@ def test_overlap_of_the_split_is_fast_and_exact_duplicates_score_one():
     r = max_overlap(held, train + held[:7])  # 7 leaked held-out questions
     assert time.perf_counter() - t0 < 10
     assert (r.scores[:7] == 1.0).all() and r.above >= 7
+
+
+def test_data_overlap_benchmark_prints_the_table(capsys):
+    from bench_scripts import load_benchmark
+
+    bench = load_benchmark("data_overlap")
+    assert bench.main(["--gym-size", "20", "--symbolic-size", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "| gsm8k-offline:train | 819 |" in out and "| gsm8k-offline (full test set) | 1319 | 500 (100.0%) |" in out
+    assert "| reasoning-gym:gsm_symbolic | 20 |" in out and "| reasoning-gym:products | 20 |" in out
+    assert "gsm_symbolic: " in out and "held out (#" in out
