@@ -107,3 +107,20 @@ def test_data_overlap_benchmark_prints_the_table(capsys):
     assert "| gsm8k-offline:train | 819 |" in out and "| gsm8k-offline (full test set) | 1319 | 500 (100.0%) |" in out
     assert "| reasoning-gym:gsm_symbolic | 20 |" in out and "| reasoning-gym:products | 20 |" in out
     assert "gsm_symbolic: " in out and "held out (#" in out
+
+
+def test_study_evaluates_the_train_split_on_the_heldout_split_and_shows_the_overlap(capsys):
+    from qerl.bench import study
+
+    assert study.default_test(GSM8K_TRAIN_OFFLINE) == GSM8K_HELDOUT
+    assert study.default_test("reasoning-gym:chain_sum") == study.DEFAULT_TEST == "reasoning-gym:basic_arithmetic"
+    s = study.overlap_check(GSM8K_TRAIN_OFFLINE, GSM8K_HELDOUT, eval_limit=200, seed=0)
+    out = capsys.readouterr().out
+    assert s["n"] == 200 and s["train"] == GSM8K_TRAIN_OFFLINE and len(s["top"]) == 5
+    assert "overlap check (gsm8k-offline:heldout vs gsm8k-offline:train): " in out and "warning" not in out
+    s = study.overlap_check(GSM8K_TRAIN_OFFLINE, "gsm8k-offline", eval_limit=1319, seed=0)
+    out = capsys.readouterr().out
+    assert "warning: training on gsm8k-offline:train and evaluating on gsm8k-offline: 819" in out
+    assert s["above"] >= 819 and s["max"] == 1.0
+    assert study.overlap_check("gsm8k", GSM8K_HELDOUT, 10, 0) is None
+    assert "skipped (hub source)" in capsys.readouterr().out

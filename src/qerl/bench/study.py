@@ -27,10 +27,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..data.datasets import GSM8K_HELDOUT, GSM8K_TRAIN_OFFLINE, HELDOUT_OF
 from .study_arms import Arm, StudyError, parse_arms
 from .study_jobs import MPSDaemon, run_jobs, write_json_atomic
 from .study_report import aggregate, plot_study, report
 
+DEFAULT_TEST = "reasoning-gym:basic_arithmetic"
 # What the study itself sets per job; --set may not override them (the arm / seed would silently lie).
 STUDY_KEYS = ("model.name", "model.format", "model.quant_method", "aqn.enabled", "aqn.decay", "data.train", "steps", "seed", "output_dir")
 
@@ -219,7 +221,9 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--config", default="configs/smollm2-demo.yaml")
     p.add_argument("--train", default="reasoning-gym:basic_arithmetic")
-    p.add_argument("--test", default="reasoning-gym:basic_arithmetic")
+    p.add_argument("--test", default=None,
+                   help=f"held-out evaluation source; default {GSM8K_HELDOUT} when --train is {GSM8K_TRAIN_OFFLINE}, "
+                        f"else {DEFAULT_TEST}")
     p.add_argument("--eval-limit", type=int, default=200)
     p.add_argument("--eval-n", type=int, default=4)
     p.add_argument("--eval-temperature", type=float, default=0.6)
@@ -240,6 +244,8 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
     t_start = time.monotonic()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(description).parse_args(argv)
+    if args.test is None:
+        args.test = default_test(args.train)
     try:
         arms, seeds = parse_arms(args.arms), parse_seeds(args.seeds)
         check_overrides(args.set)
@@ -258,6 +264,7 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    overlap = overlap_check(args.train, args.test, args.eval_limit, seeds[0])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for job in finished:
@@ -276,7 +283,8 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
             "device": next((r["device"] for r in runs if r.get("device")), "unknown (no finished run)"),
             "date": time.strftime("%Y-%m-%d"), "command": shlex.join([*shlex.split(prog), *argv])}
     write_json_atomic(out / "results.json", {
-        **meta, "mps": args.mps, "args": vars(args), "settings": settings_of(args), "aggregate": agg,
+        **meta, "mps": args.mps, "args": vars(args), "settings": settings_of(args), "overlap": overlap,
+        "aggregate": agg,
         "jobs": [{"name": o["job"].name, "arm": o["job"].arm.name, "seed": o["job"].seed,
                   **{k: o[k] for k in ("status", "wall_s", "error", "log_tail")}} for o in outcomes],
         "runs": runs})
@@ -287,6 +295,36 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
     print(report(agg, outcomes, meta))
     print(f"\nresults: {out / 'results.json'} ({time.monotonic() - t_start:.0f} s)")
     return 0 if all(o["status"] in ("done", "cached") for o in outcomes) else 1
+
+
+def default_test(train: str) -> str:
+    """The held-out source when --test is not given: the held-out part of a split source, else DEFAULT_TEST."""
+    return HELDOUT_OF.get(train, DEFAULT_TEST)
+
+
+def overlap_check(train: str, test: str, eval_limit: int, seed: int) -> dict | None:
+    """Print, once before the jobs, the contamination warning for the two sources' names and the word
+    overlap of the held-out questions with the training ones (qerl.data.overlap); the summary, or None when
+    a source could not be read here (hub sources are not downloaded for it)."""
+    from ..data import DatasetError, load_problems
+    from ..data.datasets import HUB, contamination_warning
+    from ..data.overlap import format_summary, max_overlap
+
+    warning = contamination_warning(train, test)
+    if warning:
+        print(f"warning: {warning}")
+    if train.partition(":")[0] in HUB or test.partition(":")[0] in HUB:
+        print("overlap check: skipped (hub source)")
+        return None
+    try:
+        train_q = [r["question"] for r in load_problems(train, split="train", seed=seed)]
+        test_q = [r["question"] for r in load_problems(test, split="test", limit=eval_limit, seed=0)]
+    except (DatasetError, OSError) as e:
+        print(f"overlap check: skipped ({e})")
+        return None
+    result = max_overlap(test_q, train_q)
+    print(f"overlap check ({test} vs {train}): {format_summary(result, test_q, train_q, top=3)}")
+    return {"train": train, "test": test, **result.summary(top=5)}
 
 
 def _check_configs(args, jobs: list[Job]) -> None:
