@@ -124,3 +124,22 @@ def test_study_evaluates_the_train_split_on_the_heldout_split_and_shows_the_over
     assert s["above"] >= 819 and s["max"] == 1.0
     assert study.overlap_check("gsm8k", GSM8K_HELDOUT, 10, 0) is None
     assert "skipped (hub source)" in capsys.readouterr().out
+
+
+def test_gsm8k_grpo_1_5b_config_trains_on_the_split():
+    from pathlib import Path
+
+    from qerl.config import load_config
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for path in sorted(root.glob("*.yaml")):  # every recipe still loads
+        load_config(path)
+    cfg = load_config(root / "gsm8k-grpo-1.5b.yaml")
+    assert (cfg.model.name, cfg.model.format) == ("qwen2.5-coder-1.5b-instruct", "nvfp4")
+    assert (cfg.lora.r, cfg.lora.alpha) == (32, 64)
+    assert cfg.data.train == GSM8K_TRAIN_OFFLINE and cfg.algo.name == "grpo" and cfg.aqn.enabled
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens) == (16, 8, 512)
+    assert cfg.optim.lr == 5e-5 and cfg.rollout.temperature == 1.0 and cfg.steps == 100
+    assert cfg.output_dir == "runs/gsm8k-grpo-1.5b"
+    text = (root / "gsm8k-grpo-1.5b.yaml").read_text()
+    assert text.startswith("# GSM8K on one GPU") and f"--dataset {GSM8K_HELDOUT}" in text
