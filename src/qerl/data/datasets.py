@@ -247,9 +247,10 @@ def contamination_warning(train: str, test: str) -> str | None:
                     f"evaluate on {GSM8K_HELDOUT}")
         return None
     if train.partition("?")[0] == "reasoning-gym:gsm_symbolic":
-        return (f"training on {train} and evaluating on {test}: gsm_symbolic's problems are GSM8K test problems "
-                "with other names and numbers, so many evaluation problems are in the training data in all but "
-                "the numbers (docs/training.md, 'GSM8K offline')")
+        return (f"training on {train} and evaluating on {test}: gsm_symbolic's 85 templates are GSM8K test problems "
+                f"(37 of them in {GSM8K_HELDOUT}) with other names and numbers, so those evaluation problems are in "
+                f"the training data in all but the numbers; train on {GSM8K_TRAIN_OFFLINE} (docs/training.md, "
+                "'GSM8K offline')")
     return None
 
 
