@@ -267,3 +267,36 @@ def test_the_config_sets_packing_and_its_budget():
     assert not s.packing and s.max_tokens_per_micro_batch == 1234
     with pytest.raises(ConfigError, match="optim.max_tokens_per_micro_batch must be > 0"):
         load_config(None, ["optim.max_tokens_per_micro_batch=0"])
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_gather_backward_equals_autograd_of_plain_indexing(dim):
+    """Gather's gather-only backward sums the duplicate readers exactly like autograd's scatter-add; rows left
+    out of the inverse must get zero gradient, so the upstream gradient is zeroed there."""
+    from qerl.rl.packing import host_gather
+
+    g = torch.Generator().manual_seed(0)
+    size, rows = 11, 40
+    index = torch.randint(0, size, (rows,), generator=g)
+    index[:3] = 4  # a position read many times
+    read = torch.rand(rows, generator=g) > 0.3
+    shape = (size, 3, 5) if dim == 0 else (2, size, 5)
+    x = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+    upstream = torch.randn(*(rows if d == dim else n for d, n in enumerate(shape)), dtype=torch.float64, generator=g)
+    upstream = upstream * read.view(*(rows if d == dim else 1 for d in range(len(shape)))).double()
+    gather = host_gather(index, size, "cpu", read)
+    out = gather(x, dim)
+    assert torch.equal(out, x.index_select(dim, index))
+    (grad,) = torch.autograd.grad((out * upstream).sum(), x)
+    (ref,) = torch.autograd.grad((x.index_select(dim, index) * upstream).sum(), x)
+    torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-12)
+    assert gather.inverse.shape == (size, int(torch.bincount(index[read], minlength=size).max()))
+
+
+def test_inverse_index_of_a_permutation_is_its_inverse():
+    from qerl.rl.packing import inverse_index
+
+    perm = torch.randperm(9, generator=torch.Generator().manual_seed(1))
+    inv = inverse_index(perm, 9)
+    assert inv.shape == (9, 1) and torch.equal(perm[inv[:, 0]], torch.arange(9))
+    assert inverse_index(torch.zeros(0, dtype=torch.long), 0).shape == (0, 1)

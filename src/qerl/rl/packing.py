@@ -37,6 +37,69 @@ ATTN_NAME = "qerl_packed"
 # backward gave non-finite LoRA gradients for a 1.5B model's packed micro-batches of ~500-token segments, where
 # the memory-efficient and math backends give finite ones that agree with the padded path (fp32: 1.6e-4)
 MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass
+class Gather:
+    """A row gather along one dim whose backward is a gather too.
+
+    index int64 [M]: the source position of each output row; inverse int64 [size, D]: the output rows that
+    read each source position, padded with M (`inverse_index`). Autograd's own backward of an index is a
+    sort-based scatter-add, redone in every layer of every micro-batch (a third of a 1.5B model's loss pass
+    on an H100); the layout is fixed per micro-batch, so its inverse is built once on the host.
+    """
+
+    index: torch.Tensor
+    inverse: torch.Tensor
+
+    def __call__(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return _GatherRows.apply(x, dim, self.index, self.inverse)
+
+
+def inverse_index(index: torch.Tensor, size: int, read: torch.Tensor | None = None) -> torch.Tensor:
+    """index int64 [M] (values in [0, size)) -> int64 [size, D]: per source position the output rows m with
+    index[m] == it and read[m] (default all), in increasing m, padded with M; D = the most rows reading one
+    position (at least 1). Rows left out by `read` get no gradient: only leave out rows whose gradient is
+    exactly zero (masked keys, padded queries)."""
+    rows = index.numel()
+    m = torch.arange(rows)
+    if read is not None:
+        index, m = index[read], m[read]
+    order = torch.argsort(index, stable=True)
+    sorted_index = index[order]
+    counts = torch.bincount(sorted_index, minlength=size)
+    depth = max(int(counts.max()) if counts.numel() else 1, 1)
+    rank = torch.arange(sorted_index.numel()) - (torch.cumsum(counts, 0) - counts)[sorted_index]
+    inverse = torch.full((size, depth), rows, dtype=torch.long)
+    inverse[sorted_index, rank] = m[order]
+    return inverse
+
+
+def host_gather(index: torch.Tensor, size: int, device, read: torch.Tensor | None = None) -> Gather:
+    """A `Gather` built from a host index (see `inverse_index`), both tensors moved to `device`."""
+    inverse = inverse_index(index, size, read)
+    return Gather(index.to(device, non_blocking=True), inverse.to(device, non_blocking=True))
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, index, inverse):
+        ctx.dim = dim
+        ctx.save_for_backward(inverse)
+        return x.index_select(dim, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        dim = ctx.dim % grad.dim()
+        zero = grad.new_zeros(*grad.shape[:dim], 1, *grad.shape[dim + 1:])
+        picked = torch.cat([grad, zero], dim).index_select(dim, inverse.reshape(-1))
+        size, depth = inverse.shape
+        picked = picked.view(*grad.shape[:dim], size, depth, *grad.shape[dim + 1:])
+        if depth == 1:
+            return picked.squeeze(dim + 1), None, None, None
+        acc = torch.promote_types(grad.dtype, torch.float32)  # bf16 readers summed in fp32
+        return picked.sum(dim + 1, dtype=acc).to(grad.dtype), None, None, None
 LAYOUT_KWARG = "qerl_packing"  # the forward kwarg that carries a PackedLayout down to the attention
 
 
@@ -46,15 +109,18 @@ class _Bucket:
 
     q_index int64 [S, Lq]: packed position of each query (0 where padded); k_index int64 [S, Lk]: packed
     position of each key, prefix first (0 where padded); q_pos int64 [S, 1]: the number of prefix keys
-    (query i sits at sequence position q_pos + i); k_len int64 [S, 1]: real keys; take int64 [n]: the
-    flat [S * Lq] indices of the real queries, in the order `PackedLayout.order` refers to.
+    (query i sits at sequence position q_pos + i); k_len int64 [S, 1]: real keys; take: the real queries
+    among the flat [S * Lq], in the order `PackedLayout.order` refers to. queries / keys: the gathers of
+    q_index / k_index (flattened) from the packed stream.
     """
 
     q_index: torch.Tensor
     k_index: torch.Tensor
     q_pos: torch.Tensor
     k_len: torch.Tensor
-    take: torch.Tensor
+    take: Gather
+    queries: Gather
+    keys: Gather
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """bool [S, 1, Lq, Lk]: key j is visible to query i iff j <= prefix + i (causal, prompt included) and,
@@ -72,11 +138,11 @@ class _Bucket:
 
 @dataclass
 class PackedLayout:
-    """Who attends to whom in one packed stream of L tokens: buckets of segments, and `order` int64 [L],
-    the permutation that puts the buckets' concatenated real query outputs back in packed order."""
+    """Who attends to whom in one packed stream of L tokens: buckets of segments, and `order`, the
+    permutation (a gather of [L]) that puts the buckets' concatenated real query outputs back in packed order."""
 
     buckets: list[_Bucket]
-    order: torch.Tensor
+    order: Gather
 
 
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -93,14 +159,15 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     q, k, v = query[0], key[0], value[0]  # [H or KV, L, hd]
     outs = []
     for b in layout.buckets:
-        S, Lq = b.q_index.shape
-        qb = q[:, b.q_index].transpose(0, 1)  # [S, H, Lq, hd]
-        kb, vb = (_repeat_heads(t[:, b.k_index].transpose(0, 1), H // KV) for t in (k, v))  # [S, H, Lk, hd]
+        (S, Lq), Lk = b.q_index.shape, b.k_index.shape[1]
+        qb = b.queries(q, 1).view(H, S, Lq, -1).transpose(0, 1)  # [S, H, Lq, hd]
+        kb, vb = (_repeat_heads(b.keys(t, 1).view(KV, S, Lk, -1).transpose(0, 1), H // KV)
+                  for t in (k, v))  # [S, H, Lk, hd]
         with sdpa_kernel(MASKED_SDPA_BACKENDS):
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask(sliding_window), dropout_p=dropout,
                                                scale=scaling)
-        outs.append(o.transpose(1, 2).reshape(S * Lq, H, -1)[b.take])  # real queries only [n, H, hd]
-    out = torch.cat(outs)[layout.order]  # packed order [L, H, hd]
+        outs.append(b.take(o.transpose(1, 2).reshape(S * Lq, H, -1)))  # real queries only [n, H, hd]
+    out = layout.order(torch.cat(outs))  # packed order [L, H, hd]
     return out.unsqueeze(0), None
 
 
@@ -156,8 +223,8 @@ def _replay_packed(model):
 class PackedMicroBatch:
     """One packed forward over the rows `rows` of the experience (tensors on the experience's device).
 
-    input_ids / position_ids int64 [L]: the packed stream; layout: its attention; pred_index int64 [n]:
-    for each loss token (row-major over (row, j)), the stream position whose hidden state predicts it;
+    input_ids / position_ids int64 [L]: the packed stream; layout: its attention; pred: the gather of the
+    stream positions whose hidden states predict the loss tokens ([n], row-major over (row, j));
     target_index int64 [n]: where that token sits in `completion_ids.flatten()`; out_index int64 [n]: its
     place in the flat [rows, T] log-prob output. computed_tokens: L (each prompt once per micro-batch it
     appears in); needed_tokens: loss tokens + the prompt of each group whose first loss token is here (each
@@ -168,7 +235,7 @@ class PackedMicroBatch:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     layout: PackedLayout
-    pred_index: torch.Tensor
+    pred: Gather
     target_index: torch.Tensor
     out_index: torch.Tensor
     computed_tokens: int
@@ -282,7 +349,8 @@ class _Rows:
             needed += n
         dev = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
         ids = self.flat[dev(src)] if src else self.flat[:0]
-        return PackedMicroBatch(slice(a, b), ids, dev(pos), _layout(segments, self.device), dev(pred),
+        pred_gather = host_gather(torch.tensor(pred, dtype=torch.long), len(src), self.device)
+        return PackedMicroBatch(slice(a, b), ids, dev(pos), _layout(segments, self.device), pred_gather,
                                 dev(target), dev(out), len(src), needed)
 
 
@@ -302,6 +370,7 @@ def _layout(segments: list[tuple[int, int, int, int]], device) -> PackedLayout:
         lk, area = max(lk, k), area + q * k
     if current:
         buckets.append(current)
+    size = sum(s[3] for s in segments)  # the stream's length: every token is one segment's own
     made, order = [], []
     for bucket in buckets:
         pre_start, pre_len, start, length = (torch.tensor(c, dtype=torch.long).unsqueeze(1) for c in zip(*bucket))
@@ -310,11 +379,16 @@ def _layout(segments: list[tuple[int, int, int, int]], device) -> PackedLayout:
         real_q = i < length
         q_index = torch.where(real_q, start + i, 0)
         k_index = torch.where(j < pre_len, pre_start + j, torch.where(j < pre_len + length, start + j - pre_len, 0))
+        real_k = j < pre_len + length
+        take = real_q.reshape(-1).nonzero().squeeze(1)
         order.append(q_index[real_q])
-        made.append(_Bucket(*(t.to(device, non_blocking=True) for t in
-                              (q_index, k_index, pre_len, pre_len + length, real_q.reshape(-1).nonzero().squeeze(1)))))
+        made.append(_Bucket(*(t.to(device, non_blocking=True) for t in (q_index, k_index, pre_len, pre_len + length)),
+                            take=host_gather(take, real_q.numel(), device),
+                            # padded queries and masked keys get exactly zero gradient: left out of the inverse
+                            queries=host_gather(q_index.reshape(-1), size, device, real_q.reshape(-1)),
+                            keys=host_gather(k_index.reshape(-1), size, device, real_k.reshape(-1))))
     order = torch.argsort(torch.cat(order)) if order else torch.zeros(0, dtype=torch.long)
-    return PackedLayout(made, order.to(device, non_blocking=True))
+    return PackedLayout(made, host_gather(order, order.numel(), device))
 
 
 def packed_logprobs(model, mb: PackedMicroBatch, completion_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -332,7 +406,7 @@ def packed_logprobs(model, mb: PackedMicroBatch, completion_ids: torch.Tensor, t
     with packed_attention(model), _replay_packed(model):
         hidden = model.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False,
                              **{LAYOUT_KWARG: mb.layout}).last_hidden_state[0]
-    h = hidden[mb.pred_index]
+    h = mb.pred(hidden)
     targets = completion_ids.reshape(-1)[mb.target_index]
     logp = chunked_token_logprobs(h[None], model.lm_head.weight, targets[None], logprob_temperature(temperature))[0]
     return torch.zeros(n_rows * T, dtype=logp.dtype, device=device).index_copy(0, mb.out_index, logp).view(n_rows, T)
