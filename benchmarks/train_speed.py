@@ -10,7 +10,7 @@ reward and completion length, and peak memory.
         --set rollout.max_new_tokens=512 lora.r=32
 
 Defaults are the GSM8K run of the issue on a real model (Qwen2.5-Coder-1.5B-Instruct): 16 prompts x 8, <= 512
-new tokens, T 1.0, LoRA r 32, lr 5e-5, gsm8k-offline with the gsm8k suffix.
+new tokens, T 1.0, LoRA r 32, lr 5e-5, the GSM8K training split (gsm8k-offline:train) with the gsm8k suffix.
 """
 
 import argparse
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-BASE = {"data.train": "gsm8k-offline", "data.suffix": "gsm8k", "data.max_prompt_tokens": 256,
+BASE = {"data.train": "gsm8k-offline:train", "data.suffix": "gsm8k", "data.max_prompt_tokens": 256,
         "rollout.prompts_per_step": 16, "rollout.group_size": 8, "rollout.max_new_tokens": 512,
         "rollout.temperature": 1.0, "lora.r": 32, "lora.alpha": 64, "optim.lr": "5.0e-5", "tensorboard": False,
         "plots": False, "seed": 0}
