@@ -37,7 +37,9 @@ from .length_profiles import NAMED, describe, draw, forced_label, resolve_length
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
-QWEN25 = {  # Qwen2.5 shapes (config.json of the hub releases); vocab 152064, untied embeddings
+QWEN25 = {  # Qwen2.5 shapes (config.json of the hub releases); vocab 152064, untied embeddings from 7B up
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4),
     "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
@@ -52,12 +54,11 @@ QWEN25 = {  # Qwen2.5 shapes (config.json of the hub releases); vocab 152064, un
 def qwen25_config(size: str, layers: int | None = None):
     from transformers import Qwen2Config
 
-    shape = dict(QWEN25[size])
+    shape = {"vocab_size": 152064, "tie_word_embeddings": False, **QWEN25[size]}
     if layers:
         shape["num_hidden_layers"] = layers
-    return Qwen2Config(vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
-                       eos_token_id=151645, pad_token_id=151643, **shape)
+    return Qwen2Config(max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, use_sliding_window=False,
+                       bos_token_id=151643, eos_token_id=151645, pad_token_id=151643, **shape)
 
 
 def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int, embeddings: bool = False):
