@@ -109,11 +109,10 @@ def _profile_file(tmp_path, text="# max_new_tokens: 100\n10\n20\n30\n100\n"):
 
 def test_step_modes_are_the_product_of_schedulers_and_packing_or_the_named_pair():
     from qerl.bench.step import parse_args
-    from qerl.rl.update import UpdateSettings
 
     _, a = parse_args([])
     assert a.modes == [("continuous", True)] and a.completion == 2048 == a.budget and a.profile is None
-    assert a.max_tokens_per_micro_batch == UpdateSettings().max_tokens_per_micro_batch  # qerl train's default
+    assert a.max_tokens_per_micro_batch is None  # chosen per model as qerl train does (token_budget)
     _, a = parse_args(["--schedulers", "continuous,static", "--packing", "on,off"])
     assert a.modes == [("continuous", True), ("continuous", False), ("static", True), ("static", False)]
     _, a = parse_args(["--modes", "new,old", "--max-tokens-per-micro-batch", "4096"])

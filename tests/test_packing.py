@@ -262,7 +262,7 @@ def test_the_config_sets_packing_and_its_budget():
     from qerl.rl.settings import update_settings
 
     default = update_settings(load_config(None))
-    assert default.packing and default.max_tokens_per_micro_batch == 8192
+    assert default.packing and default.max_tokens_per_micro_batch == 8192  # no model to size it by
     s = update_settings(load_config(None, ["optim.packing=false", "optim.max_tokens_per_micro_batch=1234"]))
     assert not s.packing and s.max_tokens_per_micro_batch == 1234
     with pytest.raises(ConfigError, match="optim.max_tokens_per_micro_batch must be > 0"):
@@ -300,3 +300,18 @@ def test_inverse_index_of_a_permutation_is_its_inverse():
     inv = inverse_index(perm, 9)
     assert inv.shape == (9, 1) and torch.equal(perm[inv[:, 0]], torch.arange(9))
     assert inverse_index(torch.zeros(0, dtype=torch.long), 0).shape == (0, 1)
+
+
+def test_the_default_token_budget_follows_the_model_size():
+    """null: ~6 GiB of checkpointed activations (4 x layers x hidden bytes a token) within [8192, 16384]."""
+    from qerl.bench.rollout import qwen25_config
+    from qerl.config import load_config
+    from qerl.rl.packing import token_budget
+    from qerl.rl.settings import update_settings
+
+    budgets = {size: token_budget(qwen25_config(size)) for size in ("1.5b", "7b", "14b", "72b")}
+    assert budgets == {"1.5b": 16384, "7b": 15360, "14b": 8192, "72b": 8192}
+    tiny = tiny_model("llama").config
+    assert update_settings(load_config(None), tiny).max_tokens_per_micro_batch == 16384
+    pinned = load_config(None, ["optim.max_tokens_per_micro_batch=2048"])
+    assert update_settings(pinned, tiny).max_tokens_per_micro_batch == 2048

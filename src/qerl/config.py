@@ -175,8 +175,9 @@ class OptimSection:
     # loss passes without padding: micro-batches cut by tokens, each group's prompt forwarded once (docs/training.md)
     packing: bool = True
     # tokens per packed forward / backward (prompts once per micro-batch + completion tokens): memory vs speed;
-    # with checkpointing ~0.4 MB a token at 7B, ~1.6 MB at 72B (the gradient is the whole batch's either way)
-    max_tokens_per_micro_batch: int = 8192
+    # with checkpointing ~0.4 MB a token at 7B, ~1.6 MB at 72B (the gradient is the whole batch's either way).
+    # null: by model size (`qerl.rl.packing.token_budget`): 16384 up to ~1.5B, 15360 at 7B, 8192 from 14B up
+    max_tokens_per_micro_batch: int | None = None
     micro_batch_size: int = 8  # packing off: padded sequences per forward / backward (memory vs speed)
     gradient_checkpointing: bool = True  # recompute each decoder layer in the backward (memory for time)
     # the backward through NVFP4 weights never dequantizes a whole weight into a 16-bit temporary (its largest
@@ -230,7 +231,7 @@ _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_upd
              "data.max_prompt_tokens", "reward_timeout_s",
              "aqn.num_stages", "optim.max_bad_steps", "max_reward_failure_steps", "model.calibration.samples",
              "model.calibration.max_tokens")
-_OPTIONAL = ("model.calibration.samples",)  # null means "choose for me" (documented at the field)
+_OPTIONAL = ("model.calibration.samples", "optim.max_tokens_per_micro_batch")  # null means "choose for me" (documented at the field)
 _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_low", "algo.clip_high",
                  "rollout.temperature", "rollout.top_k", "optim.weight_decay", "optim.warmup_steps",
                  "optim.max_grad_norm", "algo.max_refills", "algo.overlong_buffer", "save_every", "keep_last")

@@ -113,9 +113,11 @@ class StepRunner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
+        from ..rl.packing import token_budget
+
+        tokens = args.max_tokens_per_micro_batch or token_budget(model.config)  # None: qerl train's default
         self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.budget),
-                                       micro_batch_size=args.micro_batch,
-                                       max_tokens_per_micro_batch=args.max_tokens_per_micro_batch)
+                                       micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=tokens)
         self.generator = torch.Generator(model.device).manual_seed(1 + dist_ctx.rank)
 
     def resident_bytes(self) -> int:
@@ -443,7 +445,8 @@ def lengths_line(args) -> str:
 def table(results, device, args) -> str:
     orders = next((r["orders"] for r in results if "orders" in r and len(r["orders"]) > 1), None)
     lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, LoRA r {args.lora_r}, "
-             f"micro-batch {args.micro_batch} rows (padded) / {args.max_tokens_per_micro_batch} tokens (packed), "
+             f"micro-batch {args.micro_batch} rows (padded) / "
+             f"{args.max_tokens_per_micro_batch or 'by model size (token_budget)'} tokens (packed), "
              f"KL beta {args.kl_beta}, GPUs {results[0]['world'] if results else 1}, order {args.order}, "
              f"{args.steps} step(s) per rotation"
              + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
@@ -549,8 +552,8 @@ def parse_args(argv=None):
                          "(order-fair); sequential: one variant at a time (less memory)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the padded update")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
-                    help="tokens per micro-batch of the packed update (default: the update's own, as qerl train "
-                         "uses it)")
+                    help="tokens per micro-batch of the packed update (default: by model size, as qerl train "
+                         "chooses it: qerl.rl.packing.token_budget)")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
     ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")
@@ -581,10 +584,6 @@ def parse_args(argv=None):
         ap.error(str(e))
     args.profile, args.completion, args.budget = resolve_lengths(ap, args.lengths, args.completion, "--completion",
                                                                  2048, 1)
-    if args.max_tokens_per_micro_batch is None:  # what `qerl train` packs unless optim.max_tokens_per_micro_batch
-        from ..rl.update import UpdateSettings
-
-        args.max_tokens_per_micro_batch = UpdateSettings().max_tokens_per_micro_batch
     return ap, args
 
 

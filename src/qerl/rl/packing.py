@@ -242,6 +242,22 @@ class PackedMicroBatch:
     needed_tokens: int
 
 
+# token_budget: activation bytes a micro-batch may take with checkpointing (about 4 x layers x hidden bytes a
+# token), the floor (the budget before it was sized by model) and the ceiling beyond which a 1.5B step gains
+# nothing (1.5B on an H100, GSM8K lengths: loss pass 3.51 s at 8192 tokens, 2.26 s at 16384, 2.23 s at 32768)
+ACTIVATION_BUDGET_BYTES = 6 * 2**30
+MIN_TOKEN_BUDGET, MAX_TOKEN_BUDGET = 8192, 16384
+
+
+def token_budget(config) -> int:
+    """Default tokens per packed micro-batch for an HF config: fewer, larger passes cost less host time (each
+    pass launches the same number of kernels), bounded so the checkpointed activations stay near 6 GiB;
+    a multiple of 1024 in [8192, 16384]."""
+    per_token = 4 * config.num_hidden_layers * config.hidden_size
+    tokens = ACTIVATION_BUDGET_BYTES // per_token // 1024 * 1024
+    return int(min(max(tokens, MIN_TOKEN_BUDGET), MAX_TOKEN_BUDGET))
+
+
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[int]:
     """Group id per row [N]: consecutive rows whose real prompt tokens are identical share one id."""
     ids, mask = prompt_ids.cpu(), prompt_mask.cpu().bool()

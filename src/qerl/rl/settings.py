@@ -12,6 +12,7 @@ from .aqn import AQNSchedule, EntropyController
 from .collect import CollectSettings
 from .losses import LossSettings
 from .lr_schedule import lr_factor
+from .packing import token_budget
 from .update import UpdateSettings
 
 
@@ -33,10 +34,15 @@ def loss_settings(cfg: TrainConfig) -> LossSettings:
     return LossSettings(algo.name, algo.clip_low, algo.clip_high, algo.kl_beta, cfg.rollout.max_new_tokens)
 
 
-def update_settings(cfg: TrainConfig) -> UpdateSettings:
+def update_settings(cfg: TrainConfig, model_config=None) -> UpdateSettings:
+    """model_config: the policy's HF config, which sizes the packed micro-batches when
+    optim.max_tokens_per_micro_batch is null (`token_budget`)."""
+    tokens = cfg.optim.max_tokens_per_micro_batch
+    if tokens is None:
+        tokens = token_budget(model_config) if model_config is not None else UpdateSettings.max_tokens_per_micro_batch
     return UpdateSettings(
         loss=loss_settings(cfg), num_updates=cfg.algo.num_updates, packing=cfg.optim.packing,
-        max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch, micro_batch_size=cfg.optim.micro_batch_size,
+        max_tokens_per_micro_batch=tokens, micro_batch_size=cfg.optim.micro_batch_size,
         max_grad_norm=cfg.optim.max_grad_norm, temperature=cfg.rollout.temperature,
         old_logprobs=cfg.algo.old_logprobs, tis_cap=cfg.algo.tis_cap)
 

@@ -148,7 +148,7 @@ class Trainer:
         self.aqn = aqn_schedule(cfg)
         self.controller = entropy_controller(cfg)
         self.collect_settings = collect_settings(cfg, self.dist.world)
-        self.update_settings = update_settings(cfg)
+        self.update_settings = update_settings(cfg, self.model.config)
         self.run_dir = Path(cfg.output_dir)
         self.step = 0
         self.bad_in_a_row = self.bad_total = 0
@@ -313,7 +313,7 @@ class Trainer:
         """The setting that sizes the loss pass's micro-batches, with its value (packed: tokens; padded: rows)."""
         o = self.cfg.optim
         if o.packing:
-            return f"optim.max_tokens_per_micro_batch (now {o.max_tokens_per_micro_batch})"
+            return f"optim.max_tokens_per_micro_batch (now {self.update_settings.max_tokens_per_micro_batch})"
         return f"optim.micro_batch_size (now {o.micro_batch_size})"
 
     def _guarded_step(self) -> dict:
