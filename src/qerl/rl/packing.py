@@ -21,7 +21,7 @@ forward also hands torch's checkpoint a `context_fn` that selects it again aroun
 """
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -121,11 +121,18 @@ class _Bucket:
     take: Gather
     queries: Gather
     keys: Gather
+    _masks: dict = field(default_factory=dict, repr=False)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """bool [S, 1, Lq, Lk]: key j is visible to query i iff j <= prefix + i (causal, prompt included) and,
         with a sliding window, prefix + i - j < window (HF's rule). Padded queries copy the segment's last
-        real query, so every row sees at least itself: no fully masked softmax row, no NaN."""
+        real query, so every row sees at least itself: no fully masked softmax row, no NaN. Built once per
+        window and reused by every layer and the checkpoint recompute (it is ~8 kernel launches)."""
+        if sliding_window not in self._masks:
+            self._masks[sliding_window] = self._build_mask(sliding_window)
+        return self._masks[sliding_window]
+
+    def _build_mask(self, sliding_window: int | None) -> torch.Tensor:
         Lq, Lk = self.q_index.shape[1], self.k_index.shape[1]
         i = torch.arange(Lq, device=self.q_index.device).view(1, Lq, 1)
         j = torch.arange(Lk, device=self.q_index.device).view(1, 1, Lk)
