@@ -270,7 +270,8 @@ def test_out_of_memory_names_the_knobs(tiny_dir, data_file, tmp_path, monkeypatc
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(trainer, "train_step", oom)
-    knob = r"optim.max_tokens_per_micro_batch \(now 8192\), rollout.prompts_per_step x rollout.group_size"
+    knob = (r"optim.max_tokens_per_micro_batch \(now 16384 by model size\), "  # a tiny model: the ceiling
+            r"rollout.prompts_per_step x rollout.group_size")
     with pytest.raises(TrainingAborted, match=knob):
         trainer.train()
     padded = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "padded", **{"optim.packing": False})))

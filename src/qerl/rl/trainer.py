@@ -313,7 +313,8 @@ class Trainer:
         """The setting that sizes the loss pass's micro-batches, with its value (packed: tokens; padded: rows)."""
         o = self.cfg.optim
         if o.packing:
-            return f"optim.max_tokens_per_micro_batch (now {self.update_settings.max_tokens_per_micro_batch})"
+            chosen = " by model size" if o.max_tokens_per_micro_batch is None else ""
+            return f"optim.max_tokens_per_micro_batch (now {self.update_settings.max_tokens_per_micro_batch}{chosen})"
         return f"optim.micro_batch_size (now {o.micro_batch_size})"
 
     def _guarded_step(self) -> dict:
