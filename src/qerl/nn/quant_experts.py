@@ -1,0 +1,137 @@
+"""A frozen stack of mixture-of-experts MLPs whose weights are held in a qerl 4-bit format.
+
+transformers 5 stores the experts of Qwen3-MoE / Qwen2-MoE as two 3-D parameters, `gate_up_proj`
+[E, 2I, H] (gate rows 0..I-1, up rows I..2I-1) and `down_proj` [E, H, I]. `QuantExperts` replaces such a
+module: each expert's [2I, H] and [H, I] matrix is quantized exactly as a dense `QuantLinear` of that shape
+would be (`get_format(fmt).quantize(w_2d)`), and every tensor the format returns is stacked along a new
+leading expert dimension and registered as one buffer named `<weight>_<tensor>`:
+
+    nvfp4: gate_up_proj_weight_packed        uint8          [E, 2I, H/2]
+           gate_up_proj_weight_scale         float8_e4m3fn  [E, 2I, H/16]
+           gate_up_proj_weight_global_scale  float32        [E, 1]       (one per expert, gate and up share it)
+           down_proj_weight_packed           uint8          [E, H, I/2]
+           down_proj_weight_scale            float8_e4m3fn  [E, H, I/16]
+           down_proj_weight_global_scale     float32        [E, 1]
+    mxfp4: <w>_weight_packed uint8 [E, N, K/2], <w>_weight_scale uint8 (E8M0 exponents) [E, N, K/32]
+    nf4:   <w>_weight_packed uint8 [E, N, K/2], <w>_weight_absmax float32 [E, N*K/64]
+
+`buffer[e]` is expert e's tensor, identical to what `QuantLinear.from_linear` stores for that matrix, so a
+compressed-tensors per-expert checkpoint (`experts.{e}.gate_proj.weight_packed`, ...) is a slice per expert:
+gate_proj is rows [:I] and up_proj rows [I:] of the gate_up tensors (for NF4, whose blocks run over the
+flattened matrix, rows [:I] are the first I*H/64 absmax entries; I*H is a multiple of 64). NVFP4's global
+scale is chosen per expert over the fused [2I, H] matrix, so gate and up share it, as fused serving needs.
+
+The forward has exactly the semantics of transformers' eager experts forward: a loop over the experts that
+receive a token, act_fn(gate) * up, down, times the token's routing weight, `index_add_` into the output.
+It is the reference path: each hit expert's weights are dequantized (in the input dtype) on every call.
+Grouped / fused 4-bit MoE kernels are later work, as are LoRA on experts (they are frozen here) and saving /
+loading in compressed-tensors form. Gradients reach the input and the routing weights, never the experts.
+"""
+
+import torch
+from torch import nn
+
+from ..formats import get_format
+from .quant_linear import apply_keeping_storage_dtypes
+
+WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _stack_quantized(fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """weight [E, N, K] -> {tensor name: stacked tensor [E, ...]}, one `quantize` per expert (own global scale)."""
+    quantize = get_format(fmt).quantize
+    per_expert = [quantize(weight[e]) for e in range(weight.shape[0])]
+    return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
+
+
+class QuantExperts(nn.Module):
+    """Frozen 4-bit experts. Build with `QuantExperts.from_experts(experts_module, fmt)`."""
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str, act_fn: nn.Module,
+                 gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor]):
+        super().__init__()
+        fmt = get_format(fmt).name
+        if fmt == "bf16":
+            raise ValueError("QuantExperts holds a 4-bit format (nvfp4, mxfp4, nf4); bf16 experts need no surgery")
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.weight_format = fmt
+        self.act_fn = act_fn
+        names = []
+        for weight, tensors in (("gate_up_proj", gate_up), ("down_proj", down)):
+            for name, t in tensors.items():
+                if t.shape[0] != num_experts:
+                    raise ValueError(f"{weight}.{name}: expected {num_experts} experts, got shape {tuple(t.shape)}")
+                self.register_buffer(f"{weight}_{name}", t)
+                names.append(f"{weight}_{name}")
+        self._tensor_names = tuple(names)  # read by apply_keeping_storage_dtypes
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, fmt: str) -> "QuantExperts":
+        """Quantize an HF experts module with `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (no bias).
+
+        Only the layout is checked here; `qerl.models.experts.quantize_experts` also checks the module class."""
+        gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+                and gate_up.ndim == 3 and down.ndim == 3):
+            raise ValueError(f"{type(experts).__name__}: expected 3-D gate_up_proj [E, 2I, H] and down_proj "
+                             f"[E, H, I] tensors")
+        e, two_i, h = gate_up.shape
+        if two_i % 2 or down.shape != (e, h, two_i // 2):
+            raise ValueError(f"{type(experts).__name__}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                             f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
+        act_fn = getattr(experts, "act_fn", None)
+        if not callable(act_fn):
+            raise ValueError(f"{type(experts).__name__}: has no act_fn")
+        with torch.no_grad():
+            return cls(e, h, two_i // 2, fmt, act_fn, _stack_quantized(fmt, gate_up), _stack_quantized(fmt, down))
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
+
+    def _expert_tensors(self, weight: str, expert: int) -> dict[str, torch.Tensor]:
+        prefix = weight + "_"
+        return {name[len(prefix):]: getattr(self, name)[expert] for name in self._tensor_names
+                if name.startswith(prefix)}
+
+    def dequantized_expert(self, weight: str, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert `expert`'s `weight` ("gate_up_proj" [2I, H] or "down_proj" [H, I]) as a dense tensor."""
+        if weight not in WEIGHTS:
+            raise ValueError(f"weight must be one of {WEIGHTS}, got {weight!r}")
+        return get_format(self.weight_format).dequantize(**self._expert_tensors(weight, expert), dtype=dtype)
+
+    def dequantized_gate_up(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """All experts' gate_up_proj [E, 2I, H] as a new dense tensor (for export and tests)."""
+        return torch.stack([self.dequantized_expert("gate_up_proj", e, dtype) for e in range(self.num_experts)])
+
+    def dequantized_down(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """All experts' down_proj [E, H, I] as a new dense tensor (for export and tests)."""
+        return torch.stack([self.dequantized_expert("down_proj", e, dtype) for e in range(self.num_experts)])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k] -> [T, H] in hidden_states.dtype.
+
+        The transformers eager loop; an index equal to num_experts (an expert-parallel sentinel) is skipped."""
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)  # [E + 1, k, T]
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+
+        for expert_idx in expert_hit.flatten().tolist():
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[token_idx]
+            gate_up = self.dequantized_expert("gate_up_proj", expert_idx, hidden_states.dtype)
+            gate, up = nn.functional.linear(current_state, gate_up).chunk(2, dim=-1)
+            current_hidden_states = self.act_fn(gate) * up
+            down = self.dequantized_expert("down_proj", expert_idx, hidden_states.dtype)
+            current_hidden_states = nn.functional.linear(current_hidden_states, down)
+            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+                f"format={self.weight_format}")
