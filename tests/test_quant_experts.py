@@ -1,6 +1,7 @@
 """4-bit MoE experts (`QuantExperts`, `quantize_experts`) against transformers' own experts on CPU, fp32."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -224,3 +225,166 @@ def test_dense_weights_are_freed():
     old = model.model.layers[0].mlp.experts
     quantize_experts(model, "nvfp4")
     assert old.gate_up_proj is None and old.down_proj is None
+
+
+# ---- quantize_model on MoE models (experts wired into the model path) ----
+
+from qerl.models import lora_parameters, memory_report, quant_layers, quantize_model, save_quantized  # noqa: E402
+from qerl.nn import LoraConfig  # noqa: E402
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _state(model):
+    return {n: t.clone() for n, t in model.state_dict().items()}
+
+
+def _assert_unchanged(model, before):
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert all(isinstance(layer.mlp.experts, Qwen3MoeExperts) for layer in model.model.layers)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_quantize_model_quantizes_linears_and_experts(ids):
+    model = quantize_model(_model(), "nvfp4", lora=LoraConfig(r=4, alpha=8))
+    layers = quant_layers(model)
+    assert sorted({n.rpartition(".")[2] for n in layers}) == sorted(ATTENTION)  # MoE layers have no dense MLP
+    assert all(m.weight_format == "nvfp4" and m.lora_A is not None for m in layers.values())
+    for layer in model.model.layers:
+        assert isinstance(layer.mlp.experts, QuantExperts) and layer.mlp.experts.weight_format == "nvfp4"
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(lora_parameters(model)) and trainable
+    assert not model.model.layers[0].mlp.gate.weight.requires_grad  # the router is frozen
+    assert model.config.qerl_weight_format == "nvfp4"
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_experts_false_leaves_experts_dense():
+    model = quantize_model(_model(), "mxfp4", experts=False)
+    assert quant_layers(model)
+    for layer in model.model.layers:
+        assert isinstance(layer.mlp.experts, Qwen3MoeExperts)
+        assert not layer.mlp.experts.gate_up_proj.requires_grad
+    assert memory_report(model)["quantized_params"] == sum(m.in_features * m.out_features
+                                                           for m in quant_layers(model).values())
+
+
+def test_4over6_quantizes_experts_with_the_scale_search():
+    from qerl.quant import quantize_group
+
+    model = _model()
+    w = model.model.layers[1].mlp.experts.down_proj[3].detach().clone()
+    quantize_model(model, "nvfp4", method="4over6")
+    quant = model.model.layers[1].mlp.experts
+    assert isinstance(quant, QuantExperts)
+    want = quantize_group("nvfp4", "4over6", [w])[0]
+    for name, t in want.items():
+        got = getattr(quant, f"down_proj_{name}")[3]
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn \
+            else torch.equal(got, t)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_refused_on_moe_before_any_change(method):
+    model = _model()
+    before = _state(model)
+    with pytest.raises(ValueError, match="gptq/awq do not handle MoE experts yet; use rtn or 4over6, or "
+                                         "experts=False"):
+        quantize_model(model, "nvfp4", method=method, calibration=torch.zeros(1, 8, dtype=torch.long))
+    _assert_unchanged(model, before)
+
+
+def test_unsupported_experts_refused_before_dense_linears_change():
+    model = _model()
+    model.model.layers[1].mlp.experts.is_transposed = True
+    before = _state(model)
+    with pytest.raises(ValueError, match="is_transposed=True is not supported"):
+        quantize_model(model, "nvfp4", lora=LoraConfig(r=4, alpha=8))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_keep_bf16_naming_experts_refused_other_patterns_ignore_them():
+    model = _model()
+    before = _state(model)
+    for spec, hit in (("model.layers.1.mlp.experts", 1), ("model.layers.1.mlp", 1), ("*.experts", 0)):
+        with pytest.raises(ValueError, match=rf"keep_bf16 entry '{re.escape(spec)}' matches the MoE experts "
+                                             rf"module model\.layers\.{hit}\.mlp\.experts.*not supported"):
+            quantize_model(model, "nvfp4", keep_bf16=[spec])
+        _assert_unchanged(model, before)
+    quantize_model(model, "nvfp4", keep_bf16=["*.o_proj", "last:1"])
+    assert quant_layers(model)["model.layers.0.self_attn.o_proj"].weight_format == "bf16"
+    assert quant_layers(model)["model.layers.1.self_attn.q_proj"].weight_format == "bf16"
+    assert quant_layers(model)["model.layers.0.self_attn.q_proj"].weight_format == "nvfp4"
+    assert all(isinstance(layer.mlp.experts, QuantExperts) for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_memory_report_counts_experts_as_quantized_base(fmt):
+    model = quantize_model(_model(), fmt, lora=LoraConfig(r=4, alpha=8))
+    report = memory_report(model)
+    linears = sum(m.in_features * m.out_features for m in quant_layers(model).values())
+    n_layers = len(model.model.layers)
+    assert report["quantized_params"] == linears + n_layers * E * (2 * I * H + H * I)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    experts_bytes = sum(b.numel() * b.element_size() for m in experts for b in m.buffers())
+    linear_bytes = sum(b.numel() * b.element_size() for m in quant_layers(model).values() for b in m.buffers())
+    assert report["quantized_bytes"] == experts_bytes + linear_bytes
+    # 4-bit codes (0.5 byte) plus scales: a little over half a byte per weight
+    assert 0.5 < report["base_bytes_per_param"] < 0.6
+    assert report["kept_bf16_params"] == 0
+    assert report["total_bytes"] == report["quantized_bytes"] + report["lora_bytes"] + report["other_bytes"]
+
+
+def test_save_quantized_refuses_experts_before_writing(tmp_path):
+    model = quantize_model(_model(), "nvfp4")
+    out = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match="4-bit MoE experts.*compressed-tensors form is not built yet"):
+        save_quantized(model, None, out)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def _log_probs(logits, ids):
+    """log p(ids[:, t + 1] | ids[:, :t + 1]) [B, T - 1], in fp32."""
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def test_lora_gradients_equal_peft_on_the_dequantized_base(ids):
+    """Issue #33's exactness target: qerl's quantized MoE model with LoRA gives the log-probs and the LoRA
+    gradients of real peft's LoRA on a dense model holding the dequantized base (linears and experts)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    quantize_model(model, "nvfp4", lora=LoraConfig(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():
+        for p in lora_parameters(model).values():  # B is zero at init: make both factors matter
+            p.normal_(0, 0.1)
+        for name, layer in quant_layers(model).items():
+            reference.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.float32))
+        for layer_r, layer_q in zip(reference.model.layers, model.model.layers):
+            dequantize_experts_into(layer_r.mlp.experts, layer_q.mlp.experts)
+    peft_model = get_peft_model(reference, PeftLoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                          target_modules=list(ATTENTION)))
+    ours = lora_parameters(model)
+    theirs = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    name_of = {n: n.replace("base_model.model.", "", 1).replace(".default.", ".") for n in theirs}
+    assert sorted(name_of.values()) == sorted(ours)
+    with torch.no_grad():
+        for n, p in theirs.items():
+            p.copy_(ours[name_of[n]])
+    model.eval()
+    peft_model.eval()
+
+    lp_ours, lp_theirs = _log_probs(model(ids).logits, ids), _log_probs(peft_model(ids).logits, ids)
+    torch.testing.assert_close(lp_ours, lp_theirs, rtol=1e-5, atol=1e-5)
+    lp_ours.sum().backward()
+    lp_theirs.sum().backward()
+    for n, p in theirs.items():
+        g_ours, g_theirs = ours[name_of[n]].grad, p.grad
+        assert g_ours is not None and g_theirs is not None and g_theirs.abs().sum() > 0, n
+        torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5 * g_theirs.abs().max().item(), msg=n)

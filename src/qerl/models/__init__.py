@@ -2,15 +2,16 @@
 
 from .adapter import AdapterError, load_adapter, save_adapter
 from .checkpoint import load_quantized, save_quantized
-from .convert import (add_lora, dequantize_model, lora_parameters, memory_report, quant_embeddings, quant_layers,
-                      quantize_input_embeddings, quantize_model)
+from .convert import (add_lora, dequantize_model, lora_parameters, memory_report, quant_embeddings, quant_experts,
+                      quant_layers, quantize_input_embeddings, quantize_model)
+from .experts import quantize_experts
 from .load import load_causal_lm
 from .sources import ModelLoadError
 from .registry import DEFAULT_MODEL, EMBEDDED
 
 __all__ = [
     "AdapterError", "DEFAULT_MODEL", "EMBEDDED", "ModelLoadError", "add_lora", "dequantize_model", "load_adapter", "load_causal_lm",
-    "load_quantized", "lora_parameters", "memory_report", "quant_embeddings", "quant_layers", "quantize_input_embeddings",
-    "quantize_model", "save_adapter",
+    "load_quantized", "lora_parameters", "memory_report", "quant_embeddings", "quant_experts", "quant_layers",
+    "quantize_experts", "quantize_input_embeddings", "quantize_model", "save_adapter",
     "save_quantized",
 ]

@@ -15,6 +15,9 @@ Linears kept in 16 bits (`keep_bf16`: QuantLinear format "bf16") are written as 
 (bf16) + bias and listed in `ignore` / `llm_int8_skip_modules` beside lm_head, so transformers and vLLM load
 them as ordinary dense linears; config.json's `qerl_keep_bf16` names them so that `load_quantized` makes
 them QuantLinear("bf16") again (other ignored linears, e.g. non-targets, stay nn.Linear).
+
+A model holding 4-bit MoE experts (`QuantExperts`) is refused before anything is written: their
+compressed-tensors per-expert layout is not built yet.
 """
 
 import json
@@ -29,7 +32,7 @@ from ..formats import get_format
 from ..nn import QuantEmbedding, QuantLinear
 from ..quant.awq import channel_scales, set_channel_scales
 from .atomic import atomic_directory
-from .convert import quant_layers, set_module
+from .convert import quant_experts, quant_layers, set_module
 from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import partial_sibling_groups
 
@@ -88,9 +91,20 @@ def split_kept(model: nn.Module) -> tuple[dict[str, QuantLinear], dict[str, Quan
     return {n: m for n, m in layers.items() if n not in kept}, kept
 
 
+def check_no_quant_experts(model: nn.Module) -> None:
+    """ValueError when `model` holds 4-bit MoE experts, which have no checkpoint layout yet."""
+    experts = sorted(quant_experts(model))
+    if experts:
+        raise ValueError(f"cannot save a quantized checkpoint of a model with 4-bit MoE experts ({len(experts)} "
+                         f"QuantExperts modules, e.g. {experts[0]}): writing experts in compressed-tensors form is "
+                         "not built yet. Save the LoRA adapter (save_adapter) and quantize the base again on load, "
+                         "or quantize with experts=False")
+
+
 def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Everything but LoRA, with quantized layers in their on-disk names; a tied lm_head is left out.
     A kept bf16 layer's state is already `<module>.weight` [N, K] bf16 (+ bias): written as it is."""
+    check_no_quant_experts(model)
     layers, _ = split_kept(model)
     fmts = {m.weight_format for m in layers.values()}
     state = {k: v for k, v in model.state_dict().items() if ".lora_A." not in k and ".lora_B." not in k}
@@ -139,7 +153,9 @@ CHANNEL_SCALES_FILE = "qerl/awq_channel_scales.safetensors"
 
 def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) -> Path:
     """Write the quantized base (no LoRA) as an HF directory; atomic: `out` appears complete or not at all.
-    A model quantized with awq also gets CHANNEL_SCALES_FILE ({norm path: fp32 [D]})."""
+    A model quantized with awq also gets CHANNEL_SCALES_FILE ({norm path: fp32 [D]}). A model holding 4-bit
+    MoE experts is refused (ValueError) before anything is written."""
+    check_no_quant_experts(model)
     layers, kept = split_kept(model)
     state = checkpoint_state_dict(model)
     fmt = next(iter(layers.values())).weight_format

@@ -16,11 +16,13 @@ from torch import nn
 from ..formats import get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from ..nn.quant_embedding import check_embedding_shape
+from ..nn.quant_experts import QuantExperts
 from ..quant import CALIBRATED, check_method
 from ..quant.awq import FOLDED_SCALES, apply_awq
 from .calibrate import (awq_fake_quant, calibration_compute_dtype, capture_layer_inputs, computing_in, layer_output,
                         layer_statistics, method_quantizer, sibling_groups)
-from .precision import names_under, resolve_keep_bf16
+from .precision import LAST, check_keep_bf16, names_under, resolve_keep_bf16
+from .precision import _matches as matches_pattern  # keep_bf16 pattern semantics (a module selects its insides)
 from .targets import FUSED_GROUPS, find_targets
 
 # (module name, weight [N, K], shared global scale | None) -> format tensors. Round-to-nearest by default.
@@ -61,6 +63,7 @@ def quantize_model(
     calibration: torch.Tensor | None = None,
     keep_bf16: Iterable[str] = (),
     name_prefix: str = "",
+    experts: bool = True,
 ) -> nn.Module:
     """Replace the target linears of `model` in place by `QuantLinear` (frozen base + optional LoRA).
 
@@ -74,9 +77,15 @@ def quantize_model(
     keep_bf16: module names / patterns / "last:N" (`qerl.models.precision`) of targets left in 16 bits as
     QuantLinear("bf16") with the same LoRA; resolved against `name_prefix` + each target's name (pass
     "model.layers.3." when `model` is that block), checked before anything is changed.
+    experts: also replace the model's MoE experts stacks (transformers' 3-D `...Experts` modules) by frozen
+    `QuantExperts` in `fmt` (`qerl.models.experts.quantize_experts`, no LoRA on them), quantized by `method`
+    (rtn or 4over6; a custom `quantizer` applies to the linears only); False leaves them dense (and frozen).
+    Refused before anything is changed: an unsupported experts layout, gptq / awq on a model with experts
+    (unless experts=False), and a keep_bf16 pattern that names an experts module. Format bf16 leaves them dense.
     """
     check_method(method, fmt)
     targets = tuple(targets)  # read more than once
+    with_experts = experts and _check_experts_quantizable(model, fmt, method, keep_bf16, name_prefix)
     keep = resolve_keep_bf16(model, keep_bf16, targets, name_prefix) if keep_bf16 else set()
     if embeddings:
         check_input_embeddings_quantizable(model, fmt)
@@ -92,11 +101,40 @@ def quantize_model(
         kept = quantize_keeping(model, fmt, lora, targets, names_under(keep, name_prefix), quantizer, method,
                                 show_progress)
         add_lora_to(kept, lora)
+    if with_experts:
+        from .experts import quantize_experts
+
+        quantize_experts(model, fmt, method)
     if embeddings:
         quantize_input_embeddings(model, fmt)
     if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
         model.config.qerl_weight_format = fmt
     return model
+
+
+def _check_experts_quantizable(model: nn.Module, fmt: str, method: str, keep_bf16: Iterable[str],
+                               name_prefix: str) -> bool:
+    """True when `quantize_model` is to quantize experts stacks of `model` (it holds some, fmt is 4-bit);
+    ValueError, before anything is changed, where it could not."""
+    from .experts import check_experts, experts_modules
+
+    found = experts_modules(model)
+    if not found or get_format(fmt).name == "bf16":
+        return False
+    if method in CALIBRATED:
+        raise ValueError(f"quantization method {method!r}: gptq/awq do not handle MoE experts yet; use rtn or "
+                         f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
+                         f"e.g. {found[0][0]})")
+    for spec in check_keep_bf16(keep_bf16):
+        if spec.startswith(LAST):  # last:N selects target linears only; the experts there stay 4-bit
+            continue
+        hit = next((name_prefix + n for n, _ in found if matches_pattern(name_prefix + n, spec)), None)
+        if hit is not None:
+            raise ValueError(f"keep_bf16 entry {spec!r} matches the MoE experts module {hit}: keeping experts in "
+                             "16 bits is not supported; narrow the pattern to linears, or pass experts=False to "
+                             "leave every experts module dense")
+    check_experts(model, fmt, method)
+    return True
 
 
 def keep_dense_linears(model: nn.Module, names: Iterable[str]) -> dict[str, QuantLinear]:
@@ -279,6 +317,10 @@ def quant_embeddings(model: nn.Module) -> dict[str, QuantEmbedding]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantEmbedding)}
 
 
+def quant_experts(model: nn.Module) -> dict[str, QuantExperts]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantExperts)}
+
+
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
@@ -305,15 +347,18 @@ def memory_report(model: nn.Module) -> dict[str, float]:
     of the quantized base: its V x D entries and its bytes are included. Layers kept in 16 bits beside 4-bit
     ones (`keep_bf16`) are counted apart, `kept_bf16_params` / `kept_bf16_bytes`, so that
     `base_bytes_per_param` stays the 4-bit format's figure; in an all-bf16 model (format bf16) they are the base.
+    4-bit MoE experts (`QuantExperts`) are quantized base too: E x (2I x H + H x I) weights and their buffers.
     """
     layers = quant_layers(model)
-    four_bit = any(m.weight_format != "bf16" for m in layers.values())
+    experts = list(quant_experts(model).values())
+    four_bit = bool(experts) or any(m.weight_format != "bf16" for m in layers.values())
     kept = [m for m in layers.values() if four_bit and m.weight_format == "bf16"]
     base = [m for m in layers.values() if not (four_bit and m.weight_format == "bf16")]
     embeds = list(quant_embeddings(model).values())
-    q_bytes = _buffer_bytes([*base, *embeds])
+    q_bytes = _buffer_bytes([*base, *embeds, *experts])
     q_params = (sum(m.in_features * m.out_features for m in base)
-                + sum(m.num_embeddings * m.embedding_dim for m in embeds))
+                + sum(m.num_embeddings * m.embedding_dim for m in embeds)
+                + sum(m.num_experts * 3 * m.intermediate_dim * m.hidden_dim for m in experts))
     kept_bytes = _buffer_bytes(kept)
     lora = sum(p.numel() * p.element_size() for p in lora_parameters(model).values())
     # parameters() and buffers() each skip duplicates, so tied embeddings count once.

@@ -1,7 +1,8 @@
 """Model surgery for mixture-of-experts blocks: replace 3-D expert stacks by frozen 4-bit `QuantExperts`.
 
 `quantize_model` swaps `nn.Linear` modules only; transformers 5 keeps MoE experts as 3-D parameters in an
-`...Experts` module, which it would leave in 16 bits. `quantize_experts` handles those. Supported are the
+`...Experts` module, which it would leave in 16 bits. `quantize_experts` handles those (`quantize_model` calls
+it, after checking, before it changes anything, that it will succeed). Supported are the
 classes whose layout and eager forward `QuantExperts` reproduces exactly (`SUPPORTED_EXPERTS`: Qwen3-MoE and
 Qwen2-MoE, `gate_up_proj` [E, 2I, H] concatenated gate;up, `down_proj` [E, H, I], no bias); every other
 `...Experts` module is refused before anything is changed (gpt-oss, for one, has biases, a transposed and
@@ -14,10 +15,13 @@ from torch import nn
 
 from ..formats import get_format
 from ..nn.quant_experts import QuantExperts
+from ..quant import check_method, quantize_group
 from .convert import set_module
 
 # classes whose forward is transformers' eager experts loop on this exact layout (checked in tests)
 SUPPORTED_EXPERTS = ("Qwen3MoeExperts", "Qwen2MoeExperts")
+# the methods that handle experts (the calibrated ones would need per-expert statistics: later work)
+EXPERT_METHODS = ("rtn", "4over6")
 # what transformers' `use_experts_implementation` decorator records about the layout, and the values we handle
 _LAYOUT_FLAGS = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
                  "has_post_expert_norm": False}
@@ -58,19 +62,23 @@ def check_experts_layout(name: str, module: nn.Module) -> None:
         raise ValueError(f"experts module {where}: has no act_fn")
 
 
-def quantize_experts(model: nn.Module, fmt: str = "nvfp4") -> dict[str, QuantExperts]:
-    """Replace every experts stack of `model` in place by a frozen `QuantExperts` in `fmt`; returns them by name.
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """[(name, module)] of every HF experts stack in `model` (supported or not), in module order."""
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
-    Every `...Experts` module is checked first (`check_experts_layout`, and both input dims against the
-    format's block size), so an unsupported one is refused with a ValueError before the model is touched.
-    The stacks are quantized one at a time, round-to-nearest (no calibrated methods for experts yet), and each
-    dense gate_up_proj / down_proj is dropped right after, so peak memory stays near one model copy. The
-    result holds no parameters (no LoRA on experts yet). `quantize_model` leaves these modules alone; call both
-    for a model whose linears and experts are all 4-bit."""
+
+def check_experts(model: nn.Module, fmt: str, method: str = "rtn") -> list[tuple[str, nn.Module]]:
+    """Raise ValueError unless `quantize_experts(model, fmt, method)` can work; changes nothing.
+
+    Returns the experts stacks [(name, module)] that it would replace."""
     block = get_format(fmt).block
-    if fmt == "bf16":
+    if get_format(fmt).name == "bf16":
         raise ValueError("quantize_experts: fmt must be a 4-bit format (nvfp4, mxfp4, nf4), not bf16")
-    found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    check_method(method, fmt)
+    if method not in EXPERT_METHODS:
+        raise ValueError(f"quantize_experts: method {method!r} does not handle MoE experts yet; use "
+                         f"{' or '.join(EXPERT_METHODS)}")
+    found = experts_modules(model)
     for name, module in found:
         check_experts_layout(name, module)
         if not name:
@@ -81,9 +89,36 @@ def quantize_experts(model: nn.Module, fmt: str = "nvfp4") -> dict[str, QuantExp
             if k % block:  # NF4's block runs over the flattened matrix; K % 64 is its conservative per-row rule
                 raise ValueError(f"experts module {name} ({type(module).__name__}): {weight} has {k} input "
                                  f"features, not a multiple of the {fmt} block size {block}")
+    return found
+
+
+def _stack_method(fmt: str, method: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """weight [E, N, K] -> stacked tensors, each expert's matrix quantized alone by `method` (own global scale)."""
+    per_expert = [quantize_group(fmt, method, [weight[e].detach()])[0] for e in range(weight.shape[0])]
+    return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
+
+
+def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn") -> dict[str, QuantExperts]:
+    """Replace every experts stack of `model` in place by a frozen `QuantExperts` in `fmt`; returns them by name.
+
+    Every `...Experts` module is checked first (`check_experts`: `check_experts_layout`, and both input dims
+    against the format's block size), so an unsupported one is refused with a ValueError before the model is
+    touched. The stacks are quantized one at a time by `method`: round-to-nearest ("rtn"), or NVFP4's
+    calibration-free scale search ("4over6"; each expert's fused gate_up and its down matrix each quantized
+    as one group by `qerl.quant.quantize_group`); the calibrated methods do not handle experts yet. Each dense
+    gate_up_proj / down_proj is dropped right after, so peak memory stays near one model copy. The result
+    holds no parameters (no LoRA on experts yet). `quantize_model` calls this for models holding experts."""
+    found = check_experts(model, fmt, method)
     replaced = {}
     for name, module in found:
-        quant = QuantExperts.from_experts(module, fmt)
+        if method == "rtn":
+            quant = QuantExperts.from_experts(module, fmt)
+        else:
+            e, two_i, h = module.gate_up_proj.shape
+            with torch.no_grad():
+                quant = QuantExperts(e, h, two_i // 2, fmt, module.act_fn,
+                                     _stack_method(fmt, method, module.gate_up_proj),
+                                     _stack_method(fmt, method, module.down_proj))
         set_module(model, name, quant)
         module.gate_up_proj = None  # free the 16-bit weights even where the caller still holds the old module
         module.down_proj = None
