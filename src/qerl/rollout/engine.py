@@ -16,6 +16,7 @@ Shapes: B rows (a batch bucket), P prompt length, T new tokens, S cache length, 
 holds one sequence from slot 0 and decodes at its own slot (`step_slot [B]`).
 """
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -44,7 +45,8 @@ class RolloutEngine:
     a finished row from the queue of sequences and compacts the survivors into smaller buckets once the
     queue is empty; "static" (the reference) decodes passes of rows until each pass's last row stops
     (`scheduler`). Either way a distinct prompt is prefilled once for all its rows. cuda_graphs (default: on
-    for CUDA models) captures one decode step per (batch bucket, attended cache length); the attended
+    for CUDA models; off, with a warning, for mixture-of-experts models, whose routing syncs with the host)
+    captures one decode step per (batch bucket, attended cache length); the attended
     length grows in blocks of kv_block slots, so early steps do not read the whole cache. The batch width:
     at most `max_batch` rows, or on CUDA by default as many as the KV cache and step buffers of
     `memory_fraction` of the free memory hold. fuse_siblings (default: on for CUDA models) stores each
@@ -72,6 +74,10 @@ class RolloutEngine:
         self.device = self.runner.device
         self.max_seq_len = max_seq_len
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        if self.runner.has_moe and self.cuda_graphs:  # MoE blocks sync with the host: not capturable
+            warnings.warn("rollout engine: MoE layers route tokens on the host (.tolist()/nonzero), so this "
+                          "model decodes eagerly, without CUDA graphs", stacklevel=2)
+            self.cuda_graphs = False
         self.pdl = pdl
         self.fused_sampling = fused_sampling
         self.scheduler = scheduler

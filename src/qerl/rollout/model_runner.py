@@ -11,6 +11,13 @@ the RMSNorm after it, RoPE on q/k (at decode, with the k/v cache write) and SiLU
 Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and eps are read on every call, so
 AQN's in-place noise is seen); elsewhere the same ops run eagerly.
 
+Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE: an `mlp` with `experts` and a router `gate`) run their
+sparse-MoE block as the model does, `mlp(x)` on the normed x [B, L, D] (router, top-k, experts -- HF's or
+qerl's 4-bit `QuantExperts` -- and Qwen2-MoE's gated shared expert), so AQN's noise on
+`post_attention_layernorm` reaches the router and the experts. Those blocks sync with the host (`.tolist()`,
+`nonzero`), so an engine over an MoE model decodes eagerly, without CUDA graphs (`CausalLMRunner.has_moe`).
+Which path a layer takes is decided once, here at construction.
+
 Shapes: B batch, L tokens fed (the prompt length P at prefill, 1 at decode), S attended cache length,
 H query heads, KV key/value heads, G = H / KV, hd head dim, D hidden, V vocabulary. Activations are in
 the model's dtype (`CausalLMRunner.dtype`).
@@ -27,11 +34,16 @@ from ..nn.quant_embedding import QuantEmbedding
 from .lora_snapshot import LoraSnapshot
 from .rope import rope_tables
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
+def is_moe_block(mlp: nn.Module) -> bool:
+    """A sparse-MoE block (stacked `experts` and a router `gate`), not a dense gate/up/down MLP."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and not hasattr(mlp, "gate_proj")
 
 
 class CausalLMRunner:
-    """The forward pass of a HF Llama/Mistral/Qwen2/Qwen3 causal LM over a KVCache, from its own modules."""
+    """The forward pass of a HF Llama/Mistral/Qwen2/Qwen3(-MoE) causal LM over a KVCache, from its own modules."""
 
     def __init__(self, model: nn.Module, max_len: int, fuse_siblings: bool | None = False):
         config = model.config
@@ -58,9 +70,19 @@ class CausalLMRunner:
         self.max_len = max_len
         self.cos, self.sin = rope_tables(config, max_len, self.dtype, self.device)
         groups = []
-        for layer in self.layers:
+        self.moe_layers = []  # per layer: its mlp is a sparse-MoE block (run whole, `moe_mlp`)
+        for i, layer in enumerate(self.layers):
             at, mlp = layer.self_attn, layer.mlp
-            groups += [(at.q_proj, at.k_proj, at.v_proj), (at.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+            groups += [(at.q_proj, at.k_proj, at.v_proj), (at.o_proj,)]
+            moe = is_moe_block(mlp)
+            if not moe:
+                if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+                    raise NotImplementedError(f"layer {i}: mlp {type(mlp).__name__} is neither a gate/up/down MLP "
+                                              f"nor a sparse-MoE block (experts + gate)")
+                groups += [(mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+            self.moe_layers.append(moe)
+        self.has_moe = any(self.moe_layers)
+        self._mlps = [self.moe_mlp if moe else self.mlp for moe in self.moe_layers]  # chosen once per layer
         fuse = self.device.type == "cuda" if fuse_siblings is None else fuse_siblings  # None: on CUDA only
         self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse)
 
@@ -102,6 +124,12 @@ class CausalLMRunner:
         gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x)
         return self.lora.linear(mlp.down_proj, silu_mul(gate, up, mlp.act_fn))
 
+    def moe_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, D] (already normed) -> the layer's sparse-MoE block output [B, L, D], the block run as the
+        model runs it (some transformers versions return (hidden, router_logits): the hidden is kept)."""
+        out = self.layers[i].mlp(x)
+        return out[0] if isinstance(out, tuple) else out
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask, slot=None,
                 last: torch.Tensor | None = None):
         """tokens [B, L] int64, positions [B, L] int64 (RoPE positions) -> logits [B, V] in the model's dtype
@@ -115,7 +143,7 @@ class CausalLMRunner:
         for i, layer in enumerate(self.layers):
             h, x = add_norm(h, self.attention(i, x, cos, sin, cache, mask, slot), layer.post_attention_layernorm)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, x = add_norm(h, self.mlp(i, x), nxt)
+            h, x = add_norm(h, self._mlps[i](i, x), nxt)
         x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
         head = self.lm_head
         if type(head) is nn.Linear:  # the bf16 decode kernel where it applies (1.05x cuBLAS, and PDL)
