@@ -258,8 +258,9 @@ def test_order_and_steps_are_checked():
 
 
 def test_profile_rounds_time_every_variant_and_mode_on_the_same_draws(apis, tmp_path):
-    """--lengths with two variants x --modes new,old: four cells, warm-up with short forced rows, then per
-    repetition one draw (whole groups of the profile) given to every cell in every rotation."""
+    """--lengths with two variants x --modes new,old: four cells, warm-up on a whole draw that no timed step
+    uses (seed - 1, so every compaction width compiles before timing), then per repetition one draw (whole
+    groups of the profile) given to every cell in every rotation."""
     from qerl.bench.length_profiles import draw, load_profile, to_json, LengthProfile
     from qerl.bench.step import time_cells
 
@@ -274,11 +275,12 @@ def test_profile_rounds_time_every_variant_and_mode_on_the_same_draws(apis, tmp_
         cells[fmt] = dict(model="7b", variant=fmt, world=1, weights_gb=1.0)
     rows = time_cells(runners, cells, 2, args, DistContext())
     new, old = ("continuous", True), ("static", False)
-    assert log[:4] == [("bf16", (3, 3, 3, 3), new), ("bf16", (3, 3, 3, 3), old), ("nvfp4", (3, 3, 3, 3), new),
-                       ("nvfp4", (3, 3, 3, 3), old)]
+    profile = load_profile(path)
+    warm = tuple(draw(profile, 4, 2, 5 - 1))
+    assert log[:4] == [("bf16", warm, new), ("bf16", warm, old), ("nvfp4", warm, new), ("nvfp4", warm, old)]
+    assert warm not in {tuple(draw(profile, 4, 2, 5 + rep)) for rep in range(2)}  # this toy's draws differ
     timed = log[4:]
     assert len(timed) == 2 * 4 * 4  # repetitions x rotations x cells
-    profile = load_profile(path)
     for rep in range(2):
         part = timed[rep * 16:(rep + 1) * 16]
         assert {lengths for _, lengths, _ in part} == {tuple(draw(profile, 4, 2, 5 + rep))}

@@ -327,10 +327,14 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
         return list(rows.values())
     mine = prompts // dist_ctx.world
     warm = min(args.warmup_completion, args.budget)
+    # a profile's warm-up is a whole draw the timed steps never use (seed - 1): ragged rows compact into every
+    # width the timed steps reach, so no decode kernel compiles inside a timed step
+    warm_lengths = (None if args.profile is None
+                    else rank_lengths(step_lengths(args, prompts, -1), args.group, dist_ctx))
     alive = []
     for v, m in keys:  # compile, capture, autotune: every mode runs its own code
         try:
-            runners[v].step(mine, warm, lengths=None if args.profile is None else [warm] * (mine * args.group), mode=m)
+            runners[v].step(mine, warm if warm_lengths is None else args.budget, lengths=warm_lengths, mode=m)
             alive.append((v, m))
         except torch.OutOfMemoryError:
             _oom(runners[v], rows[(v, m)])
@@ -542,7 +546,9 @@ def parse_args(argv=None):
     ap.add_argument("--packing", default=None, help="comma list of on (packed micro-batches), off (padded); default on")
     ap.add_argument("--modes", default=None, help="comma list of new (continuous + packing on), old (static + "
                                                   "packing off); instead of --schedulers / --packing")
-    ap.add_argument("--warmup-completion", type=int, default=32, help="completion length of the untimed warm-up step")
+    ap.add_argument("--warmup-completion", type=int, default=32,
+                    help="completion length of the untimed warm-up step (forced lengths; with --lengths the warm-up "
+                         "is a whole draw of the profile that no timed step uses)")
     ap.add_argument("--steps", type=int, default=3,
                     help="timed steps per cell and order (interleaved: repetitions of the counterbalanced "
                          "rounds; sequential: timed steps); medians reported (the upper middle value for an even "
