@@ -246,3 +246,33 @@ def test_continuous_scheduler_greedy_matches_hf_fp32_with_eos():
     engine = RolloutEngine(model, max_seq_len=96, kv_block=32, max_batch=4, check_every=4, eos_token_id=eos)
     out = engine.generate(prompts, 40, SamplingParams(temperature=0))
     assert completions(out) == hf_greedy(model, prompts, 40, eos=eos)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_graphs_kept_across_an_update_equal_graphs_captured_again(fmt):
+    """What `rollout.release_kv_cache: null` (auto) relies on: a rollout replaying the graphs kept from the
+    previous one (refills, compaction to 8 rows, AQN), after the optimizer moved the adapter in place, samples
+    exactly what a rollout on freshly captured graphs samples."""
+    model = quantize_tiny(tiny_model("qwen3"), fmt=fmt).cuda().to(torch.bfloat16)
+    prompts = [p for p in prompts_of([7, 2, 11, 5, 9, 4, 6, 3], seed=2) for _ in range(3)]
+    lengths = [3, 40, 9, 17, 1, 33, 25, 6, 12, 40, 2, 20] * 2
+    sp = SamplingParams(temperature=0.8)
+    engine = RolloutEngine(model, max_seq_len=96, kv_block=32, max_batch=16, check_every=4)
+
+    def rollout():
+        return engine.generate(prompts, 40, sp, seed=3, force_lengths=lengths, aqn=NoisyNorms(model, 0.05, seed=1))
+
+    before = rollout()
+    graphs = dict(engine.graphs)
+    with torch.no_grad():  # an optimizer step: in place, as AdamW updates the fp32 masters
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p), alpha=0.5)
+    kept = rollout()
+    assert dict(engine.graphs) == graphs, "the kept graphs were not the ones replayed"
+    engine.release_memory()
+    fresh = rollout()
+    assert not torch.equal(kept.completion_ids, before.completion_ids)  # the update reached the kept graphs
+    assert torch.equal(kept.completion_ids, fresh.completion_ids)
+    torch.testing.assert_close(kept.logprobs, fresh.logprobs, atol=0, rtol=0)
+    torch.testing.assert_close(kept.entropies, fresh.entropies, atol=0, rtol=0)

@@ -118,7 +118,10 @@ class RolloutSection:
     # batches | static: each batch decodes until its longest row stops (the reference); same samples either way
     scheduler: str = "continuous"
     # memory
-    release_kv_cache: bool = True  # free the KV cache + decode graphs before the update (memory for the backward)
+    # free the KV cache + decode graphs before each update (memory for the backward): true | false | null = auto
+    # (free after the first rollout, then keep them when the run's peak plus the engine's bytes fit 70% of the
+    # card: the next rollouts skip re-capturing their decode graphs; always frees under data parallel)
+    release_kv_cache: bool | None = None
 
 
 @dataclass

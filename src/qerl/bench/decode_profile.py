@@ -49,9 +49,12 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
     engine.warmup(batch, prompt + steps + 1)
     engine.generate(ids, steps + 1, SamplingParams(temperature=1.0), seed=0, ignore_eos=True)  # cache filled
     sp = SamplingParams(temperature=1.0)
-    kv = min(-(-(prompt + steps) // engine.kv_block) * engine.kv_block, engine.max_seq_len)
-    engine.step_slot.fill_(prompt)
-    state = {"logits": engine._decode(kv)}
+    kv = engine.attended_len(prompt + steps)
+    # every row decodes at slot `prompt` (the step's cost does not depend on which slot it rewrites)
+    engine.slot_base[:batch].fill_(prompt)
+    engine.slot_lo[:batch].fill_(0)
+    engine.step_index.fill_(0)
+    state = {"logits": engine.decode(batch, kv)}
     torch.cuda.synchronize()
     fused = engine.fused_sampling and fused_sampling_applies(state["logits"], sp)
     if fused:
@@ -64,7 +67,7 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
             else:
                 tok, _, _ = next_token(state["logits"], sp, None)
             engine.step_tokens.copy_(tok)
-            state["logits"] = engine._decode(kv)
+            state["logits"] = engine.decode(batch, kv)
         torch.cuda.synchronize()
 
     return run

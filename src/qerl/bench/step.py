@@ -56,6 +56,7 @@ import torch
 
 from ..formats import FORMATS
 from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
+from ..rollout.memory import EngineMemoryPolicy
 from .rollout import QWEN25, qwen25_config
 
 
@@ -110,6 +111,8 @@ class StepRunner:
         self.model, self.args, self.dist, self.sigma = model, args, dist_ctx, sigma
         enable_gradient_checkpointing(model)
         self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.budget)
+        self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
+                                                dist_ctx.world > 1)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
@@ -169,7 +172,10 @@ class StepRunner:
         else:  # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
             r = self.engine.generate(rows, args.budget, sp, ignore_eos=True, force_lengths=lengths,
                                      generator=self.generator, aqn=aqn, scheduler=scheduler)
-        self.engine.release_memory()  # as the trainer does (rollout.release_kv_cache)
+        if mode == OLD_MODE:  # the reference frees the engine's memory after every rollout, as qerl train did
+            self.engine.release_memory()
+        else:  # as qerl train does (rollout.release_kv_cache); after an old-mode cell the graphs are gone anyway
+            self.engine_memory.after_rollout(self.engine)
         sync()
         times["rollout"] = time.perf_counter() - start
         rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
@@ -179,6 +185,8 @@ class StepRunner:
                          rewards, group_advantages(rewards, G), got, at_budget)
         stats = policy_update(self.model, exp, self.optimizer, self.params, settings, dist_ctx=self.dist,
                               timings=times)
+        if mode != OLD_MODE:
+            self.engine_memory.after_update()
         sync()
         times["step"] = time.perf_counter() - start
         times["peak_gb"] = (torch.cuda.max_memory_allocated() - others_bytes) / 1e9 if on_gpu else 0.0
@@ -281,6 +289,7 @@ def _oom(runner: "StepRunner", row: dict) -> None:
 OLD_MODE = ("static", False)  # the reference: static batches, padded micro-batches
 MODES = {"new": ("continuous", True), "old": OLD_MODE}  # --modes names -> (engine scheduler, packed update)
 PACKING = {"on": True, "off": False}
+RELEASE_SETTINGS = {"auto": None, "always": True}  # --release-kv-cache -> rollout.release_kv_cache
 
 
 def mode_label(mode: tuple[str, bool]) -> str:
@@ -560,6 +569,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
                     help="tokens per micro-batch of the packed update (default: by model size, as qerl train "
                          "chooses it: qerl.rl.packing.token_budget)")
+    ap.add_argument("--release-kv-cache", choices=tuple(RELEASE_SETTINGS), default="auto",
+                    help="after each rollout of a non-old mode: free the engine's KV cache and decode graphs "
+                         "(always), or keep them from the second step on when they fit (auto, qerl train's "
+                         "default: rollout.release_kv_cache). The old mode always frees them, so a cell after "
+                         "an old-mode cell captures its graphs again: --modes new alone times the kept engine")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
     ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")

@@ -32,6 +32,7 @@ from ..nn.quant_linear import set_routing_policy
 from ..rewards import RewardRunner
 from ..rewards.resolve import resolve_reward
 from ..rollout import RolloutEngine
+from ..rollout.memory import EngineMemoryPolicy
 from .checkpointing import (check_same_run, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
                             set_rng_state)
 from .collect import collect_experience, failed_rewards
@@ -139,6 +140,7 @@ class Trainer:
         self.engine = RolloutEngine(self.model, self.tokenizer,
                                     max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
                                     scheduler=cfg.rollout.scheduler)
+        self.engine_memory = EngineMemoryPolicy(cfg.rollout.release_kv_cache, self.device, self.dist.enabled)
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)
@@ -184,8 +186,7 @@ class Trainer:
         sigma = self.aqn.sigma(self.step, cfg.steps) * (self.controller.multiplier if self.controller else 1.0)
         exp = collect_experience(self.engine, self._my_problems, self.encode, self.rewards, self.collect_settings,
                                  sigma=sigma, generator=self.generator)
-        if cfg.rollout.release_kv_cache:
-            self.engine.release_memory()
+        self.engine_memory.after_rollout(self.engine)
         t_rollout = time.perf_counter() - t_start
         mask = exp.completion_mask
         gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=mask.device)
@@ -224,6 +225,7 @@ class Trainer:
                 raise TrainingAborted(
                     f"{self.bad_in_a_row} steps in a row had a non-finite loss or gradient; lower optim.lr, "
                     "raise optim.max_grad_norm's strictness, or check the data and rewards") from None
+        self.engine_memory.after_update()
         self.scheduler.step()
         self.step += 1
         metrics["bad_steps_total"] = self.bad_total

@@ -68,3 +68,45 @@ def rows_per_pass(n: int, seq_len: int, max_seq_len: int, max_batch: int | None,
             f"not even one row's KV cache ({row_bytes() / 2**30:.2f} GiB for max_seq_len "
             f"{max_seq_len}) fits in free GPU memory; lower max_new_tokens or the prompt length")
     return max(b for b in BATCH_BUCKETS if b <= limit)
+
+
+# auto keeps the engine's memory while the run's peak so far plus the engine's bytes stay below this share of
+# the card: the rest covers a later update peaking higher than the ones seen (longer or more sequences)
+KEEP_FRACTION = 0.7
+
+
+class EngineMemoryPolicy:
+    """Whether the rollout engine keeps its KV cache and captured decode graphs through the update.
+
+    Freeing them (`RolloutEngine.release_memory`) gives the backward their memory; keeping them saves the next
+    rollout re-allocating the cache and re-capturing one decode graph per batch width it visits (two warm-up
+    steps plus the capture, eager, per width; continuous batching visits up to five widths per rollout).
+
+    release: True = free after every rollout; False = never free; None = auto: free after the first rollout
+    (measuring what the engine held), then keep from the next one on if the run's peak reserved memory so far
+    plus those bytes fit `KEEP_FRACTION` of the card. Auto frees always off CUDA and under data parallel
+    (a rank that ran out of memory mid-update would leave the others waiting in the all-reduce)."""
+
+    def __init__(self, release: bool | None, device: torch.device, distributed: bool = False,
+                 fraction: float = KEEP_FRACTION):
+        self.release, self.device, self.fraction = release, device, fraction
+        self.auto = release is None and device.type == "cuda" and not distributed
+        self.keep = release is False
+        self.engine_bytes: int | None = None  # what the last freeing returned to the device (auto only)
+
+    def after_rollout(self, engine) -> bool:
+        """Free the engine's memory unless it is kept; returns whether it was freed."""
+        if self.keep:
+            return False
+        before = torch.cuda.memory_reserved(self.device) if self.auto else 0
+        engine.release_memory()  # empties the allocator's cache: the drop in reserved bytes is the engine's
+        if self.auto:
+            self.engine_bytes = max(before - torch.cuda.memory_reserved(self.device), 0)
+        return True
+
+    def after_update(self) -> None:
+        """Auto: decide, once, from the peak so far, whether later rollouts keep the engine's memory."""
+        if not self.auto or self.keep or self.engine_bytes is None:
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        self.keep = torch.cuda.max_memory_reserved(self.device) + self.engine_bytes <= self.fraction * total
