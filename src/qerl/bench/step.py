@@ -344,6 +344,9 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
     for v, m in keys:  # compile, capture, autotune: every mode runs its own code
         try:
             runners[v].step(mine, warm if warm_lengths is None else args.budget, lengths=warm_lengths, mode=m)
+            if m != OLD_MODE and runners[v].engine_memory.keep:  # auto decided to keep the engine's memory:
+                # a second step reaches the steady state of a run (the first kept rollout captures again)
+                runners[v].step(mine, warm if warm_lengths is None else args.budget, lengths=warm_lengths, mode=m)
             alive.append((v, m))
         except torch.OutOfMemoryError:
             _oom(runners[v], rows[(v, m)])
