@@ -11,7 +11,7 @@ from pathlib import Path
 from . import registry
 from .checkpoint import load_quantized
 from .gguf import load_gguf, to_device
-from .sources import SUPPORTED_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
+from .sources import DENSE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 
 # what a hub snapshot needs for streaming: weights, config, generation config and tokenizer files
 HUB_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken")
@@ -21,7 +21,7 @@ def plain_hf_directory(name_or_path) -> Path | None:
     """The directory of the 16-bit Hugging Face checkpoint that `name_or_path` names, when qerl can stream it
     (`models.stream`): an embedded name, a local directory, or a hub id (its safetensors snapshot is
     downloaded into the Hugging Face cache first). None for anything else -- GGUF, quantized directories,
-    unsupported architectures, a hub id that cannot be fetched -- which `load_causal_lm` handles or refuses
+    mixtures of experts, unsupported architectures, a hub id that cannot be fetched -- which `load_causal_lm` handles or refuses
     with its own message."""
     source = str(name_or_path)
     if source in registry.EMBEDDED:
@@ -35,8 +35,8 @@ def plain_hf_directory(name_or_path) -> Path | None:
     if not (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))):
         return None
     config = _read_config(path)
-    if config.get("quantization_config") or config.get("model_type") not in SUPPORTED_ARCHITECTURES:
-        return None
+    if config.get("quantization_config") or config.get("model_type") not in DENSE_ARCHITECTURES:
+        return None  # quantized, MoE (loaded whole: transformers restacks its experts) or unsupported
     return path
 
 

@@ -82,6 +82,8 @@ def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device
     if tokenizer is None:
         raise ValueError(f"{model_cfg.name}: no tokenizer found; training needs one")
     model.config.use_cache = False  # training forwards never reuse a KV cache (the rollout engine has its own)
+    if hasattr(model.config, "output_router_logits"):  # MoE: no router logits or load-balancing loss in RL
+        model.config.output_router_logits = False
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model.eval(), tokenizer

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# mixtures of experts: loaded whole through transformers (which stacks a checkpoint's per-expert tensors into its
+# 3-D experts modules), then quantized (`quantize_model(experts=True)`); never streamed layer by layer
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 class ModelLoadError(ValueError):
