@@ -44,7 +44,7 @@ def test_moe_is_loaded_whole_not_streamed(moe_dir):
 
 
 def test_train_a_moe_checkpoint_and_reload_its_adapter(moe_dir, data_file, tmp_path):  # noqa: F811
-    cfg = load_config(None, _overrides(moe_dir, data_file, tmp_path / "run", steps=2))
+    cfg = load_config(None, _overrides(moe_dir, data_file, tmp_path / "run", steps=2, **{"model.device": "cpu"}))
     trainer = Trainer(cfg)
     model = trainer.model
     experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
