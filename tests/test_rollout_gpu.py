@@ -248,6 +248,34 @@ def test_continuous_scheduler_greedy_matches_hf_fp32_with_eos():
     assert completions(out) == hf_greedy(model, prompts, 40, eos=eos)
 
 
+def test_continuous_scheduler_stop_strings_and_eos_under_cuda_graphs_fp32():
+    """Stop strings and EOS with refills (24 sequences, width 16) and compaction to 8 rows, decoded from CUDA
+    graphs: each completion is HF's greedy one cut right after its EOS or after the token completing the
+    stop string, whichever comes first, with the matching finish reason."""
+    from test_rollout_engine import CharTokenizer
+
+    model = tiny_model("qwen2").cuda()
+    tok = CharTokenizer()
+    prompts = prompts_of(PROMPT_LENGTHS * 2, seed=9)
+    free = hf_greedy(model, prompts, 40)
+    stop = tok.decode(free[0][9:11])
+    eos = free[1][5]
+    engine = RolloutEngine(model, tokenizer=tok, max_seq_len=96, kv_block=32, max_batch=16, check_every=4,
+                           eos_token_id=eos)
+    assert engine.cuda_graphs
+    out = engine.generate(prompts, 40, SamplingParams(temperature=0), stop=[stop])
+    assert 8 in {b for b, _ in engine.graphs}, "no compaction into a narrower batch"
+    cut = 0
+    for row, full, reason in zip(completions(out), free, out.finish_reason):
+        end = full.index(eos) + 1 if eos in full else len(full)
+        text_end = next((k for k in range(1, end + 1) if stop in tok.decode(full[:k])), None)
+        end = min(end, text_end or end)
+        assert row == full[:end]
+        assert reason == ("length" if end == len(full) and eos not in full[:end] else "stop")
+        cut += end < len(full)
+    assert cut >= 3, "too few rows stopped early to check the bookkeeping"
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_graphs_kept_across_an_update_equal_graphs_captured_again(fmt):
     """What `rollout.release_kv_cache: null` (auto) relies on: a rollout replaying the graphs kept from the
