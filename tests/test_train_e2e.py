@@ -272,7 +272,11 @@ def test_out_of_memory_names_the_knobs(tiny_dir, data_file, tmp_path, monkeypatc
     monkeypatch.setattr(trainer, "train_step", oom)
     knob = (r"optim.max_tokens_per_micro_batch \(now 16384 by model size\), "  # a tiny model: the ceiling
             r"rollout.prompts_per_step x rollout.group_size")
-    with pytest.raises(TrainingAborted, match=knob):
+    with pytest.raises(TrainingAborted, match=knob) as e:
+        trainer.train()
+    assert "release_kv_cache" not in str(e.value)  # on the CPU the engine is never kept
+    trainer.engine_memory.keep = True  # as auto decides on a GPU where the engine fits
+    with pytest.raises(TrainingAborted, match=r"kept through the update \(rollout.release_kv_cache=true frees"):
         trainer.train()
     padded = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "padded", **{"optim.packing": False})))
     monkeypatch.setattr(padded, "train_step", oom)

@@ -323,11 +323,13 @@ class Trainer:
         try:
             return self.train_step()
         except torch.OutOfMemoryError:
+            kept = ("; the rollout engine's KV cache and graphs were kept through the update "
+                    "(rollout.release_kv_cache=true frees them)" if self.engine_memory.keep else "")
             raise TrainingAborted(
                 f"out of GPU memory at step {self.step + 1}: lower {self._micro_batch_knob()}, "
                 f"rollout.prompts_per_step x rollout.group_size "
                 f"(now {self.cfg.rollout.prompts_per_step} x {self.cfg.rollout.group_size}) or rollout.max_new_tokens "
-                f"(now {self.cfg.rollout.max_new_tokens}); the last checkpoint is intact") from None
+                f"(now {self.cfg.rollout.max_new_tokens}){kept}; the last checkpoint is intact") from None
 
     # checkpoints ------------------------------------------------------------------------------
 
