@@ -21,11 +21,15 @@ gate_proj is rows [:I] and up_proj rows [I:] of the gate_up tensors (for NF4, wh
 flattened matrix, rows [:I] are the first I*H/64 absmax entries; I*H is a multiple of 64). NVFP4's global
 scale is chosen per expert over the fused [2I, H] matrix, so gate and up share it, as fused serving needs.
 
-The forward has exactly the semantics of transformers' eager experts forward: a loop over the experts that
-receive a token, act_fn(gate) * up, down, times the token's routing weight, `index_add_` into the output.
-It is the reference path: each hit expert's weights are dequantized (in the input dtype) on every call.
-Grouped / fused 4-bit MoE kernels are later work, as are LoRA on experts (they are frozen here) and saving /
-loading in compressed-tensors form. Gradients reach the input and the routing weights, never the experts.
+The forward has exactly the semantics of transformers' eager experts forward: act_fn(gate) * up, down, times
+the token's routing weight, `index_add_` into the output. Two paths compute it:
+- grouped (NVFP4 / MXFP4 on CUDA in bf16 / fp16, no gradient needed: the rollout and the no-grad passes):
+  the token-expert pairs sorted by expert, then one grouped 4-bit kernel launch for gate_up and one for down
+  over all hit experts (`kernels.triton_fp4_grouped`), weights decoded in registers;
+- reference (everything else, the loss pass included): transformers' loop over the hit experts, each
+  expert's weights dequantized (in the input dtype) on every call.
+LoRA on experts (they are frozen here), a grouped input gradient and saving / loading in compressed-tensors
+form are later work. Gradients reach the input and the routing weights, never the experts.
 """
 
 import torch
@@ -110,8 +114,45 @@ class QuantExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k] -> [T, H] in hidden_states.dtype.
+        An index equal to num_experts (an expert-parallel sentinel) is skipped."""
+        if self._grouped_applies(hidden_states, top_k_weights):
+            return self.grouped_forward(hidden_states, top_k_index, top_k_weights, self._kernel_linear)
+        return self.reference_forward(hidden_states, top_k_index, top_k_weights)
 
-        The transformers eager loop; an index equal to num_experts (an expert-parallel sentinel) is skipped."""
+    def _grouped_applies(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+        from ..kernels.route import use_triton
+
+        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
+        return self.weight_format in ("nvfp4", "mxfp4") and not needs_grad and use_triton(hidden_states)
+
+    def _kernel_linear(self, x: torch.Tensor, offsets: list[int], weight: str) -> torch.Tensor:
+        from ..kernels.triton_fp4_grouped import grouped_fp4_linear
+
+        mx = self.weight_format == "mxfp4"
+        return grouped_fp4_linear(x, offsets, getattr(self, f"{weight}_weight_packed"),
+                                  getattr(self, f"{weight}_weight_scale"),
+                                  None if mx else getattr(self, f"{weight}_weight_global_scale"), 32 if mx else 16, mx)
+
+    def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        linear) -> torch.Tensor:
+        """The forward with the token-expert pairs sorted by expert and each weight applied by one grouped call
+        `linear(x [rows, K] sorted by expert, offsets: E + 1 host ints, weight name) -> [rows, N]` (the
+        4-bit kernel; tests pass a plain-torch one). One host sync per call (the rows per expert)."""
+        T, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # sentinel pairs (== num_experts) sort last
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        offsets = [0, *counts.cumsum(0).tolist()]
+        order = order[: offsets[-1]]
+        token = order // k
+        gate, up = linear(hidden_states[token], offsets, "gate_up_proj").chunk(2, dim=-1)
+        rows = linear(self.act_fn(gate) * up, offsets, "down_proj")
+        rows = rows * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add_(0, token, rows.to(hidden_states.dtype))
+
+    def reference_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The transformers eager loop over the hit experts, each dequantized on this call."""
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
             expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)

@@ -1,0 +1,108 @@
+"""Grouped FP4 products for mixture-of-experts layers: every expert's x_e @ W_e^T in one launch.
+
+Rows of x are sorted by expert (expert e owns rows offsets[e]..offsets[e+1]); the weights are the stacked
+per-expert tensors of `qerl.nn.QuantExperts` (packed uint8 [E, N, K/2], scales [E, N, K/group], NVFP4's
+global scale fp32 [E, 1]). A host-built tile table maps each program to (expert, first row); the program
+decodes its expert's [BN, BK] weight tiles in registers, as the dense kernel of `triton_fp4_mm` does, so no
+expert is ever written out in 16 bits. Experts without rows cost nothing.
+
+The table is built from the row counts on the host (one sync per call): eager decode and prefill, not
+CUDA-graph capture. This module imports Triton: import it lazily.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .operands import ASM_MIN_GLOBAL_SCALE, as_2d, scale_bytes
+from .triton_fp4_codes import fp4_load, round_to
+from .triton_fp4_mm import _STEP_NUM, _decode, _load_rows, asm_ok
+from .workspace import alloc
+
+
+@triton.jit
+def _grouped_fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr,
+                               N, K, stride_xm, stride_we, stride_w, stride_se, stride_s, stride_om,
+                               HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                               GROUP: tl.constexpr, MX: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                               INTERP: tl.constexpr):
+    """out[r, N] = x[r, K] @ W_e[N, K]^T for the rows r of tile program_id(1), all of expert e."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)  # int64: E * N * K/2 bytes may pass 2^31
+    r0 = tl.load(tile_row_ptr + pid_t)
+    r_end = tl.load(row_end_ptr + pid_t)
+    step_mul = 1.0
+    if HAS_GS:
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr + e)
+    w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    offs_m = r0 + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = _load_rows(x_ptrs, k0, offs_m, r_end, offs_k, K, EVEN_K)
+        p, s = fp4_load(w_e, s_e, pid_n * BN, k0, N, K, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
+        w = _decode(p, s, step_mul, BN, BK, GROUP, MX, x_ptr.dtype.element_ty, ASM, INTERP)
+        if INTERP:  # the interpreter's bf16 dot is wrong: multiply the same bf16 values as float32
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m < r_end)[:, None] & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
+
+
+def _steps_fit_bf16(global_scale: torch.Tensor) -> bool:
+    """Every expert's global scale allows the inline-PTX bf16 decode (`operands.step_fits_bf16`, all of E)."""
+    g = global_scale.detach().float()
+    return bool(((g > ASM_MIN_GLOBAL_SCALE) & torch.isfinite(g)).all())
+
+
+def tile_table(offsets: list[int], bm: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expert, first row, end row of its expert) int32 [tiles] each: one tile per bm rows of every expert."""
+    expert, first, end = [], [], []
+    for e in range(len(offsets) - 1):
+        for r in range(offsets[e], offsets[e + 1], bm):
+            expert.append(e)
+            first.append(r)
+            end.append(offsets[e + 1])
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+    return as_t(expert), as_t(first), as_t(end)
+
+
+def grouped_fp4_linear(x: torch.Tensor, offsets: list[int], packed: torch.Tensor, scale: torch.Tensor,
+                       global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
+    """x [M, K] bf16/fp16, rows sorted by expert (expert e: rows offsets[e]..offsets[e+1], len E + 1, host ints)
+    -> [M, N] in x.dtype, row r = x[r] @ W_e^T.
+
+    packed uint8 [E, N, K/2]; scale [E, N, K/group] (E4M3 bits, or E8M0 exponents when mx); global_scale fp32
+    [E, 1] (NVFP4's per-expert divisor) or None (MXFP4)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"grouped FP4 kernel takes bf16/fp16 inputs, got {x.dtype}")
+    E, n, half = packed.shape
+    k = 2 * half
+    m = x.shape[0]
+    if x.shape[1] != k or len(offsets) != E + 1 or offsets[0] != 0 or offsets[-1] != m:
+        raise ValueError(f"x {tuple(x.shape)} and offsets (len {len(offsets)}, last {offsets[-1]}) do not match "
+                         f"{E} experts of [{n}, {k}] and {m} rows")
+    out = alloc((m, n), x.device, x.dtype)
+    if m == 0:
+        return out
+    x2 = as_2d(x)
+    s = scale_bytes(scale)
+    gs = None if global_scale is None else global_scale.reshape(E).float().contiguous()
+    most = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    bm = 16 if most <= 16 else (32 if most <= 32 else 64)  # decode: a few rows per expert
+    bn, bk = 64, 128
+    experts, firsts, ends = tile_table(offsets, bm, x.device)
+    fits = gs is not None and x.is_cuda and _steps_fit_bf16(gs)
+    grid = (triton.cdiv(n, bn), experts.numel())
+    _grouped_fp4_linear_kernel[grid](
+        x2, packed, s, gs if gs is not None else s, out, experts, firsts, ends, n, k, x2.stride(0), packed.stride(0),
+        packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
+        HAS_GS=gs is not None, BM=bm, BN=bn, BK=bk, GROUP=group, MX=mx, EVEN_K=k % bk == 0,
+        ASM=asm_ok(x.device, x.dtype, mx, fits), INTERP=x.device.type != "cuda", num_warps=4, num_stages=3)
+    return out
