@@ -76,10 +76,13 @@ def main(argv=None) -> int:
             if not args.skip_reference:
                 row["nvfp4 reference ms"] = timed(lambda: quant.reference_forward(x, index, weights), 5)
             for name, m in bf16.items():
-                row[f"bf16 {name} ms"] = timed(lambda: m(x, index, weights), args.repeats)
+                try:
+                    row[f"bf16 {name} ms"] = timed(lambda: m(x, index, weights), args.repeats)
+                except Exception as e:  # an implementation this transformers / torch cannot run here
+                    print(f"bf16 {name}: {type(e).__name__}: {e}")
             want = bf16["eager"](x, index, weights).float()
             got = quant(x, index, weights).float()
-            row["rel err vs bf16"] = float((got - want).norm() / want.norm())
+            row["rel diff vs bf16 (4-bit error)"] = float((got - want).norm() / want.norm())
         rows.append(row)
         print(row, flush=True)
     cols = list(rows[0])
