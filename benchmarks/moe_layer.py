@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     except Exception as e:  # an older transformers: no such implementation
         print(f"bf16 grouped_mm unavailable: {type(e).__name__}: {e}")
     quant = QuantExperts.from_experts(bf16["eager"], "nvfp4")
+    quant.grouped_kernel = True  # opt-in (not yet the default)
     E, k, H = shape["num_experts"], shape["top_k"], shape["hidden"]
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:

@@ -1,5 +1,5 @@
-"""The grouped FP4 kernel for mixture-of-experts layers (qerl.kernels.triton_fp4_grouped) against the
-plain-torch float32 reference: each expert's rows times its own dequantized weight.
+"""The grouped FP4 kernels for mixture-of-experts layers (qerl.kernels.triton_fp4_grouped), forward and input
+gradient, against the plain-torch float64 reference: each expert's rows times its own dequantized weight.
 
 CPU: the Triton interpreter in a subprocess (small shapes); GPU (`-m gpu`): decode- and prefill-sized
 routings at real expert shapes. Weights are raw random codes and scale bytes (all 16 E2M1 codes, subnormal
@@ -24,19 +24,22 @@ def _experts(E: int, n: int, k: int, mx: bool, gen: torch.Generator) -> dict:
     return out
 
 
-def _reference(x: torch.Tensor, offsets: list[int], tensors: dict, mx: bool) -> torch.Tensor:
-    out = torch.zeros(x.shape[0], tensors["weight_packed"].shape[1], dtype=torch.float64)
+def _reference(x: torch.Tensor, offsets: list[int], tensors: dict, mx: bool, grad_input: bool) -> torch.Tensor:
+    """Forward: row r of x [M, K] times W_e^T; grad_input: row r of g [M, N] times W_e; float64."""
+    n, k = tensors["weight_packed"].shape[1], 2 * tensors["weight_packed"].shape[2]
+    out = torch.zeros(x.shape[0], k if grad_input else n, dtype=torch.float64)
     for e in range(len(offsets) - 1):
         a, b = offsets[e], offsets[e + 1]
         if b > a:
             w = _dequant({name: t[e] for name, t in tensors.items()}, mx).double()
-            out[a:b] = x[a:b].double() @ w.T
+            out[a:b] = x[a:b].double() @ (w if grad_input else w.T)
     return out
 
 
 @poisoned
 def _check(device: str, counts: list[int], n: int, k: int, mx: bool, seed: int) -> list[str]:
-    from qerl.kernels.triton_fp4_grouped import grouped_fp4_linear
+    """The forward and the input gradient of one routing against the float64 reference."""
+    from qerl.kernels.triton_fp4_grouped import grouped_fp4_grad_input, grouped_fp4_linear
 
     gen = torch.Generator().manual_seed(seed)
     E = len(counts)
@@ -44,30 +47,63 @@ def _check(device: str, counts: list[int], n: int, k: int, mx: bool, seed: int) 
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
-    x = torch.randn(offsets[-1], k, generator=gen).to(torch.bfloat16)
-    ref = _reference(x, offsets, tensors, mx)
-    out = grouped_fp4_linear(x.to(device), offsets, tensors["weight_packed"].to(device),
-                             tensors["weight_scale"].to(device),
-                             None if mx else tensors["weight_global_scale"].to(device), 32 if mx else 16, mx)
-    label = f"{device} counts={counts} n={n} k={k} mx={mx}"
-    if out.shape != ref.shape:
-        return [f"{label}: shape {tuple(out.shape)} != {tuple(ref.shape)}"]
-    if torch.isnan(out).any():
-        return [f"{label}: NaN (an unwritten element)"]
-    err = _rel_err(out, ref) if offsets[-1] else 0.0
-    return [f"{label}: rel err {err:.3g}"] if err > REL_TOL else []
+    weights = (tensors["weight_packed"].to(device), tensors["weight_scale"].to(device),
+               None if mx else tensors["weight_global_scale"].to(device), 32 if mx else 16, mx)
+    fails = []
+    for grad_input, fn, width in ((False, grouped_fp4_linear, k), (True, grouped_fp4_grad_input, n)):
+        x = torch.randn(offsets[-1], width, generator=gen).to(torch.bfloat16)
+        ref = _reference(x, offsets, tensors, mx, grad_input)
+        out = fn(x.to(device), offsets, *weights)
+        label = f"{device} {fn.__name__} counts={counts} n={n} k={k} mx={mx}"
+        if out.shape != ref.shape:
+            fails.append(f"{label}: shape {tuple(out.shape)} != {tuple(ref.shape)}")
+        elif torch.isnan(out).any():
+            fails.append(f"{label}: NaN (an unwritten element)")
+        else:  # per expert: the global scales differ by up to 1e50, so one expert's error must not hide in another's
+            errs = [_rel_err(out[a:b], ref[a:b]) for a, b in zip(offsets[:-1], offsets[1:]) if b > a]
+            if errs and max(errs) > REL_TOL:
+                fails.append(f"{label}: rel err {max(errs):.3g} (worst expert)")
+    return fails
 
 
 CPU_CASES = [  # (rows per expert, N, K)
     ([3, 0, 5, 1], 24, 48),  # an empty expert, odd counts
     ([0, 17, 0], 33, 64),  # one expert takes every row (more than one 16-row tile), N not a tile multiple
     ([2, 2, 2, 2, 2], 40, 160),  # K not a multiple of the 128-column tile
+    ([20, 0, 9], 64, 96),  # N a whole 64-row tile (no row masks in the gradient's reduction)
     ([0, 0], 16, 32),  # no rows at all
 ]
 
 
-def interpreter_suite() -> list[str]:
+def _check_experts_module(fmt: str) -> list[str]:
+    """QuantExperts' grouped path through the kernels (forward and input gradient, bf16 on the CPU in the
+    interpreter) against its reference loop: outputs and the gradients of hidden states and routing weights."""
+    from test_quant_experts import _model
+
+    from qerl.nn.quant_experts import QuantExperts
+
+    torch.manual_seed(5)
+    quant = QuantExperts.from_experts(_model().model.layers[0].mlp.experts, fmt)
+    T, k, E, H = 40, 2, quant.num_experts, quant.hidden_dim
+    index = torch.randint(0, E, (T, k))
+    results = []
+    for linear in (quant._kernel_linear, None):
+        hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).requires_grad_()
+        weights = torch.rand(T, k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).requires_grad_()
+        out = (quant.grouped_forward(hidden, index, weights, linear) if linear
+               else quant.reference_forward(hidden, index, weights))
+        out.float().square().sum().backward()
+        results.append((out.detach(), hidden.grad, weights.grad))
     fails = []
+    for name, got, want in zip(("output", "grad hidden", "grad routing weights"), *results):
+        err = _rel_err(got, want.double())
+        if err > 2e-2:
+            fails.append(f"QuantExperts {fmt} grouped vs reference {name}: rel err {err:.3g}")
+    return fails
+
+
+def interpreter_suite() -> list[str]:
+    fails = _check_experts_module("nvfp4") + _check_experts_module("mxfp4")
     for i, (counts, n, k) in enumerate(CPU_CASES):
         for mx in (False, True):
             if mx and k % 32:

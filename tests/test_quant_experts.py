@@ -420,11 +420,14 @@ def test_grouped_forward_equals_the_reference_loop(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_grouped_kernel_path_on_cuda_matches_the_reference(fmt):
-    """On CUDA in bf16 without gradient the forward takes the grouped kernel; with gradient the reference."""
+    """Opted in, on CUDA in bf16 the forward and the input gradient take the grouped kernels, close to the
+    reference loop's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(4)
     quant = QuantExperts.from_experts(_model().model.layers[0].mlp.experts, fmt).cuda()
+    assert not quant._grouped_applies(torch.zeros(1, H, device="cuda", dtype=torch.bfloat16), torch.zeros(1, 2))
+    quant.grouped_kernel = True  # opt-in until this test has passed on a GPU
     T, k = 200, 2
     index = torch.randint(0, E, (T, k), device="cuda")
     weights = torch.rand(T, k, device="cuda", dtype=torch.bfloat16)
@@ -435,5 +438,9 @@ def test_grouped_kernel_path_on_cuda_matches_the_reference(fmt):
     want = quant.reference_forward(hidden, index, weights)
     assert torch.isfinite(got).all()
     assert ((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
-    hidden.requires_grad_(True)
-    assert not quant._grouped_applies(hidden, weights)
+    hidden.requires_grad_(True)  # the backward through the grouped input-gradient kernel
+    quant(hidden, index, weights).float().square().sum().backward()
+    got_grad, hidden.grad = hidden.grad, None
+    quant.reference_forward(hidden, index, weights).float().square().sum().backward()
+    assert torch.isfinite(got_grad).all()
+    assert ((got_grad.float() - hidden.grad.float()).norm() / hidden.grad.float().norm()) < 2e-2

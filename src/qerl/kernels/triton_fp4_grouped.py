@@ -106,3 +106,72 @@ def grouped_fp4_linear(x: torch.Tensor, offsets: list[int], packed: torch.Tensor
         HAS_GS=gs is not None, BM=bm, BN=bn, BK=bk, GROUP=group, MX=mx, EVEN_K=k % bk == 0,
         ASM=asm_ok(x.device, x.dtype, mx, fits), INTERP=x.device.type != "cuda", num_warps=4, num_stages=3)
     return out
+
+
+@triton.jit
+def _grouped_fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr,
+                                   N, K, stride_gm, stride_we, stride_w, stride_se, stride_s, stride_om,
+                                   HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                   GROUP: tl.constexpr, MX: tl.constexpr, EVEN_N: tl.constexpr,
+                                   EVEN_K: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
+    """out[r, K] = g[r, N] @ W_e[N, K] for the rows r of tile program_id(1): the reduction runs over W_e's rows,
+    each step decoding a [BN, BK] tile (no transpose), as `triton_fp4_mm._fp4_grad_input_kernel` does."""
+    pid_k = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
+    r0 = tl.load(tile_row_ptr + pid_t)
+    r_end = tl.load(row_end_ptr + pid_t)
+    step_mul = 1.0
+    if HAS_GS:
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr + e)
+    w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    offs_m = r0 + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    g_ptrs = g_ptr + offs_m[:, None].to(tl.int64) * stride_gm + offs_n[None, :]
+    col0 = pid_k * BK
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        g = _load_rows(g_ptrs, n0, offs_m, r_end, offs_n, N, EVEN_N)
+        p, s = fp4_load(w_e, s_e, n0, col0, N, K, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
+        w = _decode(p, s, step_mul, BN, BK, GROUP, MX, g_ptr.dtype.element_ty, ASM, INTERP)
+        if INTERP:
+            acc = tl.dot(g.to(tl.float32), w.to(tl.float32), acc)
+        else:
+            acc = tl.dot(g, w, acc)
+    offs_k = col0 + tl.arange(0, BK)
+    mask = (offs_m < r_end)[:, None] & (offs_k[None, :] < K)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_k[None, :],
+             round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
+
+
+def grouped_fp4_grad_input(g: torch.Tensor, offsets: list[int], packed: torch.Tensor, scale: torch.Tensor,
+                           global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
+    """The input gradient of `grouped_fp4_linear`: g [M, N] (rows sorted by expert as x was) -> [M, K] in
+    g.dtype, row r = g[r] @ W_e. Weight tensors as in `grouped_fp4_linear`."""
+    if g.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"grouped FP4 kernel takes bf16/fp16 gradients, got {g.dtype}")
+    E, n, half = packed.shape
+    k = 2 * half
+    m = g.shape[0]
+    if g.shape[1] != n or len(offsets) != E + 1 or offsets[0] != 0 or offsets[-1] != m:
+        raise ValueError(f"g {tuple(g.shape)} and offsets (len {len(offsets)}, last {offsets[-1]}) do not match "
+                         f"{E} experts of [{n}, {k}] and {m} rows")
+    out = alloc((m, k), g.device, g.dtype)
+    if m == 0:
+        return out
+    g2 = as_2d(g)
+    s = scale_bytes(scale)
+    gs = None if global_scale is None else global_scale.reshape(E).float().contiguous()
+    most = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+    bm = 16 if most <= 16 else (32 if most <= 32 else 64)
+    bn, bk = 64, 128
+    experts, firsts, ends = tile_table(offsets, bm, g.device)
+    fits = gs is not None and g.is_cuda and _steps_fit_bf16(gs)
+    grid = (triton.cdiv(k, bk), experts.numel())
+    _grouped_fp4_grad_input_kernel[grid](
+        g2, packed, s, gs if gs is not None else s, out, experts, firsts, ends, n, k, g2.stride(0), packed.stride(0),
+        packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
+        HAS_GS=gs is not None, BM=bm, BN=bn, BK=bk, GROUP=group, MX=mx, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
+        ASM=asm_ok(g.device, g.dtype, mx, fits), INTERP=g.device.type != "cuda", num_warps=4, num_stages=3)
+    return out

@@ -23,13 +23,15 @@ scale is chosen per expert over the fused [2I, H] matrix, so gate and up share i
 
 The forward has exactly the semantics of transformers' eager experts forward: act_fn(gate) * up, down, times
 the token's routing weight, `index_add_` into the output. Two paths compute it:
-- grouped (NVFP4 / MXFP4 on CUDA in bf16 / fp16, no gradient needed: the rollout and the no-grad passes):
-  the token-expert pairs sorted by expert, then one grouped 4-bit kernel launch for gate_up and one for down
-  over all hit experts (`kernels.triton_fp4_grouped`), weights decoded in registers;
-- reference (everything else, the loss pass included): transformers' loop over the hit experts, each
-  expert's weights dequantized (in the input dtype) on every call.
-LoRA on experts (they are frozen here), a grouped input gradient and saving / loading in compressed-tensors
-form are later work. Gradients reach the input and the routing weights, never the experts.
+- grouped (opt-in, `QuantExperts.grouped_kernel = True`; NVFP4 / MXFP4 on CUDA in bf16 / fp16): the
+  token-expert pairs sorted by expert, then one grouped 4-bit kernel launch for gate_up and one for down over
+  all hit experts (`kernels.triton_fp4_grouped`), weights decoded in registers, and the same for the input
+  gradient in the backward. Checked against the float64 reference in the Triton interpreter only: it has not
+  run on a GPU yet, so it is off by default;
+- reference (the default): transformers' loop over the hit experts, each expert's weights dequantized (in the
+  input dtype) on every call.
+LoRA on experts (they are frozen here), CUDA-graph capture of the grouped path (its tile table is built on
+the host) and saving / loading in compressed-tensors form are later work. Gradients reach the input and the routing weights, never the experts.
 """
 
 import torch
@@ -48,8 +50,32 @@ def _stack_quantized(fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """x [rows, K] sorted by expert -> x_e @ W_e^T [rows, N] per expert; backward: grad_x = g_e @ W_e (the experts
+    are frozen: no weight gradient). offsets: E + 1 host ints; the tensors as QuantExperts stores them."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, packed, scale, global_scale, group, mx):
+        from ..kernels.triton_fp4_grouped import grouped_fp4_linear
+
+        ctx.save_for_backward(packed, scale, global_scale)
+        ctx.offsets, ctx.group, ctx.mx = offsets, group, mx
+        return grouped_fp4_linear(x, offsets, packed, scale, global_scale, group, mx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from ..kernels.triton_fp4_grouped import grouped_fp4_grad_input
+
+        packed, scale, global_scale = ctx.saved_tensors
+        grad_x = grouped_fp4_grad_input(grad_out.contiguous(), ctx.offsets, packed, scale, global_scale, ctx.group,
+                                        ctx.mx)
+        return grad_x, None, None, None, None, None, None
+
+
 class QuantExperts(nn.Module):
     """Frozen 4-bit experts. Build with `QuantExperts.from_experts(experts_module, fmt)`."""
+
+    grouped_kernel = False  # the grouped Triton path where it applies (see the module docstring): not GPU-tested
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str, act_fn: nn.Module,
                  gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor]):
@@ -122,16 +148,14 @@ class QuantExperts(nn.Module):
     def _grouped_applies(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
         from ..kernels.route import use_triton
 
-        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
-        return self.weight_format in ("nvfp4", "mxfp4") and not needs_grad and use_triton(hidden_states)
+        return self.grouped_kernel and self.weight_format in ("nvfp4", "mxfp4") and use_triton(hidden_states)
 
     def _kernel_linear(self, x: torch.Tensor, offsets: list[int], weight: str) -> torch.Tensor:
-        from ..kernels.triton_fp4_grouped import grouped_fp4_linear
-
+        """The grouped 4-bit product of one weight (`kernels.triton_fp4_grouped`), with its input gradient."""
         mx = self.weight_format == "mxfp4"
-        return grouped_fp4_linear(x, offsets, getattr(self, f"{weight}_weight_packed"),
-                                  getattr(self, f"{weight}_weight_scale"),
-                                  None if mx else getattr(self, f"{weight}_weight_global_scale"), 32 if mx else 16, mx)
+        gs = None if mx else getattr(self, f"{weight}_weight_global_scale")
+        return _GroupedLinear.apply(x, offsets, getattr(self, f"{weight}_weight_packed"),
+                                    getattr(self, f"{weight}_weight_scale"), gs, 32 if mx else 16, mx)
 
     def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         linear) -> torch.Tensor:
