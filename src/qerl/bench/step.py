@@ -55,8 +55,8 @@ import time
 import torch
 
 from ..formats import FORMATS
-from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
 from ..rollout.memory import EngineMemoryPolicy
+from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
 from .rollout import QWEN25, qwen25_config
 
 

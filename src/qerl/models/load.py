@@ -11,7 +11,8 @@ from pathlib import Path
 from . import registry
 from .checkpoint import load_quantized
 from .gguf import load_gguf, to_device
-from .sources import DENSE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
+from .sources import (DENSE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelLoadError, check_architecture,
+                      check_safetensors, resolve_dtype)
 
 # what a hub snapshot needs for streaming: weights, config, generation config and tokenizer files
 HUB_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken")
@@ -21,8 +22,8 @@ def plain_hf_directory(name_or_path) -> Path | None:
     """The directory of the 16-bit Hugging Face checkpoint that `name_or_path` names, when qerl can stream it
     (`models.stream`): an embedded name, a local directory, or a hub id (its safetensors snapshot is
     downloaded into the Hugging Face cache first). None for anything else -- GGUF, quantized directories,
-    mixtures of experts, unsupported architectures, a hub id that cannot be fetched -- which `load_causal_lm` handles or refuses
-    with its own message."""
+    mixtures of experts, unsupported architectures, a hub id that cannot be fetched -- which `load_causal_lm`
+    handles or refuses with its own message."""
     source = str(name_or_path)
     if source in registry.EMBEDDED:
         path = registry.embedded_hf_dir(source)

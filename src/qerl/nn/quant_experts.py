@@ -31,7 +31,8 @@ the token's routing weight, `index_add_` into the output. Two paths compute it:
 - reference (the default): transformers' loop over the hit experts, each expert's weights dequantized (in the
   input dtype) on every call.
 LoRA on experts (they are frozen here), CUDA-graph capture of the grouped path (its tile table is built on
-the host) and saving / loading in compressed-tensors form are later work. Gradients reach the input and the routing weights, never the experts.
+the host) and saving / loading in compressed-tensors form are later work. Gradients reach the input and the
+routing weights, never the experts.
 """
 
 import torch
@@ -141,11 +142,11 @@ class QuantExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k] -> [T, H] in hidden_states.dtype.
         An index equal to num_experts (an expert-parallel sentinel) is skipped."""
-        if self._grouped_applies(hidden_states, top_k_weights):
+        if self._grouped_applies(hidden_states):
             return self.grouped_forward(hidden_states, top_k_index, top_k_weights, self._kernel_linear)
         return self.reference_forward(hidden_states, top_k_index, top_k_weights)
 
-    def _grouped_applies(self, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+    def _grouped_applies(self, hidden_states: torch.Tensor) -> bool:
         from ..kernels.route import use_triton
 
         return self.grouped_kernel and self.weight_format in ("nvfp4", "mxfp4") and use_triton(hidden_states)

@@ -105,7 +105,8 @@ class EngineMemoryPolicy:
         return True
 
     def after_update(self) -> None:
-        """Auto: decide, once, from the peak so far, whether later rollouts keep the engine's memory."""
+        """Auto: decide from the run's peak so far whether the next rollouts keep the engine's memory (once kept,
+        always kept: from then on the peak includes it)."""
         if not self.auto or self.keep or self.engine_bytes is None:
             return
         total = torch.cuda.get_device_properties(self.device).total_memory
