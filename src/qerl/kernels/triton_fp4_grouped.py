@@ -10,6 +10,8 @@ The table is built from the row counts on the host (one sync per call): eager de
 CUDA-graph capture. This module imports Triton: import it lazily.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,20 @@ from .workspace import alloc
 
 
 @triton.jit
+def _expert_tile(tile_expert_ptr, tile_row_ptr, row_end_ptr, w_ptr, s_ptr, gs_ptr, stride_we, stride_se,
+                 HAS_GS: tl.constexpr, ASM: tl.constexpr):
+    """Program_id(1)'s tile: (first row, end of its expert's rows, the decode's step factor, the expert's packed
+    weight and scale pointers)."""
+    pid_t = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)  # int64: E * N * K/2 bytes may pass 2^31
+    step_mul = 1.0
+    if HAS_GS:
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr + e)
+    first, end = tl.load(tile_row_ptr + pid_t), tl.load(row_end_ptr + pid_t)
+    return first, end, step_mul, w_ptr + e * stride_we, s_ptr + e * stride_se
+
+
+@triton.jit
 def _grouped_fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr,
                                N, K, stride_xm, stride_we, stride_w, stride_se, stride_s, stride_om,
                                HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -28,15 +44,8 @@ def _grouped_fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_expert
                                INTERP: tl.constexpr):
     """out[r, N] = x[r, K] @ W_e[N, K]^T for the rows r of tile program_id(1), all of expert e."""
     pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)  # int64: E * N * K/2 bytes may pass 2^31
-    r0 = tl.load(tile_row_ptr + pid_t)
-    r_end = tl.load(row_end_ptr + pid_t)
-    step_mul = 1.0
-    if HAS_GS:
-        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr + e)
-    w_e = w_ptr + e * stride_we
-    s_e = s_ptr + e * stride_se
+    r0, r_end, step_mul, w_e, s_e = _expert_tile(tile_expert_ptr, tile_row_ptr, row_end_ptr, w_ptr, s_ptr, gs_ptr,
+                                                 stride_we, stride_se, HAS_GS, ASM)
     offs_m = r0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -73,6 +82,41 @@ def tile_table(offsets: list[int], bm: int, device) -> tuple[torch.Tensor, torch
     return as_t(expert), as_t(first), as_t(end)
 
 
+BN, BK = 64, 128  # weight tile (rows x columns): 128 divides every Qwen MoE hidden and expert width
+
+
+@dataclass
+class _Launch:
+    """What both grouped kernels take besides the activation: the tile table and the weight operands."""
+
+    bm: int
+    experts: torch.Tensor
+    firsts: torch.Tensor
+    ends: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor | None
+    asm: bool
+
+
+def _launch(a: torch.Tensor, width: int, offsets: list[int], packed: torch.Tensor, scale: torch.Tensor,
+            global_scale: torch.Tensor | None, mx: bool, what: str) -> _Launch | None:
+    """Check a [M, width] activation (what: its name) against the experts and the offsets; None when M is 0."""
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"grouped FP4 kernels take bf16/fp16 {what}, got {a.dtype}")
+    E, n, half = packed.shape
+    if a.shape[1] != width or len(offsets) != E + 1 or offsets[0] != 0 or offsets[-1] != a.shape[0]:
+        raise ValueError(f"{what} {tuple(a.shape)} and offsets (len {len(offsets)}, last {offsets[-1]}) do not "
+                         f"match {E} experts of [{n}, {2 * half}] and {a.shape[0]} rows")
+    if a.shape[0] == 0:
+        return None
+    gs = None if global_scale is None else global_scale.reshape(E).float().contiguous()
+    most = max(b - a_ for a_, b in zip(offsets[:-1], offsets[1:]))
+    bm = 16 if most <= 16 else (32 if most <= 32 else 64)  # decode: a few rows per expert
+    experts, firsts, ends = tile_table(offsets, bm, a.device)
+    fits = gs is not None and a.is_cuda and _steps_fit_bf16(gs)
+    return _Launch(bm, experts, firsts, ends, scale_bytes(scale), gs, asm_ok(a.device, a.dtype, mx, fits))
+
+
 def grouped_fp4_linear(x: torch.Tensor, offsets: list[int], packed: torch.Tensor, scale: torch.Tensor,
                        global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
     """x [M, K] bf16/fp16, rows sorted by expert (expert e: rows offsets[e]..offsets[e+1], len E + 1, host ints)
@@ -80,31 +124,17 @@ def grouped_fp4_linear(x: torch.Tensor, offsets: list[int], packed: torch.Tensor
 
     packed uint8 [E, N, K/2]; scale [E, N, K/group] (E4M3 bits, or E8M0 exponents when mx); global_scale fp32
     [E, 1] (NVFP4's per-expert divisor) or None (MXFP4)."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"grouped FP4 kernel takes bf16/fp16 inputs, got {x.dtype}")
-    E, n, half = packed.shape
-    k = 2 * half
-    m = x.shape[0]
-    if x.shape[1] != k or len(offsets) != E + 1 or offsets[0] != 0 or offsets[-1] != m:
-        raise ValueError(f"x {tuple(x.shape)} and offsets (len {len(offsets)}, last {offsets[-1]}) do not match "
-                         f"{E} experts of [{n}, {k}] and {m} rows")
-    out = alloc((m, n), x.device, x.dtype)
-    if m == 0:
+    n, k = packed.shape[1], 2 * packed.shape[2]
+    out = alloc((x.shape[0], n), x.device, x.dtype)
+    run = _launch(x, k, offsets, packed, scale, global_scale, mx, "inputs")
+    if run is None:
         return out
-    x2 = as_2d(x)
-    s = scale_bytes(scale)
-    gs = None if global_scale is None else global_scale.reshape(E).float().contiguous()
-    most = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-    bm = 16 if most <= 16 else (32 if most <= 32 else 64)  # decode: a few rows per expert
-    bn, bk = 64, 128
-    experts, firsts, ends = tile_table(offsets, bm, x.device)
-    fits = gs is not None and x.is_cuda and _steps_fit_bf16(gs)
-    grid = (triton.cdiv(n, bn), experts.numel())
-    _grouped_fp4_linear_kernel[grid](
-        x2, packed, s, gs if gs is not None else s, out, experts, firsts, ends, n, k, x2.stride(0), packed.stride(0),
-        packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
-        HAS_GS=gs is not None, BM=bm, BN=bn, BK=bk, GROUP=group, MX=mx, EVEN_K=k % bk == 0,
-        ASM=asm_ok(x.device, x.dtype, mx, fits), INTERP=x.device.type != "cuda", num_warps=4, num_stages=3)
+    x2, s, gs = as_2d(x), run.scale, run.global_scale
+    _grouped_fp4_linear_kernel[(triton.cdiv(n, BN), run.experts.numel())](
+        x2, packed, s, gs if gs is not None else s, out, run.experts, run.firsts, run.ends, n, k, x2.stride(0),
+        packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
+        HAS_GS=gs is not None, BM=run.bm, BN=BN, BK=BK, GROUP=group, MX=mx, EVEN_K=k % BK == 0, ASM=run.asm,
+        INTERP=x.device.type != "cuda", num_warps=4, num_stages=3)
     return out
 
 
@@ -117,15 +147,8 @@ def _grouped_fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_ex
     """out[r, K] = g[r, N] @ W_e[N, K] for the rows r of tile program_id(1): the reduction runs over W_e's rows,
     each step decoding a [BN, BK] tile (no transpose), as `triton_fp4_mm._fp4_grad_input_kernel` does."""
     pid_k = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_t).to(tl.int64)
-    r0 = tl.load(tile_row_ptr + pid_t)
-    r_end = tl.load(row_end_ptr + pid_t)
-    step_mul = 1.0
-    if HAS_GS:
-        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr + e)
-    w_e = w_ptr + e * stride_we
-    s_e = s_ptr + e * stride_se
+    r0, r_end, step_mul, w_e, s_e = _expert_tile(tile_expert_ptr, tile_row_ptr, row_end_ptr, w_ptr, s_ptr, gs_ptr,
+                                                 stride_we, stride_se, HAS_GS, ASM)
     offs_m = r0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     g_ptrs = g_ptr + offs_m[:, None].to(tl.int64) * stride_gm + offs_n[None, :]
@@ -149,29 +172,15 @@ def grouped_fp4_grad_input(g: torch.Tensor, offsets: list[int], packed: torch.Te
                            global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
     """The input gradient of `grouped_fp4_linear`: g [M, N] (rows sorted by expert as x was) -> [M, K] in
     g.dtype, row r = g[r] @ W_e. Weight tensors as in `grouped_fp4_linear`."""
-    if g.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"grouped FP4 kernel takes bf16/fp16 gradients, got {g.dtype}")
-    E, n, half = packed.shape
-    k = 2 * half
-    m = g.shape[0]
-    if g.shape[1] != n or len(offsets) != E + 1 or offsets[0] != 0 or offsets[-1] != m:
-        raise ValueError(f"g {tuple(g.shape)} and offsets (len {len(offsets)}, last {offsets[-1]}) do not match "
-                         f"{E} experts of [{n}, {k}] and {m} rows")
-    out = alloc((m, k), g.device, g.dtype)
-    if m == 0:
+    n, k = packed.shape[1], 2 * packed.shape[2]
+    out = alloc((g.shape[0], k), g.device, g.dtype)
+    run = _launch(g, n, offsets, packed, scale, global_scale, mx, "gradients")
+    if run is None:
         return out
-    g2 = as_2d(g)
-    s = scale_bytes(scale)
-    gs = None if global_scale is None else global_scale.reshape(E).float().contiguous()
-    most = max(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-    bm = 16 if most <= 16 else (32 if most <= 32 else 64)
-    bn, bk = 64, 128
-    experts, firsts, ends = tile_table(offsets, bm, g.device)
-    fits = gs is not None and g.is_cuda and _steps_fit_bf16(gs)
-    grid = (triton.cdiv(k, bk), experts.numel())
-    _grouped_fp4_grad_input_kernel[grid](
-        g2, packed, s, gs if gs is not None else s, out, experts, firsts, ends, n, k, g2.stride(0), packed.stride(0),
-        packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
-        HAS_GS=gs is not None, BM=bm, BN=bn, BK=bk, GROUP=group, MX=mx, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
-        ASM=asm_ok(g.device, g.dtype, mx, fits), INTERP=g.device.type != "cuda", num_warps=4, num_stages=3)
+    g2, s, gs = as_2d(g), run.scale, run.global_scale
+    _grouped_fp4_grad_input_kernel[(triton.cdiv(k, BK), run.experts.numel())](
+        g2, packed, s, gs if gs is not None else s, out, run.experts, run.firsts, run.ends, n, k, g2.stride(0),
+        packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
+        HAS_GS=gs is not None, BM=run.bm, BN=BN, BK=BK, GROUP=group, MX=mx, EVEN_N=n % BN == 0,
+        EVEN_K=k % BK == 0, ASM=run.asm, INTERP=g.device.type != "cuda", num_warps=4, num_stages=3)
     return out
