@@ -317,3 +317,31 @@ def test_the_real_apis_are_used_once_they_exist(tmp_path):
         t = runner.step(prompts=2, completion=None, lengths=[2, 7, 5, 1], mode=mode)
         assert t["tokens"] == 15 and t["decoded_row_steps"] >= 15 and t["loss_tokens_needed"] >= 15
         assert t["loss_tokens_computed"] >= t["loss_tokens_needed"]
+
+
+def test_a_mixture_of_experts_builds_layer_by_layer_and_steps():
+    """A Qwen3-MoE shape through the bench's random build (experts quantized layer by layer to QuantExperts,
+    LoRA on attention only) and one real step (rollout without CUDA graphs, packed update) that moves the adapter;
+    the named 30B-A3B shape resolves to that architecture."""
+    from transformers import Qwen3MoeConfig
+
+    from qerl.bench.step import model_config
+    from qerl.nn.quant_experts import QuantExperts
+
+    config = model_config("qwen3-30b-a3b", layers=1)
+    assert config.model_type == "qwen3_moe" and config.num_experts == 128 and config.num_hidden_layers == 1
+    assert parse_args(["--models", "qwen3-30b-a3b"])[1].models == ["qwen3-30b-a3b"]
+    tiny = Qwen3MoeConfig(**{**TINY, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                             "head_dim": 16, "output_router_logits": False})
+    model = build_random_policy(tiny, "nvfp4", lora_r=4, device=torch.device("cpu"))
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert len(experts) == 2 and all(e.weight_format == "nvfp4" for e in experts)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n and ".self_attn." in n for n in trainable)
+    runner = StepRunner(model, _args(), DistContext(), sigma=1e-2)
+    assert runner.engine.runner.moe_layers == [True, True]
+    before = [p.detach().clone() for p in runner.params]
+    t = runner.step(prompts=2, completion=6)
+    assert t["tokens"] == 2 * 2 * 6 and t["loss_tokens_computed"] >= t["tokens"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, runner.params))

@@ -51,6 +51,24 @@ QWEN25 = {  # Qwen2.5 shapes (config.json of the hub releases); vocab 152064, un
 }
 
 
+MOE_SHAPES = {  # mixtures of experts (config.json of the hub release): every layer sparse
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, tie_word_embeddings=False, norm_topk_prob=True),
+}
+
+
+def moe_config(size: str, layers: int | None = None):
+    """A Qwen3-MoE config of a `MOE_SHAPES` shape (layers: fewer decoder layers, for smoke tests)."""
+    from transformers import Qwen3MoeConfig
+
+    shape = dict(MOE_SHAPES[size])
+    if layers:
+        shape["num_hidden_layers"] = layers
+    return Qwen3MoeConfig(max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643,
+                          eos_token_id=151645, pad_token_id=151643, output_router_logits=False, **shape)
+
+
 def qwen25_config(size: str, layers: int | None = None):
     from transformers import Qwen2Config
 

@@ -57,12 +57,15 @@ import torch
 from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
 from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
-from .rollout import QWEN25, qwen25_config
+from .rollout import MOE_SHAPES, QWEN25, moe_config, qwen25_config
 
 
 def model_config(size: str, layers: int | None = None):
+    """The random-weight config of a dense Qwen2.5 size or a `MOE_SHAPES` mixture of experts."""
+    if size in MOE_SHAPES:
+        return moe_config(size, layers)
     if size not in QWEN25:
-        raise ValueError(f"unknown model size {size!r}; choose from {sorted(QWEN25)}")
+        raise ValueError(f"unknown model size {size!r}; choose from {sorted(QWEN25) + sorted(MOE_SHAPES)}")
     return qwen25_config(size, layers)
 
 
@@ -541,7 +544,8 @@ def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="7b", help=f"comma list of {','.join(QWEN25)}")
+    ap.add_argument("--models", default="7b", help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (the MoE "
+                                                   "experts run as frozen QuantExperts, eagerly, no CUDA graphs)")
     ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn", help="FORMAT[+aqn], FORMAT in bf16,nf4,nvfp4,mxfp4")
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")

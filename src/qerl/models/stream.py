@@ -18,7 +18,8 @@ from torch import nn
 from ..nn import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
 from .convert import add_lora_to, calibrated_quantize, quantize_input_embeddings, quantize_keeping
-from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
+from .experts import quantize_experts
+from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import names_under, resolve_keep_bf16
 
 
@@ -62,8 +63,8 @@ class _Checkpoint:
 def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, targets=DEFAULT_TARGETS,
                          dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False,
                          method: str = "rtn", calibration: torch.Tensor | None = None, keep_bf16=()):
-    """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`), built one decoder
-    layer at a time: `fill(module, prefix)` materialises a part of the meta-device skeleton on `device` and
+    """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`) and whose experts stacks,
+    if any, are frozen QuantExperts(fmt), built one decoder layer at a time: `fill(module, prefix)` materialises a part of the meta-device skeleton on `device` and
     gives it its values (from a checkpoint, or random for benchmarks); each layer is quantized right after,
     so at most one 16-bit layer exists. Only LoRA parameters require grad.
 
@@ -76,6 +77,9 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
     check_method(method, fmt)
     if method in CALIBRATED and calibration is None:
         raise ValueError(f"quantization method {method!r} needs calibration token ids")
+    if method in CALIBRATED and config.model_type in MOE_ARCHITECTURES:
+        raise ValueError(f"quantization method {method!r} does not handle mixture-of-experts layers yet; "
+                         "use rtn or 4over6")
     device = torch.device(device or "cpu")
     targets = tuple(targets)
     with torch.device("meta"):
@@ -97,6 +101,8 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
                 prefix = f"model.layers.{i}."
                 fill(layer, prefix)
                 layer_kept = quantize_keeping(layer, fmt, lora, targets, names_under(keep, prefix), method=method)
+                if fmt != "bf16":  # a mixture of experts: its 3-D expert stacks too (a no-op in dense layers)
+                    quantize_experts(layer, fmt, method)
                 kept.update({prefix + n: m for n, m in layer_kept.items()})
                 progress.advance(task)
             add_lora_to(kept, lora)  # after every quantized layer's, as quantize_model does
