@@ -53,7 +53,7 @@ def _check(device: str, counts: list[int], n: int, k: int, mx: bool, seed: int) 
     for grad_input, fn, width in ((False, grouped_fp4_linear, k), (True, grouped_fp4_grad_input, n)):
         x = torch.randn(offsets[-1], width, generator=gen).to(torch.bfloat16)
         ref = _reference(x, offsets, tensors, mx, grad_input)
-        out = fn(x.to(device), offsets, *weights)
+        out = fn(x.to(device), torch.tensor(offsets, device=device), *weights)
         label = f"{device} {fn.__name__} counts={counts} n={n} k={k} mx={mx}"
         if out.shape != ref.shape:
             fails.append(f"{label}: shape {tuple(out.shape)} != {tuple(ref.shape)}")
@@ -128,3 +128,21 @@ def test_gpu(counts, n, k, mx):
     require_cuda()
     fails = _check("cuda", counts, n, k, mx, seed=sum(counts))
     assert not fails, "\n".join(fails)
+
+
+def test_tile_table_covers_every_row_once_in_a_fixed_size():
+    """The device-built table: each expert's rows in bm-row tiles, in order, then empty slots; its size depends
+    only on the shapes (E + rows / bm), never on the routing."""
+    from qerl.kernels.triton_fp4_grouped import tile_table
+
+    for counts, bm in (([3, 0, 17, 1, 0], 16), ([0, 0, 0], 16), ([40, 40], 32), ([5] * 8, 64)):
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        slots = len(counts) + -(-max(offsets[-1], 1) // bm)
+        experts, firsts, ends = tile_table(torch.tensor(offsets), bm, slots)
+        assert experts.shape == firsts.shape == ends.shape == (slots,)
+        want = [(e, r, offsets[e + 1]) for e in range(len(counts)) for r in range(offsets[e], offsets[e + 1], bm)]
+        got = list(zip(experts.tolist(), firsts.tolist(), ends.tolist()))
+        assert got[:len(want)] == want, counts
+        assert all(f >= e for _, f, e in got[len(want):]), "a slot past the needed tiles is not empty"

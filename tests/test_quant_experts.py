@@ -404,7 +404,8 @@ def test_grouped_forward_equals_the_reference_loop(fmt):
     hidden = torch.randn(T, H)
 
     def plain(x, offsets, weight):
-        out = torch.empty(x.shape[0], (2 * I if weight == "gate_up_proj" else H))
+        offsets = offsets.tolist()
+        out = torch.full((x.shape[0], 2 * I if weight == "gate_up_proj" else H), float("nan"))  # unwritten: NaN
         for e in range(E):
             a, b = offsets[e], offsets[e + 1]
             out[a:b] = x[a:b] @ quant.dequantized_expert(weight, e, x.dtype).T

@@ -2,12 +2,11 @@
 
 Rows of x are sorted by expert (expert e owns rows offsets[e]..offsets[e+1]); the weights are the stacked
 per-expert tensors of `qerl.nn.QuantExperts` (packed uint8 [E, N, K/2], scales [E, N, K/group], NVFP4's
-global scale fp32 [E, 1]). A host-built tile table maps each program to (expert, first row); the program
-decodes its expert's [BN, BK] weight tiles in registers, as the dense kernel of `triton_fp4_mm` does, so no
-expert is ever written out in 16 bits. Experts without rows cost nothing.
-
-The table is built from the row counts on the host (one sync per call): eager decode and prefill, not
-CUDA-graph capture. This module imports Triton: import it lazily.
+global scale fp32 [E, 1]). A tile table maps each program to (expert, first row); the program decodes its
+expert's [BN, BK] weight tiles in registers, as the dense kernel of `triton_fp4_mm` does, so no expert is ever
+written out in 16 bits. The table is built on the device from the offsets with a size fixed by the shapes
+(E + rows / BM slots, the unused ones empty and returning at once), so a call never waits for the host and can
+be captured in a CUDA graph. This module imports Triton: import it lazily.
 """
 
 from dataclasses import dataclass
@@ -46,6 +45,8 @@ def _grouped_fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_expert
     pid_n = tl.program_id(0)
     r0, r_end, step_mul, w_e, s_e = _expert_tile(tile_expert_ptr, tile_row_ptr, row_end_ptr, w_ptr, s_ptr, gs_ptr,
                                                  stride_we, stride_se, HAS_GS, ASM)
+    if r0 >= r_end:  # a table slot past the tiles this routing needs
+        return
     offs_m = r0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -64,22 +65,44 @@ def _grouped_fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_expert
              round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
 
 
+_FITS_ATTR = "_qerl_grouped_steps_fit"  # cached on the global-scale tensor with its version, as operands does
+
+
 def _steps_fit_bf16(global_scale: torch.Tensor) -> bool:
-    """Every expert's global scale allows the inline-PTX bf16 decode (`operands.step_fits_bf16`, all of E)."""
+    """Every expert's global scale allows the inline-PTX bf16 decode (`operands.step_fits_bf16` over all E):
+    read from the device once per tensor version; False while a graph is captured and nothing is cached."""
+    hit = getattr(global_scale, _FITS_ATTR, None)
+    if hit is not None and hit[0] == global_scale._version:
+        return hit[1]
+    if global_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
     g = global_scale.detach().float()
-    return bool(((g > ASM_MIN_GLOBAL_SCALE) & torch.isfinite(g)).all())
+    fits = bool(((g > ASM_MIN_GLOBAL_SCALE) & torch.isfinite(g)).all())
+    setattr(global_scale, _FITS_ATTR, (global_scale._version, fits))
+    return fits
 
 
-def tile_table(offsets: list[int], bm: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(expert, first row, end row of its expert) int32 [tiles] each: one tile per bm rows of every expert."""
-    expert, first, end = [], [], []
-    for e in range(len(offsets) - 1):
-        for r in range(offsets[e], offsets[e + 1], bm):
-            expert.append(e)
-            first.append(r)
-            end.append(offsets[e + 1])
-    as_t = lambda v: torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-    return as_t(expert), as_t(first), as_t(end)
+def tile_rows(rows: int, experts: int) -> int:
+    """Rows per tile for `rows` sorted rows over `experts`: by the mean per expert (decode: a few rows each)."""
+    mean = rows / max(experts, 1)
+    return 16 if mean <= 16 else (32 if mean <= 32 else 64)
+
+
+def tile_table(offsets: torch.Tensor, bm: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """offsets int [E + 1] (on the device) -> (expert, first row, end of the expert's rows), int32 [slots] each:
+    one tile per bm rows of every expert, in expert order, then empty slots (first == end). Device ops only:
+    slots = E + ceil(rows / bm) always suffices (each expert wastes at most one partial tile)."""
+    offsets = offsets.to(torch.int64)
+    counts = offsets[1:] - offsets[:-1]
+    tiles = (counts + bm - 1) // bm
+    tile_end = torch.cumsum(tiles, 0)
+    slot = torch.arange(slots, device=offsets.device)
+    expert = torch.searchsorted(tile_end, slot, right=True)
+    valid = expert < counts.numel()
+    expert = expert.clamp(max=counts.numel() - 1)
+    first = offsets[expert] + (slot - (tile_end - tiles)[expert]) * bm
+    end = torch.where(valid, offsets[expert + 1], first)
+    return expert.to(torch.int32), first.to(torch.int32), end.to(torch.int32)
 
 
 BN, BK = 64, 128  # weight tile (rows x columns): 128 divides every Qwen MoE hidden and expert width
@@ -98,29 +121,30 @@ class _Launch:
     asm: bool
 
 
-def _launch(a: torch.Tensor, width: int, offsets: list[int], packed: torch.Tensor, scale: torch.Tensor,
+def _launch(a: torch.Tensor, width: int, offsets: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             global_scale: torch.Tensor | None, mx: bool, what: str) -> _Launch | None:
-    """Check a [M, width] activation (what: its name) against the experts and the offsets; None when M is 0."""
+    """Check a [M, width] activation (what: its name) against the experts and the offsets' shape; None when M
+    is 0. The offsets' values are not read on the host (no sync): they must rise from 0 to at most M."""
     if a.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"grouped FP4 kernels take bf16/fp16 {what}, got {a.dtype}")
     E, n, half = packed.shape
-    if a.shape[1] != width or len(offsets) != E + 1 or offsets[0] != 0 or offsets[-1] != a.shape[0]:
-        raise ValueError(f"{what} {tuple(a.shape)} and offsets (len {len(offsets)}, last {offsets[-1]}) do not "
-                         f"match {E} experts of [{n}, {2 * half}] and {a.shape[0]} rows")
+    if a.shape[1] != width or tuple(offsets.shape) != (E + 1,) or offsets.device != a.device:
+        raise ValueError(f"{what} {tuple(a.shape)} on {a.device} and offsets {tuple(offsets.shape)} on "
+                         f"{offsets.device} do not match {E} experts of [{n}, {2 * half}]")
     if a.shape[0] == 0:
         return None
     gs = None if global_scale is None else global_scale.reshape(E).float().contiguous()
-    most = max(b - a_ for a_, b in zip(offsets[:-1], offsets[1:]))
-    bm = 16 if most <= 16 else (32 if most <= 32 else 64)  # decode: a few rows per expert
-    experts, firsts, ends = tile_table(offsets, bm, a.device)
-    fits = gs is not None and a.is_cuda and _steps_fit_bf16(gs)
+    bm = tile_rows(a.shape[0], E)
+    experts, firsts, ends = tile_table(offsets, bm, E + -(-a.shape[0] // bm))
+    fits = global_scale is not None and a.is_cuda and _steps_fit_bf16(global_scale)
     return _Launch(bm, experts, firsts, ends, scale_bytes(scale), gs, asm_ok(a.device, a.dtype, mx, fits))
 
 
-def grouped_fp4_linear(x: torch.Tensor, offsets: list[int], packed: torch.Tensor, scale: torch.Tensor,
+def grouped_fp4_linear(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
-    """x [M, K] bf16/fp16, rows sorted by expert (expert e: rows offsets[e]..offsets[e+1], len E + 1, host ints)
-    -> [M, N] in x.dtype, row r = x[r] @ W_e^T.
+    """x [M, K] bf16/fp16, rows sorted by expert (expert e: rows offsets[e]..offsets[e+1]; offsets int [E + 1] on
+    x's device, offsets[-1] <= M) -> [M, N] in x.dtype, row r = x[r] @ W_e^T; rows from offsets[-1] on are
+    left unwritten.
 
     packed uint8 [E, N, K/2]; scale [E, N, K/group] (E4M3 bits, or E8M0 exponents when mx); global_scale fp32
     [E, 1] (NVFP4's per-expert divisor) or None (MXFP4)."""
@@ -149,6 +173,8 @@ def _grouped_fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_ex
     pid_k = tl.program_id(0)
     r0, r_end, step_mul, w_e, s_e = _expert_tile(tile_expert_ptr, tile_row_ptr, row_end_ptr, w_ptr, s_ptr, gs_ptr,
                                                  stride_we, stride_se, HAS_GS, ASM)
+    if r0 >= r_end:  # a table slot past the tiles this routing needs
+        return
     offs_m = r0 + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     g_ptrs = g_ptr + offs_m[:, None].to(tl.int64) * stride_gm + offs_n[None, :]
@@ -168,7 +194,7 @@ def _grouped_fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_ex
              round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=mask)
 
 
-def grouped_fp4_grad_input(g: torch.Tensor, offsets: list[int], packed: torch.Tensor, scale: torch.Tensor,
+def grouped_fp4_grad_input(g: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                            global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
     """The input gradient of `grouped_fp4_linear`: g [M, N] (rows sorted by expert as x was) -> [M, K] in
     g.dtype, row r = g[r] @ W_e. Weight tensors as in `grouped_fp4_linear`."""

@@ -30,8 +30,9 @@ the token's routing weight, `index_add_` into the output. Two paths compute it:
   run on a GPU yet, so it is off by default;
 - reference (the default): transformers' loop over the hit experts, each expert's weights dequantized (in the
   input dtype) on every call.
-LoRA on experts (they are frozen here), CUDA-graph capture of the grouped path (its tile table is built on
-the host) and saving / loading in compressed-tensors form are later work. Gradients reach the input and the
+LoRA on experts (they are frozen here), CUDA-graph decode of MoE layers in the rollout engine (the grouped
+path needs no host sync, but the engine still decodes MoE models eagerly) and saving / loading in
+compressed-tensors form are later work. Gradients reach the input and the
 routing weights, never the experts.
 """
 
@@ -53,7 +54,7 @@ def _stack_quantized(fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 class _GroupedLinear(torch.autograd.Function):
     """x [rows, K] sorted by expert -> x_e @ W_e^T [rows, N] per expert; backward: grad_x = g_e @ W_e (the experts
-    are frozen: no weight gradient). offsets: E + 1 host ints; the tensors as QuantExperts stores them."""
+    are frozen: no weight gradient). offsets int [E + 1] on the device; the tensors as QuantExperts stores them."""
 
     @staticmethod
     def forward(ctx, x, offsets, packed, scale, global_scale, group, mx):
@@ -151,7 +152,7 @@ class QuantExperts(nn.Module):
 
         return self.grouped_kernel and self.weight_format in ("nvfp4", "mxfp4") and use_triton(hidden_states)
 
-    def _kernel_linear(self, x: torch.Tensor, offsets: list[int], weight: str) -> torch.Tensor:
+    def _kernel_linear(self, x: torch.Tensor, offsets: torch.Tensor, weight: str) -> torch.Tensor:
         """The grouped 4-bit product of one weight (`kernels.triton_fp4_grouped`), with its input gradient."""
         mx = self.weight_format == "mxfp4"
         gs = None if mx else getattr(self, f"{weight}_weight_global_scale")
@@ -161,18 +162,20 @@ class QuantExperts(nn.Module):
     def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         linear) -> torch.Tensor:
         """The forward with the token-expert pairs sorted by expert and each weight applied by one grouped call
-        `linear(x [rows, K] sorted by expert, offsets: E + 1 host ints, weight name) -> [rows, N]` (the
-        4-bit kernel; tests pass a plain-torch one). One host sync per call (the rows per expert)."""
+        `linear(x [T*k, K] sorted by expert, offsets int64 [E + 1] on the device, weight name) -> [T*k, N]` (the
+        4-bit kernel; tests pass a plain-torch one), which leaves the rows of sentinel pairs (index E, sorted last,
+        past offsets[-1]) unwritten. Device ops only: no host sync, so a CUDA graph can capture it."""
         T, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # sentinel pairs (== num_experts) sort last
-        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
-        offsets = [0, *counts.cumsum(0).tolist()]
-        order = order[: offsets[-1]]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+        offsets = torch.cat([counts.new_zeros(1), counts[: self.num_experts].cumsum(0)])
         token = order // k
         gate, up = linear(hidden_states[token], offsets, "gate_up_proj").chunk(2, dim=-1)
         rows = linear(self.act_fn(gate) * up, offsets, "down_proj")
-        rows = rows * top_k_weights.reshape(-1)[order, None]
+        real = (flat[order] < self.num_experts)[:, None]  # sentinel rows: unwritten, so selected away (not x 0)
+        rows = torch.where(real, rows * top_k_weights.reshape(-1)[order, None], 0)
         return torch.zeros_like(hidden_states).index_add_(0, token, rows.to(hidden_states.dtype))
 
     def reference_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
