@@ -18,7 +18,6 @@ import triton.language as tl
 from .operands import ASM_MIN_GLOBAL_SCALE, as_2d, scale_bytes
 from .triton_fp4_codes import fp4_load, round_to
 from .triton_fp4_mm import _STEP_NUM, _decode, _load_rows, asm_ok
-from .workspace import alloc
 
 
 @triton.jit
@@ -143,13 +142,13 @@ def _launch(a: torch.Tensor, width: int, offsets: torch.Tensor, packed: torch.Te
 def grouped_fp4_linear(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
     """x [M, K] bf16/fp16, rows sorted by expert (expert e: rows offsets[e]..offsets[e+1]; offsets int [E + 1] on
-    x's device, offsets[-1] <= M) -> [M, N] in x.dtype, row r = x[r] @ W_e^T; rows from offsets[-1] on are
-    left unwritten.
+    x's device, offsets[-1] <= M) -> [M, N] in x.dtype, row r = x[r] @ W_e^T; rows from offsets[-1] on are 0
+    (rows no expert owns: the backward through them must see zeros, not leftover memory).
 
     packed uint8 [E, N, K/2]; scale [E, N, K/group] (E4M3 bits, or E8M0 exponents when mx); global_scale fp32
     [E, 1] (NVFP4's per-expert divisor) or None (MXFP4)."""
     n, k = packed.shape[1], 2 * packed.shape[2]
-    out = alloc((x.shape[0], n), x.device, x.dtype)
+    out = torch.zeros((x.shape[0], n), device=x.device, dtype=x.dtype)  # rows past offsets[-1] stay 0
     run = _launch(x, k, offsets, packed, scale, global_scale, mx, "inputs")
     if run is None:
         return out
@@ -199,7 +198,7 @@ def grouped_fp4_grad_input(g: torch.Tensor, offsets: torch.Tensor, packed: torch
     """The input gradient of `grouped_fp4_linear`: g [M, N] (rows sorted by expert as x was) -> [M, K] in
     g.dtype, row r = g[r] @ W_e. Weight tensors as in `grouped_fp4_linear`."""
     n, k = packed.shape[1], 2 * packed.shape[2]
-    out = alloc((g.shape[0], k), g.device, g.dtype)
+    out = torch.zeros((g.shape[0], k), device=g.device, dtype=g.dtype)  # rows past offsets[-1] stay 0
     run = _launch(g, n, offsets, packed, scale, global_scale, mx, "gradients")
     if run is None:
         return out

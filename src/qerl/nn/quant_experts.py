@@ -163,8 +163,8 @@ class QuantExperts(nn.Module):
                         linear) -> torch.Tensor:
         """The forward with the token-expert pairs sorted by expert and each weight applied by one grouped call
         `linear(x [T*k, K] sorted by expert, offsets int64 [E + 1] on the device, weight name) -> [T*k, N]` (the
-        4-bit kernel; tests pass a plain-torch one), which leaves the rows of sentinel pairs (index E, sorted last,
-        past offsets[-1]) unwritten. Device ops only: no host sync, so a CUDA graph can capture it."""
+        4-bit kernel; tests pass a plain-torch one), whose rows of sentinel pairs (index E, sorted last, past
+        offsets[-1]) are zero. Device ops only: no host sync, so a CUDA graph can capture it."""
         T, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -174,7 +174,7 @@ class QuantExperts(nn.Module):
         token = order // k
         gate, up = linear(hidden_states[token], offsets, "gate_up_proj").chunk(2, dim=-1)
         rows = linear(self.act_fn(gate) * up, offsets, "down_proj")
-        real = (flat[order] < self.num_experts)[:, None]  # sentinel rows: unwritten, so selected away (not x 0)
+        real = (flat[order] < self.num_experts)[:, None]  # sentinel rows: no expert, no output, no gradient
         rows = torch.where(real, rows * top_k_weights.reshape(-1)[order, None], 0)
         return torch.zeros_like(hidden_states).index_add_(0, token, rows.to(hidden_states.dtype))
 
