@@ -77,7 +77,8 @@ CPU_CASES = [  # (rows per expert, N, K)
 
 def _check_experts_module(fmt: str) -> list[str]:
     """QuantExperts' grouped path through the kernels (forward and input gradient, bf16 on the CPU in the
-    interpreter) against its reference loop: outputs and the gradients of hidden states and routing weights."""
+    interpreter) against its reference loop: outputs and the gradients of hidden states and routing weights; the
+    two products and their gradients share one tile table."""
     from test_quant_experts import _model
 
     from qerl.nn.quant_experts import QuantExperts
@@ -87,6 +88,10 @@ def _check_experts_module(fmt: str) -> list[str]:
     T, k, E, H = 40, 2, quant.num_experts, quant.hidden_dim
     index = torch.randint(0, E, (T, k))
     index[3, 0] = index[17, 1] = E  # expert-parallel sentinels: skipped, in the output and in the gradients
+    from qerl.kernels import triton_fp4_grouped
+
+    builds, build = [], triton_fp4_grouped.tile_table
+    triton_fp4_grouped.tile_table = lambda *a: builds.append(1) or build(*a)  # count the tables built
     results = []
     for linear in (quant._kernel_linear, None):
         hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).requires_grad_()
@@ -95,7 +100,8 @@ def _check_experts_module(fmt: str) -> list[str]:
                else quant.reference_forward(hidden, index, weights))
         out.float().square().sum().backward()
         results.append((out.detach(), hidden.grad, weights.grad))
-    fails = []
+    triton_fp4_grouped.tile_table = build
+    fails = [] if len(builds) == 1 else [f"QuantExperts {fmt}: {len(builds)} tile tables for one routing (want 1)"]
     for name, got, want in zip(("output", "grad hidden", "grad routing weights"), *results):
         err = _rel_err(got, want.double())
         if err > 2e-2:

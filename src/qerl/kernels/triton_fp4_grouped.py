@@ -104,6 +104,20 @@ def tile_table(offsets: torch.Tensor, bm: int, slots: int) -> tuple[torch.Tensor
     return expert.to(torch.int32), first.to(torch.int32), end.to(torch.int32)
 
 
+_TILES_ATTR = "_qerl_grouped_tiles"  # the table built from an offsets tensor, cached on it with its version
+
+
+def _cached_tile_table(offsets: torch.Tensor, bm: int, slots: int):
+    """`tile_table`, built once per offsets tensor (version) and size: a MoE layer's gate_up and down products
+    and both their input gradients share one routing, so they share one table."""
+    key = (offsets._version, bm, slots)
+    hit = getattr(offsets, _TILES_ATTR, None)
+    if hit is None or hit[0] != key:
+        hit = (key, tile_table(offsets, bm, slots))
+        setattr(offsets, _TILES_ATTR, hit)
+    return hit[1]
+
+
 BN, BK = 64, 128  # weight tile (rows x columns): 128 divides every Qwen MoE hidden and expert width
 
 
@@ -134,7 +148,7 @@ def _launch(a: torch.Tensor, width: int, offsets: torch.Tensor, packed: torch.Te
         return None
     gs = None if global_scale is None else global_scale.reshape(E).float().contiguous()
     bm = tile_rows(a.shape[0], E)
-    experts, firsts, ends = tile_table(offsets, bm, E + -(-a.shape[0] // bm))
+    experts, firsts, ends = _cached_tile_table(offsets, bm, E + -(-a.shape[0] // bm))
     fits = global_scale is not None and a.is_cuda and _steps_fit_bf16(global_scale)
     return _Launch(bm, experts, firsts, ends, scale_bytes(scale), gs, asm_ok(a.device, a.dtype, mx, fits))
 

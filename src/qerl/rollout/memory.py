@@ -89,7 +89,7 @@ class EngineMemoryPolicy:
 
     def __init__(self, release: bool | None, device: torch.device, distributed: bool = False,
                  fraction: float = KEEP_FRACTION):
-        self.release, self.device, self.fraction = release, device, fraction
+        self.device, self.fraction = device, fraction
         self.auto = release is None and device.type == "cuda" and not distributed
         self.keep = release is False
         self.engine_bytes: int | None = None  # what the last freeing returned to the device (auto only)
