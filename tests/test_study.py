@@ -3,6 +3,7 @@ skipping finished jobs, the deadline, and one real end-to-end run on a tiny mode
 
 import json
 import math
+import shutil
 import sys
 import time
 
@@ -193,6 +194,36 @@ def test_deadline_kills_running_and_skips_waiting_jobs(tmp_path):
     assert [o["status"] for o in late] == ["not run"] * 3
 
 
+_DEVICE = "import json, os, sys; json.dump({'gpu': os.environ['CUDA_VISIBLE_DEVICES']}, open(sys.argv[1], 'w'))"
+
+
+def test_run_jobs_spreads_jobs_over_devices_and_resume_keeps_stale_dirs(tmp_path):
+    jobs = study.make_jobs(study.parse_arms("nvfp4,bf16,nf4"), [0], tmp_path)
+    jobs[0].dir.mkdir(parents=True)
+    (jobs[0].dir / "metrics.jsonl").write_text("{}\n")  # what a killed attempt left: kept for the trainer's resume
+    jobs[0].log_path.write_text("first attempt\n")
+    codes = {"nvfp4": _DEVICE, "bf16": _DEVICE, "nf4": _DEVICE}
+    outcomes = study_jobs.run_jobs(jobs, _fake(codes), parallel=2, poll_s=0.05, log=lambda *a: None, resume=True,
+                                   devices=["3", "5"])
+    assert [o["status"] for o in outcomes] == ["done"] * 3
+    assert (jobs[0].dir / "metrics.jsonl").exists() and jobs[0].log_path.read_text() == "first attempt\n"
+    gpus = [json.loads(j.result_path.read_text())["gpu"] for j in jobs]
+    assert set(gpus[:2]) == {"3", "5"} and gpus[2] in ("3", "5")  # the first two run at once, one per device
+
+
+def test_job_devices(monkeypatch):
+    assert study.job_devices("none") is None
+    assert study.job_devices("1, 0") == ["1", "0"]
+    with pytest.raises(StudyError, match="--gpus"):
+        study.job_devices("0,0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert study.job_devices("auto") == ["4", "6"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert study.job_devices("auto") is None  # one GPU: nothing to spread
+
+
 def test_main_refuses_bad_arguments(capsys):
     assert study.main(["--arms", "nvfp4:linear"]) == 2
     assert "only makes sense with AQN" in capsys.readouterr().err
@@ -228,7 +259,7 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
     settings = {"data.max_prompt_tokens": 32, "data.suffix": "none", "rollout.prompts_per_step": 2,
                 "rollout.group_size": 4, "rollout.max_new_tokens": 8, "lora.r": 4, "lora.alpha": 8, "optim.lr": 1e-3,
                 "aqn.num_stages": 2, "optim.micro_batch_size": 8, "optim.gradient_checkpointing": "false",
-                "plots": "false"}
+                "plots": "false", "save_every": 1}
     argv = ["--model", str(model_dir), "--train", str(data), "--test", str(data), "--eval-limit", "4", "--eval-n", "1",
             "--arms", "nvfp4+aqn,bf16", "--seeds", "0", "--steps", "2", "--parallel", "2", "--out", str(out),
             "--deadline-s", "240", *[x for k, v in settings.items() for x in ("--set", f"{k}={v}")]]
@@ -253,3 +284,25 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert time.monotonic() - t0 < 30
     printed = capsys.readouterr().out
     assert printed.count("[cached]") == 2 and "[start]" not in printed
+
+    # a job killed after its step-1 checkpoint: the next call continues it from there, keeping its "before"
+    job = out / "bf16_s0"
+    finished = json.loads((job / "result.json").read_text())
+    (job / "result.json").unlink()
+    for checkpoint in (job / "checkpoints").glob("step-*"):
+        if not checkpoint.name.endswith("1"):
+            shutil.rmtree(checkpoint)
+    state = json.loads((job / "job_state.json").read_text())
+    study_jobs.write_json_atomic(job / "job_state.json", {**state, "pass1_before": 0.125})
+    assert study.main(argv) == 0
+    resumed = json.loads((job / "result.json").read_text())
+    assert resumed["attempts"] == 2 and resumed["pass1_before"] == 0.125
+    assert [m["step"] for m in resumed["metrics"]] == [1, 2]
+    assert resumed["metrics"][0] == finished["metrics"][0]  # step 1 kept, not redone
+    assert "resumed from" in (job / "job.log").read_text()
+
+    # an unfinished job made with other settings is refused, not mixed in
+    (job / "result.json").unlink()
+    study_jobs.write_json_atomic(job / "job_state.json", {**state, "settings": {**state["settings"], "steps": 9}})
+    assert study.main(argv) == 1
+    assert "other settings" in (job / "job.log").read_text()

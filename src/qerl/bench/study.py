@@ -15,7 +15,10 @@ Each job runs in its own Python process (its own CUDA context; a 135M model leav
 --parallel N of them multiply throughput) and writes --out/<arm>_s<seed>/result.json the moment it is done,
 next to the trainer's metrics.jsonl and the job's log (job.log). A killed study loses nothing finished:
 running the same command again skips every job whose result.json exists (after checking it was made with
-the same settings) and runs only the missing ones. To redo a job, delete its directory.
+the same settings) and runs only the missing ones; a job killed mid-run (the --deadline-s, a lost machine)
+continues from its last checkpoint (`save_every`) with its held-out "before" score kept, unless --no-resume.
+To redo a job, delete its directory. On a machine with several GPUs the jobs are spread over them
+(--gpus), each job on one GPU.
 """
 
 import argparse
@@ -146,8 +149,23 @@ def summarize(metrics: list[dict]) -> dict:
             "memory_gb": max((r["memory_gb"] for r in metrics if r.get("memory_gb") is not None), default=None)}
 
 
+def started_job_state(job: Job, settings: dict) -> dict | None:
+    """What a killed earlier attempt of `job` left to continue from ({"pass1_before": ...} once measured), or
+    None for a fresh directory; StudyError when that attempt ran with other settings (mixing them would make
+    one result out of two experiments)."""
+    path = job.dir / "job_state.json"
+    if not path.is_file():
+        return None
+    state = load_result(path)
+    if state.get("settings") != settings:
+        raise StudyError(f"{job.dir} holds an unfinished run made with other settings; use another --out or "
+                         "delete that directory")
+    return state
+
+
 def run_job(args, job: Job) -> dict:
-    """Train one arm with one seed in this process; held-out pass@1 before and after; write result.json."""
+    """Train one arm with one seed in this process; held-out pass@1 before and after; write result.json.
+    Continues a run an earlier attempt left in the job's directory (see `started_job_state`)."""
     import torch
 
     from ..config import load_config
@@ -161,7 +179,12 @@ def run_job(args, job: Job) -> dict:
     cfg = load_config(args.config, job_overrides(args, job))
     # the held-out problems are the same for every seed (seed 0), so the spread over seeds is the training's
     test_rows = load_problems(args.test, split="test", limit=args.eval_limit, seed=0)
-    trainer = Trainer(cfg)
+    settings = {**settings_of(args), "arm": job.arm.name, "seed": job.seed}
+    state = started_job_state(job, settings) if args.resume else None
+    started = (job.dir / "metrics.jsonl").exists() or (job.dir / "config.yaml").exists()
+    trainer = Trainer(cfg, resume="auto" if args.resume and started else None)
+    if state is None:
+        state = {"settings": settings, "attempts": 0}
     sampling = SamplingParams(args.eval_temperature, 0, 0.95)
 
     def held_out() -> float:
@@ -170,18 +193,23 @@ def run_job(args, job: Job) -> dict:
                        engine=trainer.engine, progress=False)
         return res["pass@1"]
 
-    before = held_out()
+    if state.get("pass1_before") is None:
+        state["pass1_before"] = held_out()
+    state["attempts"] += 1
+    write_json_atomic(job.dir / "job_state.json", state)
+    before = state["pass1_before"]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - t0
     after = held_out()
     metrics = read_metrics(Path(cfg.output_dir) / "metrics.jsonl")
+    # training time over every attempt: the steps' own wall times (a resumed run redoes none of them twice)
+    seconds = sum(m.get("time_step") or 0.0 for m in metrics)
     result = {"arm": job.arm.name, "seed": job.seed, "format": job.arm.format, "method": job.arm.method,
               "aqn": job.arm.aqn,
               "decay": job.arm.decay if job.arm.aqn else None, "pass1_before": before, "pass1_after": after,
               "seconds": seconds, **summarize(metrics), "job_seconds": time.perf_counter() - t_job,
+              "attempts": state["attempts"],
               "device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "settings": settings_of(args), "metrics": metrics}
     write_json_atomic(job.result_path, result)
@@ -196,6 +224,8 @@ def job_command(args, job: Job) -> list[str]:
            "--eval-temperature", str(args.eval_temperature), "--steps", str(args.steps), "--out", str(args.out)]
     for item in args.set:
         cmd += ["--set", item]
+    if not args.resume:
+        cmd.append("--no-resume")
     return cmd
 
 
@@ -236,6 +266,11 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no job after this many seconds, kill those still running, then aggregate")
     p.add_argument("--mps", action="store_true", help="run the CUDA MPS daemon for the study (if installed)")
+    p.add_argument("--gpus", default="auto",
+                   help="CUDA devices to spread the jobs over, e.g. 0,1 (auto: every visible GPU; none: leave "
+                        "CUDA_VISIBLE_DEVICES alone)")
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="start unfinished jobs again from step 0 instead of continuing from their last checkpoint")
     p.add_argument("--job", action="store_true", help="internal: run the single (arm, seed) in this process")
     return p
 
@@ -261,6 +296,7 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
             return 0
         _check_configs(args, jobs)
         todo, finished = split_finished(jobs, settings_of(args))
+        devices = job_devices(args.gpus)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -273,8 +309,11 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
         print(f"note: {args.parallel} jobs share the machine at a time; their wall times (train s, rollout and "
               "update s/step) are inflated relative to solo runs")
     deadline = t_start + args.deadline_s if args.deadline_s is not None else None
+    if devices:
+        print(f"jobs spread over GPUs {','.join(devices)}")
     with MPSDaemon(args.mps):
-        outcomes = run_jobs(todo, lambda job: job_command(args, job), args.parallel, deadline, job_env(args.parallel))
+        outcomes = run_jobs(todo, lambda job: job_command(args, job), args.parallel, deadline, job_env(args.parallel),
+                            resume=args.resume, devices=devices)
     outcomes += [{"job": job, "status": "cached", "wall_s": 0.0, "error": "", "log_tail": ""} for job in finished]
     outcomes.sort(key=lambda o: jobs.index(o["job"]))
     runs = [load_result(o["job"].result_path) for o in outcomes if o["status"] in ("done", "cached")]
@@ -295,6 +334,23 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
     print(report(agg, outcomes, meta))
     print(f"\nresults: {out / 'results.json'} ({time.monotonic() - t_start:.0f} s)")
     return 0 if all(o["status"] in ("done", "cached") for o in outcomes) else 1
+
+
+def job_devices(gpus: str) -> list[str] | None:
+    """--gpus -> the CUDA device ids jobs are spread over, or None (one device or none: nothing to spread)."""
+    if gpus == "none":
+        return None
+    if gpus == "auto":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [d.strip() for d in visible.split(",")][:count] if visible else [str(i) for i in range(count)]
+        return ids if len(ids) > 1 else None
+    ids = [d.strip() for d in gpus.split(",") if d.strip()]
+    if not ids or len(set(ids)) != len(ids):
+        raise StudyError(f"--gpus {gpus!r}: expected auto, none or distinct device ids, e.g. 0,1")
+    return ids
 
 
 def default_test(train: str) -> str:

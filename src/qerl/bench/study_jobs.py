@@ -38,7 +38,8 @@ def _error_summary(log_path: Path, lines: int = 20) -> tuple[str, str]:
 
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL the job's whole process group (it runs in its own session), then reap it. Not SIGTERM: the
-    trainer would finish its step and write a checkpoint the study cannot use."""
+    trainer would first finish its step, which can outlast the caller's time limit; a resumed job continues
+    from its last periodic checkpoint instead."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -47,17 +48,20 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def run_jobs(jobs: list, command, parallel: int = 1, deadline: float | None = None, env: dict | None = None,
-             poll_s: float = 0.2, log=print) -> list[dict]:
+             poll_s: float = 0.2, log=print, resume: bool = False, devices: list[str] | None = None) -> list[dict]:
     """Run `command(job)` (an argv list) for every job, at most `parallel` at a time; return one outcome
     per job, in order: {"job", "status" (done | failed | killed | not run), "wall_s", "error", "log_tail"}.
 
-    deadline: a time.monotonic() value. Jobs are not started after it (nor when the median duration of the
-    jobs finished so far says they could not end by then), and jobs still running at it are killed, so the
-    caller can still write its aggregate inside a hard time limit. A job counts as done when it exits 0 and
-    its result.json exists; its output goes to job.log in its directory. A stale directory (a job killed
-    or failed earlier, no result.json) is cleared first: the trainer refuses to overwrite a run.
+    deadline: a time.monotonic() value. Jobs are not started after it (nor, without `resume`, when the median
+    duration of the jobs finished so far says they could not end by then), and jobs still running at it are
+    killed, so the caller can still write its aggregate inside a hard time limit. A job counts as done when
+    it exits 0 and its result.json exists; its output goes to job.log in its directory. A stale directory (a
+    job killed or failed earlier, no result.json) is cleared first, unless `resume`: then it is kept (the job
+    continues from its last checkpoint) and job.log is appended to.
+    devices: CUDA device ids; each job starts with CUDA_VISIBLE_DEVICES set to the one running the fewest jobs.
     """
     pending, running, outcomes, durations = list(jobs), {}, {}, []
+    load = {d: 0 for d in devices or []}
 
     def finish(job, proc, started, status=None):
         wall = time.monotonic() - started
@@ -76,24 +80,33 @@ def run_jobs(jobs: list, command, parallel: int = 1, deadline: float | None = No
     try:
         while pending or running:
             now = time.monotonic()
-            expected = statistics.median(durations) if durations else 0.0
+            # a resumed job keeps what it did before the deadline, so starting one late still makes progress
+            expected = statistics.median(durations) if durations and not resume else 0.0
             too_late = deadline is not None and now + expected > deadline
             while pending and len(running) < parallel and not too_late:
                 job = pending.pop(0)
-                if job.dir.exists():
+                if job.dir.exists() and not resume:
                     shutil.rmtree(job.dir)
-                job.dir.mkdir(parents=True)
-                with open(job.log_path, "w") as logf:  # the child keeps its own copy of the descriptor
-                    proc = subprocess.Popen(command(job), stdout=logf, stderr=subprocess.STDOUT, env=env,
+                job.dir.mkdir(parents=True, exist_ok=True)
+                job_env, device = env, None
+                if load:
+                    device = min(load, key=load.get)
+                    load[device] += 1
+                    job_env = {**(env if env is not None else os.environ), "CUDA_VISIBLE_DEVICES": device}
+                with open(job.log_path, "a" if resume else "w") as logf:  # the child keeps its own descriptor
+                    proc = subprocess.Popen(command(job), stdout=logf, stderr=subprocess.STDOUT, env=job_env,
                                             start_new_session=True)
-                running[job] = (proc, time.monotonic())
-                log(f"[start] {job.name} ({len(running)} running, {len(pending)} waiting)")
-            for job, (proc, started) in list(running.items()):
+                running[job] = (proc, time.monotonic(), device)
+                where = f" on GPU {device}" if device is not None else ""
+                log(f"[start] {job.name}{where} ({len(running)} running, {len(pending)} waiting)")
+            for job, (proc, started, device) in list(running.items()):
                 if proc.poll() is not None:
                     del running[job]
+                    if device is not None:
+                        load[device] -= 1
                     finish(job, proc, started)
             if deadline is not None and time.monotonic() >= deadline:
-                for job, (proc, started) in list(running.items()):
+                for job, (proc, started, _) in list(running.items()):
                     _kill(proc)
                     finish(job, proc, started, "killed")
                 running.clear()
@@ -102,7 +115,7 @@ def run_jobs(jobs: list, command, parallel: int = 1, deadline: float | None = No
                     break
             time.sleep(poll_s)
     finally:  # an exception or Ctrl-C in the coordinator must not leave orphaned GPU processes behind
-        for proc, _ in running.values():
+        for proc, _, _ in running.values():
             _kill(proc)
     for job in pending:
         outcomes[job] = {"job": job, "status": "not run", "wall_s": 0.0, "log_tail": "",
