@@ -3,28 +3,52 @@
 `quantize_model` swaps `nn.Linear` modules only; transformers 5 keeps MoE experts as 3-D parameters in an
 `...Experts` module, which it would leave in 16 bits. `quantize_experts` handles those (`quantize_model` calls
 it, after checking, before it changes anything, that it will succeed). Supported are the
-classes whose layout and eager forward `QuantExperts` reproduces exactly (`SUPPORTED_EXPERTS`: Qwen3-MoE and
-Qwen2-MoE, `gate_up_proj` [E, 2I, H] concatenated gate;up, `down_proj` [E, H, I], no bias); every other
-`...Experts` module is refused before anything is changed (gpt-oss, for one, has biases, a transposed and
-interleaved layout and a clamped activation). Qwen2-MoE's shared expert is a plain MLP of `nn.Linear`s and
-goes through `quantize_model` like any other linear.
+classes whose layout and eager forward a qerl module reproduces exactly (`LAYOUTS`):
+- Qwen3-MoE and Qwen2-MoE -> `QuantExperts`: `gate_up_proj` [E, 2I, H] concatenated gate;up, `down_proj`
+  [E, H, I], no bias;
+- gpt-oss -> `GptOssQuantExperts`: `gate_up_proj` [E, H, 2I] transposed with gate/up interleaved,
+  `down_proj` [E, I, H], a bias on each, a clamped SwiGLU.
+Every other `...Experts` module is refused before anything is changed. Qwen2-MoE's shared expert is a plain
+MLP of `nn.Linear`s and goes through `quantize_model` like any other linear; gpt-oss's router
+(`mlp.router`, weight + bias) is not a linear target and stays 16-bit and frozen.
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..formats import get_format
 from ..nn.quant_experts import QuantExperts
+from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from ..quant import check_method, quantize_group
 from .convert import set_module
 
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """What an HF experts class must hold for `quant` to replace it: exactly `params`, and the layout flags
+    transformers' `use_experts_implementation` decorator records, with these values."""
+
+    quant: type
+    params: tuple[str, ...]
+    flags: dict
+    describe: str
+
+
+_QWEN = ExpertsLayout(QuantExperts, ("gate_up_proj", "down_proj"),
+                      {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
+                       "has_post_expert_norm": False},
+                      "3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I], no bias")
+_GPT_OSS = ExpertsLayout(GptOssQuantExperts, ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+                         {"has_bias": True, "is_transposed": True, "is_concatenated": False, "has_gate": True,
+                          "has_post_expert_norm": False},
+                         "gpt-oss: gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H], biases")
 # classes whose forward is transformers' eager experts loop on this exact layout (checked in tests)
-SUPPORTED_EXPERTS = ("Qwen3MoeExperts", "Qwen2MoeExperts")
+LAYOUTS = {"Qwen3MoeExperts": _QWEN, "Qwen2MoeExperts": _QWEN, "GptOssExperts": _GPT_OSS}
+SUPPORTED_EXPERTS = tuple(LAYOUTS)
 # the methods that handle experts (the calibrated ones would need per-expert statistics: later work)
 EXPERT_METHODS = ("rtn", "4over6")
-# what transformers' `use_experts_implementation` decorator records about the layout, and the values we handle
-_LAYOUT_FLAGS = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True,
-                 "has_post_expert_norm": False}
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -36,17 +60,17 @@ def check_experts_layout(name: str, module: nn.Module) -> None:
     """Raise ValueError, naming the module, unless `module` is an experts stack QuantExperts reproduces."""
     cls = type(module).__name__
     where = f"{name or '<root>'} ({cls})"
-    if cls not in SUPPORTED_EXPERTS:
+    if cls not in LAYOUTS:
         raise ValueError(f"experts module {where}: class not supported for 4-bit experts; supported: "
-                         f"{', '.join(SUPPORTED_EXPERTS)} (3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I], "
-                         "no bias)")
+                         + "; ".join(f"{c} ({layout.describe})" for c, layout in LAYOUTS.items()))
+    layout = LAYOUTS[cls]
     params = dict(module.named_parameters(recurse=False))
-    if set(params) != {"gate_up_proj", "down_proj"}:
-        raise ValueError(f"experts module {where}: expected exactly the parameters gate_up_proj and down_proj, "
+    if set(params) != set(layout.params):
+        raise ValueError(f"experts module {where}: expected exactly the parameters {', '.join(layout.params)}, "
                          f"found {sorted(params)} (biases and other layouts are not supported)")
     if dict(module.named_buffers(recurse=False)):
         raise ValueError(f"experts module {where}: unexpected buffers {sorted(dict(module.named_buffers()))}")
-    for flag, expected in _LAYOUT_FLAGS.items():
+    for flag, expected in layout.flags.items():
         if getattr(module, flag, expected) != expected:
             raise ValueError(f"experts module {where}: {flag}={getattr(module, flag)!r} is not supported "
                              f"(only {flag}={expected!r})")
@@ -54,11 +78,11 @@ def check_experts_layout(name: str, module: nn.Module) -> None:
     if gate_up.ndim != 3 or down.ndim != 3:
         raise ValueError(f"experts module {where}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
                          f"{tuple(down.shape)} must be 3-D")
-    e, two_i, h = gate_up.shape
-    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
-        raise ValueError(f"experts module {where}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
-                         f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
-    if not callable(getattr(module, "act_fn", None)):
+    try:
+        layout.quant.hf_dims(module)
+    except ValueError as e:
+        raise ValueError(f"experts module {where}: {str(e).partition(': ')[2]}") from None
+    if layout.quant is QuantExperts and not callable(getattr(module, "act_fn", None)):
         raise ValueError(f"experts module {where}: has no act_fn")
 
 
@@ -84,8 +108,8 @@ def check_experts(model: nn.Module, fmt: str, method: str = "rtn") -> list[tuple
         if not name:
             raise ValueError(f"quantize_experts: the model itself is an experts module ({type(module).__name__}); "
                              "pass the model that contains it")
-        _, two_i, h = module.gate_up_proj.shape
-        for weight, k in (("gate_up_proj", h), ("down_proj", two_i // 2)):
+        _, h, i = LAYOUTS[type(module).__name__].quant.hf_dims(module)
+        for weight, k in (("gate_up_proj", h), ("down_proj", i)):
             if k % block:  # NF4's block runs over the flattened matrix; K % 64 is its conservative per-row rule
                 raise ValueError(f"experts module {name} ({type(module).__name__}): {weight} has {k} input "
                                  f"features, not a multiple of the {fmt} block size {block}")
@@ -96,6 +120,19 @@ def _stack_method(fmt: str, method: str, weight: torch.Tensor) -> dict[str, torc
     """weight [E, N, K] -> stacked tensors, each expert's matrix quantized alone by `method` (own global scale)."""
     per_expert = [quantize_group(fmt, method, [weight[e].detach()])[0] for e in range(weight.shape[0])]
     return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
+
+
+def _with_method(quant_cls: type, module: nn.Module, fmt: str, method: str) -> QuantExperts:
+    """`quant_cls` built from `module` with each expert's matrices ([N, K], qerl's orientation) quantized by
+    `method`."""
+    e, h, i = quant_cls.hf_dims(module)
+    if quant_cls is GptOssQuantExperts:
+        return GptOssQuantExperts(e, h, i, fmt, module.alpha, module.limit,
+                                  _stack_method(fmt, method, module.gate_up_proj.transpose(1, 2)),
+                                  _stack_method(fmt, method, module.down_proj.transpose(1, 2)),
+                                  module.gate_up_proj_bias.detach().clone(), module.down_proj_bias.detach().clone())
+    return QuantExperts(e, h, i, fmt, module.act_fn, _stack_method(fmt, method, module.gate_up_proj),
+                        _stack_method(fmt, method, module.down_proj))
 
 
 def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn") -> dict[str, QuantExperts]:
@@ -111,14 +148,12 @@ def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn") 
     found = check_experts(model, fmt, method)
     replaced = {}
     for name, module in found:
+        quant_cls = LAYOUTS[type(module).__name__].quant
         if method == "rtn":
-            quant = QuantExperts.from_experts(module, fmt)
+            quant = quant_cls.from_experts(module, fmt)
         else:
-            e, two_i, h = module.gate_up_proj.shape
             with torch.no_grad():
-                quant = QuantExperts(e, h, two_i // 2, fmt, module.act_fn,
-                                     _stack_method(fmt, method, module.gate_up_proj),
-                                     _stack_method(fmt, method, module.down_proj))
+                quant = _with_method(quant_cls, module, fmt, method)
         set_module(model, name, quant)
         module.gate_up_proj = None  # free the 16-bit weights even where the caller still holds the old module
         module.down_proj = None
@@ -128,6 +163,7 @@ def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn") 
 
 @torch.no_grad()
 def dequantize_experts_into(experts: nn.Module, quant: QuantExperts) -> None:
-    """Copy `quant`'s dequantized weights into a dense HF experts module of the same shape (for comparisons)."""
-    experts.gate_up_proj.copy_(quant.dequantized_gate_up(experts.gate_up_proj.dtype))
-    experts.down_proj.copy_(quant.dequantized_down(experts.down_proj.dtype))
+    """Copy `quant`'s dequantized weights (and gpt-oss's biases) into a dense HF experts module of the same
+    shape, in that module's layout (for comparisons)."""
+    for name, tensor in quant.dequantized_hf(torch.float32).items():
+        getattr(experts, name).copy_(tensor)

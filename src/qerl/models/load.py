@@ -1,5 +1,6 @@
-"""Load a causal LM from an embedded name, a local HF directory, a GGUF file, a hub id, or a quantized
-(compressed-tensors / bitsandbytes-NF4) directory written by qerl or llm-compressor.
+"""Load a causal LM from an embedded name, a local HF directory, a GGUF file, a hub id, a quantized
+(compressed-tensors / bitsandbytes-NF4) directory written by qerl or llm-compressor, or a gpt-oss directory
+with MXFP4 experts as OpenAI released it (`gpt_oss`: the experts' codes and scales kept as stored).
 
 Every failure names the file and the problem; nothing here runs code from a model directory unless
 `trust_remote_code=True` is passed.
@@ -11,6 +12,7 @@ from pathlib import Path
 from . import registry
 from .checkpoint import load_quantized
 from .gguf import load_gguf, to_device
+from .gpt_oss import is_gpt_oss_mxfp4, load_gpt_oss_mxfp4
 from .sources import (DENSE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelLoadError, check_architecture,
                       check_safetensors, resolve_dtype)
 
@@ -55,6 +57,19 @@ def _hub_snapshot(repo_id: str) -> Path | None:
         return None
 
 
+def _gpt_oss_mxfp4_snapshot(repo_id: str) -> Path | None:
+    """The downloaded snapshot of hub repo `repo_id` when it is gpt-oss with MXFP4 experts (its config.json
+    says so), for `load_gpt_oss_mxfp4`; None for anything else or when the hub cannot be reached (the caller's
+    transformers path then tries, and explains)."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config = json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text())
+    except Exception:  # offline, unknown or gated repo, bad JSON: not ours to report here
+        return None
+    return _hub_snapshot(repo_id) if is_gpt_oss_mxfp4(config) else None
+
+
 def _read_config(directory: Path) -> dict:
     try:
         return json.loads((directory / "config.json").read_text())
@@ -94,6 +109,8 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
                 f"qerl supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         check_safetensors(path)
+        if is_gpt_oss_mxfp4(config):  # gpt-oss as released: MXFP4 experts, kept bit for bit
+            return load_gpt_oss_mxfp4(path, dtype, device)
         if config.get("quantization_config"):
             return load_quantized(path, dtype, device)
         local = True
@@ -101,6 +118,9 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
         raise ModelLoadError(f"{source}: no such file or directory")
     else:
         local = False  # a hub id
+        snapshot = _gpt_oss_mxfp4_snapshot(source)
+        if snapshot is not None:  # transformers would dequantize (CPU) or swap in its own kernels' experts
+            return load_gpt_oss_mxfp4(snapshot, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path) if local else source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code

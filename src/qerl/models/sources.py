@@ -9,8 +9,9 @@ import torch
 
 DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # mixtures of experts: loaded whole through transformers (which stacks a checkpoint's per-expert tensors into its
-# 3-D experts modules), then quantized (`quantize_model(experts=True)`); never streamed layer by layer
-MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
+# 3-D experts modules), then quantized (`quantize_model(experts=True)`); never streamed layer by layer. gpt-oss's
+# released checkpoints hold MXFP4 experts, which `gpt_oss.load_gpt_oss_mxfp4` keeps as they are
+MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "gpt_oss")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 

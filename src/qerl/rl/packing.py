@@ -13,7 +13,9 @@ or a row's completion) gathers its keys [prefix ; own tokens] from the packed K/
 [S, H, Lk, hd] view and runs one `scaled_dot_product_attention` with a boolean mask per bucket of
 similar-sized segments, then the outputs are put back in packed order. Padding thus exists only inside
 attention, never in the linear layers, and every query sees at least key 0 (no fully masked softmax row).
-The shared prompt's gradient is the sum over its group's completions, as with G copies.
+The shared prompt's gradient is the sum over its group's completions, as with G copies. Attention sinks
+(gpt-oss's per-head `s_aux` logits) enter as one extra zero key whose mask entry is the sink
+(`with_sink_column`); logit softcapping is refused.
 
 The implementation is selected on the model's config for the packed forward only and restored after it;
 gradient checkpointing replays each decoder layer in the backward, after that restore, so the packed
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+from ..nn.sinks import with_sink_column
 from ..rollout.sampling import logprob_temperature
 from .logprobs import chunked_token_logprobs
 
@@ -160,8 +163,9 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     layout: PackedLayout = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} needs the `{LAYOUT_KWARG}` forward kwarg")
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("packed attention supports neither logit softcapping nor attention sinks")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("packed attention does not support logit softcapping")
+    sinks = kwargs.get("s_aux")  # gpt-oss: one learned logit per head in every softmax's denominator
     H, KV = query.shape[1], key.shape[1]
     q, k, v = query[0], key[0], value[0]  # [H or KV, L, hd]
     outs = []
@@ -170,9 +174,11 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
         qb = b.queries(q, 1).view(H, S, Lq, -1).transpose(0, 1)  # [S, H, Lq, hd]
         kb, vb = (_repeat_heads(b.keys(t, 1).view(KV, S, Lk, -1).transpose(0, 1), H // KV)
                   for t in (k, v))  # [S, H, Lk, hd]
+        mask = b.mask(sliding_window)
+        if sinks is not None:
+            qb, kb, vb, mask = with_sink_column(qb, kb, vb, mask, sinks)
         with sdpa_kernel(MASKED_SDPA_BACKENDS):
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask(sliding_window), dropout_p=dropout,
-                                               scale=scaling)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scaling)
         outs.append(b.take(o.transpose(1, 2).reshape(S * Lq, H, -1)))  # real queries only [n, H, hd]
     out = layout.order(torch.cat(outs))  # packed order [L, H, hd]
     return out.unsqueeze(0), None

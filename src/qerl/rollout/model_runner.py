@@ -14,9 +14,18 @@ AQN's in-place noise is seen); elsewhere the same ops run eagerly.
 Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE: an `mlp` with `experts` and a router `gate`) run their
 sparse-MoE block as the model does, `mlp(x)` on the normed x [B, L, D] (router, top-k, experts -- HF's or
 qerl's 4-bit `QuantExperts` -- and Qwen2-MoE's gated shared expert), so AQN's noise on
-`post_attention_layernorm` reaches the router and the experts. Those blocks sync with the host (`.tolist()`,
-`nonzero`), so an engine over an MoE model decodes eagerly, without CUDA graphs (`CausalLMRunner.has_moe`).
-Which path a layer takes is decided once, here at construction.
+`post_attention_layernorm` reaches the router and the experts. With qerl's 4-bit experts on their grouped
+kernel path (`QuantExperts.capturable`) a block never syncs with the host, so the engine captures its decode
+steps in CUDA graphs like a dense model's; HF's 16-bit experts loop (`.tolist()`, `nonzero`) and the
+per-expert reference path do sync, so an engine over such a model decodes eagerly
+(`CausalLMRunner.moe_capturable`). Which path a layer takes is decided once, here at construction.
+
+gpt-oss: q/k/v/o carry biases (the adapter snapshot applies them), its MoE block has a `router` instead of
+a `gate` (run whole, as above), every attention has per-head sinks (one extra logit in each softmax's
+denominator, `qerl.nn.sinks`) and every other layer a sliding window (`config.layer_types`; key j visible to
+the query at position p iff p - j < window, transformers' rule). Those layers attend through SDPA with a
+float mask, at prefill and decode alike: the CUDA flash-decoding kernel knows neither sinks nor windows.
+Other architectures with a sliding window are still refused.
 
 Shapes: B batch, L tokens fed (the prompt length P at prefill, 1 at decode), S attended cache length,
 H query heads, KV key/value heads, G = H / KV, hd head dim, D hidden, V vocabulary. Activations are in
@@ -31,15 +40,28 @@ from ..kernels.bf16_matmul import bf16_linear
 from ..kernels.decode_attention import decode_attention
 from ..kernels.fused_ops import add_norm, rope_qk, rope_qk_store, silu_mul
 from ..nn.quant_embedding import QuantEmbedding
+from ..nn.quant_experts import QuantExperts
+from ..nn.sinks import with_sink_column
 from .lora_snapshot import LoraSnapshot
 from .rope import rope_tables
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gpt_oss")
+# architectures whose per-layer sliding windows (config.layer_types) the runner applies
+LAYER_WINDOW_MODEL_TYPES = ("gpt_oss",)
 
 
 def is_moe_block(mlp: nn.Module) -> bool:
-    """A sparse-MoE block (stacked `experts` and a router `gate`), not a dense gate/up/down MLP."""
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and not hasattr(mlp, "gate_proj")
+    """A sparse-MoE block (stacked `experts` and a router, `gate` or gpt-oss's `router`), not a dense
+    gate/up/down MLP."""
+    return hasattr(mlp, "experts") and (hasattr(mlp, "gate") or hasattr(mlp, "router")) \
+        and not hasattr(mlp, "gate_proj")
+
+
+def layer_windows(config, n_layers: int) -> list[int | None]:
+    """Per layer the sliding window (keys visible: position - key < window) or None (full attention)."""
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+    window = getattr(config, "sliding_window", None)
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 class CausalLMRunner:
@@ -52,8 +74,9 @@ class CausalLMRunner:
                 f"rollout engine supports {SUPPORTED_MODEL_TYPES}, not model_type {config.model_type!r}")
         layer_types = getattr(config, "layer_types", None) or []
         window = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types or (
-                config.model_type == "mistral" and window is not None and window < max_len):
+        if config.model_type not in LAYER_WINDOW_MODEL_TYPES and (
+                getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types or (
+                config.model_type == "mistral" and window is not None and window < max_len)):
             raise NotImplementedError("sliding-window attention is not supported by the rollout engine")
         self.model = model
         self.config = config
@@ -71,6 +94,10 @@ class CausalLMRunner:
         self.cos, self.sin = rope_tables(config, max_len, self.dtype, self.device)
         groups = []
         self.moe_layers = []  # per layer: its mlp is a sparse-MoE block (run whole, `moe_mlp`)
+        windowed = config.model_type in LAYER_WINDOW_MODEL_TYPES
+        self.windows = layer_windows(config, len(self.layers)) if windowed else [None] * len(self.layers)
+        # gpt-oss's per-head sink logits [H] (read on every call: the parameter itself, never a copy)
+        self.has_sinks = [getattr(layer.self_attn, "sinks", None) is not None for layer in self.layers]
         for i, layer in enumerate(self.layers):
             at, mlp = layer.self_attn, layer.mlp
             groups += [(at.q_proj, at.k_proj, at.v_proj), (at.o_proj,)]
@@ -82,6 +109,10 @@ class CausalLMRunner:
                 groups += [(mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
             self.moe_layers.append(moe)
         self.has_moe = any(self.moe_layers)
+        # every MoE block free of host syncs: its experts are qerl's and take the grouped kernel in this dtype
+        self.moe_capturable = all(
+            isinstance(layer.mlp.experts, QuantExperts) and layer.mlp.experts.capturable(self.dtype, self.device)
+            for layer, moe in zip(self.layers, self.moe_layers) if moe)
         self._mlps = [self.moe_mlp if moe else self.mlp for moe in self.moe_layers]  # chosen once per layer
         fuse = self.device.type == "cuda" if fuse_siblings is None else fuse_siblings  # None: on CUDA only
         self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse)
@@ -103,10 +134,11 @@ class CausalLMRunner:
         v = v.view(B, L, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
+        window, sinks = self.windows[i], attn.sinks if self.has_sinks[i] else None
         if slot is not None:  # decode: RoPE + this slot's k/v written into the cache, one launch on CUDA
             q = rope_qk_store(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
             S = mask.shape[-1]
-            if q.is_cuda:  # one flash-decoding launch (two with split S) instead of SDPA + mask conversion
+            if q.is_cuda and window is None and sinks is None:  # one flash-decoding launch (two with split S)
                 o = decode_attention(q[:, 0], cache.k[i], cache.v[i], cache.key_valid, slot, S, self.scale)
                 return lin(attn.o_proj, o.reshape(B, L, self.n_heads * self.head_dim))
             k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
@@ -115,7 +147,12 @@ class CausalLMRunner:
             q, k = rope_qk(q, k, cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             cache.write_prefill(i, k, v)
-        o = grouped_attention(q, k, v, mask, self.scale)  # [B, H, L, hd]
+        if window is not None:
+            mask = mask & within_window(mask, slot, window)
+        if sinks is not None:
+            o = sink_attention(q, k, v, mask, self.scale, sinks)
+        else:
+            o = grouped_attention(q, k, v, mask, self.scale)  # [B, H, L, hd]
         return lin(attn.o_proj, o.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -166,3 +203,28 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         mask = mask[:, :, None].expand(B, 1, G, L, mask.shape[-1]).reshape(B, 1, G * L, mask.shape[-1])
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return o.reshape(B, H, L, hd)
+
+
+def within_window(mask: torch.Tensor, slot, window: int) -> torch.Tensor:
+    """bool [B or 1, 1, L, S]: key slot j is within `window` of the query (position = slot: each cache row
+    holds its sequence from slot 0). mask [B or 1, 1, L, S] gives the shape; slot None: a prefill, queries
+    at slots 0..L-1; else the decode slots (int64 [B] or 0-dim), L = 1."""
+    L, S = mask.shape[-2], mask.shape[-1]
+    j = torch.arange(S, device=mask.device)
+    if slot is None:
+        q = torch.arange(L, device=mask.device)[:, None]  # [L, 1]
+        return (q - j < window)[None, None]
+    q = slot.reshape(-1, 1, 1, 1)  # [B or 1, 1, 1, 1]
+    return q - j < window
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """`grouped_attention` with gpt-oss's per-head sinks [H] in every softmax (`qerl.nn.sinks`): q [B, H, L, hd],
+    k/v [B, KV, S, hd], mask [B, 1, L, S] bool -> [B, H, L, hd]. k/v are repeated per query head (HF's
+    repeat_kv order) for the float mask, which differs per head."""
+    H, KV = q.shape[1], k.shape[1]
+    if H != KV:
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    q, k, v, float_mask = with_sink_column(q, k, v, mask, sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask, scale=scale)
