@@ -64,6 +64,7 @@ def test_train_a_moe_checkpoint_and_reload_its_adapter(moe_dir, data_file, tmp_p
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(torch.isfinite(torch.tensor([m["reward"], m["entropy"], m["loss"]])).all() for m in metrics)
     assert metrics[1]["aqn_sigma"] > 0
+    assert not any("aux_loss" in m for m in metrics)  # moe.aux_loss_coef defaults to 0: no load-balancing loss
     after = lora_parameters(model)
     assert any(not torch.equal(before[n], after[n]) for n in before), "no LoRA weight moved"
     for n, p in model.named_parameters():

@@ -190,6 +190,21 @@ class OptimSection:
 
 
 @dataclass
+class MoESection:
+    """`moe:` mixture-of-experts models only (Qwen3-MoE, Qwen2-MoE): the router, which picks each token's experts.
+    The experts themselves are frozen 4-bit stacks. Both keys are off by default: RL post-training starts from
+    a router the pretraining already balanced, and nudging routing changes the policy in ways the clipped
+    objective does not see (docs/training.md, "Mixture-of-experts router")."""
+
+    # train the routers (`mlp.gate`; Qwen2-MoE also `mlp.shared_expert_gate`) beside the LoRA adapters: fp32
+    # master weights in the optimizer, routing computed in fp32, saved in the adapter (PEFT modules_to_save)
+    train_router: bool = False
+    # weight of the load-balancing auxiliary loss (Switch Transformer; transformers' router_aux_loss_coef,
+    # 0.001 in the Qwen MoE configs) added to the RL loss, over the forward's real tokens; 0 = off
+    aux_loss_coef: float = 0.0
+
+
+@dataclass
 class TrainConfig:
     """The whole run: one section per part of the loop, then rewards, length and outputs."""
 
@@ -200,6 +215,7 @@ class TrainConfig:
     aqn: AQNSection = field(default_factory=AQNSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     optim: OptimSection = field(default_factory=OptimSection)
+    moe: MoESection = field(default_factory=MoESection)
     # rewards
     rewards: list[str] = field(default_factory=lambda: ["math"])  # built-in names or package.module:function
     reward_weights: list[float] | None = None  # one per reward, summed; null = all 1
@@ -237,7 +253,8 @@ _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_upd
 _OPTIONAL = ("model.calibration.samples", "optim.max_tokens_per_micro_batch")  # null means "choose for me" (documented at the field)
 _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_low", "algo.clip_high",
                  "rollout.temperature", "rollout.top_k", "optim.weight_decay", "optim.warmup_steps",
-                 "optim.max_grad_norm", "algo.max_refills", "algo.overlong_buffer", "save_every", "keep_last")
+                 "optim.max_grad_norm", "algo.max_refills", "algo.overlong_buffer", "save_every", "keep_last",
+                 "moe.aux_loss_coef")
 
 
 def _get(cfg, dotted: str):
@@ -280,6 +297,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"model.keep_bf16: {e}") from None
     if cfg.model.keep_bf16 and cfg.model.format == "bf16":
         raise ConfigError("model.keep_bf16 only makes sense with a 4-bit model.format")
+    if not cfg.moe.aux_loss_coef < float("inf"):  # nan / inf: the >= 0 check above lets inf through
+        raise ConfigError(f"moe.aux_loss_coef must be a finite number >= 0, got {cfg.moe.aux_loss_coef}")
     return cfg
 
 

@@ -3,6 +3,14 @@
 Keys are PEFT's: `base_model.model.<module path>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
 so `peft.PeftModel.from_pretrained(dense_base, dir)` reproduces qerl's outputs on the dequantized base.
 
+A mixture-of-experts model whose routers were made trainable (`qerl.models.router.prepare_routers`,
+`moe.train_router`) also saves them, as PEFT's `modules_to_save` does: `modules_to_save` in the config
+("mlp.gate", and "shared_expert_gate" for Qwen2-MoE) and each router's whole weight as
+`base_model.model.<module path>.weight` fp32 [E, H] (or [1, H]; gpt-oss's router also `.bias` [E]).
+Loading such an adapter prepares the routers (fp32, frozen unless they were already trainable) and copies
+the weights in; loading one without routers into a model with prepared routers puts their original (base)
+weights back.
+
 A model quantized with AWQ in this process (`quantize_model(method="awq")`, `qerl train` with
 `model.quant_method: awq`) carries its folded scales; by default its adapters are written for, and read
 as adapters of, the original unfolded model, which is what `base_model_name_or_path` names
@@ -21,6 +29,8 @@ from ..nn import LoraConfig
 from ..quant.awq import FOLDED_SCALES, lora_between_bases
 from .atomic import atomic_directory
 from .convert import add_lora, lora_parameters, quant_layers
+from .router import (PEFT_MODULES_TO_SAVE, module_parameters, prepare_routers, reset_routers, router_modules,
+                     router_parameters)
 
 PEFT_PREFIX = "base_model.model."
 
@@ -50,10 +60,12 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
     scales = getattr(model, FOLDED_SCALES, None)
     if original_base and scales:
         lora = lora_between_bases(lora, scales, to_original=True)
-    weights = {PEFT_PREFIX + k: v.float().contiguous().cpu() for k, v in lora.items()}
+    routers = {k: v.detach() for k, v in router_parameters(model).items()}
+    weights = {PEFT_PREFIX + k: v.float().contiguous().cpu() for k, v in {**lora, **routers}.items()}
+    to_save = sorted({e for e in PEFT_MODULES_TO_SAVE for k in routers if k.rpartition(".")[0].endswith(e)})
     peft_cfg = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, use_rslora=cfg.use_rslora,
-        target_modules=list(cfg.targets), bias="none", task_type="CAUSAL_LM",
+        target_modules=list(cfg.targets), bias="none", task_type="CAUSAL_LM", modules_to_save=to_save or None,
         base_model_name_or_path=base_model_name_or_path or getattr(model.config, "_name_or_path", None),
     )
     with atomic_directory(out, overwrite) as tmp:
@@ -84,25 +96,48 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
         weights = load_file(str(weights_file))
     except Exception as e:
         raise AdapterError(f"{weights_file}: corrupt or truncated safetensors file ({e})") from None
+    routers = _adapter_routers(model, raw.get("modules_to_save") or [], cfg_file)
     add_lora(model, cfg)
     params = lora_parameters(model)
-    expected = {PEFT_PREFIX + k for k in params}
+    expected = {PEFT_PREFIX + k for k in [*params, *routers]}
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         raise AdapterError(
             f"{weights_file}: adapter does not fit this base model: "
-            f"{len(missing)} LoRA weights missing (e.g. {sorted(missing)[:2]}), "
+            f"{len(missing)} weights missing (e.g. {sorted(missing)[:2]}), "
             f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})"
         )
     weights = {k[len(PEFT_PREFIX):]: w for k, w in weights.items()}
-    for name, p in params.items():
+    for name, p in [*params.items(), *routers.items()]:
         if weights[name].shape != p.shape:
             raise AdapterError(f"{weights_file}: {name} has shape {tuple(weights[name].shape)}, the model needs "
                                f"{tuple(p.shape)} (an adapter for a different base model or rank)")
+    lora = {name: weights[name] for name in params}
     scales = getattr(model, FOLDED_SCALES, None)
     if original_base and scales:
-        weights = lora_between_bases(weights, scales, to_original=False)
+        lora = lora_between_bases(lora, scales, to_original=False)
+    if routers:  # fp32 masters, frozen unless already trainable
+        routers = {k: v for k, v in prepare_routers(model, trainable=None).items() if k in routers}
+    reset_routers(model, keep=routers)  # routers the adapter does not hold: the base's routing
     with torch.no_grad():
         for name, p in params.items():
+            p.copy_(lora[name])
+        for name, p in routers.items():
             p.copy_(weights[name])
     return cfg
+
+
+def _adapter_routers(model: nn.Module, modules_to_save, cfg_file: Path) -> dict[str, torch.Tensor]:
+    """{parameter name: current parameter} of the model's routers that the adapter's `modules_to_save` names; an
+    entry naming anything else is refused (only MoE routers are saved besides LoRA)."""
+    modules_to_save = [modules_to_save] if isinstance(modules_to_save, str) else list(modules_to_save)
+    routers = router_modules(model)
+    found = {}
+    for entry in modules_to_save:
+        hits = [n for n in routers if n.endswith(entry)]
+        if not hits:
+            raise AdapterError(f"{cfg_file}: modules_to_save entry {entry!r} names no mixture-of-experts router of "
+                               f"this model; qerl loads LoRA weights and MoE routers only")
+        for n in hits:
+            found.update(module_parameters(n, routers[n]))
+    return found

@@ -16,8 +16,10 @@ Linears kept in 16 bits (`keep_bf16`: QuantLinear format "bf16") are written as 
 them as ordinary dense linears; config.json's `qerl_keep_bf16` names them so that `load_quantized` makes
 them QuantLinear("bf16") again (other ignored linears, e.g. non-targets, stay nn.Linear).
 
-A model holding 4-bit MoE experts (`QuantExperts`) is refused before anything is written: their
-compressed-tensors per-expert layout is not built yet.
+4-bit MoE experts (`QuantExperts`, Qwen3-MoE / Qwen2-MoE) are written per expert and projection,
+`<experts>.{e}.gate_proj.weight_packed` etc., each a slice of the stacked buffers (`qerl.models.moe_checkpoint`),
+and stacked again on load, bit for bit. The routers (`mlp.gate`, `mlp.shared_expert_gate`) stay 16-bit and are
+listed in `ignore`, as llm-compressor does, so that loaders do not look for quantized router tensors.
 """
 
 import json
@@ -33,6 +35,8 @@ from ..nn import QuantEmbedding, QuantLinear
 from ..quant.awq import channel_scales, set_channel_scales
 from .atomic import atomic_directory
 from .convert import quant_experts, quant_layers, set_module
+from .moe_checkpoint import check_saveable_experts, expert_tensors, has_expert_tensors, take_experts
+from .router import router_modules
 from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import partial_sibling_groups
 
@@ -91,22 +95,25 @@ def split_kept(model: nn.Module) -> tuple[dict[str, QuantLinear], dict[str, Quan
     return {n: m for n, m in layers.items() if n not in kept}, kept
 
 
-def check_no_quant_experts(model: nn.Module) -> None:
-    """ValueError when `model` holds 4-bit MoE experts, which have no checkpoint layout yet."""
-    experts = sorted(quant_experts(model))
-    if experts:
-        raise ValueError(f"cannot save a quantized checkpoint of a model with 4-bit MoE experts ({len(experts)} "
-                         f"QuantExperts modules, e.g. {experts[0]}): writing experts in compressed-tensors form is "
-                         "not built yet. Save the LoRA adapter (save_adapter) and quantize the base again on load, "
-                         "or quantize with experts=False")
+def check_experts_format(model: nn.Module, fmt: str) -> dict:
+    """The model's 4-bit experts {name: QuantExperts}; ValueError when one cannot be saved (a layout without a
+    per-expert form, or a format other than the linears' `fmt`)."""
+    experts = quant_experts(model)
+    check_saveable_experts(experts)
+    other = sorted({m.weight_format for m in experts.values()} - {fmt})
+    if other:
+        raise ValueError(f"the MoE experts are stored in {other[0]}, the linears in {fmt}: a checkpoint holds one "
+                         "4-bit format")
+    return experts
 
 
 def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Everything but LoRA, with quantized layers in their on-disk names; a tied lm_head is left out.
-    A kept bf16 layer's state is already `<module>.weight` [N, K] bf16 (+ bias): written as it is."""
-    check_no_quant_experts(model)
+    A kept bf16 layer's state is already `<module>.weight` [N, K] bf16 (+ bias): written as it is. 4-bit
+    experts are written per expert (`moe_checkpoint.expert_tensors`)."""
     layers, _ = split_kept(model)
     fmts = {m.weight_format for m in layers.values()}
+    experts = check_experts_format(model, next(iter(fmts - {"bf16"}), "bf16"))
     state = {k: v for k, v in model.state_dict().items() if ".lora_A." not in k and ".lora_B." not in k}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -120,6 +127,10 @@ def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state.pop(f"{name}.weight_packed")
             state.pop(f"{name}.weight_absmax")
             state.update(_nf4_to_bnb(name, layer))
+    for name, quant in experts.items():
+        for buffer in quant._tensor_names:
+            state.pop(f"{name}.{buffer}")
+        state.update(expert_tensors(name, quant))
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
 
@@ -153,17 +164,20 @@ CHANNEL_SCALES_FILE = "qerl/awq_channel_scales.safetensors"
 
 def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) -> Path:
     """Write the quantized base (no LoRA) as an HF directory; atomic: `out` appears complete or not at all.
-    A model quantized with awq also gets CHANNEL_SCALES_FILE ({norm path: fp32 [D]}). A model holding 4-bit
-    MoE experts is refused (ValueError) before anything is written."""
-    check_no_quant_experts(model)
+    A model quantized with awq also gets CHANNEL_SCALES_FILE ({norm path: fp32 [D]}). 4-bit MoE experts are
+    written per expert (module docstring); experts of another layout (ValueError) are refused before anything
+    is written."""
     layers, kept = split_kept(model)
-    state = checkpoint_state_dict(model)
     fmt = next(iter(layers.values())).weight_format
+    check_experts_format(model, fmt)
+    state = checkpoint_state_dict(model)
     quant = layers.keys() | kept.keys()
     # dense linears, not counting a QuantLinear's own LoRA A / B (never written here)
     dense = [n for n, m in model.named_modules()
              if isinstance(m, nn.Linear) and n not in quant and n.rpartition(".")[0] not in quant]
-    ignore = sorted([*dense, *kept])
+    # MoE routers stay 16-bit; Qwen3-MoE's is not an nn.Linear in transformers 5, but serving engines build it
+    # as a linear, so it is named here (a Qwen2-MoE shared_expert_gate is already among the dense linears)
+    ignore = sorted({*dense, *kept, *router_modules(model)})
     _warn_partial_groups(kept, [*layers, *kept])
     config = model.config.to_dict()
     config.pop("qerl_weight_format", None)
@@ -245,8 +259,11 @@ def _kept_layer(state: dict, name: str, mod: nn.Linear, dtype: torch.dtype, path
 
 
 def load_quantized(path, dtype=None, device=None):
-    """A quantized HF directory -> (model with QuantLinear layers, no LoRA yet, tokenizer)."""
+    """A quantized HF directory -> (model with QuantLinear layers and, for MoE, QuantExperts; no LoRA yet,
+    tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .experts import is_experts_module
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
@@ -266,6 +283,9 @@ def load_quantized(path, dtype=None, device=None):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, mod in list(model.named_modules()):
+        if is_experts_module(mod) and has_expert_tensors(state, name, fmt):
+            set_module(model, name, take_experts(state, name, mod, fmt, path))
+            continue
         if not isinstance(mod, nn.Linear):
             continue
         if name in keep:

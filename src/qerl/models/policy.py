@@ -17,6 +17,7 @@ from .convert import add_lora, quant_layers, quantize_input_embeddings, quantize
 from .load import load_causal_lm, plain_hf_directory
 from .sources import compute_dtype
 from .precision import describe_keep_bf16
+from .router import prepare_routers, router_modules
 from .stream import stream_quantized
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 
 def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device, *,
-                 gradient_checkpointing: bool = False, train_rows: list[dict] | None = None, console=None):
+                 gradient_checkpointing: bool = False, train_rows: list[dict] | None = None, console=None,
+                 train_router: bool = False, aux_loss: bool = False):
     """(model with a frozen quantized base + fresh or loaded LoRA, in eval mode, tokenizer).
 
     A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is quantized
@@ -33,6 +35,10 @@ def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device
     (qerl.quant); the calibrated methods draw calibration text from `model_cfg.calibration` (train_rows: the
     run's problems, which the "auto" source adds to its mixture). With `gradient_checkpointing` each decoder
     layer is recomputed in the backward; console: where to report the quantization time and the 16-bit layers.
+    Mixture-of-experts models (`moe:` config section): train_router makes the routers trainable fp32
+    parameters (`qerl.models.router`; an adapter's trained routers are loaded either way); aux_loss=True (the
+    run adds the load-balancing loss) only checks that the model has routers. Both raise ValueError on a model
+    without routers.
     """
     method, cal = model_cfg.quant_method, model_cfg.calibration
     check_method(method, model_cfg.format)
@@ -77,12 +83,21 @@ def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device
     if console is not None and model_cfg.keep_bf16:
         kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
         console.print(describe_keep_bf16(model, kept, model_cfg.format))
+    if (train_router or aux_loss) and not router_modules(model):
+        keys = " and ".join(k for k, on in (("moe.train_router", train_router), ("moe.aux_loss_coef > 0", aux_loss))
+                            if on)
+        raise ValueError(f"{keys}: {model_cfg.name} ({type(model).__name__}) is not a mixture-of-experts model (no "
+                         "router found); these keys apply to MoE models (Qwen3-MoE, Qwen2-MoE) only")
+    if train_router:
+        prepare_routers(model, trainable=True)
     if model_cfg.adapter:
-        load_adapter(model, model_cfg.adapter)
+        load_adapter(model, model_cfg.adapter)  # keeps the routers trainable; loads trained ones if it holds them
     if tokenizer is None:
         raise ValueError(f"{model_cfg.name}: no tokenizer found; training needs one")
     model.config.use_cache = False  # training forwards never reuse a KV cache (the rollout engine has its own)
-    if hasattr(model.config, "output_router_logits"):  # MoE: no router logits or load-balancing loss in RL
+    # MoE: transformers' own router logits and aux loss stay off; qerl's loss pass hooks the routers itself when
+    # moe.aux_loss_coef > 0 (qerl.rl.router_aux), on the real tokens of its packed or padded forward
+    if hasattr(model.config, "output_router_logits"):
         model.config.output_router_logits = False
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)

@@ -62,17 +62,20 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 # Settings a resumed run must share with its checkpoint: they define the model and the adapter's shape.
 RESUME_KEYS = (("model", "name"), ("model", "format"), ("model", "quant_method"), ("model", "keep_bf16"),
                ("model", "calibration"), ("model", "quantize_embeddings"), ("lora", "r"), ("lora", "alpha"),
-               ("lora", "targets"), ("lora", "use_rslora"), ("data", "train"))
+               ("lora", "targets"), ("lora", "use_rslora"), ("data", "train"),
+               ("moe", "train_router"))  # a trained router is in the adapter and the optimizer state
 # What a checkpoint written before a key existed meant by leaving it out (fixed: later defaults may differ).
 _ADDED_LATER = {("model", "quantize_embeddings"): False, ("model", "quant_method"): "rtn", ("model", "keep_bf16"): [],
-                ("model", "calibration"): {"source": "auto", "samples": 128, "max_tokens": 256}}
+                ("model", "calibration"): {"source": "auto", "samples": 128, "max_tokens": 256},
+                ("moe", "train_router"): False}
 
 
 def check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
     """ValueError naming every RESUME_KEYS setting in which the config `current` differs from the checkpoint's
     `saved` one (both as `qerl.config.to_dict` writes them)."""
     def old(a, b):
-        return saved[a][b] if b in saved[a] else _ADDED_LATER[(a, b)]
+        section = saved.get(a, {})  # a whole section may be newer than the checkpoint
+        return section[b] if b in section else _ADDED_LATER[(a, b)]
 
     keys = RESUME_KEYS
     if current["model"]["quant_method"] not in CALIBRATED:  # the calibration text shapes only gptq / awq models

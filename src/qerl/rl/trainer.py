@@ -28,6 +28,7 @@ from ..kernels.route import current_policy
 from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.calibrate import default_samples
 from ..models.policy import build_policy
+from ..models.router import router_parameters
 from ..nn.quant_linear import set_routing_policy
 from ..rewards import RewardRunner
 from ..rewards.resolve import resolve_reward
@@ -134,7 +135,11 @@ class Trainer:
                                  f"+ LoRA r={cfg.lora.r}"):
             self.model, self.tokenizer = build_policy(cfg.model, cfg.lora, self.device, train_rows=rows,
                                                       gradient_checkpointing=cfg.optim.gradient_checkpointing,
-                                                      console=self.console)
+                                                      console=self.console, train_router=cfg.moe.train_router,
+                                                      aux_loss=cfg.moe.aux_loss_coef > 0)
+        if cfg.moe.aux_loss_coef > 0 and not cfg.moe.train_router:
+            self.console.print("[yellow]moe.aux_loss_coef > 0 with a frozen router: the load-balancing loss reaches "
+                               "only the LoRA weights below the routers (moe.train_router: true trains the routers)")
         if cfg.optim.grad_input_no_temporary:
             set_routing_policy(self.model, dataclasses.replace(current_policy(), grad_input_no_temporary=True))
         self.engine = RolloutEngine(self.model, self.tokenizer,
@@ -144,7 +149,7 @@ class Trainer:
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)
-        self.params = list(lora_parameters(self.model).values())
+        self.params = self._trainable_parameters()
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(cfg))
         self.aqn = aqn_schedule(cfg)
@@ -167,6 +172,12 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
             self.log = RunLog(self.run_dir, cfg.tensorboard)
         barrier(self.dist)
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates, in a fixed order (the optimizer state relies on it): the LoRA weights,
+        then the MoE routers' fp32 masters when moe.train_router is on."""
+        routers = [p for p in router_parameters(self.model).values() if p.requires_grad]
+        return [*lora_parameters(self.model).values(), *routers]
 
     # prompts ----------------------------------------------------------------------------------
 
@@ -287,7 +298,8 @@ class Trainer:
                         f"{metrics['tokens_per_s']:.0f} tok/s  rollout {metrics['time_rollout']:.1f}s "
                         f"(rows/kept {metrics['rollout_rows_per_kept']:.2f})  update {metrics['time_update']:.1f}s "
                         f"(computed/needed {metrics.get('loss_tokens_per_needed', 0):.2f})  "
-                        f"mem {metrics['memory_gb']:.2f} GB")
+                        + (f"aux {metrics['aux_loss']:.4f}  " if "aux_loss" in metrics else "")
+                        + f"mem {metrics['memory_gb']:.2f} GB")
                 progress.console.print(line, highlight=False)
                 progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
                 if signum:
@@ -397,7 +409,7 @@ class Trainer:
             raise ValueError(f"{self.run_dir}: no readable checkpoint to resume from")
         check_same_run(state["config"], to_dict(self.cfg), checkpoint)
         load_adapter(self.model, checkpoint / "adapter", original_base=False)
-        self.params = list(lora_parameters(self.model).values())  # load_adapter attached fresh parameters
+        self.params = self._trainable_parameters()  # load_adapter attached fresh LoRA parameters
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(self.cfg))

@@ -10,18 +10,20 @@ behaviour-policy ratio) and TIS is not applied.
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from ..kernels import dequantized_weights
+from ..models.router import original_routers
 from ..nn.quant_linear import lora_disabled
 from .collect import Experience
 from .distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
 from .packing import PackedMicroBatch, needed_tokens, packed_logprobs, plan_micro_batches
+from .router_aux import capture_router_logits, load_balancing_loss, router_top_k
 
 OLD_LOGPROBS = ("recompute", "sampling")  # the values of UpdateSettings.old_logprobs (config: algo.old_logprobs)
 
@@ -42,10 +44,14 @@ class UpdateSettings:
     temperature: float = 1.0  # the rollout's sampling temperature (0 = greedy): log-probs are taken under it
     old_logprobs: str = "recompute"  # one of OLD_LOGPROBS: which log-probs play pi_old (module docstring)
     tis_cap: float | None = 2.0  # truncated importance sampling cap, w_t = min(pi_old / mu, tis_cap); None = off
+    # MoE: weight of the routers' load-balancing loss (`router_aux`) added to the policy loss; 0 = off
+    aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"unknown old_logprobs {self.old_logprobs!r}; choose one of {OLD_LOGPROBS}")
+        if not self.aux_loss_coef >= 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
 
 class NonFiniteError(RuntimeError):
@@ -81,6 +87,21 @@ def _logprobs(model, exp: Experience, mb: PackedMicroBatch | slice, temperature:
                                exp.completion_mask[mb], temperature)
 
 
+def _forward_tokens(exp: Experience, mb: PackedMicroBatch | slice) -> torch.Tensor | None:
+    """The real-token mask of a micro-batch's forward for the load-balancing loss: None for a packed one
+    (its stream has no padding), else the padded rows' attention mask [b, P + T]."""
+    if isinstance(mb, PackedMicroBatch):
+        return None
+    return torch.cat([exp.prompt_mask[mb], exp.completion_mask[mb]], dim=1)
+
+
+def _aux_token_count(exp: Experience, mb: PackedMicroBatch | slice) -> torch.Tensor:
+    """Real tokens one micro-batch forwards (the load-balancing loss's N), fp32 0-d on the experience's device."""
+    if isinstance(mb, PackedMicroBatch):
+        return torch.tensor(float(mb.computed_tokens), device=exp.completion_ids.device)
+    return _forward_tokens(exp, mb).sum().float()
+
+
 @torch.no_grad()
 def _no_grad_logprobs(model, exp: Experience, batches, temperature: float) -> torch.Tensor:
     return torch.cat([_logprobs(model, exp, mb, temperature) for mb in batches])
@@ -101,6 +122,11 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     forward pass over the batch runs through the model (the reference, old-log-prob and each policy pass
     all run the same micro-batches) and the tokens it needs (each distinct prompt once per group plus the
     loss tokens); with packing their ratio is the prompt repetition of groups split over micro-batches.
+
+    With `settings.aux_loss_coef` > 0 (MoE models) each micro-batch's forward also gives the routers'
+    load-balancing loss over its real tokens (`router_aux`), added to the policy loss times the coefficient and
+    the micro-batch's share of the whole (all-rank) batch's forward tokens; `aux_loss` is then returned too:
+    this rank's token-weighted mean of the micro-batch values.
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
     with dequantized_weights(enabled=on_cpu):  # CPU: dequantize each weight once for the whole update
@@ -124,13 +150,18 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
             timings: dict[str, float] | None) -> dict[str, float]:
     device = exp.completion_ids.device
     mask = exp.completion_mask
-    # the whole (all-rank) batch's counts, so that summed gradients equal one big batch's
-    counts = all_reduce_sum(torch.tensor([float(mask.shape[0]), float(mask.sum())], device=dist_ctx.device), dist_ctx)
-    weights = loss_normalizer(mask, s.loss, total_rows=int(counts[0]), total_tokens=counts[1].to(mask.device))
     batches = _micro_batches(exp, s)  # one plan for the reference, old and policy passes
+    aux = s.aux_loss_coef > 0
+    aux_tokens = [_aux_token_count(exp, mb) for mb in batches] if aux else []
+    local_aux_tokens = torch.stack(aux_tokens).sum().item() if aux_tokens else 0.0
+    # the whole (all-rank) batch's counts, so that summed gradients equal one big batch's
+    counts = all_reduce_sum(torch.tensor([float(mask.shape[0]), float(mask.sum()), local_aux_tokens],
+                                         device=dist_ctx.device), dist_ctx)
+    weights = loss_normalizer(mask, s.loss, total_rows=int(counts[0]), total_tokens=counts[1].to(mask.device))
+    experts_k = router_top_k(model) if aux else None
     ref = None
-    if s.loss.kl_beta > 0:
-        with _phase(timings, "reference", device), lora_disabled(model):  # adapters off; no second copy
+    if s.loss.kl_beta > 0:  # adapters off and routers at their base weights; no second copy
+        with _phase(timings, "reference", device), lora_disabled(model), original_routers(model):
             ref = _no_grad_logprobs(model, exp, batches, s.temperature)
     old = exp.sampling_logp if s.old_logprobs == "sampling" else None
     if old is None and s.num_updates > 1:
@@ -138,16 +169,17 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
             old = _no_grad_logprobs(model, exp, batches, s.temperature)
     use_tis = s.old_logprobs == "recompute" and s.tis_cap is not None
     zero = torch.zeros((), device=mask.device)
-    totals = {k: zero.clone() for k in ("tokens", "clipped", "ratio", "kl", "loss", "tis_mean")}
+    totals = {k: zero.clone() for k in ("tokens", "clipped", "ratio", "kl", "loss", "tis_mean", "aux")}
     grad_norm = 0.0
     model.train()
     try:
         for _ in range(s.num_updates):
             optimizer.zero_grad(set_to_none=True)
             with _phase(timings, "loss_backward", device):
-                for mb in batches:
+                for i, mb in enumerate(batches):
                     sl = _rows(mb)
-                    logp = _logprobs(model, exp, mb, s.temperature)
+                    with capture_router_logits(model) if aux else nullcontext([]) as router_logits:
+                        logp = _logprobs(model, exp, mb, s.temperature)
                     old_mb = logp.detach() if old is None else old[sl]
                     tis = None
                     if use_tis:
@@ -155,6 +187,11 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
                         totals["tis_mean"] += tis.sum()
                     loss, stats = policy_loss(logp, old_mb, exp.advantages[sl], weights[sl], s.loss,
                                               None if ref is None else ref[sl], tis)
+                    if router_logits:  # none when the micro-batch had no token to forward
+                        aux_mb = load_balancing_loss(router_logits, *experts_k, _forward_tokens(exp, mb))
+                        loss = loss + s.aux_loss_coef * aux_tokens[i] / counts[2].to(device) * aux_mb
+                        totals["aux"] += aux_mb.detach() * aux_tokens[i]
+                        router_logits.clear()  # drop the graph references before the backward
                     if loss.requires_grad:  # a packed micro-batch without loss tokens runs no forward
                         loss.backward()
                     totals["loss"] += loss.detach()
@@ -177,6 +214,7 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
     t = {k: v.item() for k, v in totals.items()}
     computed, needed = _token_counts(exp, batches)
     tokens = max(t["tokens"], 1.0)
+    extra = {"aux_loss": t["aux"] / max(local_aux_tokens, 1.0) / s.num_updates} if aux else {}
     return {
         "loss": t["loss"] / s.num_updates,
         "clip_fraction": t["clipped"] / tokens,
@@ -186,4 +224,5 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
         "grad_norm": grad_norm,
         "loss_tokens_computed": float(computed),
         "loss_tokens_needed": float(needed),
+        **extra,
     }
