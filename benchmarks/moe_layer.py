@@ -2,8 +2,9 @@
 (`QuantExperts`' grouped path), NVFP4 through the reference loop (each hit expert dequantized per call), and
 16-bit experts as transformers runs them (its eager loop, and `grouped_mm` where this transformers has it).
 Random weights at a real shape (default Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, expert width 768),
-uniform random routing, CUDA events around one experts call (median of --repeats after warm-up; no CUDA graphs:
-the routing syncs with the host).
+uniform random routing, CUDA events around one experts call (median of --repeats after warm-up). The grouped
+NVFP4 path has no host sync, so it is also timed replayed from a CUDA graph, as the rollout engine would run it:
+that column is GPU time alone, without Python and launch overhead; the eager columns include them.
 
     python benchmarks/moe_layer.py --tokens 8,64,256,2048
 """
@@ -45,6 +46,19 @@ def timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graphed(fn):
+    """fn captured once in a CUDA graph (after a warm-up on a side stream); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def main(argv=None) -> int:
     from qerl.nn.quant_experts import QuantExperts
 
@@ -63,7 +77,6 @@ def main(argv=None) -> int:
     except Exception as e:  # an older transformers: no such implementation
         print(f"bf16 grouped_mm unavailable: {type(e).__name__}: {e}")
     quant = QuantExperts.from_experts(bf16["eager"], "nvfp4")
-    quant.grouped_kernel = True  # opt-in (not yet the default)
     E, k, H = shape["num_experts"], shape["top_k"], shape["hidden"]
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -74,6 +87,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             row = {"tokens": T, "experts hit": int(index.unique().numel())}
             row["nvfp4 grouped ms"] = timed(lambda: quant(x, index, weights), args.repeats)
+            row["nvfp4 grouped, CUDA graph ms"] = timed(graphed(lambda: quant(x, index, weights)), args.repeats)
             if not args.skip_reference:
                 row["nvfp4 reference ms"] = timed(lambda: quant.reference_forward(x, index, weights), 5)
             for name, m in bf16.items():
@@ -81,6 +95,12 @@ def main(argv=None) -> int:
                     row[f"bf16 {name} ms"] = timed(lambda: m(x, index, weights), args.repeats)
                 except Exception as e:  # an implementation this transformers / torch cannot run here
                     print(f"bf16 {name}: {type(e).__name__}: {e}")
+                if name == "grouped_mm":
+                    try:  # capturable only if this transformers' grouped path never syncs with the host
+                        row["bf16 grouped_mm, CUDA graph ms"] = timed(graphed(lambda: m(x, index, weights)),
+                                                                      args.repeats)
+                    except Exception as e:
+                        print(f"bf16 grouped_mm in a CUDA graph: {type(e).__name__}: {str(e)[:200]}")
             want = bf16["eager"](x, index, weights).float()
             got = quant(x, index, weights).float()
             row["rel diff vs bf16 (4-bit error)"] = float((got - want).norm() / want.norm())

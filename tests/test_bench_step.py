@@ -345,3 +345,30 @@ def test_a_mixture_of_experts_builds_layer_by_layer_and_steps():
     t = runner.step(prompts=2, completion=6)
     assert t["tokens"] == 2 * 2 * 6 and t["loss_tokens_computed"] >= t["tokens"]
     assert any(not torch.equal(a, b) for a, b in zip(before, runner.params))
+
+
+def test_a_gpt_oss_shape_builds_layer_by_layer_and_steps():
+    """The gpt-oss-20b shape resolves to a GptOssConfig with alternating sliding / full layers; a tiny gpt-oss
+    through the bench's random build gets MXFP4 experts with biases (GptOssQuantExperts), finite RoPE tables and
+    sinks, and one real step moves the adapter."""
+    from transformers import GptOssConfig
+
+    from qerl.bench.step import model_config
+    from qerl.nn.quant_experts import QuantExperts
+
+    config = model_config("gpt-oss-20b", layers=2)
+    assert config.model_type == "gpt_oss" and config.num_local_experts == 32 and config.num_experts_per_tok == 4
+    assert config.layer_types == ["sliding_attention", "full_attention"] and config.hidden_size == 2880
+    tiny = GptOssConfig(**{**TINY, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+                           "head_dim": 16, "sliding_window": 4, "output_router_logits": False,
+                           "layer_types": ["sliding_attention", "full_attention"]})
+    model = build_random_policy(tiny, "mxfp4", lora_r=4, device=torch.device("cpu"))
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert len(experts) == 2 and all(e.weight_format == "mxfp4" for e in experts)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert all(torch.isfinite(t).all() for t in model.buffers() if t.is_floating_point())
+    runner = StepRunner(model, _args(), DistContext(), sigma=1e-2)
+    before = [p.detach().clone() for p in runner.params]
+    t = runner.step(prompts=2, completion=6)
+    assert t["tokens"] == 2 * 2 * 6
+    assert any(not torch.equal(a, b) for a, b in zip(before, runner.params))

@@ -339,10 +339,16 @@ def test_memory_report_counts_experts_as_quantized_base(fmt):
     assert report["total_bytes"] == report["quantized_bytes"] + report["lora_bytes"] + report["other_bytes"]
 
 
-def test_save_quantized_refuses_experts_before_writing(tmp_path):
+def test_save_quantized_refuses_other_experts_layouts_before_writing(tmp_path):
+    """Qwen experts are saved per expert (tests/test_moe_checkpoint.py); a QuantExperts subclass (another
+    layout, e.g. gpt-oss's) has no per-expert form yet and is refused before anything is written."""
+    class OtherLayout(QuantExperts):
+        pass
+
     model = quantize_model(_model(), "nvfp4")
+    model.model.layers[1].mlp.experts.__class__ = OtherLayout
     out = tmp_path / "ckpt"
-    with pytest.raises(ValueError, match="4-bit MoE experts.*compressed-tensors form is not built yet"):
+    with pytest.raises(ValueError, match="model.layers.1.mlp.experts \\(OtherLayout\\).*per-expert checkpoint form"):
         save_quantized(model, None, out)
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
@@ -421,14 +427,18 @@ def test_grouped_forward_equals_the_reference_loop(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_grouped_kernel_path_on_cuda_matches_the_reference(fmt):
-    """Opted in, on CUDA in bf16 the forward and the input gradient take the grouped kernels, close to the
-    reference loop's."""
+    """On CUDA in bf16 the forward and the input gradient take the grouped kernels (the default; the flag
+    turns them off), close to the reference loop's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(4)
     quant = QuantExperts.from_experts(_model().model.layers[0].mlp.experts, fmt).cuda()
-    assert not quant._grouped_applies(torch.zeros(1, H, device="cuda", dtype=torch.bfloat16))
-    quant.grouped_kernel = True  # opt-in until this test has passed on a GPU
+    probe = torch.zeros(1, H, device="cuda", dtype=torch.bfloat16)
+    quant.grouped_kernel = False
+    assert not quant._grouped_applies(probe) and not quant.capturable(torch.bfloat16, probe.device)
+    quant.grouped_kernel = True
+    assert quant._grouped_applies(probe) and quant.capturable(torch.bfloat16, probe.device)
+    assert not quant.capturable(torch.float32, probe.device)  # fp32: the reference loop
     T, k = 200, 2
     index = torch.randint(0, E, (T, k), device="cuda")
     weights = torch.rand(T, k, device="cuda", dtype=torch.bfloat16)

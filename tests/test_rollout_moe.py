@@ -116,7 +116,7 @@ def test_aqn_sampling_runs_and_restores_the_norms():
 
 def test_cuda_graphs_are_switched_off_for_moe_with_a_warning():
     model = tiny_moe("qwen3_moe")
-    with pytest.warns(UserWarning, match="MoE layers .* without CUDA graphs"):
+    with pytest.warns(UserWarning, match="MoE experts .* without CUDA graphs"):
         engine = RolloutEngine(model, max_seq_len=32, cuda_graphs=True)
     assert engine.cuda_graphs is False
     engine.warmup(2)  # a no-op without graphs

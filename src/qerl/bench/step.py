@@ -271,12 +271,12 @@ def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dic
     try:
         t = time.perf_counter()
         model = build_random_policy(config, fmt, args.lora_r, device)
-        if args.moe_grouped:
+        if args.moe_reference:
             from ..nn.quant_experts import QuantExperts
 
             for m in model.modules():
                 if isinstance(m, QuantExperts):
-                    m.grouped_kernel = True
+                    m.grouped_kernel = False
         cell["build_s"] = time.perf_counter() - t
         cell["weights_gb"] = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()]) / 1e9
         return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0)
@@ -587,9 +587,9 @@ def parse_args(argv=None):
                          "(always), or keep them from the second step on when they fit (auto, qerl train's "
                          "default: rollout.release_kv_cache). The old mode always frees them, so a cell after "
                          "an old-mode cell captures its graphs again: --modes new alone times the kept engine")
-    ap.add_argument("--moe-grouped", action="store_true",
-                    help="MoE models: run the 4-bit experts through the grouped kernel (opt-in, "
-                         "QuantExperts.grouped_kernel) instead of the per-expert reference loop")
+    ap.add_argument("--moe-reference", action="store_true",
+                    help="MoE models: run the 4-bit experts through the per-expert reference loop (each hit "
+                         "expert dequantized per call, eager decode) instead of the grouped kernel")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
     ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")

@@ -118,7 +118,9 @@ def _cached_tile_table(offsets: torch.Tensor, bm: int, slots: int):
     return hit[1]
 
 
-BN, BK = 64, 128  # weight tile (rows x columns): 128 divides every Qwen MoE hidden and expert width
+BN, BK = 128, 128  # weight tile (rows x columns): 128 divides every Qwen MoE hidden and expert width; BN 128
+# was the fastest of BN 32-128 x BK 128-256 x 4-8 warps x 2-4 stages at 8-256 tokens (benchmarks/moe_grouped_sweep.py)
+NUM_WARPS, NUM_STAGES = 4, 3  # read at each launch (benchmarks/moe_grouped_sweep.py varies all four)
 
 
 @dataclass
@@ -171,7 +173,7 @@ def grouped_fp4_linear(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Ten
         x2, packed, s, gs if gs is not None else s, out, run.experts, run.firsts, run.ends, n, k, x2.stride(0),
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_GS=gs is not None, BM=run.bm, BN=BN, BK=BK, GROUP=group, MX=mx, EVEN_K=k % BK == 0, ASM=run.asm,
-        INTERP=x.device.type != "cuda", num_warps=4, num_stages=3)
+        INTERP=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
@@ -221,5 +223,5 @@ def grouped_fp4_grad_input(g: torch.Tensor, offsets: torch.Tensor, packed: torch
         g2, packed, s, gs if gs is not None else s, out, run.experts, run.firsts, run.ends, n, k, g2.stride(0),
         packed.stride(0), packed.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_GS=gs is not None, BM=run.bm, BN=BN, BK=BK, GROUP=group, MX=mx, EVEN_N=n % BN == 0,
-        EVEN_K=k % BK == 0, ASM=run.asm, INTERP=g.device.type != "cuda", num_warps=4, num_stages=3)
+        EVEN_K=k % BK == 0, ASM=run.asm, INTERP=g.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

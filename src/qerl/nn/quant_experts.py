@@ -23,17 +23,18 @@ scale is chosen per expert over the fused [2I, H] matrix, so gate and up share i
 
 The forward has exactly the semantics of transformers' eager experts forward: act_fn(gate) * up, down, times
 the token's routing weight, `index_add_` into the output. Two paths compute it:
-- grouped (opt-in, `QuantExperts.grouped_kernel = True`; NVFP4 / MXFP4 on CUDA in bf16 / fp16): the
-  token-expert pairs sorted by expert, then one grouped 4-bit kernel launch for gate_up and one for down over
-  all hit experts (`kernels.triton_fp4_grouped`), weights decoded in registers, and the same for the input
-  gradient in the backward. Checked against the float64 reference in the Triton interpreter only: it has not
-  run on a GPU yet, so it is off by default;
-- reference (the default): transformers' loop over the hit experts, each expert's weights dequantized (in the
-  input dtype) on every call.
-LoRA on experts (they are frozen here), CUDA-graph decode of MoE layers in the rollout engine (the grouped
-path needs no host sync, but the engine still decodes MoE models eagerly) and saving / loading in
-compressed-tensors form are later work. Gradients reach the input and the
-routing weights, never the experts.
+- grouped (the default wherever it applies: NVFP4 / MXFP4 on CUDA in bf16 / fp16; `grouped_kernel = False`
+  on a module or the class turns it off): the token-expert pairs sorted by expert, then one grouped 4-bit kernel
+  launch for gate_up and one for down over all hit experts (`kernels.triton_fp4_grouped`), weights decoded in
+  registers, and the same for the input gradient in the backward. No host sync, so the rollout engine
+  captures MoE decode steps in CUDA graphs when every experts module takes this path;
+- reference (NF4, the CPU, fp32, or the flag off): transformers' loop over the hit experts, each expert's
+  weights dequantized (in the input dtype) on every call.
+Subclasses change only the layout-specific pieces (`hf_dims`, `_glu`, `_add_bias`, `dequantized_hf`):
+`quant_experts_gpt_oss.GptOssQuantExperts` holds gpt-oss's experts (biases, interleaved gate/up rows, a
+clamped SwiGLU) on the same stacked buffers.
+LoRA on experts is later work (they are frozen here); saving and loading in compressed-tensors form is
+`qerl.models.moe_checkpoint`. Gradients reach the input and the routing weights, never the experts.
 """
 
 import torch
@@ -77,7 +78,7 @@ class _GroupedLinear(torch.autograd.Function):
 class QuantExperts(nn.Module):
     """Frozen 4-bit experts. Build with `QuantExperts.from_experts(experts_module, fmt)`."""
 
-    grouped_kernel = False  # the grouped Triton path where it applies (see the module docstring): not GPU-tested
+    grouped_kernel = True  # the grouped Triton path where it applies (see the module docstring)
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str, act_fn: nn.Module,
                  gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor]):
@@ -107,15 +108,23 @@ class QuantExperts(nn.Module):
                 and gate_up.ndim == 3 and down.ndim == 3):
             raise ValueError(f"{type(experts).__name__}: expected 3-D gate_up_proj [E, 2I, H] and down_proj "
                              f"[E, H, I] tensors")
-        e, two_i, h = gate_up.shape
-        if two_i % 2 or down.shape != (e, h, two_i // 2):
-            raise ValueError(f"{type(experts).__name__}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
-                             f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
+        e, h, i = cls.hf_dims(experts)
         act_fn = getattr(experts, "act_fn", None)
         if not callable(act_fn):
             raise ValueError(f"{type(experts).__name__}: has no act_fn")
         with torch.no_grad():
-            return cls(e, h, two_i // 2, fmt, act_fn, _stack_quantized(fmt, gate_up), _stack_quantized(fmt, down))
+            return cls(e, h, i, fmt, act_fn, _stack_quantized(fmt, gate_up), _stack_quantized(fmt, down))
+
+    @staticmethod
+    def hf_dims(experts: nn.Module) -> tuple[int, int, int]:
+        """(E, H, I) of an HF experts module holding gate_up_proj [E, 2I, H] and down_proj [E, H, I];
+        ValueError when the two shapes do not fit that layout."""
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        e, two_i, h = gate_up.shape
+        if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+            raise ValueError(f"{type(experts).__name__}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                             f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
+        return e, h, two_i // 2
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
@@ -139,6 +148,19 @@ class QuantExperts(nn.Module):
         """All experts' down_proj [E, H, I] as a new dense tensor (for export and tests)."""
         return torch.stack([self.dequantized_expert("down_proj", e, dtype) for e in range(self.num_experts)])
 
+    def dequantized_hf(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The HF experts module's parameters (name -> dense tensor, in its layout) that this module replaces."""
+        return {"gate_up_proj": self.dequantized_gate_up(dtype), "down_proj": self.dequantized_down(dtype)}
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2I] (gate columns first, then up) -> act(gate) * up [rows, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def _add_bias(self, out: torch.Tensor, weight: str, expert) -> torch.Tensor:
+        """out [rows, N] + the bias of `weight` for `expert` (an int, or int64 [rows]); these experts have none."""
+        return out
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k] -> [T, H] in hidden_states.dtype.
@@ -151,6 +173,12 @@ class QuantExperts(nn.Module):
         from ..kernels.route import use_triton
 
         return self.grouped_kernel and self.weight_format in ("nvfp4", "mxfp4") and use_triton(hidden_states)
+
+    def capturable(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a forward on `dtype` activations on `device` takes the grouped path (no host sync: a CUDA
+        graph can capture it)."""
+        probe = torch.empty(0, self.hidden_dim, dtype=dtype, device=device)
+        return self._grouped_applies(probe)
 
     def _kernel_linear(self, x: torch.Tensor, offsets: torch.Tensor, weight: str) -> torch.Tensor:
         """The grouped 4-bit product of one weight (`kernels.triton_fp4_grouped`), with its input gradient."""
@@ -172,8 +200,9 @@ class QuantExperts(nn.Module):
         counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
         offsets = torch.cat([counts.new_zeros(1), counts[: self.num_experts].cumsum(0)])
         token = order // k
-        gate, up = linear(hidden_states[token], offsets, "gate_up_proj").chunk(2, dim=-1)
-        rows = linear(self.act_fn(gate) * up, offsets, "down_proj")
+        expert = flat[order].clamp(max=self.num_experts - 1)  # a sentinel row reads a bias, then is zeroed
+        gate_up = self._add_bias(linear(hidden_states[token], offsets, "gate_up_proj"), "gate_up_proj", expert)
+        rows = self._add_bias(linear(self._glu(gate_up), offsets, "down_proj"), "down_proj", expert)
         real = (flat[order] < self.num_experts)[:, None]  # sentinel rows: no expert, no output, no gradient
         rows = torch.where(real, rows * top_k_weights.reshape(-1)[order, None], 0)
         return torch.zeros_like(hidden_states).index_add_(0, token, rows.to(hidden_states.dtype))
@@ -193,10 +222,11 @@ class QuantExperts(nn.Module):
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
             current_state = hidden_states[token_idx]
             gate_up = self.dequantized_expert("gate_up_proj", expert_idx, hidden_states.dtype)
-            gate, up = nn.functional.linear(current_state, gate_up).chunk(2, dim=-1)
-            current_hidden_states = self.act_fn(gate) * up
+            gate_up = self._add_bias(nn.functional.linear(current_state, gate_up), "gate_up_proj", expert_idx)
+            current_hidden_states = self._glu(gate_up)
             down = self.dequantized_expert("down_proj", expert_idx, hidden_states.dtype)
-            current_hidden_states = nn.functional.linear(current_hidden_states, down)
+            current_hidden_states = self._add_bias(nn.functional.linear(current_hidden_states, down), "down_proj",
+                                                   expert_idx)
             current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
         return final_hidden_states

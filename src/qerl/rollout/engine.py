@@ -74,9 +74,10 @@ class RolloutEngine:
         self.device = self.runner.device
         self.max_seq_len = max_seq_len
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        if self.runner.has_moe and self.cuda_graphs:  # MoE blocks sync with the host: not capturable
-            warnings.warn("rollout engine: MoE layers route tokens on the host (.tolist()/nonzero), so this "
-                          "model decodes eagerly, without CUDA graphs", stacklevel=2)
+        if self.runner.has_moe and not self.runner.moe_capturable and self.cuda_graphs:
+            warnings.warn("rollout engine: this model's MoE experts route tokens on the host (16-bit experts, NF4, "
+                          "or the per-expert reference path), so it decodes eagerly, without CUDA graphs",
+                          stacklevel=2)
             self.cuda_graphs = False
         self.pdl = pdl
         self.fused_sampling = fused_sampling
