@@ -77,6 +77,8 @@ class LoraSection(LoraConfig):
       use_rslora  scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r
       targets     leaf names of the linears that are quantized and get an adapter; default: every attention
                   and MLP projection
+      experts     also LoRA on each 4-bit MoE expert's gate_up and down (Qwen3-MoE / Qwen2-MoE; same r, alpha,
+                  rslora; needs dropout 0); default false: the experts stay frozen (memory: docs/training.md)
     """
 
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))

@@ -3,6 +3,19 @@
 Keys are PEFT's: `base_model.model.<module path>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r],
 so `peft.PeftModel.from_pretrained(dense_base, dir)` reproduces qerl's outputs on the dequantized base.
 
+Expert LoRA (`lora.experts`, on Qwen3-MoE / Qwen2-MoE `QuantExperts`) is saved as PEFT's LoRA on parameters
+(peft >= 0.17 `target_parameters`, `ParamWrapper`): `target_parameters` ["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"], so `PeftModel.from_pretrained` on the dense HF model (experts holding the dequantized
+base) gives qerl's logits. PEFT nests one wrapper per targeted parameter on the experts module, the first one
+registered (gate_up_proj) innermost, and lays the E experts' factors out as one Linear pair each:
+
+    <experts path>.base_layer.lora_A.weight  [E*r, H]   gate_up_proj: row e*r + j = qerl's lora_A[e, j, :]
+    <experts path>.base_layer.lora_B.weight  [2I, r*E]  gate_up_proj: column j*E + e = qerl's lora_B[e, :, j]
+    <experts path>.lora_A.weight             [E*r, I]   down_proj, the same way
+    <experts path>.lora_B.weight             [H, r*E]
+
+(`peft_expert_tensor` / `qerl_expert_tensor`; tests/test_expert_lora.py checks the layout against peft itself).
+
 A mixture-of-experts model whose routers were made trainable (`qerl.models.router.prepare_routers`,
 `moe.train_router`) also saves them, as PEFT's `modules_to_save` does: `modules_to_save` in the config
 ("mlp.gate", and "shared_expert_gate" for Qwen2-MoE) and each router's whole weight as
@@ -28,11 +41,13 @@ from torch import nn
 from ..nn import LoraConfig
 from ..quant.awq import FOLDED_SCALES, lora_between_bases
 from .atomic import atomic_directory
-from .convert import add_lora, lora_parameters, quant_layers
+from .convert import add_lora, lora_parameters, quant_experts, quant_layers
 from .router import (PEFT_MODULES_TO_SAVE, module_parameters, prepare_routers, reset_routers, router_modules,
                      router_parameters)
 
 PEFT_PREFIX = "base_model.model."
+# expert LoRA: qerl's parameter name "<path>.lora_{A,B}.<weight>" <-> PEFT's "<path>.<nesting>lora_{A,B}.weight"
+EXPERT_NESTING = {"gate_up_proj": "base_layer.", "down_proj": ""}
 
 
 class AdapterError(ValueError):
@@ -46,7 +61,50 @@ def lora_config_of(model: nn.Module) -> LoraConfig:
         raise ValueError("the model has no LoRA adapters attached")
     cfg = next(iter(layers.values())).lora_config
     targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in layers}))
-    return dataclasses.replace(cfg, targets=targets)
+    experts = any(m.lora_A is not None for m in quant_experts(model).values())
+    return dataclasses.replace(cfg, targets=targets, experts=experts)
+
+
+def _expert_weight(name: str) -> str | None:
+    """The experts weight ("gate_up_proj" / "down_proj") of an expert LoRA parameter name, else None."""
+    path, _, weight = name.rpartition(".")
+    return weight if weight in EXPERT_NESTING and path.endswith((".lora_A", ".lora_B")) else None
+
+
+def peft_name(name: str) -> str:
+    """qerl's LoRA parameter name -> PEFT's state-dict key (without PEFT_PREFIX)."""
+    weight = _expert_weight(name)
+    if weight is None:
+        return name
+    path, factor = name.rsplit(".", 2)[:2]
+    return f"{path}.{EXPERT_NESTING[weight]}{factor}.weight"
+
+
+def peft_expert_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An expert LoRA factor in qerl's layout (A [E, r, K], B [E, N, r]) -> PEFT's (A [E*r, K], B [N, r*E])."""
+    if name.rpartition(".")[0].endswith(".lora_A"):
+        return t.reshape(-1, t.shape[-1])
+    return t.permute(1, 2, 0).reshape(t.shape[1], -1)
+
+
+def qerl_expert_tensor(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of `peft_expert_tensor`, shaped like the qerl parameter `like` ([E, r, K] or [E, N, r])."""
+    if name.rpartition(".")[0].endswith(".lora_A"):
+        return t.reshape(like.shape)
+    e, n, r = like.shape
+    return t.reshape(n, r, e).permute(2, 0, 1)
+
+
+def _to_peft(lora: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{qerl name: tensor} -> {PEFT key without prefix: tensor in PEFT's layout}."""
+    return {peft_name(k): peft_expert_tensor(k, v) if _expert_weight(k) else v for k, v in lora.items()}
+
+
+def expert_target_parameters(model: nn.Module) -> list[str]:
+    """PEFT `target_parameters` of the model's expert LoRA: "<module leaf>.<experts leaf>.<weight>" (e.g.
+    "mlp.experts.gate_up_proj"), which PEFT matches as a suffix of each experts parameter's full name."""
+    names = {".".join(n.split(".")[-2:]) for n, m in quant_experts(model).items() if m.lora_A is not None}
+    return [f"{n}.{w}" for n in sorted(names) for w in EXPERT_NESTING]
 
 
 def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = None, overwrite: bool = False,
@@ -61,11 +119,12 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
     if original_base and scales:
         lora = lora_between_bases(lora, scales, to_original=True)
     routers = {k: v.detach() for k, v in router_parameters(model).items()}
-    weights = {PEFT_PREFIX + k: v.float().contiguous().cpu() for k, v in {**lora, **routers}.items()}
+    weights = {PEFT_PREFIX + k: v.float().contiguous().cpu() for k, v in {**_to_peft(lora), **routers}.items()}
     to_save = sorted({e for e in PEFT_MODULES_TO_SAVE for k in routers if k.rpartition(".")[0].endswith(e)})
     peft_cfg = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, use_rslora=cfg.use_rslora,
         target_modules=list(cfg.targets), bias="none", task_type="CAUSAL_LM", modules_to_save=to_save or None,
+        target_parameters=expert_target_parameters(model) or None,
         base_model_name_or_path=base_model_name_or_path or getattr(model.config, "_name_or_path", None),
     )
     with atomic_directory(out, overwrite) as tmp:
@@ -90,16 +149,24 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
         raise AdapterError(f"{cfg_file}: peft_type {raw.get('peft_type')!r} is not LORA")
     targets = raw.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
-    cfg = LoraConfig(r=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])), dropout=float(raw.get("lora_dropout", 0.0)),
-                     use_rslora=bool(raw.get("use_rslora", False)), targets=tuple(t.rsplit(".", 1)[-1] for t in targets))
+    experts = _adapter_experts(raw.get("target_parameters") or [], cfg_file)
+    try:
+        cfg = LoraConfig(r=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])),
+                         dropout=float(raw.get("lora_dropout", 0.0)), use_rslora=bool(raw.get("use_rslora", False)),
+                         targets=tuple(t.rsplit(".", 1)[-1] for t in targets), experts=experts)
+    except ValueError as e:
+        raise AdapterError(f"{cfg_file}: {e}") from None
     try:
         weights = load_file(str(weights_file))
     except Exception as e:
         raise AdapterError(f"{weights_file}: corrupt or truncated safetensors file ({e})") from None
     routers = _adapter_routers(model, raw.get("modules_to_save") or [], cfg_file)
-    add_lora(model, cfg)
+    try:
+        add_lora(model, cfg)
+    except ValueError as e:  # e.g. expert LoRA for a model without 4-bit experts
+        raise AdapterError(f"{cfg_file}: {e}") from None
     params = lora_parameters(model)
-    expected = {PEFT_PREFIX + k for k in [*params, *routers]}
+    expected = {PEFT_PREFIX + peft_name(k) for k in params} | {PEFT_PREFIX + k for k in routers}
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         raise AdapterError(
@@ -108,11 +175,13 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
             f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})"
         )
     weights = {k[len(PEFT_PREFIX):]: w for k, w in weights.items()}
-    for name, p in [*params.items(), *routers.items()]:
-        if weights[name].shape != p.shape:
+    peft_shapes = {peft_name(k): v.shape for k, v in _to_peft({k: p.detach() for k, p in params.items()}).items()}
+    for name, shape in [*peft_shapes.items(), *((k, p.shape) for k, p in routers.items())]:
+        if weights[name].shape != shape:
             raise AdapterError(f"{weights_file}: {name} has shape {tuple(weights[name].shape)}, the model needs "
-                               f"{tuple(p.shape)} (an adapter for a different base model or rank)")
-    lora = {name: weights[name] for name in params}
+                               f"{tuple(shape)} (an adapter for a different base model or rank)")
+    lora = {name: (qerl_expert_tensor(name, weights[peft_name(name)], p) if _expert_weight(name)
+                   else weights[name]) for name, p in params.items()}
     scales = getattr(model, FOLDED_SCALES, None)
     if original_base and scales:
         lora = lora_between_bases(lora, scales, to_original=False)
@@ -125,6 +194,20 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
         for name, p in routers.items():
             p.copy_(weights[name])
     return cfg
+
+
+def _adapter_experts(target_parameters, cfg_file: Path) -> bool:
+    """Whether the adapter config's PEFT `target_parameters` hold qerl's expert LoRA (exactly the experts'
+    gate_up_proj and down_proj, `expert_target_parameters`); anything else is refused."""
+    entries = [target_parameters] if isinstance(target_parameters, str) else list(target_parameters)
+    if not entries:
+        return False
+    leaves = sorted({e.rpartition(".")[2] for e in entries})
+    modules = {e.rpartition(".")[0] for e in entries}
+    if leaves != sorted(EXPERT_NESTING) or not all(m.endswith("experts") for m in modules):
+        raise AdapterError(f"{cfg_file}: target_parameters {entries} are not LoRA on MoE experts' gate_up_proj and "
+                           "down_proj; qerl loads expert LoRA only in that form (lora.experts)")
+    return True
 
 
 def _adapter_routers(model: nn.Module, modules_to_save, cfg_file: Path) -> dict[str, torch.Tensor]:

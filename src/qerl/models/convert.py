@@ -78,7 +78,8 @@ def quantize_model(
     QuantLinear("bf16") with the same LoRA; resolved against `name_prefix` + each target's name (pass
     "model.layers.3." when `model` is that block), checked before anything is changed.
     experts: also replace the model's MoE experts stacks (transformers' 3-D `...Experts` modules) by frozen
-    `QuantExperts` in `fmt` (`qerl.models.experts.quantize_experts`, no LoRA on them), quantized by `method`
+    `QuantExperts` in `fmt` (`qerl.models.experts.quantize_experts`; expert LoRA on them only with
+    `lora.experts`, `add_expert_lora`), quantized by `method`
     (rtn or 4over6; a custom `quantizer` applies to the linears only); False leaves them dense (and frozen).
     Refused before anything is changed: an unsupported experts layout, gptq / awq on a model with experts
     (unless experts=False), and a keep_bf16 pattern that names an experts module. Format bf16 leaves them dense.
@@ -86,6 +87,8 @@ def quantize_model(
     check_method(method, fmt)
     targets = tuple(targets)  # read more than once
     with_experts = experts and _check_experts_quantizable(model, fmt, method, keep_bf16, name_prefix)
+    if lora is not None and lora.experts:
+        _check_expert_lora_possible(model, with_experts)
     keep = resolve_keep_bf16(model, keep_bf16, targets, name_prefix) if keep_bf16 else set()
     if embeddings:
         check_input_embeddings_quantizable(model, fmt)
@@ -105,11 +108,29 @@ def quantize_model(
         from .experts import quantize_experts
 
         quantize_experts(model, fmt, method)
+        if lora is not None and lora.experts:
+            add_expert_lora(model, lora)
     if embeddings:
         quantize_input_embeddings(model, fmt)
     if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
         model.config.qerl_weight_format = fmt
     return model
+
+
+def _check_expert_lora_possible(model: nn.Module, with_experts: bool) -> None:
+    """ValueError, before anything is changed, when `quantize_model` could not put `lora.experts` LoRA on the
+    experts of `model`: it has none, they stay dense (format bf16, experts=False), or their layout has no
+    expert LoRA (gpt-oss)."""
+    from .experts import LAYOUTS, experts_modules
+
+    if not with_experts:
+        raise ValueError(f"lora.experts: {type(model).__name__} gets no 4-bit MoE experts (QuantExperts) to put LoRA "
+                         "on (not a Qwen3-MoE / Qwen2-MoE model, a bf16 format, or experts left dense)")
+    other = [f"{n} ({type(m).__name__})" for n, m in experts_modules(model)
+             if LAYOUTS[type(m).__name__].quant is not QuantExperts]
+    if other:
+        raise ValueError(f"lora.experts: expert LoRA covers the Qwen3-MoE / Qwen2-MoE experts layout only, not "
+                         f"{other[0]}; turn lora.experts off")
 
 
 def _check_experts_quantizable(model: nn.Module, fmt: str, method: str, keep_bf16: Iterable[str],
@@ -326,12 +347,44 @@ def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
 
 
 def add_lora(model: nn.Module, lora: LoraConfig) -> None:
-    """Attach fresh LoRA adapters to every quantized layer whose leaf name is in lora.targets."""
+    """Attach fresh LoRA adapters to every quantized layer whose leaf name is in lora.targets, and with
+    lora.experts to every 4-bit experts stack (`add_expert_lora`; without it any expert LoRA is removed)."""
     layers = {n: m for n, m in quant_layers(model).items() if n.rsplit(".", 1)[-1] in lora.targets}
     if not layers:
         raise ValueError(f"no quantized layer matches LoRA targets {lora.targets}")
+    if lora.experts:
+        check_expert_lora(model)
     for layer in layers.values():
         layer.add_lora(lora)
+    if lora.experts:
+        add_expert_lora(model, lora)
+    else:
+        for m in quant_experts(model).values():
+            m.remove_lora()
+
+
+def check_expert_lora(model: nn.Module) -> dict[str, QuantExperts]:
+    """The 4-bit experts stacks of `model` {name: QuantExperts}, if expert LoRA can go on every one of them;
+    ValueError otherwise (none at all, or a layout without expert LoRA: gpt-oss's GptOssQuantExperts)."""
+    experts = quant_experts(model)
+    if not experts:
+        raise ValueError(f"lora.experts: {type(model).__name__} has no 4-bit MoE experts (QuantExperts: Qwen3-MoE / "
+                         "Qwen2-MoE quantized to nvfp4, mxfp4 or nf4) to put LoRA on; turn lora.experts off")
+    other = [f"{n} ({type(m).__name__})" for n, m in experts.items() if type(m) is not QuantExperts]
+    if other:
+        raise ValueError(f"lora.experts: expert LoRA covers the Qwen3-MoE / Qwen2-MoE experts layout only, not "
+                         f"{other[0]}; turn lora.experts off")
+    return experts
+
+
+def add_expert_lora(model: nn.Module, lora: LoraConfig) -> dict[str, QuantExperts]:
+    """Attach fresh trainable expert LoRA (`QuantExperts.add_lora`: A [E, r, K], B [E, N, r] for gate_up and
+    down) to every 4-bit experts stack of `model`, in module order; returns them. Checked first
+    (`check_expert_lora`), so a model it does not fit is refused before any stack changes."""
+    experts = check_expert_lora(model)
+    for m in experts.values():
+        m.add_lora(lora)
+    return experts
 
 
 def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

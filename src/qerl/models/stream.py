@@ -17,7 +17,7 @@ from torch import nn
 
 from ..nn import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
-from .convert import add_lora_to, calibrated_quantize, quantize_input_embeddings, quantize_keeping
+from .convert import add_expert_lora, add_lora_to, calibrated_quantize, quantize_input_embeddings, quantize_keeping
 from .experts import quantize_experts
 from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import names_under, resolve_keep_bf16
@@ -80,6 +80,9 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
     if method in CALIBRATED and config.model_type in MOE_ARCHITECTURES:
         raise ValueError(f"quantization method {method!r} does not handle mixture-of-experts layers yet; "
                          "use rtn or 4over6")
+    if lora is not None and lora.experts and (config.model_type not in ("qwen2_moe", "qwen3_moe") or fmt == "bf16"):
+        raise ValueError(f"lora.experts: expert LoRA needs a Qwen3-MoE / Qwen2-MoE model in a 4-bit format, not "
+                         f"model_type {config.model_type!r} in {fmt}; turn lora.experts off")
     device = torch.device(device or "cpu")
     targets = tuple(targets)
     with torch.device("meta"):
@@ -106,6 +109,8 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
                 kept.update({prefix + n: m for n, m in layer_kept.items()})
                 progress.advance(task)
             add_lora_to(kept, lora)  # after every quantized layer's, as quantize_model does
+            if lora is not None and lora.experts:  # then the experts', as quantize_model does
+                add_expert_lora(model, lora)
     fill(body.norm, "model.norm.")
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = body.embed_tokens.weight

@@ -16,6 +16,8 @@ class LoraConfig:
     dropout: float = 0.0
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
     targets: tuple[str, ...] = field(default_factory=lambda: DEFAULT_TARGETS)
+    # also per-expert LoRA on the 4-bit MoE experts (`QuantExperts.add_lora`); needs dropout 0
+    experts: bool = False
 
     def __post_init__(self):
         if self.r < 1:
@@ -25,6 +27,8 @@ class LoraConfig:
         self.targets = tuple(self.targets)
         if not self.targets:
             raise ValueError("LoRA needs at least one target module name")
+        if self.experts and self.dropout > 0:  # PEFT's ParamWrapper (the adapter format) refuses it as well
+            raise ValueError(f"LoRA on MoE experts (experts: true) needs dropout 0, got {self.dropout}")
 
     @property
     def scaling(self) -> float:

@@ -33,14 +33,26 @@ the token's routing weight, `index_add_` into the output. Two paths compute it:
 Subclasses change only the layout-specific pieces (`hf_dims`, `_glu`, `_add_bias`, `dequantized_hf`):
 `quant_experts_gpt_oss.GptOssQuantExperts` holds gpt-oss's experts (biases, interleaved gate/up rows, a
 clamped SwiGLU) on the same stacked buffers.
-LoRA on experts is later work (they are frozen here); saving and loading in compressed-tensors form is
-`qerl.models.moe_checkpoint`. Gradients reach the input and the routing weights, never the experts.
+Saving and loading in compressed-tensors form is `qerl.models.moe_checkpoint`. Gradients reach the input and
+the routing weights, never the 4-bit experts.
+
+Expert LoRA (opt-in, `add_lora`; `lora.experts` in the config): per expert e and weight W in (gate_up_proj,
+down_proj) trainable fp32 factors `lora_A[W]` [E, r, K] and `lora_B[W]` [E, N, r] (A Kaiming-uniform over each
+expert's [r, K] like the dense LoRA, B zero), so expert e's weight acts as W_e + scaling * B_e @ A_e, with
+the dense LoRA's scaling (alpha / r, or alpha / sqrt(r) with rslora) and no dropout (PEFT's ParamWrapper,
+whose adapter format `qerl.models.adapter` writes, cannot express it). Both paths add the term: the reference
+loop per expert, the grouped path over its sorted rows with `torch._grouped_mm` where that works for the
+device, dtype and shapes (no host sync: still capturable), else with a loop over the experts that reads the
+offsets on the host (then `capturable()` is False and the rollout engine decodes eagerly).
 """
+
+import math
 
 import torch
 from torch import nn
 
 from ..formats import get_format
+from .lora import LoraConfig
 from .quant_linear import apply_keeping_storage_dtypes
 
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -75,6 +87,58 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None
 
 
+def lora_rows_loop(x: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] sorted by expert, offsets int [E + 1], a [E, r, K], b [E, N, r] (scaled, in x.dtype) ->
+    (x_e @ a_e^T) @ b_e^T [rows, N] per expert, zero past offsets[-1]. Reads the offsets on the host (a sync):
+    the fallback where `torch._grouped_mm` does not work."""
+    out = x.new_zeros(x.shape[0], b.shape[1])
+    bounds = offsets.tolist()
+    for e in range(a.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = (x[lo:hi] @ a[e].t()) @ b[e].t()
+    return out
+
+
+def lora_rows_grouped_mm(x: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """As `lora_rows_loop`, as two `torch._grouped_mm` calls (differentiable, device ops only: no host sync).
+    Rows past offsets[-1] (routing sentinels) are left undefined by the op, so they are zeroed here."""
+    ends = offsets[1:].to(torch.int32)
+    h = torch._grouped_mm(x, a.transpose(1, 2), offs=ends)  # [rows, r]
+    out = torch._grouped_mm(h, b.transpose(1, 2), offs=ends)  # [rows, N]
+    real = torch.arange(x.shape[0], device=x.device) < offsets[-1]
+    return torch.where(real[:, None], out, 0)
+
+
+_GROUPED_MM_WORKS: dict[tuple, bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype, r: int, k: int, n: int) -> bool:
+    """Whether `lora_rows_grouped_mm` runs, forward and backward, for these operands on `device`: torch has
+    `_grouped_mm` and its kernel takes this dtype, compute capability and these strides (alignment rules differ
+    by torch version and device, so it is tried once on a tiny input and remembered)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one key per GPU, however the caller names it
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype, r, k, n)
+    if key not in _GROUPED_MM_WORKS:
+        _GROUPED_MM_WORKS[key] = hasattr(torch, "_grouped_mm") and _try_grouped_mm(key[0], dtype, r, k, n)
+    return _GROUPED_MM_WORKS[key]
+
+
+def _try_grouped_mm(device: torch.device, dtype: torch.dtype, r: int, k: int, n: int) -> bool:
+    try:
+        with torch.enable_grad():
+            x = torch.ones(4, k, device=device, dtype=dtype, requires_grad=True)
+            a = torch.ones(2, r, k, device=device, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, n, r, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([0, 1, 3], device=device)
+            lora_rows_grouped_mm(x, offsets, a, b).sum().backward()
+        return bool(torch.isfinite(a.grad).all())
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
 class QuantExperts(nn.Module):
     """Frozen 4-bit experts. Build with `QuantExperts.from_experts(experts_module, fmt)`."""
 
@@ -97,6 +161,9 @@ class QuantExperts(nn.Module):
                 self.register_buffer(f"{weight}_{name}", t)
                 names.append(f"{weight}_{name}")
         self._tensor_names = tuple(names)  # read by apply_keeping_storage_dtypes
+        self.lora_A = self.lora_B = self.lora_config = None  # expert LoRA: `add_lora`
+        self.lora_enabled = True  # `lora_disabled` turns it off (the KL reference pass)
+        self.scaling = 1.0
 
     @classmethod
     def from_experts(cls, experts: nn.Module, fmt: str) -> "QuantExperts":
@@ -128,6 +195,54 @@ class QuantExperts(nn.Module):
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
+
+    def weight_dims(self, weight: str) -> tuple[int, int]:
+        """(N, K) of each expert's `weight` matrix, as the format stores it: gate_up [2I, H], down [H, I]."""
+        h, i = self.hidden_dim, self.intermediate_dim
+        return {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}[weight]
+
+    def add_lora(self, lora: LoraConfig) -> None:
+        """Attach fresh trainable expert LoRA (replacing any): `lora_A[w]` fp32 [E, r, K] Kaiming-uniform per
+        expert (fan-in K, as `init_lora_`), `lora_B[w]` fp32 [E, N, r] zero, for w in WEIGHTS."""
+        if lora.dropout > 0:  # x_e is shared by the base and the LoRA term only without dropout (PEFT refuses it too)
+            raise ValueError(f"expert LoRA does not support lora.dropout > 0 (got {lora.dropout})")
+        device = getattr(self, self._tensor_names[0]).device
+        a, b = {}, {}
+        for weight in WEIGHTS:
+            n, k = self.weight_dims(weight)
+            a[weight] = nn.Parameter(torch.empty(self.num_experts, lora.r, k, device=device, dtype=torch.float32))
+            # over the [E * r, K] view each row has fan-in K, as each expert's [r, K] A would alone
+            nn.init.kaiming_uniform_(a[weight].data.view(-1, k), a=math.sqrt(5))
+            b[weight] = nn.Parameter(torch.zeros(self.num_experts, n, lora.r, device=device, dtype=torch.float32))
+        self.lora_A, self.lora_B = nn.ParameterDict(a), nn.ParameterDict(b)
+        self.lora_config, self.scaling = lora, lora.scaling
+
+    def remove_lora(self) -> None:
+        """Drop the expert LoRA (the module is frozen base only again)."""
+        self.lora_A = self.lora_B = self.lora_config = None
+        self.scaling = 1.0
+
+    @property
+    def lora_active(self) -> bool:
+        """Expert LoRA attached and not switched off by `lora_disabled`."""
+        return self.lora_A is not None and self.lora_enabled
+
+    def lora_factors(self, weight: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [E, r, K], scaling * B [E, N, r]) of `weight` in `dtype`: the fp32 masters cast in-graph (so the
+        gradient reaches them, and a captured CUDA graph reads the masters the optimizer updates in place); B
+        scaled before the cast, as `QuantLinear` and the rollout engine do."""
+        return self.lora_A[weight].to(dtype), (self.lora_B[weight] * self.scaling).to(dtype)
+
+    def lora_delta(self, weight: str) -> torch.Tensor:
+        """scaling * B_e @ A_e fp32 [E, N, K]: what expert LoRA adds to each expert's dense `weight`."""
+        return torch.bmm(self.lora_B[weight].float(), self.lora_A[weight].float()) * self.scaling
+
+    def _grouped_lora(self, x: torch.Tensor, offsets: torch.Tensor, weight: str) -> torch.Tensor:
+        """The LoRA term [rows, N] of `weight` over rows x [rows, K] sorted by expert (zero past offsets[-1])."""
+        a, b = self.lora_factors(weight, x.dtype)
+        if grouped_mm_works(x.device, x.dtype, a.shape[1], a.shape[2], b.shape[1]):
+            return lora_rows_grouped_mm(x, offsets, a, b)
+        return lora_rows_loop(x, offsets, a, b)
 
     def _expert_tensors(self, weight: str, expert: int) -> dict[str, torch.Tensor]:
         prefix = weight + "_"
@@ -178,7 +293,13 @@ class QuantExperts(nn.Module):
         """Whether a forward on `dtype` activations on `device` takes the grouped path (no host sync: a CUDA
         graph can capture it)."""
         probe = torch.empty(0, self.hidden_dim, dtype=dtype, device=device)
-        return self._grouped_applies(probe)
+        if not self._grouped_applies(probe):
+            return False
+        if self.lora_active:  # the LoRA term syncs unless torch._grouped_mm works here (see the module docstring)
+            r = self.lora_A[WEIGHTS[0]].shape[1]
+            return all(grouped_mm_works(device, dtype, r, self.weight_dims(w)[1], self.weight_dims(w)[0])
+                       for w in WEIGHTS)
+        return True
 
     def _kernel_linear(self, x: torch.Tensor, offsets: torch.Tensor, weight: str) -> torch.Tensor:
         """The grouped 4-bit product of one weight (`kernels.triton_fp4_grouped`), with its input gradient."""
@@ -201,11 +322,19 @@ class QuantExperts(nn.Module):
         offsets = torch.cat([counts.new_zeros(1), counts[: self.num_experts].cumsum(0)])
         token = order // k
         expert = flat[order].clamp(max=self.num_experts - 1)  # a sentinel row reads a bias, then is zeroed
-        gate_up = self._add_bias(linear(hidden_states[token], offsets, "gate_up_proj"), "gate_up_proj", expert)
-        rows = self._add_bias(linear(self._glu(gate_up), offsets, "down_proj"), "down_proj", expert)
+        x = hidden_states[token]
+        gate_up = self._add_bias(self._with_lora(linear(x, offsets, "gate_up_proj"), x, offsets, "gate_up_proj"),
+                                 "gate_up_proj", expert)
+        h = self._glu(gate_up)
+        rows = self._add_bias(self._with_lora(linear(h, offsets, "down_proj"), h, offsets, "down_proj"),
+                              "down_proj", expert)
         real = (flat[order] < self.num_experts)[:, None]  # sentinel rows: no expert, no output, no gradient
         rows = torch.where(real, rows * top_k_weights.reshape(-1)[order, None], 0)
         return torch.zeros_like(hidden_states).index_add_(0, token, rows.to(hidden_states.dtype))
+
+    def _with_lora(self, out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, weight: str) -> torch.Tensor:
+        """out [rows, N] from `linear`, plus the expert LoRA term of `weight` on its input x [rows, K] when on."""
+        return out + self._grouped_lora(x, offsets, weight) if self.lora_active else out
 
     def reference_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -221,16 +350,25 @@ class QuantExperts(nn.Module):
                 continue
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
             current_state = hidden_states[token_idx]
-            gate_up = self.dequantized_expert("gate_up_proj", expert_idx, hidden_states.dtype)
-            gate_up = self._add_bias(nn.functional.linear(current_state, gate_up), "gate_up_proj", expert_idx)
-            current_hidden_states = self._glu(gate_up)
-            down = self.dequantized_expert("down_proj", expert_idx, hidden_states.dtype)
-            current_hidden_states = self._add_bias(nn.functional.linear(current_hidden_states, down), "down_proj",
-                                                   expert_idx)
+            gate_up = self._expert_linear(current_state, "gate_up_proj", expert_idx)
+            current_hidden_states = self._glu(self._add_bias(gate_up, "gate_up_proj", expert_idx))
+            down = self._expert_linear(current_hidden_states, "down_proj", expert_idx)
+            current_hidden_states = self._add_bias(down, "down_proj", expert_idx)
             current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
         return final_hidden_states
 
+    def _expert_linear(self, x: torch.Tensor, weight: str, expert: int) -> torch.Tensor:
+        """x [rows, K] @ W_e^T [rows, N] on expert `expert`'s dequantized `weight` (in x.dtype), plus its LoRA term
+        (x @ A_e^T) @ (scaling * B_e)^T when expert LoRA is on."""
+        out = nn.functional.linear(x, self.dequantized_expert(weight, expert, x.dtype))
+        if self.lora_active:  # this expert's factors only, cast as `lora_factors` casts them
+            a = self.lora_A[weight][expert].to(x.dtype)
+            b = (self.lora_B[weight][expert] * self.scaling).to(x.dtype)
+            out = out + nn.functional.linear(nn.functional.linear(x, a), b)
+        return out
+
     def extra_repr(self) -> str:
+        r = 0 if self.lora_A is None else self.lora_A[WEIGHTS[0]].shape[1]
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-                f"format={self.weight_format}")
+                f"format={self.weight_format}, lora_r={r}")

@@ -47,6 +47,12 @@ class GptOssQuantExperts(QuantExperts):
         self.register_buffer("gate_up_proj_bias", gate_up_bias.detach())
         self.register_buffer("down_proj_bias", down_bias.detach())
 
+    def add_lora(self, lora) -> None:
+        """Expert LoRA is implemented for the Qwen-MoE layout only (gpt-oss's interleaved, transposed, biased
+        experts would need their own factor layout and PEFT mapping)."""
+        raise ValueError("expert LoRA (lora.experts) is not supported on gpt-oss experts (GptOssQuantExperts); "
+                         "turn lora.experts off: LoRA then trains the attention projections only")
+
     @staticmethod
     def hf_dims(experts: nn.Module) -> tuple[int, int, int]:
         """(E, H, I) of a GptOssExperts-shaped module: gate_up_proj [E, H, 2I], down_proj [E, I, H]."""

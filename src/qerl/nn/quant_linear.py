@@ -142,9 +142,11 @@ class QuantLinear(nn.Module):
 
 @contextmanager
 def lora_disabled(model: nn.Module):
-    """Inside, every QuantLinear computes its base only: the reference policy pi_ref of GRPO's KL term,
-    with no second copy of the model."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    """Inside, every QuantLinear and every 4-bit experts stack (`QuantExperts`, expert LoRA) computes its base
+    only: the reference policy pi_ref of GRPO's KL term, with no second copy of the model."""
+    from .quant_experts import QuantExperts  # it imports this module
+
+    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
     previous = [m.lora_enabled for m in layers]
     for m in layers:
         m.lora_enabled = False

@@ -76,7 +76,8 @@ class RolloutEngine:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.runner.has_moe and not self.runner.moe_capturable and self.cuda_graphs:
             warnings.warn("rollout engine: this model's MoE experts route tokens on the host (16-bit experts, NF4, "
-                          "or the per-expert reference path), so it decodes eagerly, without CUDA graphs",
+                          "the per-expert reference path, or expert LoRA without torch._grouped_mm), so it decodes "
+                          "eagerly, without CUDA graphs",
                           stacklevel=2)
             self.cuda_graphs = False
         self.pdl = pdl
@@ -298,11 +299,16 @@ class RolloutEngine:
     def _sync_lora(self) -> None:
         """Refresh the adapter snapshot from the trainer's weights; drop graphs if the adapter set changed."""
         lora = self.runner.lora
-        sig = lora.signature()
+        sig = (lora.signature(), self.runner.experts_lora_signature())
         if sig != self._graph_sig:
             lora.clear()
             self.decode_graphs.reset()
             self._graph_sig = sig
+            # expert LoRA attached since construction may route on the host (no torch._grouped_mm here)
+            if self.cuda_graphs and self.runner.has_moe and not self.runner.moe_blocks_capturable():
+                warnings.warn("rollout engine: this model's MoE experts now route tokens on the host (expert LoRA "
+                              "without torch._grouped_mm), so it decodes eagerly, without CUDA graphs", stacklevel=3)
+                self.cuda_graphs = False
         lora.refresh()
 
     def release_memory(self) -> int:

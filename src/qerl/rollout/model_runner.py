@@ -15,7 +15,8 @@ Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE: an `mlp` with `experts` and a r
 sparse-MoE block as the model does, `mlp(x)` on the normed x [B, L, D] (router, top-k, experts -- HF's or
 qerl's 4-bit `QuantExperts` -- and Qwen2-MoE's gated shared expert), so AQN's noise on
 `post_attention_layernorm` reaches the router and the experts. With qerl's 4-bit experts on their grouped
-kernel path (`QuantExperts.capturable`) a block never syncs with the host, so the engine captures its decode
+kernel path (`QuantExperts.capturable`; with expert LoRA also `torch._grouped_mm`) a block never syncs with
+the host, so the engine captures its decode
 steps in CUDA graphs like a dense model's; HF's 16-bit experts loop (`.tolist()`, `nonzero`) and the
 per-expert reference path do sync, so an engine over such a model decodes eagerly
 (`CausalLMRunner.moe_capturable`). Which path a layer takes is decided once, here at construction.
@@ -109,13 +110,30 @@ class CausalLMRunner:
                 groups += [(mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
             self.moe_layers.append(moe)
         self.has_moe = any(self.moe_layers)
-        # every MoE block free of host syncs: its experts are qerl's and take the grouped kernel in this dtype
-        self.moe_capturable = all(
-            isinstance(layer.mlp.experts, QuantExperts) and layer.mlp.experts.capturable(self.dtype, self.device)
-            for layer, moe in zip(self.layers, self.moe_layers) if moe)
+        self.moe_capturable = self.moe_blocks_capturable()
         self._mlps = [self.moe_mlp if moe else self.mlp for moe in self.moe_layers]  # chosen once per layer
         fuse = self.device.type == "cuda" if fuse_siblings is None else fuse_siblings  # None: on CUDA only
         self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse)
+
+    def moe_blocks_capturable(self) -> bool:
+        """Every MoE block free of host syncs: its experts are qerl's and take the grouped kernel (and, with
+        expert LoRA, `torch._grouped_mm`) in this dtype. True for a model without MoE blocks."""
+        return all(
+            isinstance(layer.mlp.experts, QuantExperts) and layer.mlp.experts.capturable(self.dtype, self.device)
+            for layer, moe in zip(self.layers, self.moe_layers) if moe)
+
+    def experts_lora_signature(self) -> tuple:
+        """What captured decode graphs read of the experts' LoRA: per MoE block whether it is on and its factors'
+        addresses (a graph reads the fp32 masters in place, which the optimizer updates in place; new tensors,
+        e.g. from loading an adapter, need a new capture)."""
+        sig = []
+        for layer, moe in zip(self.layers, self.moe_layers):
+            experts = layer.mlp.experts if moe else None
+            if isinstance(experts, QuantExperts) and experts.lora_active:
+                sig.append(tuple(p.data_ptr() for p in (*experts.lora_A.values(), *experts.lora_B.values())))
+            else:
+                sig.append(None)
+        return tuple(sig)
 
     # one decoder layer ---------------------------------------------------------------------------
 
