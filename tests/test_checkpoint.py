@@ -137,7 +137,7 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
         (directory / "model.safetensors").write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_write_shards", write_then_fail)
+    monkeypatch.setattr(ckpt, "write_shards", write_then_fail)
     with pytest.raises(OSError, match="disk full"):
         save_quantized(model, None, tmp_path / "q")
     assert list(tmp_path.iterdir()) == []

@@ -134,7 +134,7 @@ def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
 
-def _write_shards(state: dict[str, torch.Tensor], directory: Path) -> None:
+def write_shards(state: dict[str, torch.Tensor], directory: Path) -> None:
     shards, current, size = [], {}, 0
     for key, t in state.items():
         nbytes = t.numel() * t.element_size()
@@ -186,7 +186,7 @@ def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) ->
         config[KEEP_KEY] = sorted(kept)
     config["quantization_config"] = quantization_config(fmt, ignore)
     with atomic_directory(out, overwrite) as tmp:
-        _write_shards(state, tmp)
+        write_shards(state, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -261,7 +261,7 @@ def _kept_layer(state: dict, name: str, mod: nn.Linear, dtype: torch.dtype, path
 def load_quantized(path, dtype=None, device=None):
     """A quantized HF directory -> (model with QuantLinear layers and, for MoE, QuantExperts; no LoRA yet,
     tokenizer)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from .experts import is_experts_module
 
@@ -303,29 +303,44 @@ def load_quantized(path, dtype=None, device=None):
         raise ModelLoadError(f"{path}: {KEEP_KEY} lists {sorted(keep)[:3]}, which are not linears of the model")
     if not any(isinstance(m, QuantLinear) and m.weight_format != "bf16" for m in model.modules()):
         raise ModelLoadError(f"{path}: config says {fmt} but no quantized layer was found in the weights")
-    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise ModelLoadError(f"{path}: unexpected tensors {result.unexpected_keys[:5]}")
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    _materialize_rotary(model, device)
-    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if still_meta:
-        raise ModelLoadError(f"{path}: checkpoint lacks tensors {still_meta[:5]}")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    assign_remaining(model, state, path, device, dtype)
     if (path / CHANNEL_SCALES_FILE).is_file():
         try:
             set_channel_scales(model, load_file(str(path / CHANNEL_SCALES_FILE), device=str(device)))
         except (ValueError, OSError) as e:
             raise ModelLoadError(f"{path / CHANNEL_SCALES_FILE}: {e}") from None
     model.config.qerl_weight_format = fmt
+    return model.eval(), directory_tokenizer(path)
+
+
+def assign_remaining(model: nn.Module, state: dict[str, torch.Tensor], path: Path, device, dtype) -> None:
+    """Finish a model built on the meta device whose quantized modules are already in place: assign the
+    remaining checkpoint tensors (floating ones cast to `dtype`), tie the embeddings where the config says so,
+    rebuild the rotary tables, and freeze every parameter. ModelLoadError (naming `path`) for a tensor the
+    model has no place for, or a parameter / buffer the checkpoint did not provide."""
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ModelLoadError(f"{path}: unexpected tensors {result.unexpected_keys[:5]}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    materialize_rotary(model, device)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ModelLoadError(f"{path}: checkpoint lacks tensors {still_meta[:5]}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+def directory_tokenizer(path: Path):
+    """The tokenizer saved in a model directory, or None when it holds none."""
+    from transformers import AutoTokenizer
+
     has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return model.eval(), AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    return AutoTokenizer.from_pretrained(path) if has_tokenizer else None
 
 
-def _materialize_rotary(model: nn.Module, device: torch.device) -> None:
+def materialize_rotary(model: nn.Module, device: torch.device) -> None:
     """Rotary embeddings keep non-persistent buffers (inv_freq) that no checkpoint holds: rebuild them."""
     for name, mod in list(model.named_modules()):
         if any(b.is_meta for b in mod.buffers(recurse=False)) and "rotary" in type(mod).__name__.lower():

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from .atomic import atomic_directory
-from .checkpoint import _materialize_rotary, _write_shards
+from .checkpoint import assign_remaining, directory_tokenizer, write_shards
 from .convert import quant_layers, set_module
 from .sources import ModelLoadError, check_safetensors, resolve_dtype
 
@@ -109,7 +109,7 @@ def load_gpt_oss_mxfp4(path, dtype=None, device=None):
     The model is built on the meta device; each layer's experts are made from the file's blocks and scales
     (`experts_from_mxfp4`), every other tensor is assigned in `dtype` (default bf16). Nothing is frozen or
     quantized further here (the caller's `quantize_model` does the attention linears)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
@@ -132,20 +132,8 @@ def load_gpt_oss_mxfp4(path, dtype=None, device=None):
         quant = experts_from_mxfp4(tensors, module.num_experts, module.hidden_size, module.intermediate_size,
                                    module.alpha, module.limit, dtype, where=f"{path}: {name}")
         set_module(model, name, quant.to(device))
-    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise ModelLoadError(f"{path}: unexpected tensors {result.unexpected_keys[:5]}")
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    _materialize_rotary(model, device)
-    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if still_meta:
-        raise ModelLoadError(f"{path}: checkpoint lacks tensors {still_meta[:5]}")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return model.eval(), AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    assign_remaining(model, state, path, device, dtype)
+    return model.eval(), directory_tokenizer(path)
 
 
 def save_gpt_oss_mxfp4(model: nn.Module, tokenizer, out, overwrite: bool = False) -> Path:
@@ -174,7 +162,7 @@ def save_gpt_oss_mxfp4(model: nn.Module, tokenizer, out, overwrite: bool = False
     config.pop("qerl_weight_format", None)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "modules_to_not_convert": NOT_CONVERTED}
     with atomic_directory(out, overwrite) as tmp:
-        _write_shards(state, tmp)
+        write_shards(state, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
