@@ -186,12 +186,7 @@ def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) ->
         config[KEEP_KEY] = sorted(kept)
     config["quantization_config"] = quantization_config(fmt, ignore)
     with atomic_directory(out, overwrite) as tmp:
-        write_shards(state, tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        write_model_files(tmp, state, config, model, tokenizer)
         scales = channel_scales(model)
         if scales:
             (tmp / CHANNEL_SCALES_FILE).parent.mkdir()
@@ -311,6 +306,18 @@ def load_quantized(path, dtype=None, device=None):
             raise ModelLoadError(f"{path / CHANNEL_SCALES_FILE}: {e}") from None
     model.config.qerl_weight_format = fmt
     return model.eval(), directory_tokenizer(path)
+
+
+def write_model_files(directory: Path, state: dict[str, torch.Tensor], config: dict, model: nn.Module,
+                      tokenizer) -> None:
+    """A model directory's files: the safetensors shards of `state`, config.json from the `config` dict, the
+    model's generation config and the tokenizer (when there is one)."""
+    write_shards(state, directory)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 def assign_remaining(model: nn.Module, state: dict[str, torch.Tensor], path: Path, device, dtype) -> None:

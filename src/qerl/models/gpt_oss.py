@@ -26,7 +26,6 @@ transformers itself cannot keep these experts in 4 bits on the CPU (it dequantiz
 when its Triton kernels are missing); qerl builds the model on the meta device and never holds a 16-bit copy.
 """
 
-import json
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from .atomic import atomic_directory
-from .checkpoint import assign_remaining, directory_tokenizer, write_shards
+from .checkpoint import assign_remaining, directory_tokenizer, write_model_files
 from .convert import quant_layers, set_module
 from .sources import ModelLoadError, check_safetensors, resolve_dtype
 
@@ -162,10 +161,5 @@ def save_gpt_oss_mxfp4(model: nn.Module, tokenizer, out, overwrite: bool = False
     config.pop("qerl_weight_format", None)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "modules_to_not_convert": NOT_CONVERTED}
     with atomic_directory(out, overwrite) as tmp:
-        write_shards(state, tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        write_model_files(tmp, state, config, model, tokenizer)
     return Path(out).expanduser().resolve()
