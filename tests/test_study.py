@@ -84,6 +84,19 @@ def test_set_may_not_override_what_the_study_sets():
         study.check_overrides(["aqn.decay=linear"])
 
 
+def test_a_set_scoped_to_a_format_reaches_only_its_arms(tmp_path):
+    study.check_overrides(["nf4:model.dense_weights=all", "optim.lr=1e-4"])
+    with pytest.raises(StudyError, match="not a weight format"):
+        study.check_overrides(["nf5:model.dense_weights=all"])
+    with pytest.raises(StudyError, match="aqn.decay"):
+        study.check_overrides(["nvfp4:aqn.decay=linear"])
+    items = ["nf4:model.dense_weights=all", "optim.lr=1e-4", "nvfp4:model.keep_bf16=[last:2]"]
+    nf4, nvfp4, bf16 = study.parse_arms("nf4+aqn,nvfp4,bf16")
+    assert study.arm_sets(items, nf4) == ["model.dense_weights=all", "optim.lr=1e-4"]
+    assert study.arm_sets(items, nvfp4) == ["optim.lr=1e-4", "model.keep_bf16=[last:2]"]
+    assert study.arm_sets(items, bf16) == ["optim.lr=1e-4"]
+
+
 def test_jobs_are_seed_major(tmp_path):
     jobs = study.make_jobs(study.parse_arms("nvfp4,bf16+aqn"), [0, 1], tmp_path)
     assert [j.name for j in jobs] == ["nvfp4_s0", "bf16_aqn_s0", "nvfp4_s1", "bf16_aqn_s1"]

@@ -60,6 +60,11 @@ class ModelSection:
     calibration: CalibrationSection = field(default_factory=CalibrationSection)  # for gptq / awq
     keep_bf16: list[str] = field(default_factory=list)  # module names / fnmatch patterns / last:N left 16-bit
     quantize_embeddings: bool = False  # also store the input embedding in `format` (untied models only)
+    # off | update | all: keep a 16-bit copy of every 4-bit linear weight, made once and kept for the run, for
+    # the loss pass (update) or the loss pass and rollouts (all). +2 bytes per weight for dense-matmul speed where
+    # the 4-bit kernels lose (small models' updates; NF4, which has no fused kernel); the 4-bit weights stay what
+    # the policy is (the copy is their exact dequantization) and what is saved. MoE experts keep their kernels.
+    dense_weights: str = "off"
     # where it runs
     dtype: str = "auto"  # activations and unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)
     device: str = "auto"  # cpu | cuda | cuda:N; auto = cuda when available
@@ -237,10 +242,13 @@ class TrainConfig:
     plots: bool = True  # write reward / entropy / sigma / length plots at the end
 
 
+DENSE_WEIGHTS = ("off", "update", "all")
+
 # The allowed values of each choice, from the module that interprets it.
 _CHOICES = {
     "model.format": tuple(FORMATS),
     "model.quant_method": METHODS,
+    "model.dense_weights": DENSE_WEIGHTS,
     "aqn.decay": DECAYS,
     "rollout.scheduler": SCHEDULERS,
     "algo.name": ALGOS,
@@ -299,6 +307,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"model.keep_bf16: {e}") from None
     if cfg.model.keep_bf16 and cfg.model.format == "bf16":
         raise ConfigError("model.keep_bf16 only makes sense with a 4-bit model.format")
+    if cfg.model.dense_weights != "off" and cfg.model.format == "bf16":
+        raise ConfigError("model.dense_weights only makes sense with a 4-bit model.format (bf16 weights are dense)")
     if not cfg.moe.aux_loss_coef < float("inf"):  # nan / inf: the >= 0 check above lets inf through
         raise ConfigError(f"moe.aux_loss_coef must be a finite number >= 0, got {cfg.moe.aux_loss_coef}")
     return cfg

@@ -53,9 +53,25 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def scoped_override(item: str) -> tuple[str | None, str]:
+    """A --set item as (format it is limited to or None, section.key=value): `nf4:model.dense_weights=all`
+    applies to the nf4 arms only."""
+    head = item.split("=", 1)[0]
+    if ":" not in head:
+        return None, item
+    fmt, rest = item.split(":", 1)
+    return fmt.strip(), rest
+
+
 def check_overrides(overrides: list[str]) -> None:
+    from ..formats import FORMATS
+
     for item in overrides:
-        key = item.split("=", 1)[0].strip()
+        fmt, plain = scoped_override(item)
+        if fmt is not None and fmt not in FORMATS:
+            raise StudyError(f"--set {item}: {fmt!r} is not a weight format; FORMAT:section.key=value limits a "
+                             f"setting to the arms of one format ({', '.join(FORMATS)})")
+        key = plain.split("=", 1)[0].strip()
         if key in STUDY_KEYS:
             raise StudyError(f"--set {item}: the study sets {key} itself (use --model, --arms, --train, --steps, "
                              "--seeds or --out)")
@@ -124,7 +140,17 @@ def settings_of(args) -> dict:
 def job_overrides(args, job: Job) -> list[str]:
     # the arm's keys come last so that they win; check_overrides keeps --set off them anyway
     return [f"model.name={args.model}", f"data.train={args.train}", f"steps={args.steps}", f"seed={job.seed}",
-            f"output_dir={job.dir}", "tensorboard=false", *args.set, *job.arm.overrides()]
+            f"output_dir={job.dir}", "tensorboard=false", *arm_sets(args.set, job.arm), *job.arm.overrides()]
+
+
+def arm_sets(items: list[str], arm) -> list[str]:
+    """The --set items that apply to `arm`: the unscoped ones and those scoped to its format."""
+    out = []
+    for item in items:
+        fmt, plain = scoped_override(item)
+        if fmt is None or fmt == arm.format:
+            out.append(plain)
+    return out
 
 
 def device_name() -> str:
@@ -260,7 +286,8 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][+aqn][:DECAY][@LR],...")
     p.add_argument("--seeds", "--seed", default="0", help="comma-separated, e.g. 0,1,2: every arm once per seed")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--set", action="append", default=[], help="section.key=value for every job")
+    p.add_argument("--set", action="append", default=[], help="section.key=value for every job; FORMAT:section.key=value for that format's arms only "
+                   "(e.g. nf4:model.dense_weights=all)")
     p.add_argument("--out", default="runs/study")
     p.add_argument("--parallel", type=int, default=1, help="jobs run at once, each in its own process")
     p.add_argument("--deadline-s", type=float, default=None,
@@ -284,7 +311,8 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
     try:
         arms, seeds = parse_arms(args.arms), parse_seeds(args.seeds)
         check_overrides(args.set)
-        if any(a.lr is not None for a in arms) and any(i.split("=", 1)[0].strip() == "optim.lr" for i in args.set):
+        if any(a.lr is not None for a in arms) and any(scoped_override(i)[1].split("=", 1)[0].strip() == "optim.lr"
+                                                          for i in args.set):
             raise StudyError("--set optim.lr and an arm's @LR both set the learning rate; give one or the other")
         if args.parallel < 1:
             raise StudyError(f"--parallel must be >= 1, got {args.parallel}")

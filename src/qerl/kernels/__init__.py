@@ -15,10 +15,10 @@ SiLU-mul), `lora_a`; sampling is `triton_sampling` behind `qerl.rollout.sampling
 (argument views), `workspace` (kernel buffers), `pdl` (programmatic dependent launch).
 """
 
-from .dequant_cache import dequantized_weights
+from .dequant_cache import dense_weight_bytes, dequantized_weights
 from .dispatch import quantized_linear, quantized_linear_grad_input
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
-__all__ = ["dequantized_weights", "quantized_linear", "quantized_linear_grad_input", "nvfp4_linear", "nvfp4_linear_grad_input",
+__all__ = ["dense_weight_bytes", "dequantized_weights", "quantized_linear", "quantized_linear_grad_input", "nvfp4_linear", "nvfp4_linear_grad_input",
            "mxfp4_linear", "mxfp4_linear_grad_input"]

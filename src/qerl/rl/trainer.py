@@ -142,9 +142,12 @@ class Trainer:
                                "only the LoRA weights below the routers (moe.train_router: true trains the routers)")
         if cfg.optim.grad_input_no_temporary:
             set_routing_policy(self.model, dataclasses.replace(current_policy(), grad_input_no_temporary=True))
+        # model.dense_weights: one store of 16-bit weight copies, shared by the loss pass and (all) the rollouts
+        self.dense_store = None if cfg.model.dense_weights == "off" else {}
         self.engine = RolloutEngine(self.model, self.tokenizer,
                                     max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                                    scheduler=cfg.rollout.scheduler)
+                                    scheduler=cfg.rollout.scheduler,
+                                    dense_weights=self.dense_store if cfg.model.dense_weights == "all" else None)
         self.engine_memory = EngineMemoryPolicy(cfg.rollout.release_kv_cache, self.device, self.dist.enabled)
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
@@ -222,7 +225,7 @@ class Trainer:
         try:
             if mask.any() or self.dist.enabled:  # every rank must join the gradient all-reduce
                 metrics.update(policy_update(self.model, exp, self.optimizer, self.params, self.update_settings,
-                                             dist_ctx=self.dist))
+                                             dist_ctx=self.dist, dense_store=self.dense_store))
                 # tokens one loss pass computes per token it needs (each prompt once per group + completions)
                 metrics["loss_tokens_per_needed"] = metrics["loss_tokens_computed"] / max(metrics["loss_tokens_needed"], 1)
             self.bad_in_a_row = 0

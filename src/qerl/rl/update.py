@@ -108,7 +108,8 @@ def _no_grad_logprobs(model, exp: Experience, batches, temperature: float) -> to
 
 
 def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSettings, *,
-                  dist_ctx: DistContext = DistContext(), timings: dict[str, float] | None = None) -> dict[str, float]:
+                  dist_ctx: DistContext = DistContext(), timings: dict[str, float] | None = None,
+                  dense_store: dict | None = None) -> dict[str, float]:
     """Run `settings.num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when the
     gradient norm is not finite -- a NaN/Inf loss makes it so -- and the step is skipped: the caller counts it.
 
@@ -116,7 +117,8 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     `dist_ctx`'s ranks. Statistics stay on the device until the end: one host sync per optimizer step (the
     grad norm check). With a `timings` dict, seconds per phase are added to it ("reference", "old_logprobs",
     "loss_backward", "optimizer"; "optimizer" includes the gradient all-reduce); that synchronizes the device
-    at phase ends.
+    at phase ends. dense_store: the 16-bit copies of the 4-bit linear weights the passes use (made on first
+    use, kept by the caller; `kernels.dequant_cache`, the trainer's model.dense_weights); None: the 4-bit kernels.
 
     Besides the loss statistics it returns `loss_tokens_computed` and `loss_tokens_needed`: the tokens ONE
     forward pass over the batch runs through the model (the reference, old-log-prob and each policy pass
@@ -129,7 +131,8 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     this rank's token-weighted mean of the micro-batch values.
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
-    with dequantized_weights(enabled=on_cpu):  # CPU: dequantize each weight once for the whole update
+    # CPU: dequantize each weight once for the whole update; with a store, once for the run, on any device
+    with dequantized_weights(enabled=on_cpu or dense_store is not None, store=dense_store):
         return _update(model, exp, optimizer, params, settings, dist_ctx, timings)
 
 

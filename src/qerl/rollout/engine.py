@@ -58,13 +58,15 @@ class RolloutEngine:
     (`qerl.kernels.triton_sampling`) instead of ~24 small torch ops. Draws are counter-based: token p of
     sequence s uses the counter (seed, s, p), the seed taken once per call from the generator, so a seeded
     run repeats itself under either scheduler; the fused and the eager sampler use different streams.
+    dense_weights: a dict the caller keeps (the trainer's model.dense_weights store): quantized linears then
+    decode with a 16-bit copy of each weight, made once and kept there (`kernels.dequant_cache`).
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, max_seq_len: int = 2048, cuda_graphs: bool | None = None,
                  kv_block: int = 256, pad_token_id: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  check_every: int = 16, max_batch: int | None = None, memory_fraction: float = 0.85,
                  fuse_siblings: bool | None = None, pdl: bool = True, fused_sampling: bool = True,
-                 scheduler: str = "continuous"):
+                 scheduler: str = "continuous", dense_weights: dict | None = None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {SCHEDULERS}")
         if check_every < 1:
@@ -83,6 +85,7 @@ class RolloutEngine:
         self.pdl = pdl
         self.fused_sampling = fused_sampling
         self.scheduler = scheduler
+        self.dense_weights = dense_weights
         self.kv_block = kv_block
         self.check_every = check_every
         self.max_batch, self.memory_fraction = max_batch, memory_fraction
@@ -227,8 +230,7 @@ class RolloutEngine:
         draw_seed = 2**32 if sampling.greedy else philox_seed(generator, self.device)
         seqs = make_sequences(rows, budgets)
         eos = [] if ignore_eos else self.eos_token_ids
-        # CPU: dequantize each weight once for this call instead of once per token (dropped on return).
-        with dequantized_weights(enabled=self.device.type == "cpu"):
+        with self._dense_scope():
             sched = Scheduler(self, seqs, width, scheduler or self.scheduler, sampling, draw_seed, stop, eos,
                               aqn, fused)
             stats = sched.run()
@@ -271,10 +273,19 @@ class RolloutEngine:
         self.slot_lo.zero_()
         self.step_index.zero_()
         lengths = sorted({self.attended_len(top) for top in range(0, max_len, self.kv_block)})
-        for b in {Bb, *(x for x in COMPACT_WIDTHS if x <= Bb)}:  # and the narrower widths compaction moves to
-            for kv_len in lengths:
-                self.slot_base.fill_(kv_len - 1)
-                self.decode(b, kv_len)
+        with self._dense_scope():
+            for b in {Bb, *(x for x in COMPACT_WIDTHS if x <= Bb)}:  # and the narrower widths compaction moves to
+                for kv_len in lengths:
+                    self.slot_base.fill_(kv_len - 1)
+                    self.decode(b, kv_len)
+
+    def _dense_scope(self):
+        """Where quantized matmuls use dense weight copies: the caller's `dense_weights` store (kept across
+        calls; the captured graphs read its copies, which live as long as the store), else on the CPU a copy
+        per weight for this call only, instead of a dequantization per token."""
+        if self.dense_weights is not None:
+            return dequantized_weights(store=self.dense_weights)
+        return dequantized_weights(enabled=self.device.type == "cpu")
 
     # memory sizing --------------------------------------------------------------------------------
 
