@@ -6,7 +6,8 @@ global scale fp32 [E, 1]). A tile table maps each program to (expert, first row)
 expert's [BN, BK] weight tiles in registers, as the dense kernel of `triton_fp4_mm` does, so no expert is ever
 written out in 16 bits. The table is built on the device from the offsets with a size fixed by the shapes
 (E + rows / BM slots, the unused ones empty and returning at once), so a call never waits for the host and can
-be captured in a CUDA graph. This module imports Triton: import it lazily.
+be captured in a CUDA graph. At decode (a few rows per expert, `use_gemv`) the forward goes to the CUDA-core
+kernel of `triton_fp4_grouped_gemv` instead. This module imports Triton: import it lazily.
 """
 
 from dataclasses import dataclass
@@ -155,6 +156,21 @@ def _launch(a: torch.Tensor, width: int, offsets: torch.Tensor, packed: torch.Te
     return _Launch(bm, experts, firsts, ends, scale_bytes(scale), gs, asm_ok(a.device, a.dtype, mx, fits))
 
 
+GEMV: bool | None = None  # None: `use_gemv` decides; True / False force the CUDA-core decode kernel or the tile
+# kernel for every forward (tests and benchmarks)
+GEMV_MAX_ROWS_PER_EXPERT = 4  # the decode kernel's FMAs grow with the rows of x per expert, the tile kernel's
+# tensor-core work does not: past a few rows per expert the tile kernel wins (benchmarks/moe_layer.py --gemv)
+
+
+def use_gemv(rows: int, experts: int) -> bool:
+    """Whether `grouped_fp4_linear` takes the CUDA-core decode kernel (`triton_fp4_grouped_gemv`) for `rows` rows
+    over `experts` experts: host-known numbers only (the routing stays on the device), so a CUDA graph captured
+    at one batch size always replays the same kernel."""
+    if GEMV is not None:
+        return GEMV
+    return 0 < rows <= GEMV_MAX_ROWS_PER_EXPERT * experts
+
+
 def grouped_fp4_linear(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        global_scale: torch.Tensor | None, group: int, mx: bool) -> torch.Tensor:
     """x [M, K] bf16/fp16, rows sorted by expert (expert e: rows offsets[e]..offsets[e+1]; offsets int [E + 1] on
@@ -162,7 +178,12 @@ def grouped_fp4_linear(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Ten
     (rows no expert owns: the backward through them must see zeros, not leftover memory).
 
     packed uint8 [E, N, K/2]; scale [E, N, K/group] (E4M3 bits, or E8M0 exponents when mx); global_scale fp32
-    [E, 1] (NVFP4's per-expert divisor) or None (MXFP4)."""
+    [E, 1] (NVFP4's per-expert divisor) or None (MXFP4). Few rows per expert (decode, `use_gemv`): the CUDA-core
+    kernel of `triton_fp4_grouped_gemv`; else the tile kernel below."""
+    if use_gemv(x.shape[0], packed.shape[0]):
+        from .triton_fp4_grouped_gemv import grouped_fp4_gemv
+
+        return grouped_fp4_gemv(x, offsets, packed, scale, global_scale, group, mx)
     n, k = packed.shape[1], 2 * packed.shape[2]
     out = torch.zeros((x.shape[0], n), device=x.device, dtype=x.dtype)  # rows past offsets[-1] stay 0
     run = _launch(x, k, offsets, packed, scale, global_scale, mx, "inputs")
