@@ -5,8 +5,13 @@ Random weights at a real shape (default Qwen3-30B-A3B: 128 experts, top-8, hidde
 uniform random routing, CUDA events around one experts call (median of --repeats after warm-up). The grouped
 NVFP4 path has no host sync, so it is also timed replayed from a CUDA graph, as the rollout engine would run it:
 that column is GPU time alone, without Python and launch overhead; the eager columns include them.
+--gemv adds, in CUDA graphs, the layer with the grouped forward forced onto each kernel (the CUDA-core decode kernel
+of `triton_fp4_grouped_gemv` and the tile kernel of `triton_fp4_grouped`; the default column uses the automatic
+rule), their speed-up over bf16 grouped_mm, and the gate_up + down products alone per kernel with the weight bytes
+of the hit experts as effective bandwidth. --gemv-config sets the decode kernel's `GroupedGemvConfig` fields.
 
     python benchmarks/moe_layer.py --tokens 8,64,256,2048
+    python benchmarks/moe_layer.py --tokens 8,64,256 --gemv --skip-reference
 """
 
 import argparse
@@ -59,6 +64,40 @@ def graphed(fn):
     return graph.replay
 
 
+def forced_kernels(row: dict, quant, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                   repeats: int) -> None:
+    """Adds to row, for the grouped forward's decode kernel and tile kernel each (`triton_fp4_grouped.GEMV`
+    forced while capturing): the layer replayed from a CUDA graph, and its two grouped products alone (the
+    layer's sorted rows and offsets precomputed) with their hit experts' packed + scale bytes as TB/s."""
+    from qerl.kernels import triton_fp4_grouped as grouped
+
+    E, k = quant.num_experts, index.shape[1]
+    flat = index.reshape(-1)
+    counts = torch.bincount(flat, minlength=E)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    hit = int((counts > 0).sum())
+    rows = flat.numel()
+    inputs = {"gate_up_proj": torch.randn(rows, quant.hidden_dim, device=x.device, dtype=x.dtype),
+              "down_proj": torch.randn(rows, quant.intermediate_dim, device=x.device, dtype=x.dtype)}
+    nbytes = sum(hit * (getattr(quant, f"{w}_weight_packed")[0].numel()
+                        + getattr(quant, f"{w}_weight_scale")[0].numel()) for w in inputs)
+
+    def products():
+        for w, a in inputs.items():
+            quant._kernel_linear(a, offsets, w)
+
+    saved = grouped.GEMV
+    try:
+        for kernel, force in (("gemv", True), ("tile", False)):
+            grouped.GEMV = force
+            row[f"nvfp4 {kernel}, CUDA graph ms"] = timed(graphed(lambda: quant(x, index, weights)), repeats)
+            ms = timed(graphed(products), repeats)
+            row[f"{kernel} products ms"] = ms
+            row[f"{kernel} products TB/s"] = nbytes / ms / 1e9
+    finally:
+        grouped.GEMV = saved
+
+
 def main(argv=None) -> int:
     from qerl.nn.quant_experts import QuantExperts
 
@@ -67,7 +106,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="8,64,256,2048")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--skip-reference", action="store_true", help="skip the slow per-expert dequantizing loop")
+    ap.add_argument("--gemv", action="store_true", help="also time the grouped forward forced onto each FP4 kernel")
+    ap.add_argument("--gemv-config", default="", help="decode kernel config, e.g. bn=256,warps=4,split=2,rows=8")
     args = ap.parse_args(argv)
+    if args.gemv_config:
+        from qerl.kernels import triton_fp4_grouped_gemv as gemv
+
+        fields = {}
+        for item in args.gemv_config.split(","):
+            key, value = item.split("=")
+            fields[key] = int(value)
+        gemv.CONFIG = gemv.GroupedGemvConfig(**fields)
+        print(f"decode kernel config: {gemv.CONFIG}")
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
     bf16 = {"eager": experts_module(shape, "eager")}
@@ -88,6 +138,8 @@ def main(argv=None) -> int:
             row = {"tokens": T, "experts hit": int(index.unique().numel())}
             row["nvfp4 grouped ms"] = timed(lambda: quant(x, index, weights), args.repeats)
             row["nvfp4 grouped, CUDA graph ms"] = timed(graphed(lambda: quant(x, index, weights)), args.repeats)
+            if args.gemv:
+                forced_kernels(row, quant, x, index, weights, args.repeats)
             if not args.skip_reference:
                 row["nvfp4 reference ms"] = timed(lambda: quant.reference_forward(x, index, weights), 5)
             for name, m in bf16.items():
@@ -104,6 +156,10 @@ def main(argv=None) -> int:
             want = bf16["eager"](x, index, weights).float()
             got = quant(x, index, weights).float()
             row["rel diff vs bf16 (4-bit error)"] = float((got - want).norm() / want.norm())
+            for kernel in ("gemv", "tile") if args.gemv else ():
+                if "bf16 grouped_mm, CUDA graph ms" in row:
+                    row[f"{kernel} speed-up vs bf16 grouped_mm (graphs)"] = (
+                        row["bf16 grouped_mm, CUDA graph ms"] / row[f"nvfp4 {kernel}, CUDA graph ms"])
         rows.append(row)
         print(row, flush=True)
     cols = list(rows[0])
