@@ -102,6 +102,7 @@ def suite_nvfp4() -> list[str]:
     fails += _check("cpu", [3, 0, 5, 1], 24, 48, False, 0, tail=2)  # K8 = 6: not whole 4-word steps
     fails += _check("cpu", [0, 0, 11, 0], 40, 64, False, 1, tail=3)  # one expert takes every row: 2 chunks of 8
     fails += _check("cpu", [0, 0, 11, 0], 40, 64, False, 1, config=C(rows=4))  # 3 chunks, the last short
+    fails += _check("cpu", [0, 3, 11, 0], 40, 48, False, 1, config=C(rows=4, skip=False), tail=1)  # no branch
     fails += _check("cpu", [2, 1, 0, 2, 1, 0], 33, 96, False, 2, config=C(bkw=8))  # N odd, 8-word steps, K8 % 8
     fails += _check("cpu", [1, 2, 1], 17, 160, False, 3, config=C(split=3), tail=1)  # split-K (8, 8, 4 words)
     fails += _check("cpu", [2, 0, 3], 24, 48, False, 4, config=C(split=2, bn=32, warps=1))  # split, K8 % 4 != 0
@@ -117,6 +118,7 @@ def suite_mxfp4() -> list[str]:
     fails += _check("cpu", [3, 0, 5, 1], 24, 64, True, 10, tail=2)
     fails += _check("cpu", [0, 0, 11, 0], 40, 96, True, 11, tail=3)  # K8 = 12 words, one expert, 2 chunks
     fails += _check("cpu", [0, 0, 11, 0], 40, 96, True, 11, config=C(rows=4))
+    fails += _check("cpu", [0, 3, 11, 0], 40, 96, True, 11, config=C(rows=4, skip=False), tail=1)
     fails += _check("cpu", [2, 1, 0, 2, 1, 0], 33, 160, True, 12, config=C(bkw=8))  # K8 = 20: not whole 8-word steps
     fails += _check("cpu", [1, 2, 1], 17, 224, True, 13, config=C(split=3), tail=1)  # split-K, K8 = 28
     fails += _check("cpu", [4, 1, 2], 24, 64, True, 15, dtype=torch.float16, special=False)
@@ -223,13 +225,14 @@ def test_gpu_real_sizes(tokens, n, k, mx):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mx", [False, True], ids=["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("config", [None, "split", "rows4"])
+@pytest.mark.parametrize("config", [None, "split", "rows4", "noskip", "wide"])
 def test_gpu_skewed_and_forced(config, mx):
     """One expert taking all rows (several chunks), forced split-K and small chunks, at the down shape."""
     require_cuda()
     from qerl.kernels.triton_fp4_grouped_gemv import GroupedGemvConfig as C
 
-    cfg = {None: None, "split": C(split=4), "rows4": C(rows=4)}[config]
+    cfg = {None: None, "split": C(split=4), "rows4": C(rows=4), "noskip": C(rows=8, skip=False),
+           "wide": C(bn=256, bkw=8, warps=4)}[config]
     counts = [0] * 60 + [64] + [0] * 67
     fails = _check("cuda", counts, 2048, 768, mx, seed=3, config=cfg, tail=5)
     fails += _check("cuda", [1, 0, 7, 16, 33, 0, 2, 64], 2048, 768, mx, seed=4, config=cfg, tail=2)
@@ -254,7 +257,8 @@ def test_gpu_cuda_graph_replays_new_routings(tokens):
     def routing():
         counts = _decode_routing(tokens, E, top_k, gen)
         counts[5] = max(0, counts[5] - 1)  # one sentinel row past offsets[-1]
-        return torch.tensor([0] + counts).cumsum(0).cuda(), torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        return torch.tensor([0] + counts).cumsum(0).cuda(), x.cuda()
 
     offsets, x = routing()
     stream = torch.cuda.Stream()

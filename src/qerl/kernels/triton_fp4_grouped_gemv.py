@@ -44,7 +44,7 @@ class GroupedGemvConfig:
     """bn: weight rows (outputs) per program (= 32 * warps * weight rows per thread); bkw: int32 words (8 codes)
     per weight row per step, a multiple of group / 8 (NVFP4 2, MXFP4 4); warps; rows: rows of x per chunk (0:
     `chunk_rows`); split: K splits (0: `pick_split`, about `waves` x SMs programs with work); stages: Triton's
-    num_stages (None: its default, as the dense gemv)."""
+    num_stages (None: its default, as the dense gemv); skip: see the field."""
     bn: int = 128
     bkw: int = 4
     warps: int = 4
@@ -52,9 +52,35 @@ class GroupedGemvConfig:
     split: int = 0
     waves: int = 4
     stages: int | None = None
+    skip: bool = True  # rows of a chunk past the expert's end: a uniform branch skips them (False: computed as 0)
 
 
 CONFIG = GroupedGemvConfig()  # read at each call (benchmarks vary it)
+
+
+@triton.jit
+def _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN: tl.constexpr, BKW: tl.constexpr, HB: tl.constexpr,
+             WPG: tl.constexpr):
+    """One row of x's step, xv [BKW * 8] (16-bit), against the decoded words' codes c_j [BN, BKW] (element 8t + j
+    of word t, times 2^-14) and block scales sc [BN, HB] -> fp32 [BN], the step's share of x @ W^T."""
+    # x[8t + j] -> eight [BKW] columns, j = 4h + 2a + b (in-thread splits, as the dense gemv)
+    xa, xb = tl.split(tl.reshape(xv.to(tl.float32), (BKW, 2, 2, 2)))
+    x00, x01 = tl.split(xa)
+    x10, x11 = tl.split(xb)
+    x0, x4 = tl.split(x00)
+    x2, x6 = tl.split(x01)
+    x1, x5 = tl.split(x10)
+    x3, x7 = tl.split(x11)
+    p = c0 * x0[None, :]  # sequential: one FMA per element
+    p += c1 * x1[None, :]
+    p += c2 * x2[None, :]
+    p += c3 * x3[None, :]
+    p += c4 * x4[None, :]
+    p += c5 * x5[None, :]
+    p += c6 * x6[None, :]
+    p += c7 * x7[None, :]
+    blk = tl.sum(tl.reshape(p, (BN, HB, WPG)), axis=2)  # the words of each scale block
+    return tl.sum(blk * sc, axis=1)
 
 
 @triton.jit
@@ -62,12 +88,14 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr,
                          M, N, K8, E, stride_xm, stride_we, stride_w, stride_se, stride_s, stride_om, stride_os,
                          kw_per_split,
                          HAS_GS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr,
-                         BKW: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr):
+                         BKW: tl.constexpr, SKIP: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
+                         INTERP: tl.constexpr):
     """out[r, n] = x[r, :] @ W_e[n, :] for the rows r of expert e = program_id(1), n in block program_id(0), K
     words in split program_id(2); or fp32 partials out[split, r, n] when PARTIAL.
 
     w_ptr: int32 words [E, N, K8] (K8 = K / 8); s_ptr: uint8 scales [E, N, K8 / (GROUP / 8)]; gs_ptr: fp32 [E]
     (HAS_GS, NVFP4); off_ptr: int [E + 1]. EVEN: every step's BKW words are in range (no K masks: 16-byte loads).
+    SKIP: rows of a chunk past the expert's end are skipped by a branch (else computed on zeros, no branch).
     Program column e = E (launched only without PARTIAL) writes zeros to rows offsets[E]..M-1."""
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
@@ -111,32 +139,24 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr,
                 c2, c6 = _pair(w, 2, INTERP)
                 c3, c7 = _pair(w, 3, INTERP)
                 xk = kw0 * 8 + tl.arange(0, BKW * 8)
+                xmask = xk < kw_hi * 8
                 for m in tl.static_range(ROWS):
                     r = r0 + m
-                    if r < end:  # uniform over the program: a short last chunk costs no FMAs
-                        x_row = x_ptr + r.to(tl.int64) * stride_xm + xk
+                    x_row = x_ptr + r.to(tl.int64) * stride_xm + xk
+                    if SKIP:
+                        if r < end:  # uniform over the program: a short last chunk costs no FMAs
+                            if EVEN:
+                                xv = tl.load(x_row)
+                            else:
+                                xv = tl.load(x_row, mask=xmask, other=0.0)
+                            contrib = _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN, BKW, HB, WPG)
+                            acc += tl.where(mcols[None, :] == m, contrib[:, None], 0.0)
+                    else:  # every row of the chunk computed, rows past the end read as 0 (no branches)
                         if EVEN:
-                            xv = tl.load(x_row)
+                            xv = tl.load(x_row, mask=tl.full((BKW * 8,), 1, tl.int1) & (r < end), other=0.0)  # a uniform mask
                         else:
-                            xv = tl.load(x_row, mask=xk < kw_hi * 8, other=0.0)
-                        # x[8t + j] -> eight [BKW] columns, j = 4h + 2a + b (in-thread splits, as the dense gemv)
-                        xa, xb = tl.split(tl.reshape(xv.to(tl.float32), (BKW, 2, 2, 2)))
-                        x00, x01 = tl.split(xa)
-                        x10, x11 = tl.split(xb)
-                        x0, x4 = tl.split(x00)
-                        x2, x6 = tl.split(x01)
-                        x1, x5 = tl.split(x10)
-                        x3, x7 = tl.split(x11)
-                        p = c0 * x0[None, :]
-                        p += c1 * x1[None, :]
-                        p += c2 * x2[None, :]
-                        p += c3 * x3[None, :]
-                        p += c4 * x4[None, :]
-                        p += c5 * x5[None, :]
-                        p += c6 * x6[None, :]
-                        p += c7 * x7[None, :]
-                        blk = tl.sum(tl.reshape(p, (BN, HB, WPG)), axis=2)  # the words of each scale block
-                        contrib = tl.sum(blk * sc, axis=1)
+                            xv = tl.load(x_row, mask=xmask & (tl.full((BKW * 8,), 1, tl.int1) & (r < end)), other=0.0)
+                        contrib = _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN, BKW, HB, WPG)
                         acc += tl.where(mcols[None, :] == m, contrib[:, None], 0.0)
             rows = r0 + mcols
             omask = cmask[:, None] & (rows < end)[None, :]
@@ -236,7 +256,7 @@ def grouped_fp4_gemv(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tenso
     _grouped_gemv_kernel[grid](
         x2, words, s, gs if gs is not None else s, offsets, part, m, n, k8, E, x2.stride(0), words.stride(0),
         words.stride(1), s.stride(0), s.stride(1), part.stride(-2), part.stride(0) if partial else 0, per,
-        HAS_GS=gs is not None, GROUP=group, ROWS=rows, BN=cfg.bn, BKW=cfg.bkw, PARTIAL=partial,
+        HAS_GS=gs is not None, GROUP=group, ROWS=rows, BN=cfg.bn, BKW=cfg.bkw, SKIP=bool(cfg.skip), PARTIAL=partial,
         EVEN=k8 % cfg.bkw == 0 and per % cfg.bkw == 0, INTERP=interp, num_warps=cfg.warps, **extra)
     if partial:
         block = 1024
