@@ -152,10 +152,13 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr,
                             contrib = _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN, BKW, HB, WPG)
                             acc += tl.where(mcols[None, :] == m, contrib[:, None], 0.0)
                     else:  # every row of the chunk computed, rows past the end read as 0 (no branches)
+                        # the row test as a splat, uniform along the row (keeps 16-byte loads; the interpreter
+                        # rejects a broadcast 0-d mask)
+                        live = tl.full((BKW * 8,), 1, tl.int1) & (r < end)
                         if EVEN:
-                            xv = tl.load(x_row, mask=tl.full((BKW * 8,), 1, tl.int1) & (r < end), other=0.0)  # a uniform mask
+                            xv = tl.load(x_row, mask=live, other=0.0)
                         else:
-                            xv = tl.load(x_row, mask=xmask & (tl.full((BKW * 8,), 1, tl.int1) & (r < end)), other=0.0)
+                            xv = tl.load(x_row, mask=xmask & live, other=0.0)
                         contrib = _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN, BKW, HB, WPG)
                         acc += tl.where(mcols[None, :] == m, contrib[:, None], 0.0)
             rows = r0 + mcols
