@@ -121,7 +121,10 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr,
             acc = tl.zeros((BN, ROWS), dtype=tl.float32)
             for kw0 in range(kw_lo, kw_hi, BKW):
                 cw = kw0 + tl.arange(0, BKW)
-                cg = kw0 // WPG + tl.arange(0, HB)
+                # HB adjacent bytes per weight row at a multiple of HB: said so, Triton gives each thread its rows'
+                # whole scale vector (else it splits a row's bytes over 2 threads and converts every row's block
+                # sums between the two layouts through shared memory, with barriers)
+                cg = tl.max_contiguous(tl.multiple_of(kw0 // WPG, HB) + tl.arange(0, HB), HB)
                 if EVEN:
                     w = tl.load(w_rows + cw[None, :], mask=tl.broadcast_to(cmask[:, None], (BN, BKW)), other=0)
                     s = tl.load(s_rows + cg[None, :], mask=tl.broadcast_to(cmask[:, None], (BN, HB)), other=0)
