@@ -199,8 +199,8 @@ def test_gpu_real_sizes(tokens, n, k, mx):
     gen = torch.Generator().manual_seed(tokens + n)
     counts = _decode_routing(tokens, 128, 8, gen)
     fails = _check("cuda", counts, n, k, mx, seed=tokens, tail=3)
-    fails += _check("cuda", counts, n, k, mx, seed=tokens, route=True)
-    # the two kernels on the same operands: both round W x to bf16 once from fp32, so they agree closely
+    # the two kernels on the same operands, through `grouped_fp4_linear` (the tile kernel rounds W to bf16 before its
+    # tensor-core product, the decode kernel multiplies the exact codes and scales in fp32: close, not equal)
     t = _weights(128, n, k, mx, torch.Generator().manual_seed(7), special=True)
     offsets = torch.tensor([0] + counts, device="cuda").cumsum(0)
     x = torch.randn(int(offsets[-1]), k, device="cuda", dtype=torch.bfloat16)
@@ -218,7 +218,7 @@ def test_gpu_real_sizes(tokens, n, k, mx):
     for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if b > a and outs[1][a:b].abs().max() > 0:
             err = _rel_err(outs[0][a:b], outs[1][a:b])
-            if not err < 5e-3:
+            if not err < REL_TOL:
                 fails.append(f"gemv vs tile kernel tokens={tokens} n={n} k={k} mx={mx} expert {e}: rel diff {err:.3g}")
     assert not fails, "\n".join(fails)
 
