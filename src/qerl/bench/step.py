@@ -551,7 +551,7 @@ def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b", help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (the MoE "
-                                                   "experts run as frozen QuantExperts, eagerly, no CUDA graphs)")
+                                                   "experts run as frozen QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, eager)")
     ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn", help="FORMAT[+aqn], FORMAT in bf16,nf4,nvfp4,mxfp4")
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
