@@ -291,6 +291,8 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert summary["aggregate"]["bf16"]["pass1_after"]["n"] == 1
     assert all((out / f"study_{k}.png").is_file() for k in ("reward", "entropy", "pass1"))
     assert "| nvfp4+aqn | 1 |" in printed and "inflated" in printed
+    claims_md = (out / "claims.md").read_text()  # arms nvfp4+aqn and bf16, one seed each
+    assert "Table 1" in claims_md and "after RL >= 16-bit LoRA" in claims_md and claims_md.strip() in printed
 
     t0 = time.monotonic()
     assert study.main(argv) == 0  # everything finished: nothing runs again

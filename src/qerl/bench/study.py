@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..data.datasets import GSM8K_HELDOUT, GSM8K_TRAIN_OFFLINE, HELDOUT_OF
 from .study_arms import Arm, StudyError, parse_arms
+from .study_claims import claims, claims_markdown
 from .study_jobs import MPSDaemon, run_jobs, write_json_atomic
 from .study_report import aggregate, plot_study, report
 
@@ -360,6 +361,10 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
             print(f"plot: {path}")
     print()
     print(report(agg, outcomes, meta))
+    if runs:
+        claims_md = claims_markdown(claims(runs))
+        (out / "claims.md").write_text(claims_md + "\n")
+        print(f"\nthe paper's claims against these runs ({out / 'claims.md'}):\n{claims_md}")
     print(f"\nresults: {out / 'results.json'} ({time.monotonic() - t_start:.0f} s)")
     return 0 if all(o["status"] in ("done", "cached") for o in outcomes) else 1
 

@@ -1,0 +1,160 @@
+"""The paper's claims checked against a study's finished runs (docs/results.md, "Claim by claim").
+
+Each claim names the arms it compares, the numbers that decide it and a verdict. Arms are compared seed by seed
+(the same seed gives the same data order and LoRA initialisation in every arm), so a difference comes with the
+standard error of its per-seed values; a difference within two standard errors reads "within noise". Which
+NVFP4 + AQN arm stands for "the best method" is decided before training: the one with the highest held-out
+pass@1 before RL (what a user would pick from `benchmarks/quant_methods.py`), never by the result after it.
+
+    claims(runs) -> [Claim]; claims_markdown(claims) -> str
+"""
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from .study_arms import DEFAULT_DECAY, parse_arm
+
+
+@dataclass
+class Claim:
+    name: str  # what the paper says
+    verdict: str  # holds | does not hold | within noise | not measured
+    evidence: str  # the numbers, one line
+
+
+def _mean_entropy(run: dict) -> float | None:
+    """The run's token entropy averaged over every step (the paper's exploration diagnostic)."""
+    values = [m["entropy"] for m in run.get("metrics", []) if m.get("entropy") is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _reward_growth(run: dict) -> float | None:
+    """Mean training reward of the last 20% of steps minus that of the first 20%."""
+    if run.get("reward_last") is None or run.get("reward_first") is None:
+        return None
+    return run["reward_last"] - run["reward_first"]
+
+
+DERIVED = {"entropy_mean": _mean_entropy, "reward_growth": _reward_growth}
+
+
+def values(runs: list[dict], arm: str, key: str) -> dict[int, float]:
+    """{seed: the run's value} for `arm`; key is a result.json field or one of DERIVED."""
+    get = DERIVED.get(key, lambda r: r.get(key))
+    out = {r["seed"]: get(r) for r in runs if r["arm"] == arm}
+    return {s: float(v) for s, v in out.items() if v is not None and not math.isnan(float(v))}
+
+
+def paired(runs: list[dict], a: str, b: str, key: str) -> dict | None:
+    """Arm a minus arm b on `key` over the seeds both finished: {"mean", "se" (None for one seed), "n",
+    "a", "b" (the arms' means on those seeds)}; None when they share no seed."""
+    va, vb = values(runs, a, key), values(runs, b, key)
+    seeds = sorted(va.keys() & vb.keys())
+    if not seeds:
+        return None
+    diffs = [va[s] - vb[s] for s in seeds]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return {"mean": statistics.fmean(diffs), "se": se, "n": len(seeds),
+            "a": statistics.fmean(va[s] for s in seeds), "b": statistics.fmean(vb[s] for s in seeds)}
+
+
+def _diff_text(d: dict, a: str, b: str, what: str) -> str:
+    se = "" if d["se"] is None else f" ± {d['se']:.3f} (SE)"
+    return f"{what}: {a} {d['a']:.3f} vs {b} {d['b']:.3f}, difference {d['mean']:+.3f}{se} over {d['n']} seed(s)"
+
+
+def _at_least(d: dict | None, margin: float = 0.0) -> str:
+    """Verdict for "a >= b - margin" from a paired difference."""
+    if d is None:
+        return "not measured"
+    if d["mean"] >= -margin:
+        return "holds"
+    if d["se"] is not None and d["mean"] + 2 * d["se"] >= -margin:
+        return "within noise"
+    return "does not hold"
+
+
+def _arms(runs: list[dict]) -> dict[str, object]:
+    return {r["arm"]: parse_arm(r["arm"]) for r in runs}
+
+
+def best_nvfp4_aqn(runs: list[dict]) -> str | None:
+    """The NVFP4 + AQN arm (default decay, no own lr) with the best held-out pass@1 before RL."""
+    arms = _arms(runs)
+    candidates = [name for name, arm in arms.items()
+                  if arm.format == "nvfp4" and arm.aqn and arm.decay == DEFAULT_DECAY and arm.lr is None]
+    before = {name: statistics.fmean(values(runs, name, "pass1_before").values() or [float("-inf")])
+              for name in candidates}
+    return max(candidates, key=lambda name: (before[name], name), default=None)
+
+
+def _without_aqn(runs: list[dict], name: str) -> str | None:
+    arm = parse_arm(name)
+    twin = [n for n, a in _arms(runs).items()
+            if (a.format, a.method, a.lr, a.aqn) == (arm.format, arm.method, arm.lr, False)]
+    return twin[0] if twin else None
+
+
+def claims(runs: list[dict]) -> list[Claim]:
+    arms = _arms(runs)
+    best = best_nvfp4_aqn(runs)
+    bf16 = next((n for n, a in arms.items() if a.format == "bf16" and not a.aqn and a.lr is None), None)
+    nf4 = next((n for n, a in arms.items() if a.format == "nf4" and not a.aqn and a.lr is None), None)
+    out = []
+
+    # starting point: the quantized policy before RL, greedy held-out pass@1 (the issue's "within 0.01")
+    start = paired(runs, best, bf16, "pass1_before") if best and bf16 else None
+    if start is None:
+        out.append(Claim("NVFP4 starts within 0.01 of bf16 (held-out pass@1 before RL)", "not measured",
+                         "needs a bf16 arm and an NVFP4 + AQN arm"))
+    else:
+        ok = abs(start["mean"]) <= 0.01 or start["mean"] > 0
+        out.append(Claim("NVFP4 starts within 0.01 of bf16 (held-out pass@1 before RL)",
+                         "holds" if ok else "does not hold", _diff_text(start, best, bf16, "pass@1 before")))
+
+    # Table 1: NVFP4 + LoRA (+ AQN) at least as good as 16-bit LoRA after RL, and better than QLoRA
+    for other, label in ((bf16, "16-bit LoRA"), (nf4, "NF4 QLoRA")):
+        name = f"NVFP4 + AQN (best method) after RL >= {label} (held-out pass@1, paper Table 1)"
+        d = paired(runs, best, other, "pass1_after") if best and other else None
+        out.append(Claim(name, _at_least(d), "needs both arms" if d is None
+                         else _diff_text(d, best, other, "pass@1 after")))
+
+    # AQN: more entropy (exploration), faster reward growth, a better final score, per format and method
+    for name, arm in arms.items():
+        if not arm.aqn or arm.decay != DEFAULT_DECAY:
+            continue
+        twin = _without_aqn(runs, name)
+        if twin is None:
+            continue
+        ent = paired(runs, name, twin, "entropy_mean")
+        growth = paired(runs, name, twin, "reward_growth")
+        after = paired(runs, name, twin, "pass1_after")
+        for what, d, text in (("raises the policy's entropy (mean over steps)", ent, "entropy"),
+                              ("speeds reward growth (last 20% minus first 20% of steps)", growth, "reward growth"),
+                              ("improves held-out pass@1 after RL", after, "pass@1 after")):
+            verdict = "not measured" if d is None else (
+                "holds" if d["mean"] > 0 and (d["se"] is None or d["mean"] > 2 * d["se"])
+                else "within noise" if d["se"] is not None and abs(d["mean"]) <= 2 * d["se"]
+                else "does not hold")
+            out.append(Claim(f"AQN {what}: {name} vs {twin}", verdict,
+                             "needs both arms" if d is None else _diff_text(d, name, twin, text)))
+
+    # the decay schedule: the paper's exponential decay at least as good as the others
+    decays = [n for n, a in arms.items() if a.aqn and a.decay != DEFAULT_DECAY]
+    if not decays:
+        out.append(Claim("the exponential AQN decay beats linear / cosine / logarithmic", "not measured",
+                         "no arm with another decay (e.g. nvfp4+aqn:linear)"))
+    for name in decays:
+        arm = parse_arm(name)
+        ref = next((n for n, a in arms.items() if a.aqn and a.decay == DEFAULT_DECAY
+                    and (a.format, a.method, a.lr) == (arm.format, arm.method, arm.lr)), None)
+        d = paired(runs, ref, name, "pass1_after") if ref else None
+        out.append(Claim(f"the exponential AQN decay at least as good as {arm.decay}", _at_least(d),
+                         "needs the exponential twin" if d is None else _diff_text(d, ref, name, "pass@1 after")))
+    return out
+
+
+def claims_markdown(items: list[Claim]) -> str:
+    """One bullet per claim: **verdict**: claim -- evidence."""
+    return "\n".join(f"- **{c.verdict}**: {c.name}. {c.evidence}." for c in items)

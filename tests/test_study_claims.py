@@ -1,0 +1,65 @@
+"""The claim-by-claim verdicts of a study (qerl.bench.study_claims) on hand-made runs."""
+
+import pytest
+
+from qerl.bench.study_claims import best_nvfp4_aqn, claims, claims_markdown, paired
+
+
+def run(arm, seed, before, after, first=0.2, last=0.5, entropy=0.3):
+    return {"arm": arm, "seed": seed, "pass1_before": before, "pass1_after": after, "reward_first": first,
+            "reward_last": last, "metrics": [{"step": 1, "entropy": entropy}, {"step": 2, "entropy": entropy}]}
+
+
+def by_name(items):
+    return {c.name: c for c in items}
+
+
+def test_paired_differences_use_shared_seeds_and_their_standard_error():
+    runs = [run("a", 0, 0.1, 0.50), run("a", 1, 0.1, 0.60), run("a", 2, 0.1, 0.70),
+            run("b", 0, 0.1, 0.40), run("b", 1, 0.1, 0.45)]
+    d = paired(runs, "a", "b", "pass1_after")
+    assert d["n"] == 2 and d["mean"] == pytest.approx(0.125) and d["se"] == pytest.approx(0.025)
+    assert d["a"] == pytest.approx(0.55) and d["b"] == pytest.approx(0.425)
+    assert paired(runs, "a", "c", "pass1_after") is None
+    one = paired([run("a", 0, 0.1, 0.5), run("b", 0, 0.1, 0.4)], "a", "b", "pass1_after")
+    assert one["n"] == 1 and one["se"] is None
+    growth = paired([run("a", 0, 0, 0, 0.1, 0.6), run("b", 0, 0, 0, 0.1, 0.3)], "a", "b", "reward_growth")
+    assert growth["mean"] == pytest.approx(0.3)
+
+
+def test_best_method_is_chosen_by_the_start_not_by_the_result():
+    runs = [run("nvfp4+aqn", 0, 0.28, 0.70), run("nvfp4-awq+aqn", 0, 0.38, 0.50), run("nvfp4-awq", 0, 0.39, 0.9),
+            run("nvfp4-awq+aqn@1e-4", 0, 0.5, 0.9), run("nvfp4-awq+aqn:linear", 0, 0.5, 0.9)]
+    assert best_nvfp4_aqn(runs) == "nvfp4-awq+aqn"  # no AQN, own lr or other decay: not candidates
+    assert best_nvfp4_aqn([run("bf16", 0, 0.3, 0.5)]) is None
+
+
+def test_verdicts():
+    seeds = (0, 1, 2)
+    runs = [run("bf16", s, 0.310, 0.60 + 0.01 * s, 0.30, 0.60, 0.25) for s in seeds]
+    runs += [run("nf4", s, 0.320, 0.50 + 0.01 * s, 0.30, 0.55, 0.25) for s in seeds]
+    # AWQ + AQN: starts within 0.01, ends level with bf16 within noise, AQN raises entropy clearly
+    runs += [run("nvfp4-awq+aqn", s, 0.305, (0.62, 0.55, 0.63)[s], 0.30, 0.60, 0.35 + 0.01 * s) for s in seeds]
+    runs += [run("nvfp4-awq", s, 0.305, (0.60, 0.58, 0.64)[s], 0.30, 0.62, 0.25) for s in seeds]
+    c = by_name(claims(runs))
+    assert c["NVFP4 starts within 0.01 of bf16 (held-out pass@1 before RL)"].verdict == "holds"
+    table1 = c["NVFP4 + AQN (best method) after RL >= 16-bit LoRA (held-out pass@1, paper Table 1)"]
+    assert table1.verdict == "within noise" and "-0.010" in table1.evidence  # (0.02 - 0.06 + 0.01) / 3
+    assert c["NVFP4 + AQN (best method) after RL >= NF4 QLoRA (held-out pass@1, paper Table 1)"].verdict == "holds"
+    ent = c["AQN raises the policy's entropy (mean over steps): nvfp4-awq+aqn vs nvfp4-awq"]
+    assert ent.verdict == "holds" and "+0.110" in ent.evidence
+    growth = c["AQN speeds reward growth (last 20% minus first 20% of steps): nvfp4-awq+aqn vs nvfp4-awq"]
+    assert growth.verdict == "does not hold"  # -0.02 on every seed: no spread, a clear loss
+    assert c["the exponential AQN decay beats linear / cosine / logarithmic"].verdict == "not measured"
+    md = claims_markdown(claims(runs))
+    assert md.count("\n- ") == len(c) - 1 and "**within noise**" in md
+
+
+def test_a_start_below_the_margin_does_not_hold_and_missing_arms_are_not_measured():
+    runs = [run("bf16", 0, 0.31, 0.6), run("nvfp4+aqn", 0, 0.28, 0.6), run("nvfp4+aqn:linear", 0, 0.28, 0.5)]
+    c = by_name(claims(runs))
+    assert c["NVFP4 starts within 0.01 of bf16 (held-out pass@1 before RL)"].verdict == "does not hold"
+    assert c["NVFP4 + AQN (best method) after RL >= NF4 QLoRA (held-out pass@1, paper Table 1)"].verdict == "not measured"
+    assert c["the exponential AQN decay at least as good as linear"].verdict == "holds"
+    assert not any(name.startswith("AQN ") for name in c)  # no arm without AQN to compare with
+    assert claims([]) and all(x.verdict == "not measured" for x in claims([]))
