@@ -116,6 +116,18 @@ def test_one_step_runs_every_phase_and_moves_the_adapter(apis):
     assert runner.engine.cache is None  # freed for the backward
 
 
+@pytest.mark.parametrize("dense", ["update", "all"])
+def test_a_step_with_dense_weight_copies_keeps_them_and_counts_them_resident(apis, dense):
+    model = build_random_policy(Qwen2Config(**TINY), "nvfp4", lora_r=4, device=torch.device("cpu"))
+    runner = StepRunner(model, _args(), DistContext(), sigma=0.0, dense_weights=dense)
+    base = runner.resident_bytes()
+    runner.step(prompts=2, completion=6)
+    assert runner.dense_store  # made by the loss pass (and, with all, the rollout)
+    assert (runner.engine.dense_weights is runner.dense_store) == (dense == "all")
+    copies = sum(w.numel() * w.element_size() for _, w in runner.dense_store.values())
+    assert runner.resident_bytes() >= base + copies
+
+
 def test_a_profile_step_forces_each_row_and_counts_only_kept_tokens(apis, tmp_path):
     """--lengths: the rollout gets the budget as max_new_tokens and each row's length; kept tokens are their sum,
     the scheduler is the mode's."""
@@ -174,8 +186,11 @@ def test_table_gives_speedups_vs_the_old_mode_and_bf16_and_the_efficiency_column
 
 
 def test_bad_variant_or_size_is_refused():
-    with pytest.raises(SystemExit):
-        parse_args(["--variants", "fp8"])
+    for bad in ("fp8", "nvfp4+dense+denseall", "bf16+dense", "nvfp4+aqn+aqn", "nvfp4+fast"):
+        with pytest.raises(SystemExit):
+            parse_args(["--variants", bad])
+    _, args = parse_args(["--variants", "nvfp4+aqn+dense,nf4+denseall"])
+    assert args.variants == ["nvfp4+aqn+dense", "nf4+denseall"]
     with pytest.raises(ValueError, match="unknown model size"):
         parse_args(["--models", "9b"])
 

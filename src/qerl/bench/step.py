@@ -105,7 +105,7 @@ def build_random_policy(config, fmt: str, lora_r: int, device: torch.device, see
 class StepRunner:
     """One model + engine + optimizer; `step()` runs one timed RL step on this rank's share of prompts."""
 
-    def __init__(self, model, args, dist_ctx, sigma: float):
+    def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off"):
         from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
         from ..rl.update import UpdateSettings
@@ -113,7 +113,10 @@ class StepRunner:
 
         self.model, self.args, self.dist, self.sigma = model, args, dist_ctx, sigma
         enable_gradient_checkpointing(model)
-        self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.budget)
+        # model.dense_weights, as the trainer does: one store for the loss pass and (all) the rollouts
+        self.dense_store = None if dense_weights == "off" else {}
+        self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.budget,
+                                    dense_weights=self.dense_store if dense_weights == "all" else None)
         self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
                                                 dist_ctx.world > 1)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -128,8 +131,8 @@ class StepRunner:
 
     def resident_bytes(self) -> int:
         """Bytes this runner holds between steps (on its device): weights, buffers, LoRA gradients, optimizer
-        state."""
-        tensors = [*self.model.parameters(), *self.model.buffers(),
+        state, dense weight copies."""
+        tensors = [*self.model.parameters(), *self.model.buffers(), *(w for _, w in (self.dense_store or {}).values()),
                    *(p.grad for p in self.params if p.grad is not None),
                    *(t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -187,7 +190,7 @@ class StepRunner:
         exp = Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs, r.entropies,
                          rewards, group_advantages(rewards, G), got, at_budget)
         stats = policy_update(self.model, exp, self.optimizer, self.params, settings, dist_ctx=self.dist,
-                              timings=times)
+                              timings=times, dense_store=self.dense_store)
         if mode != OLD_MODE:
             self.engine_memory.after_update()
         sync()
@@ -247,11 +250,18 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
     return rel(both), rel(reshuffled)
 
 
-def _variant(v: str) -> tuple[str, bool]:
-    fmt, _, flag = v.partition("+")
-    if fmt not in FORMATS or flag not in ("", "aqn"):
-        raise ValueError(f"unknown variant {v!r}: FORMAT[+aqn], FORMAT in {', '.join(FORMATS)}")
-    return fmt, flag == "aqn"
+DENSE_FLAGS = {"dense": "update", "denseall": "all"}  # variant flag -> model.dense_weights
+
+
+def _variant(v: str) -> tuple[str, bool, str]:
+    """FORMAT[+aqn][+dense|+denseall] -> (format, AQN on, model.dense_weights)."""
+    fmt, *flags = v.split("+")
+    dense = [DENSE_FLAGS[f] for f in flags if f in DENSE_FLAGS]
+    if (fmt not in FORMATS or any(f not in ("aqn", *DENSE_FLAGS) for f in flags) or len(set(flags)) != len(flags)
+            or len(dense) > 1 or (dense and fmt == "bf16")):
+        raise ValueError(f"unknown variant {v!r}: FORMAT[+aqn][+dense|+denseall], FORMAT in {', '.join(FORMATS)} "
+                         "(+dense: 16-bit weight copies for the loss pass, +denseall: also for rollouts; 4-bit only)")
+    return fmt, "aqn" in flags, dense[0] if dense else "off"
 
 
 def free_gpu():
@@ -266,7 +276,7 @@ def _median(values):
 
 def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
-    fmt, aqn = _variant(variant)
+    fmt, aqn, dense = _variant(variant)
     cell = dict(model=size, variant=variant, world=dist_ctx.world)
     try:
         t = time.perf_counter()
@@ -279,7 +289,7 @@ def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dic
                     m.grouped_kernel = False
         cell["build_s"] = time.perf_counter() - t
         cell["weights_gb"] = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()]) / 1e9
-        return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0)
+        return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0, dense_weights=dense)
     except torch.OutOfMemoryError:
         hint = " (try --order sequential)" if args.order == "interleaved" and len(args.variants) > 1 else ""
         cell["error"] = "OOM (model)" + hint
@@ -552,7 +562,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b", help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (the MoE "
                                                    "experts run as frozen QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, eager)")
-    ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn", help="FORMAT[+aqn], FORMAT in bf16,nf4,nvfp4,mxfp4")
+    ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn", help="FORMAT[+aqn][+dense|+denseall], FORMAT in bf16,nf4,nvfp4,mxfp4 "
+                    "(+dense: model.dense_weights=update, +denseall: =all)")
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--prompt", type=int, default=256)
