@@ -100,7 +100,9 @@ def test_training_with_dense_weights_equals_training_without(tiny_dir, data_file
     for a, b in zip(plain, dense):
         for key in ("reward", "loss", "entropy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert "dense_weights_gb" not in plain[0]
     store = trainer.dense_store
+    assert dense[-1]["dense_weights_gb"] > 0
     linears = [m for m in trainer.model.modules() if isinstance(m, QuantLinear)]
     assert 0 < len(store) <= len(linears) * 2  # the loss pass per linear; the engine's fused groups add theirs
     kept = {k: w for k, (_, w) in store.items()}

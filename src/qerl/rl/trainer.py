@@ -25,6 +25,7 @@ from rich.console import Console
 from ..config import TrainConfig, save_config, to_dict
 from ..data import DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
 from ..kernels.route import current_policy
+from ..kernels.dequant_cache import dense_weight_bytes
 from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.calibrate import default_samples
 from ..models.policy import build_policy
@@ -247,6 +248,8 @@ class Trainer:
         metrics["time_update"] = time.perf_counter() - t_update
         metrics["time_step"] = time.perf_counter() - t_start
         metrics["memory_gb"] = peak_memory_gb(self.device)
+        if self.dense_store is not None:  # model.dense_weights: what the 16-bit copies hold
+            metrics["dense_weights_gb"] = dense_weight_bytes(self.dense_store) / 1e9
         metrics = mean_metrics(metrics, self.dist)
         self._count_reward_failures(metrics)
         return metrics
@@ -304,6 +307,9 @@ class Trainer:
                         + (f"aux {metrics['aux_loss']:.4f}  " if "aux_loss" in metrics else "")
                         + f"mem {metrics['memory_gb']:.2f} GB")
                 progress.console.print(line, highlight=False)
+                if "dense_weights_gb" in metrics and metrics["step"] == 1:
+                    progress.console.print(f"model.dense_weights: {metrics['dense_weights_gb']:.2f} GB of 16-bit "
+                                           "weight copies kept for the run", highlight=False)
                 progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
                 if signum:
                     raise TrainingInterrupted(signum, self.save_checkpoint())
