@@ -61,6 +61,29 @@ def test_run_eval_command(tmp_path, monkeypatch, capsys):
     assert summary["n_problems"] == 3 and summary["n_samples"] == 2 and 0 <= summary["pass@1"] <= 1
     lines = [json.loads(x) for x in (tmp_path / "res.jsonl").read_text().splitlines()]
     assert len(lines) == 3 and all(len(x["completions"]) == 2 for x in lines)
+    # --dense-weights: the same completions from 16-bit copies of the NF4 weights (exact dequantization)
+    import importlib
+
+    ev = importlib.import_module("qerl.eval.evaluate")  # the module (the package exports a function of that name)
+
+    stores = []
+
+    class Spy(ev.RolloutEngine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            stores.append(self.dense_weights)
+
+    monkeypatch.setattr(ev, "RolloutEngine", Spy)
+    outs = []
+    for extra in ([], ["--dense-weights"]):
+        args = add_eval_arguments(argparse.ArgumentParser()).parse_args(
+            [str(tmp_path / "m"), "--dataset", str(data), "--n", "2", "--max-new-tokens", "5", "--format", "nf4",
+             "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path / "d.jsonl"), "--max-bad-fraction", "0.25",
+             *extra])
+        assert run_eval(args) == 0
+        outs.append([json.loads(x)["completions"] for x in (tmp_path / "d.jsonl").read_text().splitlines()])
+    assert outs[0] == outs[1]
+    assert stores[0] is None and stores[1]  # the second engine decoded from copies, made on first use
 
 
 def test_qerl_eval_refuses_a_mostly_malformed_dataset(tmp_path, capsys):
