@@ -78,6 +78,31 @@ def _pair(w, J: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN: tl.constexpr, BKW: tl.constexpr, HB: tl.constexpr,
+             WPG: tl.constexpr):
+    """One row of x's step, xv [BKW * 8] (16-bit), against the decoded words' codes c_j [BN, BKW] (element 8t + j
+    of word t, times 2^-14) and block scales sc [BN, HB] -> fp32 [BN], the step's share of x @ W^T."""
+    # x[8t + j] -> eight [BKW] columns, j = 4h + 2a + b (in-thread splits of a 16-byte vector)
+    xa, xb = tl.split(tl.reshape(xv.to(tl.float32), (BKW, 2, 2, 2)))
+    x00, x01 = tl.split(xa)
+    x10, x11 = tl.split(xb)
+    x0, x4 = tl.split(x00)
+    x2, x6 = tl.split(x01)
+    x1, x5 = tl.split(x10)
+    x3, x7 = tl.split(x11)
+    p = c0 * x0[None, :]  # sequential: one FMA per element
+    p += c1 * x1[None, :]
+    p += c2 * x2[None, :]
+    p += c3 * x3[None, :]
+    p += c4 * x4[None, :]
+    p += c5 * x5[None, :]
+    p += c6 * x6[None, :]
+    p += c7 * x7[None, :]
+    blk = tl.sum(tl.reshape(p, (BN, HB, WPG)), axis=2)  # the words of each scale block
+    return tl.sum(blk * sc, axis=1)
+
+
+@triton.jit
 def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
                      N, K8, stride_xm, stride_w, stride_s, stride_om, stride_os, kw_per_split,
                      M: tl.constexpr, BMP: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
@@ -121,24 +146,7 @@ def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
                 xv = tl.load(x_ptr + m * stride_xm + xk)
             else:
                 xv = tl.load(x_ptr + m * stride_xm + xk, mask=xk < kw_hi * 8, other=0.0)
-            # x[8t + j] -> eight [BKW] columns, j = 4h + 2a + b (in-thread splits of a 16-byte vector)
-            xa, xb = tl.split(tl.reshape(xv.to(tl.float32), (BKW, 2, 2, 2)))
-            x00, x01 = tl.split(xa)  # b = 0: a = 0, 1
-            x10, x11 = tl.split(xb)  # b = 1
-            x0, x4 = tl.split(x00)
-            x2, x6 = tl.split(x01)
-            x1, x5 = tl.split(x10)
-            x3, x7 = tl.split(x11)
-            p = c0 * x0[None, :]  # sequential: one FMA per element
-            p += c1 * x1[None, :]
-            p += c2 * x2[None, :]
-            p += c3 * x3[None, :]
-            p += c4 * x4[None, :]
-            p += c5 * x5[None, :]
-            p += c6 * x6[None, :]
-            p += c7 * x7[None, :]
-            blk = tl.sum(tl.reshape(p, (BN, HB, 2)), axis=2)  # the two words of each 16-element block
-            contrib = tl.sum(blk * sc, axis=1)
+            contrib = _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN, BKW, HB, 2)  # 2 words per 16-element block
             acc += tl.where(mcols[None, :] == m, contrib[:, None], 0.0)
     omask = rmask[:, None] & (mcols[None, :] < M)
     if PARTIAL:

@@ -35,7 +35,7 @@ import triton.language as tl
 from .operands import as_2d, scale_bytes
 from .route import sm_count
 from .triton_fp4_codes import e4m3_to_f32, e8m0_times_2p14, round_to
-from .triton_fp4_gemv import _pair
+from .triton_fp4_gemv import _pair, _row_dot
 from .workspace import alloc
 
 
@@ -57,31 +57,6 @@ class GroupedGemvConfig:
 
 
 CONFIG = GroupedGemvConfig()  # read at each call (benchmarks vary it)
-
-
-@triton.jit
-def _row_dot(xv, c0, c1, c2, c3, c4, c5, c6, c7, sc, BN: tl.constexpr, BKW: tl.constexpr, HB: tl.constexpr,
-             WPG: tl.constexpr):
-    """One row of x's step, xv [BKW * 8] (16-bit), against the decoded words' codes c_j [BN, BKW] (element 8t + j
-    of word t, times 2^-14) and block scales sc [BN, HB] -> fp32 [BN], the step's share of x @ W^T."""
-    # x[8t + j] -> eight [BKW] columns, j = 4h + 2a + b (in-thread splits, as the dense gemv)
-    xa, xb = tl.split(tl.reshape(xv.to(tl.float32), (BKW, 2, 2, 2)))
-    x00, x01 = tl.split(xa)
-    x10, x11 = tl.split(xb)
-    x0, x4 = tl.split(x00)
-    x2, x6 = tl.split(x01)
-    x1, x5 = tl.split(x10)
-    x3, x7 = tl.split(x11)
-    p = c0 * x0[None, :]  # sequential: one FMA per element
-    p += c1 * x1[None, :]
-    p += c2 * x2[None, :]
-    p += c3 * x3[None, :]
-    p += c4 * x4[None, :]
-    p += c5 * x5[None, :]
-    p += c6 * x6[None, :]
-    p += c7 * x7[None, :]
-    blk = tl.sum(tl.reshape(p, (BN, HB, WPG)), axis=2)  # the words of each scale block
-    return tl.sum(blk * sc, axis=1)
 
 
 @triton.jit
