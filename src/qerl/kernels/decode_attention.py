@@ -1,13 +1,18 @@
 """Decode-step attention of the rollout engine: one query token per row over a layer's static KV cache.
 
-  decode_attention(q, k_cache, v_cache, key_valid, slot, S, scale) -> out [B, H, hd]
+  decode_attention(q, k_cache, v_cache, key_valid, slot, S, scale, sinks=None, window=None) -> out [B, H, hd]
 
 Row b attends to cache slots j < S with key_valid[b, j] and j <= slot (slot: 0-d int64 device tensor, or
-int64 [B] with a slot per row; on the device, so a captured CUDA graph can be replayed with new values). GQA
-follows HF's repeat_kv: query head h reads kv head h // (H // KV). On CUDA bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a flash-decoding Triton
-kernel (`triton_decode_attention`: one launch, or two when S is split across programs) in place of SDPA
-plus its bool-mask conversion kernels; elsewhere the fp32 torch reference below. Both never read masked
-slots (stale or NaN values there are harmless) and give zeros for a row with no visible key.
+int64 [B] with a slot per row; on the device, so a captured CUDA graph can be replayed with new values), and,
+with a sliding `window` (gpt-oss), slot - j < window: the distance in slots is the distance in positions, as
+a row's tokens occupy consecutive slots (left pads, if any, only hide keys through key_valid). `sinks` [H]
+(gpt-oss): one logit per query head that joins the softmax's denominator and has no value (transformers'
+eager gpt-oss attention, `qerl.nn.sinks`); it is not multiplied by `scale`. GQA follows HF's repeat_kv: query
+head h reads kv head h // (H // KV). On CUDA bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a
+flash-decoding Triton kernel (`triton_decode_attention`: one launch, or two when the visible span is split
+across programs) in place of SDPA plus its mask kernels; elsewhere the fp32 torch reference below. Both never
+read masked slots (stale or NaN values there are harmless) and give zeros for a row with no visible key, with
+or without a sink.
 """
 
 import torch
@@ -16,30 +21,41 @@ from .route import use_triton
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               key_valid: torch.Tensor, slot: torch.Tensor, S: int, scale: float) -> torch.Tensor:
+                               key_valid: torch.Tensor, slot: torch.Tensor, S: int, scale: float,
+                               sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Same contract as `decode_attention`, in explicit fp32 math; the output is rounded once to q's dtype."""
     B, H, hd = q.shape
     KV = k_cache.shape[1]
     # [B, S]; slot stays on the device
-    visible = key_valid[:, :S] & (torch.arange(S, device=q.device) <= slot.reshape(-1, 1))
+    j = torch.arange(S, device=q.device)
+    visible = key_valid[:, :S] & (j <= slot.reshape(-1, 1))
+    if window is not None:
+        visible = visible & (slot.reshape(-1, 1) - j < window)
     hidden = ~visible[:, None, :, None]  # [B, 1, S, 1]
     k = k_cache[:, :, :S].float().masked_fill(hidden, 0)  # zeroed, not just -inf scores: 0 * NaN is NaN
     v = v_cache[:, :, :S].float().masked_fill(hidden, 0)
     qg = q.float().reshape(B, KV, H // KV, hd)  # heads kv*G .. kv*G + G - 1 share kv head kv
     scores = (qg @ k.transpose(-1, -2)) * scale  # [B, KV, G, S]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> NaN -> zeros
+    if sinks is not None:  # an extra column holding the head's sink logit, dropped after the softmax
+        sink = sinks.float().reshape(1, KV, H // KV, 1).expand(B, KV, H // KV, 1)
+        p = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :S]
+    else:
+        p = torch.softmax(scores, dim=-1)
+    p = p.nan_to_num(0.0)  # a row with no visible key: all -inf -> NaN -> zeros (with a sink: p = 0 already)
     return (p @ v).reshape(B, H, hd).to(q.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor,
-                     slot: torch.Tensor, S: int, scale: float) -> torch.Tensor:
+                     slot: torch.Tensor, S: int, scale: float, sinks: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """q [B, H, hd] bf16/fp16 (unit last stride); k_cache, v_cache [B, KV, max_len, hd] of q's dtype (one
     layer's full cache); key_valid [B, max_len] bool; slot 0-d int64 tensor or int64 [B] (a slot per row) on
     q's device (never read on the host); S (int, slot < S <= max_len): leading slots scanned; scale: score
-    multiplier -> [B, H, hd], q's dtype."""
+    multiplier; sinks None or a float [H] tensor on q's device (per-head sink logits, read on the device);
+    window None or an int >= 1 (a layer's sliding window, fixed per layer) -> [B, H, hd], q's dtype."""
     if use_triton(q):
         from .triton_decode_attention import decode_attention_triton
 
-        return decode_attention_triton(q, k_cache, v_cache, key_valid, slot, S, scale)
-    return decode_attention_reference(q, k_cache, v_cache, key_valid, slot, S, scale)
+        return decode_attention_triton(q, k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
+    return decode_attention_reference(q, k_cache, v_cache, key_valid, slot, S, scale, sinks, window)

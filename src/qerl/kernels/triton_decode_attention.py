@@ -7,7 +7,15 @@ an online softmax in fp32 (log2 domain). With one split it writes the output; ot
 fill the GPU (batch 64 at 7B) there is one split of 128-key tiles (`choose_tile`), so pass 2 is not launched. The
 decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see new values); keys past it, left
 pads and slots >= S are never loaded, so stale or NaN cache contents there cannot leak in. A (row, head) with no
-visible key outputs zeros. This module imports Triton: import it lazily (see `decode_attention`).
+visible key outputs zeros.
+
+gpt-oss: `sinks` (one logit per query head) join each softmax's denominator once, after the scan: in the
+direct path's epilogue, or in pass 2 (the partials stay sink-free, so splits never count it twice); a (row,
+head) with no visible key still outputs zeros (the sink has no value). `window`: row b's keys are slots
+[max(0, slot_b + 1 - window), slot_b], the same count of slots as positions (a row's tokens sit in
+consecutive slots). The scan starts at that first slot, so pass 1 splits only min(S, window) slots and
+reads ceil(window / block_n) tiles whatever S is; the tile bounds follow each row's slot, read on the device.
+This module imports Triton: import it lazily (see `decode_attention`).
 """
 
 import torch
@@ -58,13 +66,18 @@ def _mma(a, b, INTERP: tl.constexpr):
     return tl.dot(a, b)
 
 
+LOG2E = 1.4426950408889634  # the kernels work in the log2 domain (exp2); the literal inside them
+
+
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                  S, H, G, HD, CHUNK, SPLITS, qk_scale,
-                  sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h, s_slot,
+def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                  S, H, G, HD, CHUNK, SPLITS, WINDOW, qk_scale,
+                  sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h, s_slot, s_sink,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-                  INTERP: tl.constexpr, PDL: tl.constexpr = False):
-    """Keys [split * CHUNK, min((split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1 of row b."""
+                  HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, INTERP: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """Keys [first + split * CHUNK, min(first + (split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1
+    of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only in the direct path."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
@@ -78,7 +91,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_pt
     gd_mask = (g < G)[:, None] & (d < HD)[None, :]
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gd_mask, other=0.0)
     slot = tl.load(slot_ptr + b * s_slot).to(tl.int32)  # s_slot 0: one slot for every row
-    lo = split * CHUNK
+    if HAS_WINDOW:  # keys older than WINDOW slots are never scanned: whole tiles skipped, the rest exact
+        first = tl.maximum(slot + 1 - WINDOW, 0)
+    else:
+        first = slot * 0
+    lo = first + split * CHUNK
     hi = tl.minimum(tl.minimum(lo + CHUNK, S), slot + 1)
     k_base = k_ptr + b * sk_b + kv * sk_h
     v_base = v_ptr + b * sv_b + kv * sv_h
@@ -102,6 +119,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_pt
         acc = acc * alpha[:, None] + _mma(round_to(p, v.dtype, INTERP), v, INTERP)
         m_i = m_new
     if DIRECT:
+        if HAS_SINK:  # exp(sink - m) joins the denominator; no value. With no visible key: l = 1, acc = 0
+            sink = tl.load(sink_ptr + heads * s_sink, mask=g < G, other=float("-inf")).to(tl.float32)
+            sink = sink * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only with acc == 0: zeros
         tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :],
                  round_to(o, out_ptr.dtype.element_ty, INTERP), mask=gd_mask)
@@ -113,10 +138,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, out_ptr, m_ptr, l_pt
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H, HD, SPLITS, so_b, so_h,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, SPLITS, so_b, so_h, s_sink,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, INTERP: tl.constexpr,
                     PDL: tl.constexpr = False):
-    """Merge the SPLITS partials of one (row, head): rescale each to the common max, sum, divide."""
+    """Merge the SPLITS partials of one (row, head): rescale each to the common max, sum (plus the head's sink
+    term, once), divide."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
@@ -129,8 +155,14 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H, HD, SPLITS, so_b, so_h,
     acc = tl.load(acc_ptr + (row * SPLITS + s[:, None]) * HD + d[None, :], mask=s_mask[:, None] & (d < HD)[None, :],
                   other=0.0)
     m_all = tl.max(m, 0)
-    w = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + (row % H) * s_sink).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m - m_safe)
     total = tl.sum(w * l_s, 0)
+    if HAS_SINK:
+        total += tl.exp2(sink - m_safe)
     o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + (row // H) * so_b + (row % H) * so_h + d, round_to(o, out_ptr.dtype.element_ty, INTERP),
              mask=d < HD)
@@ -139,13 +171,15 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H, HD, SPLITS, so_b, so_h,
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor,
                             slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
                             block_n: int | None = None, num_warps: int = 4,
-                            num_stages: int | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, sinks: torch.Tensor | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
     stride); key_valid [B, max_len] bool; slot 0-d int64 tensor, or int64 [B] (a slot per row; read on the
-    device); S <= max_len slots
-    scanned -> out [B, H, hd] in q's dtype. block_n None: `choose_tile` (with its num_stages); splits None:
-    chosen from S and the SM count (tests force both); num_warps, num_stages (None: Triton's default) of the
-    first pass: tuning."""
+    device); S <= max_len slots scanned; sinks None or [H] (any float dtype, read on the device, used in fp32):
+    a logit per query head in each softmax's denominator; window None or int >= 1: only keys j with
+    slot - j < window -> out [B, H, hd] in q's dtype. block_n None: `choose_tile` (with its num_stages); splits
+    None: chosen from min(S, window) and the SM count (tests force both); num_warps, num_stages (None: Triton's
+    default) of the first pass: tuning."""
     B, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
@@ -156,16 +190,21 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("decode_attention: bad key_valid, slot or S")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or key_valid.stride(-1) != 1:
         raise ValueError("decode_attention needs a unit stride along head_dim and key_valid's last dim")
+    if sinks is not None and (sinks.shape != (H,) or not sinks.is_floating_point() or sinks.device != q.device):
+        raise ValueError(f"decode_attention: sinks must be a float [{H}] tensor on q's device")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"decode_attention: window must be >= 1, not {window}")
     G = H // KV
+    span = S if window is None else min(S, int(window))  # slots a row can see: what the splits share
     pps = PROGRAMS_PER_SM
     if block_n is None:
         block_n, pps, stages = choose_tile(B * KV, q.device)
         num_stages = stages if num_stages is None else num_stages
     if splits is None:
-        splits, chunk = choose_splits(B * KV, S, block_n, q.device, pps)
+        splits, chunk = choose_splits(B * KV, span, block_n, q.device, pps)
     else:
-        chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
-        splits = triton.cdiv(S, chunk)
+        chunk = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
+        splits = triton.cdiv(span, chunk)
     out = alloc((B, H, hd), q.device, q.dtype)
     direct = splits == 1
     part_m = part_l = part_acc = out  # unused by the direct path
@@ -175,16 +214,19 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_acc = alloc((B, H, splits, hd), q.device, torch.float32)
     block_d = triton.next_power_of_2(hd)
     interp = q.device.type != "cuda"
+    sink_arg = out if sinks is None else sinks  # not read without sinks
+    s_sink = 0 if sinks is None else sinks.stride(0)
     _split_kernel[(B, KV, splits)](
-        q, k_cache, v_cache, key_valid.view(torch.uint8), slot, out, part_m, part_l, part_acc,
-        S, H, G, hd, chunk, splits, float(scale) * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        q, k_cache, v_cache, key_valid.view(torch.uint8), slot, sink_arg, out, part_m, part_l, part_acc,
+        S, H, G, hd, chunk, splits, 0 if window is None else int(window), float(scale) * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
-        0 if slot.numel() == 1 else slot.stride(0),
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct, INTERP=interp,
+        0 if slot.numel() == 1 else slot.stride(0), s_sink,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
+        HAS_WINDOW=window is not None, HAS_SINK=sinks is not None, INTERP=interp,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct:
-        _combine_kernel[(B * H,)](part_m, part_l, part_acc, out, H, hd, splits, out.stride(0), out.stride(1),
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, INTERP=interp, num_warps=4,
-                                  **pdl.launch_options(q))
+        _combine_kernel[(B * H,)](part_m, part_l, part_acc, sink_arg, out, H, hd, splits, out.stride(0),
+                                  out.stride(1), s_sink, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                                  HAS_SINK=sinks is not None, INTERP=interp, num_warps=4, **pdl.launch_options(q))
     return out

@@ -6,10 +6,10 @@ per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_nor
 `lm_head` -- so a LoRA update or an AQN perturbation of a norm weight is what samples next. What the
 runner brings itself: rotary embeddings computed from the HF config (`rope`), the linears through the
 adapter snapshot (`lora_snapshot`), and attention over the static KV cache (torch SDPA; on CUDA the decode
-steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`). On CUDA each residual add with
-the RMSNorm after it, RoPE on q/k (at decode, with the k/v cache write) and SiLU(gate) * up run as one
-Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and eps are read on every call, so
-AQN's in-place noise is seen); elsewhere the same ops run eagerly.
+steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`, gpt-oss's sinks and windows
+included). On CUDA each residual add with the RMSNorm after it, RoPE on q/k (at decode, with the k/v cache
+write) and SiLU(gate) * up run as one Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and
+eps are read on every call, so AQN's in-place noise is seen); elsewhere the same ops run eagerly.
 
 Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE: an `mlp` with `experts` and a router `gate`) run their
 sparse-MoE block as the model does, `mlp(x)` on the normed x [B, L, D] (router, top-k, experts -- HF's or
@@ -24,8 +24,10 @@ per-expert reference path do sync, so an engine over such a model decodes eagerl
 gpt-oss: q/k/v/o carry biases (the adapter snapshot applies them), its MoE block has a `router` instead of
 a `gate` (run whole, as above), every attention has per-head sinks (one extra logit in each softmax's
 denominator, `qerl.nn.sinks`) and every other layer a sliding window (`config.layer_types`; key j visible to
-the query at position p iff p - j < window, transformers' rule). Those layers attend through SDPA with a
-float mask, at prefill and decode alike: the CUDA flash-decoding kernel knows neither sinks nor windows.
+the query at position p iff p - j < window, transformers' rule; a row's position is its cache slot). At
+prefill, and at decode off CUDA, those layers attend through SDPA with a float mask; CUDA decode steps take
+the flash-decoding kernel, which adds the sink to its softmax and scans only the window's slots
+(`decode_attention(..., sinks, window)`; `SINKS_WINDOW_DECODE_KERNEL` False sends them to SDPA instead).
 Other architectures with a sliding window are still refused.
 
 Shapes: B batch, L tokens fed (the prompt length P at prefill, 1 at decode), S attended cache length,
@@ -49,6 +51,9 @@ from .rope import rope_tables
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # architectures whose per-layer sliding windows (config.layer_types) the runner applies
 LAYER_WINDOW_MODEL_TYPES = ("gpt_oss",)
+# CUDA decode steps of layers with sinks and/or a sliding window (gpt-oss) through the flash-decoding kernel;
+# False: through SDPA with a float mask, as at prefill (the older path, kept for comparison in tests)
+SINKS_WINDOW_DECODE_KERNEL = True
 
 
 def is_moe_block(mlp: nn.Module) -> bool:
@@ -156,8 +161,10 @@ class CausalLMRunner:
         if slot is not None:  # decode: RoPE + this slot's k/v written into the cache, one launch on CUDA
             q = rope_qk_store(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
             S = mask.shape[-1]
-            if q.is_cuda and window is None and sinks is None:  # one flash-decoding launch (two with split S)
-                o = decode_attention(q[:, 0], cache.k[i], cache.v[i], cache.key_valid, slot, S, self.scale)
+            plain = window is None and sinks is None
+            if q.is_cuda and (plain or SINKS_WINDOW_DECODE_KERNEL):  # one flash-decoding launch (two with splits)
+                o = decode_attention(q[:, 0], cache.k[i], cache.v[i], cache.key_valid, slot, S, self.scale,
+                                     sinks=sinks, window=window)
                 return lin(attn.o_proj, o.reshape(B, L, self.n_heads * self.head_dim))
             k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
             q = q.transpose(1, 2)
