@@ -6,6 +6,12 @@ NaN first (`workspace.poisoned_outputs`), and every cache slot a query must not 
 past the decode slot, slots >= S) holds NaN, so an unwritten element or a leaked key fails. Run on the CPU
 through the Triton interpreter (subprocess) and directly on a GPU, where a CUDA-graph replay with new slot
 values is checked too.
+
+gpt-oss's sinks (a logit per query head in each softmax's denominator, no value) and sliding windows (key j
+visible to the query at position p iff p - j < window): the reference against an independent float64
+computation (an explicit sink column, the window from each row's positions under left padding), the kernel
+against the reference (sinks, windows, both; splits; dummy rows; NaN outside the window), at gpt-oss-20b's
+head shapes on the GPU, and the engine's decode through the kernel against its SDPA path.
 """
 
 import pytest
@@ -42,10 +48,12 @@ def _inputs(B, KV, G, hd, max_len, dtype, device, gen, magnitude=1.0):
     return q.to(device), k.to(device), v.to(device), key_valid.to(device)
 
 
-def _hide_unseen(k, v, key_valid, slot, S):
+def _hide_unseen(k, v, key_valid, slot, S, window=None):
     """Copies of k, v with NaN in every slot the query must not read."""
     j = torch.arange(k.shape[2], device=k.device)
     seen = key_valid & (j <= slot.reshape(-1, 1)) & (j < S)
+    if window is not None:
+        seen &= slot.reshape(-1, 1) - j < window
     hidden = ~seen[:, None, :, None]
     return k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("nan"))
 
@@ -111,8 +119,151 @@ def check_reference_vs_sdpa(device: str, seed: int = 2) -> list[str]:
     return fails
 
 
+def explicit_attention(q, k, v, key_valid, slot, S, scale, sinks=None, window=None):
+    """float64, one (row, head) at a time: positions counted over each row's valid slots (left pads hold
+    none), visible keys = valid, slot <= the query's, position within the window; the softmax over their
+    scores plus a sink column, which is dropped before the weighted sum. No visible key: zeros."""
+    B, H, hd = q.shape
+    KV = k.shape[1]
+    slots = slot.reshape(-1).expand(B).tolist()
+    out = torch.zeros(B, H, hd, dtype=torch.float64)
+    for b in range(B):
+        pos = key_valid[b].long().cumsum(0) - 1  # the position of each valid slot
+        qpos = int(pos[slots[b]])
+        keys = [j for j in range(min(S, slots[b] + 1))
+                if key_valid[b, j] and (window is None or qpos - int(pos[j]) < window)]
+        for h in range(H):
+            kvh = h // (H // KV)
+            logits = [float(q[b, h].double() @ k[b, kvh, j].double()) * scale for j in keys]
+            if sinks is not None:
+                logits.append(float(sinks[h]))
+            if not keys:
+                continue
+            m = max(logits)
+            e = [torch.tensor(x - m, dtype=torch.float64).exp() for x in logits]
+            total = sum(e)
+            for w, j in zip(e, keys):
+                out[b, h] += w / total * v[b, kvh, j].double()
+    return out
+
+
+# (B, KV, G, hd, S, max_len, block_n, splits, window, sinks): sinks "f32" / "model" (q's dtype) / None; windows
+# shorter than a tile, spanning several (and splits of them), 1, longer than S; one split and several
+WINDOW_CASES = [
+    (2, 2, 3, 64, 90, 96, 16, 1, None, "f32"),  # sinks only, the direct path
+    (2, 2, 3, 64, 90, 96, 16, 3, None, "model"),  # sinks only, the combine pass
+    (3, 1, 4, 32, 120, 128, 16, None, 40, None),  # window only, splits of the window's span
+    (2, 2, 2, 64, 100, 112, 16, 1, 7, "f32"),  # both, a window shorter than a tile
+    (2, 2, 2, 64, 100, 112, 16, 3, 40, "f32"),  # both, 3 splits of 16 keys over the window
+    (2, 1, 3, 32, 70, 80, 16, 2, 500, "model"),  # a window longer than S: the full-attention result
+    (3, 2, 2, 32, 60, 64, 16, 2, 1, "f32"),  # window 1: the query's own key (and the sink)
+    (3, 2, 3, 64, 150, 160, None, None, 20, "f32"),  # B * KV >= the 4 "SMs": the wide tile, one split
+]
+GPU_WINDOW_CASES = WINDOW_CASES + [(2, 8, 8, 64, 2048, 2100, None, None, 128, "model"),
+                                   (1, 8, 8, 64, 2000, 2048, 64, 5, 300, "f32")]
+
+
+def check_sinks_window(device: str, dtype=torch.bfloat16, seed: int = 7, cases=WINDOW_CASES) -> list[str]:
+    """Kernel with sinks and/or a window vs the fp32 reference at slots 0, a middle one, S - 1 and one per
+    row; slots outside the window hold NaN; the last row of every other case has no valid key (zeros out);
+    sinks large and small against the scores (magnitude 30: the sink wins or loses the softmax's max)."""
+    from qerl.kernels import triton_decode_attention as tda
+    from qerl.kernels.decode_attention import decode_attention_reference
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    with poisoned_outputs():
+        for i, (B, KV, G, hd, S, max_len, block_n, splits, window, sink_kind) in enumerate(cases):
+            for magnitude in (1.0, 30.0) if i % 2 == 0 else (1.0,):
+                q, k, v, key_valid = _inputs(B, KV, G, hd, max_len, dtype, device, gen)
+                if i % 2 == 1:
+                    key_valid[-1] = False
+                sinks = None
+                if sink_kind is not None:
+                    sinks = (torch.randn(G * KV, generator=gen) * 2 * magnitude).to(device)
+                    sinks = sinks.to(dtype) if sink_kind == "model" else sinks
+                k = k * magnitude if magnitude != 1.0 else k  # scores of order magnitude * sqrt(hd)
+                scale = hd ** -0.5
+                for s in (0, S // 2 + 1, S - 1, "per row"):
+                    slot = torch.tensor(s, dtype=torch.int64, device=device) if s != "per row" else \
+                        torch.randint(0, S, (B,), generator=gen).to(device)
+                    kn, vn = _hide_unseen(k, v, key_valid, slot, S, window)
+                    out = tda.decode_attention_triton(q, kn, vn, key_valid, slot, S, scale, splits, block_n,
+                                                      sinks=sinks, window=window)
+                    ref = decode_attention_reference(q.float(), k.float(), v.float(), key_valid, slot, S, scale,
+                                                     sinks, window)
+                    tag = f"{device} {dtype} window case={i} mag={magnitude} slot={s}"
+                    if out.dtype != dtype or out.shape != ref.shape:
+                        fails.append(f"{tag}: got {out.dtype} {tuple(out.shape)}")
+                        continue
+                    err = _error(out, ref)
+                    if err > TOL[dtype]:
+                        fails.append(f"{tag}: relative max error {err:.3g}")
+                    j = torch.arange(S, device=device)
+                    seen = key_valid[:, :S] & (j <= slot.reshape(-1, 1))
+                    if window is not None:
+                        seen &= slot.reshape(-1, 1) - j < window
+                    blind = ~seen.any(1)
+                    if blind.any() and not (out[blind] == 0).all():
+                        fails.append(f"{tag}: a row with no visible key is not all zeros")
+    return fails
+
+
+def check_reference_sinks_window(device: str = "cpu", seed: int = 4) -> list[str]:
+    """The fp32 reference with sinks / windows equals `explicit_attention` (left-padded rows, a slot per row,
+    a row with no valid key)."""
+    from qerl.kernels.decode_attention import decode_attention_reference
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    for B, KV, G, hd, S, max_len in [(3, 2, 3, 16, 30, 36), (2, 1, 4, 32, 17, 17)]:
+        q, k, v, key_valid = _inputs(B, KV, G, hd, max_len, torch.float32, device, gen, magnitude=2.0)
+        key_valid[-1, :] = False
+        sinks = torch.randn(G * KV, generator=gen) * 3
+        for window in (None, 1, 4, 100):
+            for sk in (None, sinks):
+                for slot in (torch.tensor(S - 1), torch.randint(0, S, (B,), generator=gen)):
+                    if window is None and sk is None:
+                        continue
+                    ref = decode_attention_reference(q, k, v, key_valid, slot, S, 0.3, sk, window)
+                    want = explicit_attention(q, k, v, key_valid, slot, S, 0.3, sk, window)
+                    diff = (ref.double() - want).abs().max().item()
+                    if not diff < 1e-5:
+                        fails.append(f"reference {(B, KV, G, hd, S)} window={window} sinks={sk is not None} "
+                                     f"slot={slot.tolist()}: max diff {diff:.3g}")
+    return fails
+
+
+def check_reference_sinks_vs_sdpa(device: str, seed: int = 5) -> list[str]:
+    """With sinks and a window, the reference equals the engine's SDPA path (`sink_attention` with
+    `within_window`), which rows with no visible key leave at zeros as well."""
+    from qerl.kernels.decode_attention import decode_attention_reference
+    from qerl.rollout.model_runner import sink_attention, within_window
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    B, KV, G, hd, S, max_len = 3, 2, 4, 64, 40, 48
+    q, k, v, key_valid = _inputs(B, KV, G, hd, max_len, torch.float32, device, gen)
+    key_valid[-1] = False
+    sinks = (torch.randn(G * KV, generator=gen) * 2).to(device)
+    for window in (None, 6):
+        slot = torch.tensor([S - 1, 12, 30], device=device)
+        mask = (key_valid[:, :S] & (torch.arange(S, device=device) <= slot[:, None]))[:, None, None, :]
+        if window is not None:
+            mask = mask & within_window(mask, slot, window)
+        sdpa = sink_attention(q[:, :, None], k[:, :, :S], v[:, :, :S], mask, 0.2, sinks)[:, :, 0]
+        ref = decode_attention_reference(q, k, v, key_valid, slot, S, 0.2, sinks, window)
+        if not torch.allclose(ref, sdpa, atol=1e-5, rtol=1e-5):
+            fails.append(f"sinks vs sdpa window={window}: max diff {(ref - sdpa).abs().max().item():.3g}")
+    return fails
+
+
 def interpreter_suite() -> list[str]:
     return check_kernel("cpu") + check_kernel("cpu", torch.float16, seed=1, cases=CASES[1:3])
+
+
+def sinks_window_interpreter_suite() -> list[str]:
+    return check_sinks_window("cpu") + check_sinks_window("cpu", torch.float16, seed=8, cases=WINDOW_CASES[1:7:2])
 
 
 def test_interpreter():
@@ -120,9 +271,31 @@ def test_interpreter():
     assert not fails, "\n".join(fails)
 
 
+def test_interpreter_sinks_window():
+    fails = run_interpreter_suite("test_decode_attention", "sinks_window_interpreter_suite", timeout=600)
+    assert not fails, "\n".join(fails)
+
+
 def test_reference_matches_sdpa():
     fails = check_reference_vs_sdpa("cpu")
     assert not fails, "\n".join(fails)
+
+
+def test_reference_sinks_window_matches_explicit_and_sdpa():
+    fails = check_reference_sinks_window() + check_reference_sinks_vs_sdpa("cpu")
+    assert not fails, "\n".join(fails)
+
+
+def test_cpu_path_with_sinks_window_is_the_reference():
+    from qerl.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, key_valid = _inputs(2, 2, 3, 64, 30, torch.bfloat16, "cpu", gen)
+    sinks, slot = torch.randn(6, generator=gen).to(torch.bfloat16), torch.tensor([20, 9])
+    out = decode_attention(q, k, v, key_valid, slot, 24, 0.125, sinks=sinks, window=5)
+    assert torch.equal(out, decode_attention_reference(q, k, v, key_valid, slot, 24, 0.125, sinks, 5))
+    assert not torch.equal(out, decode_attention(q, k, v, key_valid, slot, 24, 0.125, window=5))
+    assert not torch.equal(out, decode_attention(q, k, v, key_valid, slot, 24, 0.125, sinks=sinks))
 
 
 def test_cpu_path_is_the_reference():
@@ -164,3 +337,117 @@ def test_gpu_graph_replay_reads_slot_on_device():
         graph.replay()
         ref = decode_attention_reference(q.float(), k.float(), v.float(), key_valid, slot, S, 0.09)
         assert _error(out, ref) <= TOL[torch.bfloat16], f"slot {s}: {_error(out, ref):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_sinks_window(dtype):
+    require_cuda()
+    fails = check_sinks_window("cuda", dtype, cases=GPU_WINDOW_CASES)
+    fails += check_reference_sinks_window("cuda") + check_reference_sinks_vs_sdpa("cuda")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_gpu_gpt_oss_20b_heads(B):
+    """gpt-oss-20b's attention (64 query heads, 8 kv heads, head dim 64, bf16 sinks, window 128 on every other
+    layer) through the public entry, production tile and split choice, S up to 2048 as the engine's graphs
+    scan (the whole cache) and shorter, one slot for all rows and one per row."""
+    require_cuda()
+    from qerl.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    gen = torch.Generator().manual_seed(10 + B)
+    max_len = 2048
+    q, k, v, key_valid = _inputs(B, 8, 8, 64, max_len, torch.bfloat16, "cuda", gen)
+    sinks = torch.randn(64, generator=gen).to("cuda", torch.bfloat16)
+    fails = []
+    with poisoned_outputs():
+        for window in (128, None):
+            for S in (100, 700, 2048):
+                for s in (S - 1, "per row"):
+                    slot = torch.tensor(s, device="cuda") if s != "per row" else \
+                        torch.randint(0, S, (B,), generator=gen).to("cuda")
+                    kn, vn = _hide_unseen(k, v, key_valid, slot, S, window)
+                    out = decode_attention(q, kn, vn, key_valid, slot, S, 0.125, sinks=sinks, window=window)
+                    ref = decode_attention_reference(q.float(), k.float(), v.float(), key_valid, slot, S, 0.125,
+                                                     sinks, window)
+                    err = _error(out, ref)
+                    if err > TOL[torch.bfloat16]:
+                        fails.append(f"B={B} window={window} S={S} slot={s}: relative max error {err:.3g}")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_sinks_window():
+    """Captured once with sinks and a window, replayed with new per-row slots: the window follows the slots."""
+    require_cuda()
+    from qerl.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, key_valid = _inputs(4, 8, 8, 64, 1024, torch.bfloat16, "cuda", gen)
+    sinks = torch.randn(64, generator=gen).to("cuda", torch.bfloat16)
+    S = 1024
+    slot = torch.full((4,), 10, device="cuda")
+    graph, out = capture_graph(lambda: decode_attention(q, k, v, key_valid, slot, S, 0.125, sinks=sinks, window=128))
+    for s in ([0, 10, 127, 128], [129, 500, 1000, S - 1]):
+        slot.copy_(torch.tensor(s))
+        graph.replay()
+        ref = decode_attention_reference(q.float(), k.float(), v.float(), key_valid, slot, S, 0.125, sinks, 128)
+        assert _error(out, ref) <= TOL[torch.bfloat16], f"slots {s}: {_error(out, ref):.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_engine_gpt_oss_decode_equals_the_sdpa_path(monkeypatch):
+    """The tiny gpt-oss (sinks on both layers, window 3 on layer 0) decoding on CUDA: its sink / window layers
+    through `decode_attention` (`model_runner.SINKS_WINDOW_DECODE_KERNEL`) equal the SDPA path -- in fp32
+    (the reference) token for token, in bf16 (the Triton kernel) on log-probs up to each row's first
+    differing token, and against a full forward."""
+    require_cuda()
+    import warnings
+
+    from qerl.rollout import model_runner
+    from qerl.rollout.engine import RolloutEngine
+    from qerl.rollout.sampling import SamplingParams
+
+    from test_gpt_oss import tiny_gpt_oss
+    from test_rollout_engine import completions, full_forward_logprobs, prompts_of
+    from test_rollout_moe import quantized
+
+    calls = []
+    real = model_runner.decode_attention
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("sinks") is not None, kwargs.get("window")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "decode_attention", recording)
+    prompts = prompts_of([5, 11, 3, 8], seed=3)
+    greedy = SamplingParams(temperature=0)
+
+    def run(model, kernel):
+        monkeypatch.setattr(model_runner, "SINKS_WINDOW_DECODE_KERNEL", kernel)
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fp32 experts: "without CUDA graphs"
+            out = RolloutEngine(model, max_seq_len=64, max_batch=4).generate(prompts, 24, greedy, ignore_eos=True)
+        return out, set(calls)
+
+    model = quantized(tiny_gpt_oss()).cuda()
+    kern, seen = run(model, True)
+    assert seen == {(True, 3), (True, None)}, seen
+    sdpa, seen = run(model, False)
+    assert seen == set()
+    assert completions(kern) == completions(sdpa)
+    torch.testing.assert_close(kern.logprobs, sdpa.logprobs, atol=1e-4, rtol=1e-4)
+
+    model = model.to(torch.bfloat16)
+    kern, seen = run(model, True)
+    assert seen == {(True, 3), (True, None)}, seen
+    sdpa, _ = run(model, False)
+    same = (kern.completion_ids == sdpa.completion_ids).long().cumprod(1).bool()  # up to the first difference
+    same = same & kern.completion_mask & sdpa.completion_mask
+    assert (kern.logprobs - sdpa.logprobs)[same].abs().max() < 0.05
+    # greedy on a near-flat random model in bf16 parts soon: each path against a full forward of its own tokens
+    err = [(out.logprobs - full_forward_logprobs(model, out, 1.0)[0]).abs().mean().item() for out in (kern, sdpa)]
+    assert err[0] < 0.05 and err[0] < 2 * err[1] + 0.01, err
