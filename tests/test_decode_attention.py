@@ -123,6 +123,8 @@ def explicit_attention(q, k, v, key_valid, slot, S, scale, sinks=None, window=No
     """float64, one (row, head) at a time: positions counted over each row's valid slots (left pads hold
     none), visible keys = valid, slot <= the query's, position within the window; the softmax over their
     scores plus a sink column, which is dropped before the weighted sum. No visible key: zeros."""
+    q, k, v, key_valid, slot = (t.cpu() for t in (q, k, v, key_valid, slot))
+    sinks = None if sinks is None else sinks.cpu()
     B, H, hd = q.shape
     KV = k.shape[1]
     slots = slot.reshape(-1).expand(B).tolist()
@@ -182,7 +184,7 @@ def check_sinks_window(device: str, dtype=torch.bfloat16, seed: int = 7, cases=W
                 if sink_kind is not None:
                     sinks = (torch.randn(G * KV, generator=gen) * 2 * magnitude).to(device)
                     sinks = sinks.to(dtype) if sink_kind == "model" else sinks
-                k = k * magnitude if magnitude != 1.0 else k  # scores of order magnitude * sqrt(hd)
+                k = k * magnitude  # scores of order magnitude * sqrt(hd): the sink wins or loses the max
                 scale = hd ** -0.5
                 for s in (0, S // 2 + 1, S - 1, "per row"):
                     slot = torch.tensor(s, dtype=torch.int64, device=device) if s != "per row" else \
@@ -219,15 +221,16 @@ def check_reference_sinks_window(device: str = "cpu", seed: int = 4) -> list[str
     for B, KV, G, hd, S, max_len in [(3, 2, 3, 16, 30, 36), (2, 1, 4, 32, 17, 17)]:
         q, k, v, key_valid = _inputs(B, KV, G, hd, max_len, torch.float32, device, gen, magnitude=2.0)
         key_valid[-1, :] = False
-        sinks = torch.randn(G * KV, generator=gen) * 3
+        sinks = (torch.randn(G * KV, generator=gen) * 3).to(device)
         for window in (None, 1, 4, 100):
             for sk in (None, sinks):
                 for slot in (torch.tensor(S - 1), torch.randint(0, S, (B,), generator=gen)):
+                    slot = slot.to(device)
                     if window is None and sk is None:
                         continue
                     ref = decode_attention_reference(q, k, v, key_valid, slot, S, 0.3, sk, window)
                     want = explicit_attention(q, k, v, key_valid, slot, S, 0.3, sk, window)
-                    diff = (ref.double() - want).abs().max().item()
+                    diff = (ref.double().cpu() - want).abs().max().item()
                     if not diff < 1e-5:
                         fails.append(f"reference {(B, KV, G, hd, S)} window={window} sinks={sk is not None} "
                                      f"slot={slot.tolist()}: max diff {diff:.3g}")
