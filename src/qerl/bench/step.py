@@ -560,10 +560,12 @@ def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="7b", help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (the MoE "
-                                                   "experts run as frozen QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, eager)")
-    ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn", help="FORMAT[+aqn][+dense|+denseall], FORMAT in bf16,nf4,nvfp4,mxfp4 "
-                    "(+dense: model.dense_weights=update, +denseall: =all)")
+    ap.add_argument("--models", default="7b",
+                    help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (4-bit MoE experts run as frozen "
+                         "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, eager)")
+    ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn",
+                    help="FORMAT[+aqn][+dense|+denseall], FORMAT in bf16,nf4,nvfp4,mxfp4 "
+                         "(+dense: model.dense_weights=update, +denseall: =all)")
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--prompt", type=int, default=256)

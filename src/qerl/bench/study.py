@@ -287,8 +287,9 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][+aqn][:DECAY][@LR],...")
     p.add_argument("--seeds", "--seed", default="0", help="comma-separated, e.g. 0,1,2: every arm once per seed")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--set", action="append", default=[], help="section.key=value for every job; FORMAT:section.key=value for that format's arms only "
-                   "(e.g. nf4:model.dense_weights=all)")
+    p.add_argument("--set", action="append", default=[],
+                   help="section.key=value for every job; FORMAT:section.key=value for that format's arms only "
+                        "(e.g. nf4:model.dense_weights=all)")
     p.add_argument("--out", default="runs/study")
     p.add_argument("--parallel", type=int, default=1, help="jobs run at once, each in its own process")
     p.add_argument("--deadline-s", type=float, default=None,

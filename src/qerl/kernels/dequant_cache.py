@@ -59,7 +59,8 @@ def cached_dense_weight(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch
     first = next(iter(tensors.values()))
     if scope is None or (first.is_cuda and not scope.cuda):
         return None
-    key = (first.data_ptr(), tuple(first.shape), fmt, dtype)  # shape too: a fused sibling group starts where its first member does
+    # shape too: a fused sibling group starts where its first member does
+    key = (first.data_ptr(), tuple(first.shape), fmt, dtype)
     entry = scope.cache.get(key)
     if entry is None:
         if first.is_cuda and torch.cuda.is_current_stream_capturing():
