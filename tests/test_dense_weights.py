@@ -113,3 +113,15 @@ def test_training_with_dense_weights_equals_training_without(tiny_dir, data_file
     else:
         assert trainer.engine.dense_weights is store
         assert len(made) == len(store)  # every copy made exactly once over three steps
+
+
+def test_a_loss_pass_with_dense_copies_issues_no_more_ops_than_bf16():
+    """At small sizes the update is launch-bound: the copies must not add host work over the bf16 policy's
+    linears (benchmarks/loss_pass_ops.py, whose table docs/results.md cites)."""
+    from bench_scripts import load_benchmark
+
+    ops = load_benchmark("loss_pass_ops")
+    bf16, dense = ops.count_ops("bf16", 2, 8), ops.count_ops("nvfp4+dense", 2, 8)
+    assert 0 < sum(dense.values()) <= sum(bf16.values())
+    with pytest.raises(SystemExit, match="unknown variant"):
+        ops.count_ops("nvfp4+fast", 2, 8)
