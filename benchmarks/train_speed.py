@@ -8,6 +8,11 @@ reward and completion length, and peak memory.
     python benchmarks/train_speed.py /tmp/q15 --steps 6 --out speed.json
     python benchmarks/train_speed.py /tmp/q15 --arms bf16:new,bf16:old,nvfp4+aqn:new,nvfp4+aqn:old \\
         --set rollout.max_new_tokens=512 lora.r=32
+    python benchmarks/train_speed.py --metrics bf16=RUN/metrics.jsonl nvfp4+aqn=RUN2/metrics.jsonl --device H200
+
+An arm is FORMAT[+aqn][+dense|+denseall]:new|old (+dense: model.dense_weights=update, +denseall: all). The
+per-token columns divide the timed steps' summed seconds by their summed work (loss tokens computed, decoded
+row-steps), since arms sample completions of different lengths.
 
 Defaults are the GSM8K run of the issue on a real model (Qwen2.5-Coder-1.5B-Instruct): 16 prompts x 8, <= 512
 new tokens, T 1.0, LoRA r 32, lr 5e-5, the GSM8K training split (gsm8k-offline:train) with the gsm8k suffix.
@@ -30,13 +35,18 @@ BASE = {"data.train": "gsm8k-offline:train", "data.suffix": "gsm8k", "data.max_p
 MODES = {"new": {}, "old": {"rollout.scheduler": "static", "optim.packing": False, "optim.micro_batch_size": 8}}
 
 
+DENSE = {"dense": "update", "denseall": "all"}  # arm flag -> model.dense_weights
+
+
 def arm_overrides(arm: str) -> dict:
-    """'nvfp4+aqn:new' -> the overrides of that arm."""
+    """'nvfp4+aqn+dense:new' -> the overrides of that arm."""
     variant, _, mode = arm.partition(":")
-    fmt, _, extra = variant.partition("+")
-    if mode not in MODES or extra not in ("", "aqn"):
-        raise ValueError(f"bad arm {arm!r}: FORMAT[+aqn]:new|old")
-    return {"model.format": fmt, "aqn.enabled": extra == "aqn", **MODES[mode]}
+    fmt, *flags = variant.split("+")
+    dense = [DENSE[f] for f in flags if f in DENSE]
+    if mode not in MODES or any(f not in ("aqn", *DENSE) for f in flags) or len(dense) > 1:
+        raise ValueError(f"bad arm {arm!r}: FORMAT[+aqn][+dense|+denseall]:new|old")
+    return {"model.format": fmt, "aqn.enabled": "aqn" in flags, **({"model.dense_weights": dense[0]} if dense else {}),
+            **MODES[mode]}
 
 
 def run_arm(model: str, arm: str, steps: int, extra: list[str], workdir: Path) -> list[dict]:
@@ -51,8 +61,12 @@ def run_arm(model: str, arm: str, steps: int, extra: list[str], workdir: Path) -
 def summarize(arm: str, rows: list[dict]) -> dict:
     timed = rows[1:] or rows
     med = lambda k: statistics.median(r.get(k, float("nan")) for r in timed)  # noqa: E731
+    # per unit of work, over the timed steps together: sampled lengths differ between arms
+    per = lambda t, n: sum(r[t] for r in timed) / max(sum(r.get(n, 0) for r in timed), 1)  # noqa: E731
     return dict(arm=arm, steps=len(rows), step_s=med("time_step"), rollout_s=med("time_rollout"),
-                update_s=med("time_update"), rows_per_kept=med("rollout_rows_per_kept"),
+                update_s=med("time_update"), update_ms_per_1k_tokens=1e6 * per("time_update", "loss_tokens_computed"),
+                decode_us_per_row_step=1e6 * per("time_generate", "rollout_decoded_row_steps"),
+                rows_per_kept=med("rollout_rows_per_kept"),
                 loss_computed_per_needed=med("loss_tokens_per_needed"),
                 reward=statistics.mean(r["reward"] for r in rows), length=statistics.mean(
                     r["response_length"] for r in rows), memory_gb=max(r["memory_gb"] for r in rows),
@@ -62,25 +76,39 @@ def summarize(arm: str, rows: list[dict]) -> dict:
 def table(results: list[dict], device: str) -> str:
     old = {r["arm"].split(":")[0]: r["step_s"] for r in results if r["arm"].endswith(":old")}
     lines = [f"device: {device}; {datetime.date.today()}; medians over steps 2..N",
-             "| arm | step s | vs old | rollout s | update s | rows/kept | loss computed/needed | reward | "
-             "length | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | step s | vs old | rollout s | update s | update ms / 1k loss tokens | decode us / row-step | "
+             "rows/kept | loss computed/needed | reward | length | peak GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = old.get(r["arm"].split(":")[0])
         vs = f"{base / r['step_s']:.2f}x" if base and not r["arm"].endswith(":old") else "-"
         lines.append(f"| {r['arm']} | {r['step_s']:.2f} | {vs} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | "
-                     f"{r['rows_per_kept']:.2f} | {r['loss_computed_per_needed']:.2f} | {r['reward']:.3f} | "
+                     f"{r['update_ms_per_1k_tokens']:.1f} | {r['decode_us_per_row_step']:.1f} | {r['rows_per_kept']:.2f} | {r['loss_computed_per_needed']:.2f} | {r['reward']:.3f} | "
                      f"{r['length']:.0f} | {r['memory_gb']:.1f} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="model path or name (model.name)")
+    ap.add_argument("model", nargs="?", help="model path or name (model.name)")
     ap.add_argument("--arms", default="bf16:new,bf16:old,nvfp4+aqn:new,nvfp4+aqn:old")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--set", nargs="*", default=[], help="further section.key=value overrides for every arm")
     ap.add_argument("--out", help="write the per-step metrics and the summary as JSON here")
+    ap.add_argument("--metrics", nargs="*", default=[], metavar="ARM=FILE",
+                    help="summarize runs made earlier (their metrics.jsonl) instead of running; --device names the GPU")
+    ap.add_argument("--device", help="with --metrics: the device the runs were made on")
     args = ap.parse_args(argv)
+    if args.metrics:
+        results = []
+        for item in args.metrics:
+            arm, _, path = item.partition("=")
+            rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+            results.append(summarize(arm, rows))
+        print(table(results, args.device or "unknown"))
+        return 0
+    if not args.model:
+        ap.error("give a model (or --metrics ARM=FILE ...)")
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -2,6 +2,7 @@
 `benchmarks/ws_clocks.py` refuse what they cannot run before looking for a GPU (ws_clocks also parses nvidia-smi's
 samples), and `benchmarks/compile_wgmma_ws.py` compiles the kernel offline and rewrites its setmaxnreg counts."""
 
+import json
 import re
 
 import pytest
@@ -244,3 +245,23 @@ def test_rollout_profile_bench_alternates_schedulers_on_the_same_draws(tmp_path,
         assert timed_calls[2 * rep][2] == timed_calls[2 * rep + 1][2] == drawn
     assert out["continuous"]["rollout_efficiency"] == 1.0 and out["static"]["rollout_efficiency"] > 1.0
     assert out["static"]["repeats"] == 3 and out["static"]["peak_gb"] == 3.0 and out["static"]["seconds"] == 1.0
+
+
+def test_train_speed_arms_and_summaries_of_earlier_runs(tmp_path, capsys):
+    ts = _bench("train_speed")
+    assert ts.arm_overrides("nvfp4+aqn+dense:new") == {"model.format": "nvfp4", "aqn.enabled": True,
+                                                        "model.dense_weights": "update"}
+    assert ts.arm_overrides("nf4+denseall:old")["model.dense_weights"] == "all"
+    for bad in ("nvfp4+dense+denseall:new", "nvfp4+fast:new", "nvfp4:newer"):
+        with pytest.raises(ValueError):
+            ts.arm_overrides(bad)
+    step = dict(time_step=3.0, time_rollout=1.0, time_update=2.0, time_generate=0.5, rollout_decoded_row_steps=1000,
+                loss_tokens_computed=4000, rollout_rows_per_kept=1.2, loss_tokens_per_needed=1.0, reward=0.5,
+                response_length=100, memory_gb=8.0)
+    rows = [dict(step, time_step=20.0), dict(step, time_update=1.0, loss_tokens_computed=1000), step]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ts.main(["--metrics", f"nvfp4+aqn:new={path}", "--device", "H200"]) == 0
+    out = capsys.readouterr().out
+    # steps 2-3: medians 3.0 s; update ms per 1k loss tokens (1 + 2) s / 5000 tokens = 600; decode 500 us
+    assert "device: H200" in out and "| nvfp4+aqn:new | 3.00 | - | 1.00 | 1.50 | 600.0 | 500.0 |" in out
