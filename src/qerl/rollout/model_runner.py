@@ -25,9 +25,10 @@ gpt-oss: q/k/v/o carry biases (the adapter snapshot applies them), its MoE block
 a `gate` (run whole, as above), every attention has per-head sinks (one extra logit in each softmax's
 denominator, `qerl.nn.sinks`) and every other layer a sliding window (`config.layer_types`; key j visible to
 the query at position p iff p - j < window, transformers' rule; a row's position is its cache slot). At
-prefill and by default at decode, those layers attend through SDPA with a float mask; with
-`SINKS_WINDOW_DECODE_KERNEL` on, CUDA decode steps take the flash-decoding kernel instead, which adds the sink
-to its softmax and scans only the window's slots (`decode_attention(..., sinks, window)`).
+prefill those layers attend through SDPA with a float mask; CUDA decode steps take the flash-decoding kernel,
+which adds the sink to its softmax and scans only the window's slots (`decode_attention(..., sinks, window)`;
+`SINKS_WINDOW_DECODE_KERNEL = False` sends them through SDPA as at prefill, the path the kernel is tested
+against).
 Other architectures with a sliding window are still refused.
 
 Shapes: B batch, L tokens fed (the prompt length P at prefill, 1 at decode), S attended cache length,
@@ -52,9 +53,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwe
 # architectures whose per-layer sliding windows (config.layer_types) the runner applies
 LAYER_WINDOW_MODEL_TYPES = ("gpt_oss",)
 # True: CUDA decode steps of layers with sinks and/or a sliding window (gpt-oss) through the flash-decoding
-# kernel; False: through SDPA with a float mask, as at prefill. Off until the kernel's GPU tests have run
-# (it is tested under the Triton interpreter and compiled for sm_90, never run on a GPU yet).
-SINKS_WINDOW_DECODE_KERNEL = False
+# kernel; False: through SDPA with a float mask, as at prefill (the reference the engine test compares with;
+# at the gpt-oss-20b shape the kernel makes the rollout 3.2x faster, docs/benchmarks.md).
+SINKS_WINDOW_DECODE_KERNEL = True
 
 
 def is_moe_block(mlp: nn.Module) -> bool:
