@@ -1,10 +1,9 @@
 """An unfinished study's curves: per job the per-step metrics its trainer wrote before it was stopped
 (`metrics.jsonl`) and its held-out "before" score (`job_state.json`), as one table (training reward and entropy
 averaged over a window of steps, per seed and as the mean over seeds) and the study's reward / entropy plots.
-For studies whose jobs were killed before result.json (docs/results.md, "The study, first slice").
+For studies whose jobs were killed before result.json (a deadline, a lost machine): OUT is the study's --out.
 
-    python benchmarks/study_partial.py docs/results/study_qwen2.5-coder-1.5b_partial_h200x2_2026-11-26 \
-        --first 1-5 --last 36-40
+    python benchmarks/study_partial.py OUT --first 1-5 --last 36-40
 """
 
 import argparse
