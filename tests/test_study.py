@@ -247,6 +247,8 @@ def test_main_refuses_bad_arguments(capsys):
     assert "--test missing/test.jsonl: no such file" in capsys.readouterr().err
     assert study.main(["--arms", "nvfp4@1e-4", "--set", "optim.lr=1e-3"]) == 2
     assert "both set the learning rate" in capsys.readouterr().err
+    assert study.main(["--arms", "nvfp4", "--eval-limit", "-1"]) == 2
+    assert "--eval-limit must be >= 0" in capsys.readouterr().err
 
 
 def test_mps_is_optional(monkeypatch):
@@ -260,20 +262,29 @@ def test_mps_is_optional(monkeypatch):
 # end to end ------------------------------------------------------------------------------------------
 
 
-def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
-    """Two arms x one seed as two concurrent subprocesses on the CPU, then a second call that only aggregates."""
+TINY_SETTINGS = {"data.max_prompt_tokens": 32, "data.suffix": "none", "rollout.prompts_per_step": 2,
+                 "rollout.group_size": 4, "rollout.max_new_tokens": 8, "lora.r": 4, "lora.alpha": 8,
+                 "aqn.num_stages": 2, "optim.micro_batch_size": 8, "optim.gradient_checkpointing": "false",
+                 "plots": "false", "save_every": 1}
+
+
+def tiny_study_inputs(tmp_path) -> tuple[str, str]:
+    """A tiny random qwen2 with its tokenizer, and 25 two-term sums as a jsonl source: (model dir, data file)."""
     model_dir = tmp_path / "model"
     tiny_model("qwen2", dtype=torch.bfloat16).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 6) for b in range(1, 6)]
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(model_dir), str(data)
+
+
+def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
+    """Two arms x one seed as two concurrent subprocesses on the CPU, then a second call that only aggregates."""
+    model_dir, data = tiny_study_inputs(tmp_path)
     out = tmp_path / "study"
-    settings = {"data.max_prompt_tokens": 32, "data.suffix": "none", "rollout.prompts_per_step": 2,
-                "rollout.group_size": 4, "rollout.max_new_tokens": 8, "lora.r": 4, "lora.alpha": 8, "optim.lr": 1e-3,
-                "aqn.num_stages": 2, "optim.micro_batch_size": 8, "optim.gradient_checkpointing": "false",
-                "plots": "false", "save_every": 1}
-    argv = ["--model", str(model_dir), "--train", str(data), "--test", str(data), "--eval-limit", "4", "--eval-n", "1",
+    settings = {**TINY_SETTINGS, "optim.lr": 1e-3}
+    argv = ["--model", model_dir, "--train", data, "--test", data, "--eval-limit", "4", "--eval-n", "1",
             "--arms", "nvfp4+aqn,bf16", "--seeds", "0", "--steps", "2", "--parallel", "2", "--out", str(out),
             "--deadline-s", "240", *[x for k, v in settings.items() for x in ("--set", f"{k}={v}")]]
     code = study.main(argv)
@@ -321,3 +332,25 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
     study_jobs.write_json_atomic(job / "job_state.json", {**state, "settings": {**state["settings"], "steps": 9}})
     assert study.main(argv) == 1
     assert "other settings" in (job / "job.log").read_text()
+
+
+def test_a_learning_rate_sweep_leaves_the_held_out_set_alone(tmp_path, capsys):
+    """--eval-limit 0 with two @LR arms: no held-out score before or after, no pass@1 plot, the rate picked
+    by late training reward and written to lr_sweep.md."""
+    model_dir, data = tiny_study_inputs(tmp_path)
+    out = tmp_path / "sweep"
+    argv = ["--model", model_dir, "--train", data, "--eval-limit", "0", "--arms", "bf16@1e-3,bf16@1e-2",
+            "--seeds", "0", "--steps", "2", "--parallel", "2", "--out", str(out), "--deadline-s", "240",
+            *[x for k, v in TINY_SETTINGS.items() for x in ("--set", f"{k}={v}")]]
+    code = study.main(argv)
+    printed = capsys.readouterr().out
+    logs = {p.name: p.read_text()[-3000:] for p in out.glob("*/job.log")}
+    assert code == 0, (printed, logs)
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["arm"], r["pass1_before"], r["pass1_after"]) for r in runs] == [("bf16@0.001", None, None),
+                                                                               ("bf16@0.01", None, None)]
+    assert "overlap check" not in printed and not (out / "study_pass1.png").exists()
+    best = max(runs, key=lambda r: (r["reward_last"], -float(r["arm"].split("@")[1])))["arm"]
+    sweep = (out / "lr_sweep.md").read_text()
+    assert f"picked (highest late training reward): {best}" in sweep and "| bf16 |" in sweep
+    assert f"picked: {best}" in printed

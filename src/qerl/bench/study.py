@@ -33,6 +33,7 @@ from pathlib import Path
 from ..data.datasets import GSM8K_HELDOUT, GSM8K_TRAIN_OFFLINE, HELDOUT_OF
 from .study_arms import Arm, StudyError, parse_arms
 from .study_claims import claims, claims_markdown
+from .study_lr import best_lrs, lr_groups, lr_sweep_markdown
 from .study_jobs import MPSDaemon, run_jobs, write_json_atomic
 from .study_report import aggregate, plot_study, report
 
@@ -205,7 +206,7 @@ def run_job(args, job: Job) -> dict:
     t_job = time.perf_counter()
     cfg = load_config(args.config, job_overrides(args, job))
     # the held-out problems are the same for every seed (seed 0), so the spread over seeds is the training's
-    test_rows = load_problems(args.test, split="test", limit=args.eval_limit, seed=0)
+    test_rows = load_problems(args.test, split="test", limit=args.eval_limit, seed=0) if args.eval_limit else None
     settings = {**settings_of(args), "arm": job.arm.name, "seed": job.seed}
     state = started_job_state(job, settings) if args.resume else None
     started = (job.dir / "metrics.jsonl").exists() or (job.dir / "config.yaml").exists()
@@ -214,13 +215,15 @@ def run_job(args, job: Job) -> dict:
         state = {"settings": settings, "attempts": 0}
     sampling = SamplingParams(args.eval_temperature, 0, 0.95)
 
-    def held_out() -> float:
+    def held_out() -> float | None:
+        if test_rows is None:  # --eval-limit 0: a learning-rate sweep leaves the held-out set alone
+            return None
         res = evaluate(trainer.model, trainer.tokenizer, test_rows, n_samples=args.eval_n, sampling=sampling,
                        max_new_tokens=cfg.rollout.max_new_tokens, suffix=cfg.data.suffix, seed=job.seed,
                        engine=trainer.engine, progress=False)
         return res["pass@1"]
 
-    if state.get("pass1_before") is None:
+    if "pass1_before" not in state:
         state["pass1_before"] = held_out()
     state["attempts"] += 1
     write_json_atomic(job.dir / "job_state.json", state)
@@ -281,7 +284,9 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--test", default=None,
                    help=f"held-out evaluation source; default {GSM8K_HELDOUT} when --train is {GSM8K_TRAIN_OFFLINE}, "
                         f"else {DEFAULT_TEST}")
-    p.add_argument("--eval-limit", type=int, default=200)
+    p.add_argument("--eval-limit", type=int, default=200,
+                   help="held-out problems scored before and after RL; 0: none (a learning-rate sweep, which "
+                        "picks each arm's rate by training reward; docs/results.md)")
     p.add_argument("--eval-n", type=int, default=4)
     p.add_argument("--eval-temperature", type=float, default=0.6)
     p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][+aqn][:DECAY][@LR],...")
@@ -316,6 +321,8 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
         if any(a.lr is not None for a in arms) and any(scoped_override(i)[1].split("=", 1)[0].strip() == "optim.lr"
                                                           for i in args.set):
             raise StudyError("--set optim.lr and an arm's @LR both set the learning rate; give one or the other")
+        if args.eval_limit < 0:
+            raise StudyError(f"--eval-limit must be >= 0 (0: no held-out evaluation), got {args.eval_limit}")
         if args.parallel < 1:
             raise StudyError(f"--parallel must be >= 1, got {args.parallel}")
         jobs = make_jobs(arms, seeds, Path(args.out))
@@ -330,7 +337,7 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    overlap = overlap_check(args.train, args.test, args.eval_limit, seeds[0])
+    overlap = overlap_check(args.train, args.test, args.eval_limit, seeds[0]) if args.eval_limit else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for job in finished:
@@ -366,6 +373,11 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
         claims_md = claims_markdown(claims(runs))
         (out / "claims.md").write_text(claims_md + "\n")
         print(f"\nthe paper's claims against these runs ({out / 'claims.md'}):\n{claims_md}")
+    if lr_groups(runs):
+        sweep_md = lr_sweep_markdown(runs)
+        picked = ", ".join(f"{base}@{lr:g}" for base, lr in best_lrs(runs).items())
+        (out / "lr_sweep.md").write_text(sweep_md + f"\n\npicked (highest late training reward): {picked}\n")
+        print(f"\nlearning rates ({out / 'lr_sweep.md'}):\n{sweep_md}\npicked: {picked}")
     print(f"\nresults: {out / 'results.json'} ({time.monotonic() - t_start:.0f} s)")
     return 0 if all(o["status"] in ("done", "cached") for o in outcomes) else 1
 

@@ -118,6 +118,21 @@ def ablation_arms(arms: list[str]) -> list[str]:
     return [a.name for a in parsed if (a.format, a.method) in bases]
 
 
+def _plot_pass1(plt, np, agg: dict, arms: list[str], out: Path) -> Path:
+    """Held-out pass@1 before / after per arm, bars with the std over seeds as error bars."""
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(arms)), 4.5))
+    x, width = np.arange(len(arms)), 0.38
+    for i, (key, label) in enumerate((("pass1_before", "before"), ("pass1_after", "after"))):
+        means = [agg[a][key]["mean"] or 0.0 for a in arms]
+        stds = [agg[a][key]["std"] or 0.0 for a in arms]
+        ax.bar(x + (i - 0.5) * width, means, width, yerr=stds, capsize=3, label=label)
+    ax.set_xticks(x, [f"{a.replace(':', chr(10) + ':')}\n(n={agg[a]['n']})" for a in arms], fontsize=8)
+    ax.set(ylabel="held-out pass@1", title="held-out pass@1 before / after RL (error bars: std over seeds)")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, out / "study_pass1.png")
+
+
 def plot_study(runs: list[dict], agg: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -138,17 +153,8 @@ def plot_study(runs: list[dict], agg: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         written.append(_save(fig, out / f"study_{key}.png"))
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(arms)), 4.5))
-    x, width = np.arange(len(arms)), 0.38
-    for i, (key, label) in enumerate((("pass1_before", "before"), ("pass1_after", "after"))):
-        means = [agg[a][key]["mean"] or 0.0 for a in arms]
-        stds = [agg[a][key]["std"] or 0.0 for a in arms]
-        ax.bar(x + (i - 0.5) * width, means, width, yerr=stds, capsize=3, label=label)
-    ax.set_xticks(x, [f"{a.replace(':', chr(10) + ':')}\n(n={agg[a]['n']})" for a in arms], fontsize=8)
-    ax.set(ylabel="held-out pass@1", title="held-out pass@1 before / after RL (error bars: std over seeds)")
-    ax.legend()
-    ax.grid(alpha=0.3, axis="y")
-    written.append(_save(fig, out / "study_pass1.png"))
+    if any(agg[a][key]["mean"] is not None for a in arms for key in ("pass1_before", "pass1_after")):
+        written.append(_plot_pass1(plt, np, agg, arms, out))
 
     if ablation:
         fig, ax = plt.subplots(figsize=(7, 4))
