@@ -139,13 +139,15 @@ class StepRunner:
         return sum(storages.values())
 
     def step(self, prompts: int, completion: int, others_bytes: int = 0, lengths: list[int] | None = None,
-             mode: tuple[str, bool] = ("continuous", True)) -> dict:
+             mode: tuple[str, bool] = ("continuous", True), profile_update: bool = False) -> dict:
         """One step on this rank's `prompts` prompts x G rows.
 
         completion: the forced length of every row when `lengths` is None; lengths: this rank's per-row forced
         lengths (prompts x G ints, each prompt's rows adjacent; the rollout's max_new_tokens is then the budget
         args.budget); mode: (engine scheduler, packed update); others_bytes: GPU memory held by other resident
-        runners (subtracted from the peak). Returns seconds per phase, peak memory (GB) and the whole step's
+        runners (subtracted from the peak); profile_update: run the policy update under the profiler and add
+        its summary as "update_profile" (`bench.update_profile`; its phase times are then not comparable). Returns
+        seconds per phase, peak memory (GB) and the whole step's
         (all ranks') token counts: tokens (kept completion tokens), decoded_row_steps, prefill_tokens,
         loss_tokens_computed, loss_tokens_needed, with the ratios kept_tok_s, rollout_efficiency
         (row-steps / kept) and loss_efficiency (computed / needed)."""
@@ -189,8 +191,16 @@ class StepRunner:
         at_budget = got >= (completion if lengths is None else args.budget)
         exp = Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs, r.entropies,
                          rewards, group_advantages(rewards, G), got, at_budget)
-        stats = policy_update(self.model, exp, self.optimizer, self.params, settings, dist_ctx=self.dist,
-                              timings=times, dense_store=self.dense_store)
+        def update():
+            return policy_update(self.model, exp, self.optimizer, self.params, settings, dist_ctx=self.dist,
+                                 timings=times, dense_store=self.dense_store)
+
+        if profile_update:
+            from .update_profile import profile_call
+
+            stats, times["update_profile"] = profile_call(update, self.model.device)
+        else:
+            stats = update()
         if mode != OLD_MODE:
             self.engine_memory.after_update()
         sync()
@@ -385,9 +395,19 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
                                                                 lengths=lengths, mode=m)))
                 except torch.OutOfMemoryError:
                     _oom(runners[v], rows[(v, m)])
+    profiles = {}
+    if args.profile_update:  # one more step per cell, untimed: the profiler's own cost stays out of the medians
+        for v, m in alive:
+            if "error" not in rows[(v, m)]:
+                whole = step_lengths(args, prompts, 0)
+                lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
+                profiles[(v, m)] = runners[v].step(mine, args.completion, lengths=lengths, mode=m,
+                                                   profile_update=True)["update_profile"]
     for k in alive:
         if "error" in rows[k] or not samples[k]:
             continue
+        if k in profiles:
+            rows[k]["update_profile"] = profiles[k]
         steps = [t for _, t in samples[k]]
         rows[k].update({name: _median([s[name] for s in steps]) for name in steps[0]})
         rows[k]["steps_timed"] = len(steps)
@@ -609,6 +629,9 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke tests)")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="limit this process's GPU memory")
     ap.add_argument("--check-dist", action="store_true", help="under torchrun: check the all-reduced gradient")
+    ap.add_argument("--profile-update", action="store_true",
+                    help="after the timed steps, one more step per cell with its policy update under the "
+                         "profiler: the update's device kernels by time and how busy the GPU was")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
     args.models = args.models.split(",")
@@ -655,6 +678,11 @@ def main(argv=None) -> int:
         bound = ceiling_table(results, device, args)
         if bound:
             print("\n" + bound)
+        if args.profile_update:
+            from .update_profile import profile_table
+
+            print("\nthe policy update under the profiler (one untimed step per cell; the first repetition's "
+                  "lengths):\n" + profile_table(results))
     if dist_ctx.enabled:
         torch.distributed.destroy_process_group()
     return 0

@@ -1,0 +1,84 @@
+"""Where one call's time goes: the call run once under `torch.profiler`, its device kernels summed by name, and
+how much of its wall time the device was busy (the union of the kernels' intervals; the rest is launches, host
+work and synchronisation). `qerl bench step --profile-update` runs one extra, untimed step per cell this way
+around the policy update, to tell a variant whose kernels are slower from one whose GPU waits on the host.
+
+On the CPU (tests) the "kernels" are the aten ops, by self time; busy is their sum.
+
+    result, summary = profile_call(fn, device)
+    summary: {"wall_ms", "busy_ms", "kernel_ms", "kernels" (launches), "top": [[name, ms, calls], ...]}
+    profile_table(rows) -> Markdown, one block per profiled cell
+"""
+
+import collections
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+NAME_CHARS = 90  # kernel names carry whole template signatures; the start says which kernel it is
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """Total length (ms) covered by (start_us, end_us) intervals, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e3
+
+
+def summarize_events(events, wall_ms: float, device_type: str, top: int = 12) -> dict:
+    """The profile summary from torch.profiler's FunctionEvents (see the module docstring)."""
+    by_name, calls, intervals = collections.Counter(), collections.Counter(), []
+    for e in events:
+        if device_type == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            start, end = e.time_range.start, e.time_range.end
+            us = end - start
+            intervals.append((start, end))
+        else:
+            if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        name = e.name[:NAME_CHARS]
+        by_name[name] += us / 1e3
+        calls[name] += 1
+    kernel_ms = sum(by_name.values())
+    busy = _union_ms(intervals) if device_type == "cuda" else kernel_ms
+    return {"wall_ms": wall_ms, "busy_ms": busy, "kernel_ms": kernel_ms, "kernels": sum(calls.values()),
+            "top": [[n, ms, calls[n]] for n, ms in by_name.most_common(top)]}
+
+
+def profile_call(fn, device: torch.device, top: int = 12):
+    """(fn(), summary) with fn run once under the profiler (CUDA kernels on a GPU, aten ops on the CPU)."""
+    on_gpu = device.type == "cuda"
+    # on a GPU the kernels alone: recording every host op too would stretch the wall time being explained
+    activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    return out, summarize_events(prof.events(), wall_ms, device.type, top)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """One block per row that carries an "update_profile": wall / busy / kernel time, then its top kernels."""
+    parts = []
+    for r in rows:
+        p = r.get("update_profile")
+        if not p:
+            continue
+        head = (f"{r.get('model', '')} {r.get('variant', '')} {r.get('mode', '')}: update wall {p['wall_ms']:.0f} ms, "
+                f"device busy {p['busy_ms']:.0f} ms ({p['busy_ms'] / max(p['wall_ms'], 1e-9):.0%}), kernels "
+                f"{p['kernel_ms']:.0f} ms in {p['kernels']} launches")
+        lines = [head, "| kernel | ms | calls |", "|---|---:|---:|"]
+        lines += [f"| `{name}` | {ms:.1f} | {n} |" for name, ms, n in p["top"]]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
