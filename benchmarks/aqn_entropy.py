@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     from qerl.eval.fidelity import fidelity_text
     from qerl.models import load_causal_lm
     from qerl.models.convert import quantize_model
+    from qerl.nn.noisy_norm import find_noisy_norms
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_causal_lm(args.model, dtype="bf16" if device.type == "cuda" else "fp32", device=device)
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
         quantize_model(model, args.format, keep_bf16=keep)
     model.eval()
     ids = tok(fidelity_text(args.problems), return_tensors="pt").input_ids[:, :args.max_tokens].to(device)
+    # the noise scales each consumer column by (1 + z_j / w_j): its effect depends on the norm weights' size
+    w = torch.cat([n.weight.detach().float().abs().flatten() for n in find_noisy_norms(model)])
     clean = measure(model, ids, 0.0, 0, None)
     rows = []
     for sigma in sigmas:
@@ -70,7 +73,8 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     keep = f", keep_bf16 {args.keep_bf16}" if args.keep_bf16 else ""
     print(f"\n{args.model}, {args.format}{keep}; {device.type} ({torch.__version__}), {datetime.date.today()}; "
-          f"{ids.shape[1]} tokens of GSM8K text ({args.problems} problems), {args.draws} noise draws per sigma")
+          f"{ids.shape[1]} tokens of GSM8K text ({args.problems} problems), {args.draws} noise draws per sigma; "
+          f"noised norm weights |w|: median {w.median():.3f}, 10th percentile {w.quantile(0.1):.3f}")
     print("| sigma | entropy (nats/token) | vs sigma 0 | KL(clean ‖ noisy) | top-1 agreement |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -292,3 +292,30 @@ def test_aqn_raises_sampling_entropy_on_the_real_model():
     clean = sum(mean_entropy(0.0, s) for s in range(2)) / 2
     noisy = sum(mean_entropy(0.05, s) for s in range(2)) / 2
     assert noisy > clean * 1.05, (clean, noisy)
+
+
+def test_relative_noise_scales_each_channel_by_its_weight():
+    """relative=True: w_j <- w_j (1 + sigma n_j) with the same draw n that the absolute noise would add as
+    sigma n_j, and a channel with weight 0 stays 0."""
+    model = tiny_model("qwen2")
+    norms = find_noisy_norms(model)
+    with torch.no_grad():
+        norms[0].weight[:3] = 0.0
+        norms[1].weight.mul_(7.0)
+    clean = norm_weights(model)
+    sigma = 0.05
+    with NoisyNorms(model, sigma, seed=11, relative=True):
+        noisy = norm_weights(model)
+    n = torch.randn(sum(w.numel() for w in clean), generator=torch.Generator().manual_seed(11))
+    expect = torch.cat([w.reshape(-1) for w in clean]) * (1 + sigma * n)
+    torch.testing.assert_close(torch.cat([w.reshape(-1) for w in noisy]), expect, rtol=1e-6, atol=1e-7)
+    assert torch.equal(noisy[0][:3], torch.zeros(3))
+    assert all(torch.equal(a, b) for a, b in zip(norm_weights(model), clean))  # restored exactly
+
+
+def test_the_config_switch_reaches_the_rollouts_noise():
+    from qerl.config import load_config
+    from qerl.rl.settings import collect_settings
+
+    assert collect_settings(load_config(None, ["aqn.relative=true"])).aqn_relative is True
+    assert collect_settings(load_config(None, [])).aqn_relative is False

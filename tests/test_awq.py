@@ -344,6 +344,20 @@ def test_aqn_on_a_folded_model_draws_the_unfolded_models_policy():
         assert torch.equal(folded(ids).logits, clean)  # the folded weights came back bit for bit
 
 
+def test_relative_aqn_on_a_folded_model_draws_the_unfolded_models_policy():
+    model = outlier_model(num_key_value_heads=4)
+    ids = token_ids()
+    folded, _ = awq_model(model, ids)
+    with torch.no_grad():
+        clean = folded(ids).logits
+        with NoisyNorms(model, 0.1, seed=3, relative=True), NoisyNorms(folded, 0.1, seed=3, relative=True):
+            out = folded(ids).logits
+            assert not torch.allclose(out, clean, atol=1e-3)
+            torch.testing.assert_close(out, model(ids).logits, rtol=1e-5, atol=1e-5)
+        with NoisyNorms(model, 0.1, seed=3, relative=True), NoisyNorms(folded, 0.1, seed=3):  # absolute: another policy
+            assert not torch.allclose(folded(ids).logits, model(ids).logits, rtol=1e-3, atol=1e-3)
+
+
 def test_aqn_sigma_zero_on_a_folded_model_is_bit_identical():
     model = outlier_model(dtype=torch.float32)
     ids = token_ids()

@@ -138,13 +138,16 @@ class AQNSection:
     (qerl.rl.aqn, qerl.nn.noisy_norm)."""
 
     enabled: bool = True  # false = the no-AQN ablation (sigma 0 throughout); paper: true
-    sigma_start: float = 1e-2  # noise std of stage 1, in norm-weight units (weights are ~1); paper: 1e-2
+    sigma_start: float = 1e-2  # noise std of stage 1, in the norm weights' units; paper: 1e-2
     sigma_end: float = 5e-4  # noise std of the last stage; paper: 5e-4
     num_stages: int = 10  # K; paper: 10
     # how sigma falls from sigma_start to sigma_end (qerl.rl.aqn): exponential | linear | cosine | logarithmic;
     # paper: exponential
     decay: str = "exponential"
     per_forward: bool = False  # redraw the noise before every forward (default: once per rollout batch)
+    # beyond the paper: noise std sigma * |w_j| per channel, the same relative perturbation on any model (the
+    # absolute sigma moves a model with large norm weights far less: docs/results.md, "AQN's direct effect")
+    relative: bool = False
     # beyond the paper: scale sigma to hold the sampling distribution's mean token entropy (nats) at a target
     target_entropy: float | None = None  # nats per token; null = off
     controller_gain: float = 0.5  # multiplier *= exp(gain * (target - entropy) / target) after each step

@@ -13,6 +13,11 @@ the norm weights while the noise is applied.
 A norm into which AWQ folded a channel scale s (weight w / s, consumers' columns times s) carries s in the
 non-persistent buffer `CHANNEL_SCALE`; its noise is z / s, so (w + z) / s feeds W s and every consumer
 column is again scaled by (1 + z_j / w_j), the same policy perturbation as without AWQ for the same z.
+
+`relative=True` (beyond the paper) draws z_j ~ N(0, (sigma |w_j|)^2): every column is scaled by (1 + sigma n_j),
+n ~ N(0, 1), whatever the size of the model's norm weights (a median |w| of 0.27 in SmolLM2-135M, 1.6 in
+Qwen2.5-Coder-1.5B, where the same absolute sigma perturbs the policy ~100x less; docs/results.md). On a
+folded norm sigma |w_j| / s_j = sigma |w_j / s_j|: the stored weight gives it directly.
 """
 
 import torch
@@ -56,11 +61,11 @@ class NoisyNorms:
     """
 
     def __init__(self, model: nn.Module, sigma: float, per_forward: bool = False, seed: int | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, relative: bool = False):
         if sigma < 0:
             raise ValueError(f"AQN sigma must be >= 0, got {sigma}")
         self.norms = find_noisy_norms(model)
-        self.sigma, self.per_forward = float(sigma), per_forward
+        self.sigma, self.per_forward, self.relative = float(sigma), per_forward, relative
         self.generator = generator
         if self.generator is None and seed is not None:
             self.generator = torch.Generator(self.norms[0].weight.device).manual_seed(seed)
@@ -96,13 +101,14 @@ class NoisyNorms:
     def resample(self) -> None:
         """w <- w_clean + z with a fresh z per norm (fp32 draw, one rounding to the weight's dtype).
 
-        On an AWQ-folded norm (CHANNEL_SCALE s) w <- w_clean + z / s: the same draw, in the unfolded units."""
+        On an AWQ-folded norm (CHANNEL_SCALE s) w <- w_clean + z / s: the same draw, in the unfolded units.
+        relative: z_j = sigma |w_clean_j| n_j instead of sigma n_j."""
         if not self.active:
             raise RuntimeError("resample() outside the NoisyNorms context")
         if self.sigma == 0.0:
             return  # bit-identical by construction: nothing is written
         for group in self._groups:
-            group.apply_noise(self.sigma, self.generator)
+            group.apply_noise(self.sigma, self.generator, self.relative)
 
     @torch.no_grad()
     def __exit__(self, *exc) -> None:
@@ -137,10 +143,12 @@ class _FlatGroup:
             self.scale = torch.cat([torch.ones(k, device=dev) if s is None else s.detach().reshape(-1).float().to(dev)
                                     for s, k in zip(scales, self.sizes)])
 
-    def apply_noise(self, sigma: float, generator: torch.Generator | None) -> None:
+    def apply_noise(self, sigma: float, generator: torch.Generator | None, relative: bool = False) -> None:
         z = torch.randn(self.clean.numel(), generator=generator, device=self.clean.device, dtype=torch.float32)
         noise = z.mul_(sigma)
-        if self.scale is not None:
+        if relative:  # sigma |w|: on a folded norm |w / s| already is the unfolded rule's sigma |w| / s
+            noise = noise.mul_(self.clean32.abs())
+        elif self.scale is not None:
             noise = noise.div_(self.scale)
         noisy = noise.add_(self.clean32).to(self.clean.dtype)  # w + noise: fp32, one rounding to the dtype
         torch._foreach_copy_(self.weights, [v.view(w.shape) for v, w in zip(noisy.split(self.sizes), self.weights)])

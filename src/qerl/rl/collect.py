@@ -24,6 +24,7 @@ class CollectSettings:
     max_new_tokens: int = 256  # completion budget, tokens; a completion that reaches it is "truncated"
     sampling: SamplingParams = SamplingParams()  # temperature, top-k, top-p
     aqn_per_forward: bool = False  # redraw the AQN noise before every forward instead of once per batch
+    aqn_relative: bool = False  # noise std sigma * |w| per norm channel (aqn.relative)
     # advantages and DAPO's selection / reward shaping
     scale_rewards: bool = True  # divide each group's centred rewards by their std (GRPO; not Dr. GRPO)
     dynamic_sampling: bool = False  # keep only groups with mixed rewards, sample more prompts to refill
@@ -76,7 +77,8 @@ def collect_experience(engine: RolloutEngine, problems, encode_prompt, reward_ru
         encoded = [encode_prompt(r) for r in rows]
         prompt_texts = [text for text, _ in encoded for _ in range(group_size)]
         prompt_ids = [ids for _, ids in encoded for _ in range(group_size)]
-        aqn = NoisyNorms(engine.model, sigma, per_forward=s.aqn_per_forward, generator=generator) if sigma > 0 else None
+        aqn = (NoisyNorms(engine.model, sigma, per_forward=s.aqn_per_forward, generator=generator,
+                          relative=s.aqn_relative) if sigma > 0 else None)
         start = time.perf_counter()
         rollout = engine.generate(prompt_ids, s.max_new_tokens, s.sampling, generator=generator, aqn=aqn)
         stats["gen_seconds"] += time.perf_counter() - start

@@ -24,6 +24,7 @@ def collect_settings(cfg: TrainConfig, world: int = 1) -> CollectSettings:
         max_new_tokens=cfg.rollout.max_new_tokens,
         sampling=SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p),
         aqn_per_forward=cfg.aqn.per_forward,
+        aqn_relative=cfg.aqn.relative,
         scale_rewards=algo.scale_rewards and algo.name != "dr_grpo",  # Dr. GRPO drops the std division
         dynamic_sampling=algo.dynamic_sampling, max_refills=algo.max_refills,
         overlong_filter=algo.overlong_filter, overlong_buffer=algo.overlong_buffer)
