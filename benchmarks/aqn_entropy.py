@@ -18,13 +18,14 @@ import torch
 
 
 @torch.no_grad()
-def measure(model, ids: torch.Tensor, sigma: float, seed: int, clean: torch.Tensor | None) -> dict:
+def measure(model, ids: torch.Tensor, sigma: float, seed: int, clean: torch.Tensor | None,
+            relative: bool = False) -> dict:
     """One forward with noise of std `sigma` (draw `seed`) in the norms: mean entropy, and against the clean
     log-probs `clean` (float32 [1, T, V]) the mean KL(clean || noisy) and top-1 agreement."""
     from qerl.eval.fidelity import next_token_logprobs
     from qerl.nn.noisy_norm import NoisyNorms
 
-    with NoisyNorms(model, sigma, seed=seed):
+    with NoisyNorms(model, sigma, seed=seed, relative=relative):
         logp = next_token_logprobs(model, ids)
     out = {"entropy": -(logp.exp() * logp).sum(-1).mean().item(), "logp": logp}
     if clean is not None:
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--format", default="nvfp4", help="bf16 or a 4-bit format, quantized round-to-nearest")
     ap.add_argument("--keep-bf16", default="", help="comma list of model.keep_bf16 patterns, e.g. last:2")
     ap.add_argument("--sigmas", default="0,5e-4,2e-3,1e-2,3e-2")
+    ap.add_argument("--relative", action="store_true", help="noise std sigma * |w| per channel (aqn.relative)")
     ap.add_argument("--draws", type=int, default=3, help="noise draws per sigma > 0")
     ap.add_argument("--problems", type=int, default=4, help="GSM8K problems with solutions in the text")
     ap.add_argument("--max-tokens", type=int, default=768)
@@ -64,14 +66,15 @@ def main(argv=None) -> int:
     clean = measure(model, ids, 0.0, 0, None)
     rows = []
     for sigma in sigmas:
-        draws = [clean] if sigma == 0 else [measure(model, ids, sigma, d, clean["logp"]) for d in range(args.draws)]
+        draws = [clean] if sigma == 0 else [measure(model, ids, sigma, d, clean["logp"], args.relative)
+                                              for d in range(args.draws)]
         ent = [d["entropy"] for d in draws]
         rows.append({"sigma": sigma, "entropy": statistics.fmean(ent),
                      "entropy_std": statistics.stdev(ent) if len(ent) > 1 else 0.0,
                      "kl": statistics.fmean(d.get("kl", 0.0) for d in draws),
                      "top1": statistics.fmean(d.get("top1", 1.0) for d in draws)})
         print(rows[-1], flush=True)
-    keep = f", keep_bf16 {args.keep_bf16}" if args.keep_bf16 else ""
+    keep = (f", keep_bf16 {args.keep_bf16}" if args.keep_bf16 else "") + (", relative noise" if args.relative else "")
     print(f"\n{args.model}, {args.format}{keep}; {device.type} ({torch.__version__}), {datetime.date.today()}; "
           f"{ids.shape[1]} tokens of GSM8K text ({args.problems} problems), {args.draws} noise draws per sigma; "
           f"noised norm weights |w|: median {w.median():.3f}, 10th percentile {w.quantile(0.1):.3f}")
