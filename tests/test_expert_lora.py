@@ -137,6 +137,46 @@ def test_grouped_path_equals_reference(impl, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
+def test_grouped_mm_lora_gives_sentinel_rows_no_output_and_no_gradient(monkeypatch):
+    """torch._grouped_mm leaves the rows past the last group undefined, in its output and in its input's
+    gradient (uninitialised memory, NaN now and then: a sentinel token's gradient came back NaN in one CPU run).
+    Poisoned here with NaN, they must reach neither the output nor x's gradient."""
+    if not hasattr(torch, "_grouped_mm") or not grouped_mm_works(torch.device("cpu"), torch.float32, 4, 64, 64):
+        pytest.skip("this torch has no CPU _grouped_mm for fp32")
+    real_op = torch._grouped_mm
+
+    class Poisoned(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, offs):
+            ctx.save_for_backward(a, b, offs)
+            out = real_op(a, b, offs=offs).clone()
+            out[int(offs[-1]):] = float("nan")
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b, offs = ctx.saved_tensors
+            with torch.enable_grad():
+                a2, b2 = a.detach().requires_grad_(), b.detach().requires_grad_()
+                ga, gb = torch.autograd.grad(real_op(a2, b2, offs=offs), (a2, b2), grad)
+            ga = ga.clone()
+            ga[int(offs[-1]):] = float("nan")
+            return ga, gb, None
+
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: Poisoned.apply(a, b, offs))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 64, generator=g, requires_grad=True)
+    a, b = torch.randn(3, 4, 64, generator=g), torch.randn(3, 64, 4, generator=g)
+    offsets = torch.tensor([0, 3, 7, 10])  # rows 10 and 11: sentinel pairs
+    out = lora_rows_grouped_mm(x, offsets, a, b)
+    out.square().sum().backward()
+    assert torch.equal(out[10:], torch.zeros(2, 64)) and torch.isfinite(out).all()
+    assert torch.isfinite(x.grad).all() and torch.equal(x.grad[10:], torch.zeros(2, 64))
+    xr = x.detach().clone().requires_grad_(True)
+    lora_rows_loop(xr, offsets, a, b).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+
+
 @pytest.mark.parametrize("impl", [lora_rows_loop, lora_rows_grouped_mm])
 def test_lora_rows_zero_past_the_last_offset(impl):
     if impl is lora_rows_grouped_mm and not hasattr(torch, "_grouped_mm"):

@@ -102,12 +102,14 @@ def lora_rows_loop(x: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, b: t
 
 def lora_rows_grouped_mm(x: torch.Tensor, offsets: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """As `lora_rows_loop`, as two `torch._grouped_mm` calls (differentiable, device ops only: no host sync).
-    Rows past offsets[-1] (routing sentinels) are left undefined by the op, so they are zeroed here."""
+    Rows past offsets[-1] (routing sentinels) are left undefined by the op, in the forward and in x's gradient
+    (uninitialised memory: NaN at times), so they are masked on the way in and out: `where` drops what it does not
+    select, NaN included, in both directions."""
     ends = offsets[1:].to(torch.int32)
-    h = torch._grouped_mm(x, a.transpose(1, 2), offs=ends)  # [rows, r]
+    real = (torch.arange(x.shape[0], device=x.device) < offsets[-1])[:, None]
+    h = torch._grouped_mm(torch.where(real, x, 0), a.transpose(1, 2), offs=ends)  # [rows, r]
     out = torch._grouped_mm(h, b.transpose(1, 2), offs=ends)  # [rows, N]
-    real = torch.arange(x.shape[0], device=x.device) < offsets[-1]
-    return torch.where(real[:, None], out, 0)
+    return torch.where(real, out, 0)
 
 
 _GROUPED_MM_WORKS: dict[tuple, bool] = {}
