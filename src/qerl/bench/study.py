@@ -33,8 +33,8 @@ from pathlib import Path
 from ..data.datasets import GSM8K_HELDOUT, GSM8K_TRAIN_OFFLINE, HELDOUT_OF
 from .study_arms import Arm, StudyError, parse_arms
 from .study_claims import claims, claims_markdown
-from .study_lr import best_lrs, lr_groups, lr_sweep_markdown
 from .study_jobs import MPSDaemon, run_jobs, write_json_atomic
+from .study_lr import best_lrs, lr_groups, lr_sweep_markdown
 from .study_report import aggregate, plot_study, report
 
 DEFAULT_TEST = "reasoning-gym:basic_arithmetic"
