@@ -145,8 +145,8 @@ class AQNSection:
     # paper: exponential
     decay: str = "exponential"
     per_forward: bool = False  # redraw the noise before every forward (default: once per rollout batch)
-    # beyond the paper: noise std sigma * |w_j| per channel, the same relative perturbation on any model (the
-    # absolute sigma moves a model with large norm weights far less: docs/results.md, "AQN's direct effect")
+    # beyond the paper: noise std sigma * |w_j| per channel, the same relative change of every norm weight (how
+    # far either moves the policy depends on the model: docs/results.md, "AQN's direct effect")
     relative: bool = False
     # beyond the paper: scale sigma to hold the sampling distribution's mean token entropy (nats) at a target
     target_entropy: float | None = None  # nats per token; null = off

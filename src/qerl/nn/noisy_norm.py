@@ -16,8 +16,9 @@ column is again scaled by (1 + z_j / w_j), the same policy perturbation as witho
 
 `relative=True` (beyond the paper) draws z_j ~ N(0, (sigma |w_j|)^2): every column is scaled by (1 + sigma n_j),
 n ~ N(0, 1), whatever the size of the model's norm weights (a median |w| of 0.27 in SmolLM2-135M, 1.6 in
-Qwen2.5-Coder-1.5B, where the same absolute sigma perturbs the policy ~100x less; docs/results.md). On a
-folded norm sigma |w_j| / s_j = sigma |w_j / s_j|: the stored weight gives it directly.
+Qwen2.5-Coder-1.5B, where the same absolute sigma perturbs the policy ~100x less; how far either rule moves a
+policy still depends on the model, docs/results.md). On a folded norm sigma |w_j| / s_j = sigma |w_j / s_j|: the
+stored weight gives it directly.
 """
 
 import torch
