@@ -118,8 +118,11 @@ def ablation_arms(arms: list[str]) -> list[str]:
     return [a.name for a in parsed if (a.format, a.method) in bases]
 
 
-def _plot_pass1(plt, np, agg: dict, arms: list[str], out: Path) -> Path:
+def _plot_pass1(agg: dict, arms: list[str], out: Path) -> Path:
     """Held-out pass@1 before / after per arm, bars with the std over seeds as error bars."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(arms)), 4.5))
     x, width = np.arange(len(arms)), 0.38
     for i, (key, label) in enumerate((("pass1_before", "before"), ("pass1_after", "after"))):
@@ -138,7 +141,6 @@ def plot_study(runs: list[dict], agg: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     arms, written = list(agg), []
     ablation = ablation_arms(arms)
@@ -154,7 +156,7 @@ def plot_study(runs: list[dict], agg: dict, out: Path) -> list[Path]:
         written.append(_save(fig, out / f"study_{key}.png"))
 
     if any(agg[a][key]["mean"] is not None for a in arms for key in ("pass1_before", "pass1_after")):
-        written.append(_plot_pass1(plt, np, agg, arms, out))
+        written.append(_plot_pass1(agg, arms, out))
 
     if ablation:
         fig, ax = plt.subplots(figsize=(7, 4))
