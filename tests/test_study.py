@@ -13,6 +13,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 from qerl.bench import study, study_arms, study_jobs, study_report
 from qerl.bench.study import Arm, Job, StudyError
+from qerl.config import AQNSection, load_config
 
 # arms and seeds -----------------------------------------------------------------------------------
 
@@ -26,6 +27,8 @@ from qerl.bench.study import Arm, Job, StudyError
     (" nf4 ", Arm("nf4", False)),
     ("nvfp4@5e-4", Arm("nvfp4", False, lr=5e-4)),
     ("nvfp4-gptq+aqn:linear@0.0002", Arm("nvfp4", True, "linear", "gptq", 2e-4)),
+    ("nvfp4+aqn=0.1", Arm("nvfp4", True, sigma=0.1)),
+    ("nvfp4-awq+aqn=1e-1:cosine@1e-4", Arm("nvfp4", True, "cosine", "awq", 1e-4, 0.1)),
 ])
 def test_parse_arm(text, arm):
     assert study_arms.parse_arm(text) == arm
@@ -46,6 +49,15 @@ def test_arm_names_and_overrides():
     assert arm.overrides()[-1] == "optim.lr=0.0002" and "optim.lr" not in " ".join(study_arms.parse_arm("bf16").overrides())
 
 
+def test_an_arm_sigma_sets_the_aqn_schedule_at_the_papers_ratio():
+    arm = study_arms.parse_arm("nvfp4-awq+aqn=0.1:linear@1e-4")
+    assert (arm.name, arm.slug) == ("nvfp4-awq+aqn=0.1:linear@0.0001", "nvfp4-awq_aqn-s0.1_linear_lr0.0001")
+    cfg = load_config(None, arm.overrides())
+    assert (cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.decay, cfg.optim.lr) == (0.1, pytest.approx(5e-3), "linear", 1e-4)
+    default = load_config(None, study_arms.parse_arm("nvfp4+aqn").overrides())
+    assert (default.aqn.sigma_start, default.aqn.sigma_end) == (AQNSection.sigma_start, AQNSection.sigma_end)
+
+
 @pytest.mark.parametrize("text,match", [
     ("fp8", "unknown format"),
     ("nvfp4:linear", "only makes sense with AQN"),
@@ -56,6 +68,10 @@ def test_arm_names_and_overrides():
     ("nvfp4@", "expected FORMAT"),
     ("nvfp4@2", "must be a number in"),
     ("nvfp4@1e-4e", "must be a number in"),
+    ("nvfp4+aqn=0", "AQN sigma '0' must be a number in"),
+    ("nvfp4+aqn=-1e-2", "AQN sigma"),
+    ("nvfp4+aqn=", "expected FORMAT"),
+    ("nvfp4=0.1", "expected FORMAT"),
     ("", "expected FORMAT"),
 ])
 def test_parse_arm_refuses(text, match):

@@ -1,6 +1,8 @@
-"""A study arm, FORMAT[-METHOD][+aqn][:DECAY][@LR]: the weight format, how it is quantized, whether AQN is on,
-its sigma decay, and a learning rate of its own (e.g. nvfp4, nvfp4-gptq+aqn, nvfp4+aqn:linear, nvfp4@5e-4 for a
-learning-rate sweep per format; without @LR the study's optim.lr applies)."""
+"""A study arm, FORMAT[-METHOD][+aqn[=SIGMA]][:DECAY][@LR]: the weight format, how it is quantized, whether AQN is
+on and at which starting sigma, its sigma decay, and a learning rate of its own (e.g. nvfp4, nvfp4-gptq+aqn,
+nvfp4+aqn:linear, nvfp4+aqn=0.1 for noise ten times the paper's, nvfp4@5e-4 for a learning-rate sweep per format).
+Without =SIGMA the study's aqn.sigma_start/sigma_end apply; with it sigma falls from SIGMA to SIGMA times the
+paper's end/start ratio (5e-4 / 1e-2 = 1/20). Without @LR the study's optim.lr applies."""
 
 import re
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from ..rl.aqn import DECAYS
 
 DEFAULT_DECAY = AQNSection.decay
 DEFAULT_METHOD = ModelSection.quant_method
+SIGMA_END_RATIO = AQNSection.sigma_end / AQNSection.sigma_start  # the paper's 5e-4 / 1e-2
 
 
 class StudyError(ValueError):
@@ -27,34 +30,39 @@ class Arm:
     decay: str = DEFAULT_DECAY
     method: str = DEFAULT_METHOD
     lr: float | None = None  # None: the study's optim.lr
+    sigma: float | None = None  # AQN's starting sigma; None: the study's aqn.sigma_start (and sigma_end)
 
     @property
     def name(self) -> str:
         """Canonical spelling: the default method and decay are left out."""
         return (self.format + (f"-{self.method}" if self.method != DEFAULT_METHOD else "")
-                + ("+aqn" if self.aqn else "") + (f":{self.decay}" if self.decay != DEFAULT_DECAY else "")
+                + ("+aqn" if self.aqn else "") + (f"={self.sigma:g}" if self.sigma is not None else "")
+                + (f":{self.decay}" if self.decay != DEFAULT_DECAY else "")
                 + (f"@{self.lr:g}" if self.lr is not None else ""))
 
     @property
     def slug(self) -> str:
         """The name as a directory name."""
-        return self.name.replace("+", "_").replace(":", "_").replace("@", "_lr")
+        return self.name.replace("+", "_").replace(":", "_").replace("@", "_lr").replace("=", "-s")
 
     def overrides(self) -> list[str]:
         return [f"model.format={self.format}", f"model.quant_method={self.method}",
                 f"aqn.enabled={'true' if self.aqn else 'false'}", f"aqn.decay={self.decay}",
-                *([f"optim.lr={self.lr:g}"] if self.lr is not None else [])]
+                *([f"optim.lr={self.lr:g}"] if self.lr is not None else []),
+                *([f"aqn.sigma_start={self.sigma:g}", f"aqn.sigma_end={self.sigma * SIGMA_END_RATIO:g}"]
+                  if self.sigma is not None else [])]
 
 
-_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?P<aqn>\+aqn)?(?::(?P<decay>[a-z]+))?"
+_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?P<aqn>\+aqn(?:=(?P<sigma>[0-9.eE+-]+))?)?"
+                  r"(?::(?P<decay>[a-z]+))?"
                   r"(?:@(?P<lr>[0-9.eE+-]+))?$")
 
 
 def parse_arm(text: str) -> Arm:
     m = _ARM.match(text.strip())
     if not m:
-        raise StudyError(f"arm {text!r}: expected FORMAT[-METHOD][+aqn][:DECAY][@LR], e.g. nvfp4, nvfp4-gptq+aqn, "
-                         "nvfp4+aqn:linear, nvfp4@5e-4")
+        raise StudyError(f"arm {text!r}: expected FORMAT[-METHOD][+aqn[=SIGMA]][:DECAY][@LR], e.g. nvfp4, "
+                         "nvfp4-gptq+aqn, nvfp4+aqn:linear, nvfp4+aqn=0.1, nvfp4@5e-4")
     fmt, aqn, decay, method = m["format"], bool(m["aqn"]), m["decay"], m["method"] or DEFAULT_METHOD
     if fmt not in FORMATS:
         raise StudyError(f"arm {text!r}: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -64,6 +72,14 @@ def parse_arm(text: str) -> Arm:
         raise StudyError(f"arm {text!r}: unknown AQN decay {decay!r}; choose one of {', '.join(DECAYS)}")
     if method not in METHODS:
         raise StudyError(f"arm {text!r}: unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
+    sigma = None
+    if m["sigma"] is not None:
+        try:
+            sigma = float(m["sigma"])
+        except ValueError:
+            sigma = -1.0
+        if not (0 < sigma < 10):
+            raise StudyError(f"arm {text!r}: AQN sigma {m['sigma']!r} must be a number in (0, 10), e.g. 0.1")
     lr = None
     if m["lr"] is not None:
         try:
@@ -72,7 +88,7 @@ def parse_arm(text: str) -> Arm:
             lr = -1.0
         if not (0 < lr < 1):
             raise StudyError(f"arm {text!r}: learning rate {m['lr']!r} must be a number in (0, 1), e.g. 5e-4")
-    return Arm(fmt, aqn, decay or DEFAULT_DECAY, method, lr)
+    return Arm(fmt, aqn, decay or DEFAULT_DECAY, method, lr, sigma)
 
 
 def parse_arms(text: str) -> list[Arm]:
