@@ -319,3 +319,43 @@ def test_the_config_switch_reaches_the_rollouts_noise():
 
     assert collect_settings(load_config(None, ["aqn.relative=true"])).aqn_relative is True
     assert collect_settings(load_config(None, [])).aqn_relative is False
+
+
+# ------------------------------------------------------------------------------- noise against the weights
+
+
+def test_median_norm_weight_and_the_weak_noise_note():
+    from qerl.nn.noisy_norm import median_abs_norm_weight
+    from qerl.rl.aqn import weak_noise_note
+
+    model = tiny_model("qwen2")
+    with torch.no_grad():
+        for i, norm in enumerate(find_noisy_norms(model)):
+            norm.weight.copy_(torch.linspace(-3.2, 3.2, norm.weight.numel()) * (1 if i % 2 else -1))
+    weights = torch.cat([n.weight.detach().abs() for n in find_noisy_norms(model)])
+    assert median_abs_norm_weight(model) == pytest.approx(float(weights.median()))
+    # the 1.5B case (sigma 1e-2 at median 1.60) is flagged; SmolLM2's (1e-2 at 0.27) and 0.1 at 1.60 are not
+    note = weak_noise_note(1e-2, 1.60)
+    assert note and "0.6%" in note and "0.08" in note
+    assert weak_noise_note(1e-2, 0.27) is None and weak_noise_note(0.1, 1.60) is None
+    assert weak_noise_note(1e-2, 0.0) is None
+
+
+@pytest.mark.parametrize("sigma,warned", [(1e-3, True), (0.1, False)])
+def test_the_trainer_says_when_aqn_is_too_weak_for_the_model(tiny_dir, tmp_path, sigma, warned):
+    import io
+    import json
+
+    from rich.console import Console
+
+    from qerl.config import load_config
+    from qerl.rl.trainer import Trainer
+
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a}=?", "answer": str(2 * a)}) + "\n" for a in range(1, 9)))
+    cfg = load_config(None, [f"model.name={tiny_dir}", f"data.train={data}", "data.max_prompt_tokens=32",
+                             "data.suffix=none", f"aqn.sigma_start={sigma}", "aqn.sigma_end=1e-4", "steps=1",
+                             f"output_dir={tmp_path / 'run'}", "tensorboard=false", "plots=false"])
+    out = io.StringIO()
+    Trainer(cfg, console=Console(file=out, width=400))
+    assert ("too little to change its sampling" in out.getvalue()) == warned

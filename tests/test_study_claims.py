@@ -18,13 +18,27 @@ def test_paired_differences_use_shared_seeds_and_their_standard_error():
     runs = [run("a", 0, 0.1, 0.50), run("a", 1, 0.1, 0.60), run("a", 2, 0.1, 0.70),
             run("b", 0, 0.1, 0.40), run("b", 1, 0.1, 0.45)]
     d = paired(runs, "a", "b", "pass1_after")
-    assert d["n"] == 2 and d["mean"] == pytest.approx(0.125) and d["se"] == pytest.approx(0.025)
+    assert d["n"] == 2 and d["mean"] == pytest.approx(0.125) and d["se_paired"] == pytest.approx(0.025)
+    # pooled seed spread: a's three seeds (0.5, 0.6, 0.7) and b's two (0.40, 0.45) give sqrt(0.02125 / 3)
+    pooled = (0.02125 / 3) ** 0.5
+    assert d["se_pooled"] == pytest.approx(pooled) and d["se"] == pytest.approx(pooled)  # the larger of the two
     assert d["a"] == pytest.approx(0.55) and d["b"] == pytest.approx(0.425)
     assert paired(runs, "a", "c", "pass1_after") is None
     one = paired([run("a", 0, 0.1, 0.5), run("b", 0, 0.1, 0.4)], "a", "b", "pass1_after")
     assert one["n"] == 1 and one["se"] is None
     growth = paired([run("a", 0, 0, 0, 0.1, 0.6), run("b", 0, 0, 0, 0.1, 0.3)], "a", "b", "reward_growth")
     assert growth["mean"] == pytest.approx(0.3)
+
+
+def test_three_agreeing_seeds_do_not_make_a_difference_certain():
+    # a and b agree seed by seed (paired SE 0) but other arms show how far seeds spread: the verdict follows that
+    runs = [run("nvfp4+aqn", s, 0.3, 0.60 + 0.001 * s) for s in (0, 1, 2)]
+    runs += [run("nvfp4", s, 0.3, 0.58 + 0.001 * s) for s in (0, 1, 2)]
+    runs += [run("bf16", s, 0.3, (0.55, 0.62, 0.66)[s]) for s in (0, 1, 2)]
+    d = paired(runs, "nvfp4+aqn", "nvfp4", "pass1_after")
+    assert d["se_paired"] == pytest.approx(0, abs=1e-12) and d["se"] == d["se_pooled"] > 0.01
+    after = by_name(claims(runs))["AQN improves held-out pass@1 after RL: nvfp4+aqn vs nvfp4"]
+    assert after.verdict == "within noise" and "pooled seed spread" in after.evidence
 
 
 def test_best_method_is_chosen_by_the_start_not_by_the_result():

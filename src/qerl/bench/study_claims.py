@@ -2,7 +2,10 @@
 
 Each claim names the arms it compares, the numbers that decide it and a verdict. Arms are compared seed by seed
 (the same seed gives the same data order and LoRA initialisation in every arm), so a difference comes with the
-standard error of its per-seed values; a difference within two standard errors reads "within noise". Which
+standard error of its per-seed values; a difference within two standard errors reads "within noise". With three
+seeds that paired error is itself a guess from two degrees of freedom (two arms whose three seeds happen to agree
+give a tiny one), so the error used is the larger of it and the error of a difference of two means computed from
+the seed-to-seed spread pooled over every arm of the study. Which
 NVFP4 + AQN arm stands for "the best method" is decided before training: the one with the highest held-out
 pass@1 before RL (what a user would pick from `benchmarks/quant_methods.py`), never by the result after it.
 
@@ -46,21 +49,44 @@ def values(runs: list[dict], arm: str, key: str) -> dict[int, float]:
     return {s: float(v) for s, v in out.items() if v is not None and not math.isnan(float(v))}
 
 
+def pooled_std(runs: list[dict], key: str) -> tuple[float | None, int]:
+    """(the seed-to-seed standard deviation of `key` pooled over every arm with two or more seeds, how many arms
+    that is); (None, 0) when no arm has two seeds."""
+    ss, dof, arms = 0.0, 0, 0
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        xs = list(values(runs, arm, key).values())
+        if len(xs) > 1:
+            mean = statistics.fmean(xs)
+            ss += sum((x - mean) ** 2 for x in xs)
+            dof += len(xs) - 1
+            arms += 1
+    return (math.sqrt(ss / dof), arms) if dof else (None, 0)
+
+
 def paired(runs: list[dict], a: str, b: str, key: str) -> dict | None:
-    """Arm a minus arm b on `key` over the seeds both finished: {"mean", "se" (None for one seed), "n",
-    "a", "b" (the arms' means on those seeds)}; None when they share no seed."""
+    """Arm a minus arm b on `key` over the seeds both finished: {"mean", "n", "a", "b" (the arms' means on those
+    seeds), "se_paired" (from the per-seed differences), "se_pooled" (pooled std * sqrt(2 / n)), "se" (the larger;
+    None for one seed)}; None when they share no seed."""
     va, vb = values(runs, a, key), values(runs, b, key)
     seeds = sorted(va.keys() & vb.keys())
     if not seeds:
         return None
     diffs = [va[s] - vb[s] for s in seeds]
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
-    return {"mean": statistics.fmean(diffs), "se": se, "n": len(seeds),
+    n = len(diffs)
+    se_paired = statistics.stdev(diffs) / math.sqrt(n) if n > 1 else None
+    std, _ = pooled_std(runs, key)
+    se_pooled = std * math.sqrt(2 / n) if std is not None and n > 1 else None
+    se = max((x for x in (se_paired, se_pooled) if x is not None), default=None)
+    return {"mean": statistics.fmean(diffs), "se": se, "se_paired": se_paired, "se_pooled": se_pooled, "n": n,
             "a": statistics.fmean(va[s] for s in seeds), "b": statistics.fmean(vb[s] for s in seeds)}
 
 
 def _diff_text(d: dict, a: str, b: str, what: str) -> str:
-    se = "" if d["se"] is None else f" ± {d['se']:.3f} (SE)"
+    se = ""
+    if d["se"] is not None:
+        parts = [f"{d['se_paired']:.3f} paired by seed"] + (
+            [f"{d['se_pooled']:.3f} from the pooled seed spread"] if d.get("se_pooled") is not None else [])
+        se = f" ± {d['se']:.3f} (SE, the larger of {' and '.join(parts)})" if len(parts) > 1 else f" ± {d['se']:.3f} (SE)"
     return f"{what}: {a} {d['a']:.3f} vs {b} {d['b']:.3f}, difference {d['mean']:+.3f}{se} over {d['n']} seed(s)"
 
 

@@ -48,6 +48,13 @@ def find_noisy_norms(model: nn.Module) -> list[nn.Module]:
     return norms
 
 
+def median_abs_norm_weight(model: nn.Module) -> float:
+    """The median |weight| over every channel of the norms AQN perturbs (its noise acts as a relative change
+    z / w of each channel, so this sets how far a given sigma moves the model)."""
+    weights = torch.cat([n.weight.detach().float().abs().flatten().cpu() for n in find_noisy_norms(model)])
+    return float(weights.median())
+
+
 class NoisyNorms:
     """with NoisyNorms(model, sigma, seed=...): ...  -- noisy norm weights inside, exact originals after.
 

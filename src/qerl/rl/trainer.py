@@ -30,6 +30,7 @@ from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.calibrate import default_samples
 from ..models.policy import build_policy
 from ..models.router import router_parameters
+from ..nn.noisy_norm import median_abs_norm_weight
 from ..nn.quant_linear import set_routing_policy
 from ..rewards import RewardRunner
 from ..rewards.resolve import resolve_reward
@@ -37,6 +38,7 @@ from ..rollout import RolloutEngine
 from ..rollout.memory import EngineMemoryPolicy
 from .checkpointing import (check_same_run, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
                             set_rng_state)
+from .aqn import weak_noise_note
 from .collect import collect_experience, failed_rewards
 from .distributed import barrier, init_distributed, mean_metrics
 from .prompt_stream import PromptStream
@@ -158,6 +160,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(cfg))
         self.aqn = aqn_schedule(cfg)
         self.controller = entropy_controller(cfg)
+        if cfg.aqn.enabled and not cfg.aqn.relative and self.controller is None and self.dist.is_main:
+            note = weak_noise_note(cfg.aqn.sigma_start, median_abs_norm_weight(self.model))
+            if note:
+                self.console.print(f"[yellow]{note}", highlight=False)
         self.collect_settings = collect_settings(cfg, self.dist.world)
         self.update_settings = update_settings(cfg, self.model.config)
         self.run_dir = Path(cfg.output_dir)

@@ -1,0 +1,94 @@
+"""Several studies made with the same settings (model, config, data, steps, held-out set, --set) read as one:
+their runs pooled, then the study's table, claims, learning-rate table and plots written to OUT. Studies that
+differ in any setting are refused, as are two runs of the same arm and seed. Arms without an @LR ran at the
+config's optim.lr; the learning-rate table names that rate so those runs join their format's sweep.
+
+    python benchmarks/study_merge.py OUT STUDY/results.json STUDY2/results.json [--arms a,b,...]
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def merge(results: list[dict]) -> list[dict]:
+    """The runs of every study, checked: one settings dict, no (arm, seed) twice."""
+    settings = results[0]["settings"]
+    for i, r in enumerate(results[1:], 2):
+        diffs = [k for k in set(settings) | set(r["settings"]) if settings.get(k) != r["settings"].get(k)]
+        if diffs:
+            raise SystemExit(f"study {i} differs from study 1 in {', '.join(sorted(diffs))}: not one experiment")
+    runs, seen = [], set()
+    for r in results:
+        for run in r["runs"]:
+            key = (run["arm"], run["seed"])
+            if key in seen:
+                raise SystemExit(f"{run['arm']} seed {run['seed']} is in two studies; keep one")
+            seen.add(key)
+            runs.append(run)
+    return runs
+
+
+def with_base_lr(runs: list[dict], base_lr: float) -> list[dict]:
+    """The runs with every arm spelled with its learning rate (arms without @LR ran at base_lr)."""
+    from qerl.bench.study_arms import parse_arm
+
+    out = []
+    for run in runs:
+        arm = parse_arm(run["arm"])
+        out.append({**run, "arm": dataclasses.replace(arm, lr=arm.lr or base_lr).name})
+    return out
+
+
+def main(argv=None) -> int:
+    from qerl.bench.study import scoped_override
+    from qerl.bench.study_claims import claims, claims_markdown, pooled_std
+    from qerl.bench.study_lr import best_lrs, lr_groups, lr_sweep_markdown
+    from qerl.bench.study_report import aggregate, markdown_table, plot_study
+    from qerl.config import load_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="directory for the merged table, claims and plots")
+    ap.add_argument("results", nargs="+", help="each study's results.json")
+    ap.add_argument("--arms", default=None, help="arms to report, in this order (default: all, as they appear)")
+    args = ap.parse_args(argv)
+
+    results = [json.loads(Path(p).read_text()) for p in args.results]
+    runs = merge(results)
+    arms = args.arms.split(",") if args.arms else None
+    if arms:
+        missing = [a for a in arms if not any(r["arm"] == a for r in runs)]
+        if missing:
+            raise SystemExit(f"--arms: no run of {', '.join(missing)}")
+        runs = [r for r in runs if r["arm"] in arms]
+    settings = results[0]["settings"]
+    base_lr = load_config(settings["config"], [plain for fmt, plain in map(scoped_override, settings["set"])
+                                               if fmt is None]).optim.lr
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    agg = aggregate(runs, arms)
+    lines = [f"{len(runs)} runs from {len(results)} studies ({', '.join(args.results)}); settings: "
+             f"{json.dumps(settings)}; arms without @LR ran at lr {base_lr:g}", "", markdown_table(agg), ""]
+    for key, label in (("pass1_after", "pass@1 after"), ("reward_growth", "reward growth")):
+        std, n_arms = pooled_std(runs, key)
+        if std is not None:
+            lines.append(f"seed-to-seed std of {label}, pooled over {n_arms} arms: {std:.4f}")
+    lines += ["", "the paper's claims:", claims_markdown(claims(runs))]
+    spelled = with_base_lr(runs, base_lr)
+    if any(len(by_lr) > 1 for by_lr in lr_groups(spelled).values()):
+        picked = ", ".join(f"{base}@{lr:g}" for base, lr in best_lrs(spelled).items())
+        lines += ["", "learning rates (100-step runs):", lr_sweep_markdown(spelled),
+                  f"highest late training reward: {picked}"]
+    text = "\n".join(lines)
+    (out / "merged.md").write_text(text + "\n")
+    for path in plot_study(runs, agg, out):
+        print(f"plot: {path}")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
