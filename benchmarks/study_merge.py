@@ -52,17 +52,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="directory for the merged table, claims and plots")
     ap.add_argument("results", nargs="+", help="each study's results.json")
-    ap.add_argument("--arms", default=None, help="arms to report, in this order (default: all, as they appear)")
+    ap.add_argument("--arms", default=None, help="arms of the table and plots, in this order (default: all); the "
+                    "claims and the pooled seed spread always use every run")
     args = ap.parse_args(argv)
 
     results = [json.loads(Path(p).read_text()) for p in args.results]
-    runs = merge(results)
+    every_run = merge(results)
     arms = args.arms.split(",") if args.arms else None
+    runs = every_run
     if arms:
-        missing = [a for a in arms if not any(r["arm"] == a for r in runs)]
+        missing = [a for a in arms if not any(r["arm"] == a for r in every_run)]
         if missing:
             raise SystemExit(f"--arms: no run of {', '.join(missing)}")
-        runs = [r for r in runs if r["arm"] in arms]
+        runs = [r for r in every_run if r["arm"] in arms]
     settings = results[0]["settings"]
     base_lr = load_config(settings["config"], [plain for fmt, plain in map(scoped_override, settings["set"])
                                                if fmt is None]).optim.lr
@@ -70,15 +72,16 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(runs, arms)
-    lines = [f"{len(runs)} runs from {len(results)} studies ({', '.join(args.results)}); settings: "
+    lines = [f"{len(every_run)} runs from {len(results)} studies ({', '.join(args.results)}); settings: "
              f"{json.dumps(settings)}; arms without @LR ran at lr {base_lr:g}", "", markdown_table(agg), ""]
     for key, label in (("pass1_after", "pass@1 after"), ("reward_growth", "reward growth")):
-        std, n_arms = pooled_std(runs, key)
+        std, n_arms = pooled_std(every_run, key)
         if std is not None:
             lines.append(f"seed-to-seed std of {label}, pooled over {n_arms} arms: {std:.4f}")
-    lines += ["", "the paper's claims:", claims_markdown(claims(runs))]
-    spelled = with_base_lr(runs, base_lr)
-    if any(len(by_lr) > 1 for by_lr in lr_groups(spelled).values()):
+    lines += ["", "the paper's claims:", claims_markdown(claims(every_run))]
+    swept = {base for base, by_lr in lr_groups(with_base_lr(every_run, base_lr)).items() if len(by_lr) > 1}
+    spelled = [r for r in with_base_lr(every_run, base_lr) if r["arm"].split("@")[0] in swept]
+    if spelled:
         picked = ", ".join(f"{base}@{lr:g}" for base, lr in best_lrs(spelled).items())
         lines += ["", "learning rates (100-step runs):", lr_sweep_markdown(spelled),
                   f"highest late training reward: {picked}"]
