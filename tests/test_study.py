@@ -6,6 +6,7 @@ import math
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -370,3 +371,41 @@ def test_a_learning_rate_sweep_leaves_the_held_out_set_alone(tmp_path, capsys):
     sweep = (out / "lr_sweep.md").read_text()
     assert f"picked (highest late training reward): {best}" in sweep and "| bf16 |" in sweep
     assert f"picked: {best}" in printed
+
+
+# merging studies ----------------------------------------------------------------------------------
+
+
+def _study(settings, runs):
+    return {"settings": settings, "runs": runs}
+
+
+def _run(arm, seed, after, first=0.3, last=0.6):
+    return {"arm": arm, "seed": seed, "pass1_before": 0.3, "pass1_after": after, "reward_first": first,
+            "reward_last": last, "metrics": [{"step": 1, "reward": first, "entropy": 0.2}]}
+
+
+def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsys):
+    from bench_scripts import load_benchmark
+
+    merge = load_benchmark("study_merge")
+    config = Path(__file__).resolve().parents[1] / "configs" / "gsm8k-grpo-1.5b.yaml"
+    settings = {"config": str(config), "steps": 100, "set": ["save_every=10"]}
+    a = _study(settings, [_run("bf16", s, 0.70 + 0.01 * s) for s in range(3)])
+    b = _study(settings, [_run("bf16@0.0001", s, 0.68, last=0.5) for s in range(3)] + [_run("nvfp4", s, 0.66) for s in range(3)])
+    assert len(merge.merge([a, b])) == 9
+    with pytest.raises(SystemExit, match="differs from study 1 in steps"):
+        merge.merge([a, _study({**settings, "steps": 30}, b["runs"])])
+    with pytest.raises(SystemExit, match="bf16 seed 0 is in two studies"):
+        merge.merge([a, a])
+    # arms without @LR ran at the config's rate, so they join their format's sweep under it
+    assert [r["arm"] for r in merge.with_base_lr(merge.merge([a, b]), 5e-5)][::3] == \
+        ["bf16@5e-05", "bf16@0.0001", "nvfp4@5e-05"]
+    for i, study_ in enumerate((a, b)):
+        (tmp_path / f"s{i}.json").write_text(json.dumps(study_))
+    assert merge.main([str(tmp_path / "out"), str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
+                       "--arms", "bf16,nvfp4"]) == 0
+    text = (tmp_path / "out" / "merged.md").read_text()
+    assert "| bf16 | 3 |" in text and "| nvfp4 | 3 |" in text and "bf16@0.0001 | 3" not in text  # table: --arms
+    assert "| bf16 | **5e-05** |" in text  # the rate table still sees every run; 5e-5 won
+    assert (tmp_path / "out" / "study_reward.png").is_file()
