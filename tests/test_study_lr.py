@@ -27,6 +27,8 @@ def test_the_rate_with_the_best_late_reward_over_seeds_is_picked():
     assert "| nf4 | **2e-05** | 2 | 0.620 ± 0.000 |" in md and "| nf4 | 0.0001 | 2 | 0.600 ± 0.283 |" in md
     assert "| bf16 | 0.0001 | 1 | - |" in md  # missing reward shown as "-", not 0
     assert md.count("**") == 4  # one pick per group
+    assert "One seed at some rate" in md  # bf16's rates ran one seed each
+    assert "One seed" not in lr_sweep_markdown([r for r in runs if r["arm"].startswith("nf4")])
 
 
 def test_no_rate_no_group():
