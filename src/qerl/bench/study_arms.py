@@ -58,6 +58,19 @@ _ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?P<aqn>\+a
                   r"(?:@(?P<lr>[0-9.eE+-]+))?$")
 
 
+def _number_in(text: str, raw: str | None, what: str, upper: float, example: str) -> float | None:
+    """The arm's `raw` number (None when absent), refused unless in (0, upper)."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < upper:
+        raise StudyError(f"arm {text!r}: {what} {raw!r} must be a number in (0, {upper:g}), e.g. {example}")
+    return value
+
+
 def parse_arm(text: str) -> Arm:
     m = _ARM.match(text.strip())
     if not m:
@@ -72,22 +85,8 @@ def parse_arm(text: str) -> Arm:
         raise StudyError(f"arm {text!r}: unknown AQN decay {decay!r}; choose one of {', '.join(DECAYS)}")
     if method not in METHODS:
         raise StudyError(f"arm {text!r}: unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
-    sigma = None
-    if m["sigma"] is not None:
-        try:
-            sigma = float(m["sigma"])
-        except ValueError:
-            sigma = -1.0
-        if not (0 < sigma < 10):
-            raise StudyError(f"arm {text!r}: AQN sigma {m['sigma']!r} must be a number in (0, 10), e.g. 0.1")
-    lr = None
-    if m["lr"] is not None:
-        try:
-            lr = float(m["lr"])
-        except ValueError:
-            lr = -1.0
-        if not (0 < lr < 1):
-            raise StudyError(f"arm {text!r}: learning rate {m['lr']!r} must be a number in (0, 1), e.g. 5e-4")
+    sigma = _number_in(text, m["sigma"], "AQN sigma", 10, "0.1")
+    lr = _number_in(text, m["lr"], "learning rate", 1, "5e-4")
     return Arm(fmt, aqn, decay or DEFAULT_DECAY, method, lr, sigma)
 
 
