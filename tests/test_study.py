@@ -376,11 +376,11 @@ def test_a_learning_rate_sweep_leaves_the_held_out_set_alone(tmp_path, capsys):
 # merging studies ----------------------------------------------------------------------------------
 
 
-def _study(settings, runs):
+def _merge_study(settings, runs):
     return {"settings": settings, "runs": runs}
 
 
-def _run(arm, seed, after, first=0.3, last=0.6):
+def _merge_run(arm, seed, after, first=0.3, last=0.6):
     return {"arm": arm, "seed": seed, "pass1_before": 0.3, "pass1_after": after, "reward_first": first,
             "reward_last": last, "metrics": [{"step": 1, "reward": first, "entropy": 0.2}]}
 
@@ -391,11 +391,12 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
     merge = load_benchmark("study_merge")
     config = Path(__file__).resolve().parents[1] / "configs" / "gsm8k-grpo-1.5b.yaml"
     settings = {"config": str(config), "steps": 100, "set": ["save_every=10"]}
-    a = _study(settings, [_run("bf16", s, 0.70 + 0.01 * s) for s in range(3)])
-    b = _study(settings, [_run("bf16@0.0001", s, 0.68, last=0.5) for s in range(3)] + [_run("nvfp4", s, 0.66) for s in range(3)])
+    a = _merge_study(settings, [_merge_run("bf16", s, 0.70 + 0.01 * s) for s in range(3)])
+    b = _merge_study(settings, [_merge_run("bf16@0.0001", s, 0.68, last=0.5) for s in range(3)]
+                     + [_merge_run("nvfp4", s, 0.66) for s in range(3)])
     assert len(merge.merge([a, b])) == 9
     with pytest.raises(SystemExit, match="differs from study 1 in steps"):
-        merge.merge([a, _study({**settings, "steps": 30}, b["runs"])])
+        merge.merge([a, _merge_study({**settings, "steps": 30}, b["runs"])])
     with pytest.raises(SystemExit, match="bf16 seed 0 is in two studies"):
         merge.merge([a, a])
     # arms without @LR ran at the config's rate, so they join their format's sweep under it
