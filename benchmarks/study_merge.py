@@ -14,7 +14,11 @@ from pathlib import Path
 
 
 def merge(results: list[dict]) -> list[dict]:
-    """The runs of every study, checked: one settings dict, no (arm, seed) twice."""
+    """The runs of every study, checked: one settings dict, no (arm, seed) twice, and the runs of one arm that
+    recorded their resolved config (`config` in result.json) made with the same one (the same config path can
+    hold another file by then)."""
+    from qerl.bench.study import config_diffs
+
     settings = results[0]["settings"]
     for i, r in enumerate(results[1:], 2):
         diffs = [k for k in set(settings) | set(r["settings"]) if settings.get(k) != r["settings"].get(k)]
@@ -28,6 +32,18 @@ def merge(results: list[dict]) -> list[dict]:
                 raise SystemExit(f"{run['arm']} seed {run['seed']} is in two studies; keep one")
             seen.add(key)
             runs.append(run)
+    first = {}
+    for run in runs:
+        if "config" in run:
+            ref = first.setdefault(run["arm"], run)
+            diffs = config_diffs(ref["config"], run["config"])
+            if diffs:
+                raise SystemExit(f"{run['arm']}: seed {ref['seed']} and seed {run['seed']} ran with other configs "
+                                 f"({', '.join(diffs)}): not one arm")
+    unchecked = sum("config" not in run for run in runs)
+    if unchecked:
+        print(f"note: {unchecked} of {len(runs)} runs did not record their resolved config; for those only the "
+              "study settings (config path, --set, ...) were compared", file=sys.stderr)
     return runs
 
 

@@ -187,6 +187,21 @@ def test_finished_jobs_are_skipped(tmp_path):
         study.split_finished(jobs, {**SETTINGS, "steps": 4})
 
 
+def test_a_finished_job_made_from_an_edited_config_file_is_refused(tmp_path):
+    from qerl.config import load_config
+
+    jobs = study.make_jobs(study.parse_arms("nvfp4+aqn"), [0], tmp_path)
+    then = study.comparable_config(load_config(None, ["aqn.sigma_start=0.01"]))
+    now = study.comparable_config(load_config(None, ["aqn.sigma_start=0.1", "seed=5", "output_dir=x"]))
+    jobs[0].dir.mkdir(parents=True)
+    study_jobs.write_json_atomic(jobs[0].result_path, {"arm": "nvfp4+aqn", "seed": 0, "settings": SETTINGS,
+                                                       "config": then})
+    assert study.split_finished(jobs, SETTINGS, {jobs[0]: then}) == ([], jobs)  # seed, output_dir not compared
+    with pytest.raises(StudyError, match="config aqn.sigma_start differs"):
+        study.split_finished(jobs, SETTINGS, {jobs[0]: now})
+    assert study.config_diffs({"a": {"b": 1, "c": [1]}}, {"a": {"b": 1, "c": [2]}, "d": 0}) == ["a.c", "d"]
+
+
 # children: write result.json (argv[1]) and exit; or fail; or sleep past the deadline
 _WRITE = "import json, sys; json.dump({'ok': 1}, open(sys.argv[1], 'w'))"
 _FAIL = "import sys; print('working'); raise ValueError('boom')"
@@ -399,6 +414,11 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
         merge.merge([a, _merge_study({**settings, "steps": 30}, b["runs"])])
     with pytest.raises(SystemExit, match="bf16 seed 0 is in two studies"):
         merge.merge([a, a])
+    # one arm, two resolved configs (the config file was edited between the studies): refused
+    edited = _merge_study(settings, [{**_merge_run("nvfp4+aqn", 0, 0.6), "config": {"aqn": {"sigma_start": 0.01}}},
+                                     {**_merge_run("nvfp4+aqn", 1, 0.6), "config": {"aqn": {"sigma_start": 0.1}}}])
+    with pytest.raises(SystemExit, match="other configs .aqn.sigma_start"):
+        merge.merge([edited])
     # arms without @LR ran at the config's rate, so they join their format's sweep under it
     assert [r["arm"] for r in merge.with_base_lr(merge.merge([a, b]), 5e-5)][::3] == \
         ["bf16@5e-05", "bf16@0.0001", "nvfp4@5e-05"]

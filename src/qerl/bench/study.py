@@ -112,16 +112,41 @@ def load_result(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def split_finished(jobs: list[Job], settings: dict) -> tuple[list[Job], list[Job]]:
-    """(jobs still to run, jobs whose result.json exists). A finished result made with other settings is
+def comparable_config(cfg) -> dict:
+    """A job's resolved configuration as a dict, without what differs between the seeds of one arm (seed,
+    output_dir): what its result records, so that a changed config file is not mistaken for the same arm."""
+    from ..config import to_dict
+
+    # through JSON, so that it compares equal to the copy read back from result.json (tuples become lists)
+    return json.loads(json.dumps({k: v for k, v in to_dict(cfg).items() if k not in ("seed", "output_dir")}))
+
+
+def config_diffs(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested config dicts."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += config_diffs(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def split_finished(jobs: list[Job], settings: dict, configs: dict | None = None) -> tuple[list[Job], list[Job]]:
+    """(jobs still to run, jobs whose result.json exists). A finished result made with other settings, or (where
+    it recorded one) with another resolved config than `configs[job]` would give now (an edited config file), is
     refused rather than mixed in: the aggregate would silently average different experiments."""
     todo, done = [], []
     for job in jobs:
         if not job.result_path.is_file():
             todo.append(job)
             continue
-        saved = load_result(job.result_path).get("settings", {})
+        result = load_result(job.result_path)
+        saved = result.get("settings", {})
         diffs = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in settings.items() if saved.get(k) != v]
+        if configs is not None and job in configs and "config" in result:
+            diffs += [f"config {k} differs" for k in config_diffs(result["config"], configs[job])]
         if diffs:
             raise StudyError(f"{job.result_path} was made with other settings ({'; '.join(diffs)}); use another "
                              "--out or delete that directory")
@@ -241,7 +266,7 @@ def run_job(args, job: Job) -> dict:
               "seconds": seconds, **summarize(metrics), "job_seconds": time.perf_counter() - t_job,
               "attempts": state["attempts"],
               "device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "settings": settings_of(args), "metrics": metrics}
+              "settings": settings_of(args), "config": comparable_config(cfg), "metrics": metrics}
     write_json_atomic(job.result_path, result)
     return result
 
@@ -331,8 +356,8 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
                 raise StudyError("--job runs exactly one arm and one seed")
             run_job(args, jobs[0])
             return 0
-        _check_configs(args, jobs)
-        todo, finished = split_finished(jobs, settings_of(args))
+        configs = _check_configs(args, jobs)
+        todo, finished = split_finished(jobs, settings_of(args), configs)
         devices = job_devices(args.gpus)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -429,19 +454,21 @@ def overlap_check(train: str, test: str, eval_limit: int, seed: int) -> dict | N
     return {"train": train, "test": test, **result.summary(top=5)}
 
 
-def _check_configs(args, jobs: list[Job]) -> None:
+def _check_configs(args, jobs: list[Job]) -> dict:
     """Build every job's config now, and look for data files: a bad --set, config or path fails here, not
-    in N subprocesses."""
+    in N subprocesses. Returns {job: its comparable_config}."""
     from ..config import ConfigError, load_config
 
     for flag, source in (("--train", args.train), ("--test", args.test)):
         if Path(source).suffix.lower() in (".jsonl", ".json", ".parquet") and not Path(source).is_file():
             raise StudyError(f"{flag} {source}: no such file")
+    configs = {}
     for job in jobs:
         try:
-            load_config(args.config, job_overrides(args, job))
+            configs[job] = comparable_config(load_config(args.config, job_overrides(args, job)))
         except ConfigError as e:
             raise StudyError(f"{job.name}: {e}") from None
+    return configs
 
 
 if __name__ == "__main__":
