@@ -48,13 +48,15 @@ def merge(results: list[dict]) -> list[dict]:
 
 
 def with_base_lr(runs: list[dict], base_lr: float) -> list[dict]:
-    """The runs with every arm spelled with its learning rate (arms without @LR ran at base_lr)."""
+    """The runs with every arm spelled with its learning rate: an arm without @LR ran at the optim.lr its result
+    recorded, or, for results that recorded no config, at base_lr (the config file's rate now)."""
     from qerl.bench.study_arms import parse_arm
 
     out = []
     for run in runs:
         arm = parse_arm(run["arm"])
-        out.append({**run, "arm": dataclasses.replace(arm, lr=arm.lr or base_lr).name})
+        lr = arm.lr or run.get("config", {}).get("optim", {}).get("lr") or base_lr
+        out.append({**run, "arm": dataclasses.replace(arm, lr=lr).name})
     return out
 
 

@@ -422,6 +422,8 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
     # arms without @LR ran at the config's rate, so they join their format's sweep under it
     assert [r["arm"] for r in merge.with_base_lr(merge.merge([a, b]), 5e-5)][::3] == \
         ["bf16@5e-05", "bf16@0.0001", "nvfp4@5e-05"]
+    recorded = {**_merge_run("nf4", 0, 0.6), "config": {"optim": {"lr": 2e-5}}}
+    assert merge.with_base_lr([recorded], 5e-5)[0]["arm"] == "nf4@2e-05"  # the rate the run recorded wins
     for i, study_ in enumerate((a, b)):
         (tmp_path / f"s{i}.json").write_text(json.dumps(study_))
     assert merge.main([str(tmp_path / "out"), str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
