@@ -478,3 +478,14 @@ def test_adapter_of_an_awq_base_is_written_for_the_unfolded_model(tmp_path, arch
     assert all(torch.equal(raw["base_model.model." + k], p) for k, p in lora_parameters(folded).items())
     exported = load_file(tmp_path / "original" / "adapter_model.safetensors")
     assert any(not torch.equal(exported["base_model.model." + k], p) for k, p in lora_parameters(folded).items())
+
+
+def test_the_median_norm_weight_of_a_folded_model_is_the_unfolded_models():
+    # AQN's noise on a folded norm is drawn in the unfolded units, so the weak-noise check must read those
+    from qerl.nn.noisy_norm import median_abs_norm_weight
+
+    model = outlier_model(num_key_value_heads=4)
+    folded, _ = awq_model(model, token_ids())
+    raw = torch.cat([n.weight.detach().abs().flatten() for n in find_noisy_norms(folded)]).median().item()
+    assert abs(raw - median_abs_norm_weight(model)) > 1e-3 * median_abs_norm_weight(model)  # folding moved them
+    assert median_abs_norm_weight(folded) == pytest.approx(median_abs_norm_weight(model), rel=1e-6)

@@ -50,9 +50,14 @@ def find_noisy_norms(model: nn.Module) -> list[nn.Module]:
 
 def median_abs_norm_weight(model: nn.Module) -> float:
     """The median |weight| over every channel of the norms AQN perturbs (its noise acts as a relative change
-    z / w of each channel, so this sets how far a given sigma moves the model)."""
-    weights = torch.cat([n.weight.detach().float().abs().flatten().cpu() for n in find_noisy_norms(model)])
-    return float(weights.median())
+    z / w of each channel, so this sets how far a given sigma moves the model). An AWQ-folded norm counts with
+    its unfolded weight w = folded weight * CHANNEL_SCALE, the units its noise is drawn in."""
+    weights = []
+    for norm in find_noisy_norms(model):
+        w = norm.weight.detach().float().flatten()
+        scale = getattr(norm, CHANNEL_SCALE, None)
+        weights.append((w if scale is None else w * scale.float().flatten().to(w.device)).abs().cpu())
+    return float(torch.cat(weights).median())
 
 
 class NoisyNorms:
