@@ -3,7 +3,10 @@ their runs pooled, then the study's table, claims, learning-rate table and plots
 differ in any setting are refused, as are two runs of the same arm and seed. Arms without an @LR ran at the
 config's optim.lr; the learning-rate table names that rate so those runs join their format's sweep.
 
-    python benchmarks/study_merge.py OUT STUDY/results.json STUDY2/results.json [--arms a,b,...]
+    python benchmarks/study_merge.py OUT STUDY/results.json STUDY2/results.json [--arms a,b,...] [--compare A/B,...]
+
+--compare adds, for each pair of arms, the differences the claims use (held-out pass@1 after, reward growth,
+entropy), seed by seed with the same standard error, for pairs the claims do not name.
 """
 
 import argparse
@@ -62,7 +65,7 @@ def with_base_lr(runs: list[dict], base_lr: float) -> list[dict]:
 
 def main(argv=None) -> int:
     from qerl.bench.study import scoped_override
-    from qerl.bench.study_claims import claims, claims_markdown, pooled_std
+    from qerl.bench.study_claims import claims, claims_markdown, diff_text, paired, pooled_std
     from qerl.bench.study_lr import best_lrs, lr_groups, lr_sweep_markdown
     from qerl.bench.study_report import aggregate, markdown_table, plot_study
     from qerl.config import load_config
@@ -72,7 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", help="each study's results.json")
     ap.add_argument("--arms", default=None, help="arms of the table and plots, in this order (default: all); the "
                     "claims and the pooled seed spread always use every run")
+    ap.add_argument("--compare", default="", help="pairs of arms A/B, comma-separated: A minus B, paired by seed")
     args = ap.parse_args(argv)
+    pairs = [tuple(p.split("/")) for p in args.compare.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--compare {args.compare!r}: expected pairs A/B, e.g. nvfp4+aqn/nvfp4")
 
     results = [json.loads(Path(p).read_text()) for p in args.results]
     every_run = merge(results)
@@ -97,6 +104,13 @@ def main(argv=None) -> int:
         if std is not None:
             lines.append(f"seed-to-seed std of {label}, pooled over {n_arms} arms: {std:.4f}")
     lines += ["", "the paper's claims:", claims_markdown(claims(every_run))]
+    if pairs:
+        lines += ["", "comparisons:"]
+        for a, b in pairs:
+            for key, what in (("pass1_after", "pass@1 after"), ("reward_growth", "reward growth"),
+                              ("entropy_mean", "entropy")):
+                d = paired(every_run, a, b, key)
+                lines.append(f"- {diff_text(d, a, b, what)}" if d else f"- {what}: {a} and {b} share no seed")
     swept = {base for base, by_lr in lr_groups(with_base_lr(every_run, base_lr)).items() if len(by_lr) > 1}
     spelled = [r for r in with_base_lr(every_run, base_lr) if r["arm"].split("@")[0] in swept]
     if spelled:

@@ -427,8 +427,11 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
     for i, study_ in enumerate((a, b)):
         (tmp_path / f"s{i}.json").write_text(json.dumps(study_))
     assert merge.main([str(tmp_path / "out"), str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
-                       "--arms", "bf16,nvfp4"]) == 0
+                       "--arms", "bf16,nvfp4", "--compare", "nvfp4/bf16"]) == 0
     text = (tmp_path / "out" / "merged.md").read_text()
+    assert "pass@1 after: nvfp4 0.660 vs bf16 0.710, difference -0.050" in text  # 0.66 against 0.70/0.71/0.72
+    with pytest.raises(SystemExit, match="expected pairs A/B"):
+        merge.main([str(tmp_path / "o2"), str(tmp_path / "s0.json"), "--compare", "nvfp4"])
     assert "| bf16 | 3 |" in text and "| nvfp4 | 3 |" in text and "bf16@0.0001 | 3" not in text  # table: --arms
     assert "| bf16 | **5e-05** |" in text  # the rate table still sees every run; 5e-5 won
     assert (tmp_path / "out" / "study_reward.png").is_file()

@@ -81,7 +81,7 @@ def paired(runs: list[dict], a: str, b: str, key: str) -> dict | None:
             "a": statistics.fmean(va[s] for s in seeds), "b": statistics.fmean(vb[s] for s in seeds)}
 
 
-def _diff_text(d: dict, a: str, b: str, what: str) -> str:
+def diff_text(d: dict, a: str, b: str, what: str) -> str:
     se = ""
     if d["se"] is not None:
         parts = [f"{d['se_paired']:.3f} paired by seed"] + (
@@ -142,14 +142,14 @@ def claims(runs: list[dict]) -> list[Claim]:
         d = paired(runs, name, bf16, "pass1_before") if bf16 else None
         if d is not None:
             out.append(Claim(claim.format(method), "holds" if d["mean"] >= -0.01 else "does not hold",
-                             _diff_text(d, name, bf16, "pass@1 before")))
+                             diff_text(d, name, bf16, "pass@1 before")))
 
     # Table 1: NVFP4 + LoRA (+ AQN) at least as good as 16-bit LoRA after RL, and better than QLoRA
     for other, label in ((bf16, "16-bit LoRA"), (nf4, "NF4 QLoRA")):
         name = f"NVFP4 + AQN (best method) after RL >= {label} (held-out pass@1, paper Table 1)"
         d = paired(runs, best, other, "pass1_after") if best and other else None
         out.append(Claim(name, _at_least(d), "needs both arms" if d is None
-                         else _diff_text(d, best, other, "pass@1 after")))
+                         else diff_text(d, best, other, "pass@1 after")))
 
     # AQN: more entropy (exploration), faster reward growth, a better final score, per format and method
     for name, arm in arms.items():
@@ -169,7 +169,7 @@ def claims(runs: list[dict]) -> list[Claim]:
                 else "within noise" if d["se"] is not None and abs(d["mean"]) <= 2 * d["se"]
                 else "does not hold")
             out.append(Claim(f"AQN {what}: {name} vs {twin}", verdict,
-                             "needs both arms" if d is None else _diff_text(d, name, twin, text)))
+                             "needs both arms" if d is None else diff_text(d, name, twin, text)))
 
     # the decay schedule: the paper's exponential decay at least as good as the others
     decays = [n for n, a in arms.items() if a.aqn and a.decay != DEFAULT_DECAY]
@@ -182,7 +182,7 @@ def claims(runs: list[dict]) -> list[Claim]:
                     and (a.format, a.method, a.lr) == (arm.format, arm.method, arm.lr)), None)
         d = paired(runs, ref, name, "pass1_after") if ref else None
         out.append(Claim(f"the exponential AQN decay at least as good as {arm.decay}", _at_least(d),
-                         "needs the exponential twin" if d is None else _diff_text(d, ref, name, "pass@1 after")))
+                         "needs the exponential twin" if d is None else diff_text(d, ref, name, "pass@1 after")))
     return out
 
 
