@@ -6,7 +6,8 @@ config's optim.lr; the learning-rate table names that rate so those runs join th
     python benchmarks/study_merge.py OUT STUDY/results.json STUDY2/results.json [--arms a,b,...] [--compare A/B,...]
 
 --compare adds, for each pair of arms, the differences the claims use (held-out pass@1 after, reward growth,
-entropy), seed by seed with the same standard error, for pairs the claims do not name.
+entropy), seed by seed with the same standard error (unpaired, from every seed of each, when the two arms share
+no seed), for pairs the claims do not name.
 """
 
 import argparse
@@ -65,7 +66,7 @@ def with_base_lr(runs: list[dict], base_lr: float) -> list[dict]:
 
 def main(argv=None) -> int:
     from qerl.bench.study import scoped_override
-    from qerl.bench.study_claims import claims, claims_markdown, diff_text, paired, pooled_std
+    from qerl.bench.study_claims import claims, claims_markdown, compare, diff_text, pooled_std
     from qerl.bench.study_lr import best_lrs, lr_groups, lr_sweep_markdown
     from qerl.bench.study_report import aggregate, markdown_table, plot_study
     from qerl.config import load_config
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", help="each study's results.json")
     ap.add_argument("--arms", default=None, help="arms of the table and plots, in this order (default: all); the "
                     "claims and the pooled seed spread always use every run")
-    ap.add_argument("--compare", default="", help="pairs of arms A/B, comma-separated: A minus B, paired by seed")
+    ap.add_argument("--compare", default="", help="pairs of arms A/B, comma-separated: A minus B, paired by seed (unpaired when they share none)")
     args = ap.parse_args(argv)
     pairs = [tuple(p.split("/")) for p in args.compare.split(",") if p.strip()]
     if any(len(p) != 2 for p in pairs):
@@ -109,8 +110,8 @@ def main(argv=None) -> int:
         for a, b in pairs:
             for key, what in (("pass1_after", "pass@1 after"), ("reward_growth", "reward growth"),
                               ("entropy_mean", "entropy")):
-                d = paired(every_run, a, b, key)
-                lines.append(f"- {diff_text(d, a, b, what)}" if d else f"- {what}: {a} and {b} share no seed")
+                d = compare(every_run, a, b, key)
+                lines.append(f"- {diff_text(d, a, b, what)}" if d else f"- {what}: {a} or {b} has no run")
     swept = {base for base, by_lr in lr_groups(with_base_lr(every_run, base_lr)).items() if len(by_lr) > 1}
     spelled = [r for r in with_base_lr(every_run, base_lr) if r["arm"].split("@")[0] in swept]
     if spelled:

@@ -336,7 +336,7 @@ def test_median_norm_weight_and_the_weak_noise_note():
     assert median_abs_norm_weight(model) == pytest.approx(float(weights.median()))
     # the 1.5B case (sigma 1e-2 at median 1.60) is flagged; SmolLM2's (1e-2 at 0.27) and 0.1 at 1.60 are not
     note = weak_noise_note(1e-2, 1.60)
-    assert note and "0.6%" in note and "0.08" in note
+    assert note and "0.6%" in note and "0.048" in note
     assert weak_noise_note(1e-2, 0.27) is None and weak_noise_note(0.1, 1.60) is None
     assert weak_noise_note(1e-2, 0.0) is None
 

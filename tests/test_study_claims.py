@@ -2,7 +2,7 @@
 
 import pytest
 
-from qerl.bench.study_claims import best_nvfp4_aqn, claims, claims_markdown, paired
+from qerl.bench.study_claims import best_nvfp4_aqn, claims, claims_markdown, compare, paired, unpaired
 
 
 def run(arm, seed, before, after, first=0.2, last=0.5, entropy=0.3):
@@ -44,8 +44,35 @@ def test_three_agreeing_seeds_do_not_make_a_difference_certain():
 def test_best_method_is_chosen_by_the_start_not_by_the_result():
     runs = [run("nvfp4+aqn", 0, 0.28, 0.70), run("nvfp4-awq+aqn", 0, 0.38, 0.50), run("nvfp4-awq", 0, 0.39, 0.9),
             run("nvfp4-awq+aqn@1e-4", 0, 0.5, 0.9), run("nvfp4-awq+aqn:linear", 0, 0.5, 0.9)]
-    assert best_nvfp4_aqn(runs) == "nvfp4-awq+aqn"  # no AQN, own lr or other decay: not candidates
-    assert best_nvfp4_aqn([run("bf16", 0, 0.3, 0.5)]) is None
+    assert best_nvfp4_aqn(runs) == ["nvfp4-awq+aqn"]  # no AQN, own lr or other decay: not candidates
+    assert best_nvfp4_aqn([run("bf16", 0, 0.3, 0.5)]) == []
+    # every noise level of the best method stands for it, whatever their results
+    levels = runs + [run("nvfp4-awq+aqn=0.1", 0, 0.38, 0.2), run("nvfp4+aqn=0.1", 0, 0.28, 0.99)]
+    assert best_nvfp4_aqn(levels) == ["nvfp4-awq+aqn", "nvfp4-awq+aqn=0.1"]
+    c = by_name(claims(levels + [run("bf16", 0, 0.3, 0.6)]))
+    for arm in ("nvfp4-awq+aqn", "nvfp4-awq+aqn=0.1"):
+        name = f"NVFP4 + AQN (best method) after RL >= 16-bit LoRA (held-out pass@1, paper Table 1): {arm}"
+        assert c[name].evidence.startswith(f"pass@1 after: {arm} ")
+
+
+def test_arms_without_a_shared_seed_are_compared_unpaired():
+    # two studies: bf16 ran seeds 0-2, the new arm seeds 3-5; the claim still gets its numbers
+    runs = [run("bf16", s, 0.30, (0.70, 0.72, 0.74)[s]) for s in (0, 1, 2)]
+    runs += [run("nvfp4-awq+aqn", s, 0.39, (0.66, 0.69, 0.69)[s - 3]) for s in (3, 4, 5)]
+    assert paired(runs, "nvfp4-awq+aqn", "bf16", "pass1_after") is None
+    d = unpaired(runs, "nvfp4-awq+aqn", "bf16", "pass1_after")
+    assert d["mean"] == pytest.approx(0.68 - 0.72) and (d["n"], d["n_b"]) == (3, 3)
+    welch = ((0.0003 / 3) + (0.0004 / 3)) ** 0.5  # sample variances 0.0003 and 0.0004
+    pooled = ((0.0006 + 0.0008) / 4) ** 0.5 * (2 / 3) ** 0.5
+    assert d["se_welch"] == pytest.approx(welch) and d["se_pooled"] == pytest.approx(pooled)
+    assert d["se"] == pytest.approx(max(welch, pooled))
+    assert compare(runs, "nvfp4-awq+aqn", "bf16", "pass1_after") == d
+    table1 = by_name(claims(runs))["NVFP4 + AQN (best method) after RL >= 16-bit LoRA (held-out pass@1, paper Table 1)"]
+    assert table1.verdict == "does not hold"  # -0.040 with SE ~0.014: more than two errors below
+    assert "unpaired: 3 and 3 seed(s), none in common" in table1.evidence and "two-sample" in table1.evidence
+    assert unpaired(runs, "nvfp4-awq+aqn", "nf4", "pass1_after") is None
+    single = unpaired([run("a", 0, 0, 0.5), run("b", 1, 0, 0.4)], "a", "b", "pass1_after")
+    assert single["mean"] == pytest.approx(0.1) and single["se"] is None
 
 
 def test_verdicts():

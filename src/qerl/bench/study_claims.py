@@ -5,9 +5,11 @@ Each claim names the arms it compares, the numbers that decide it and a verdict.
 standard error of its per-seed values; a difference within two standard errors reads "within noise". With three
 seeds that paired error is itself a guess from two degrees of freedom (two arms whose three seeds happen to agree
 give a tiny one), so the error used is the larger of it and the error of a difference of two means computed from
-the seed-to-seed spread pooled over every arm of the study. Which
-NVFP4 + AQN arm stands for "the best method" is decided before training: the one with the highest held-out
-pass@1 before RL (what a user would pick from `benchmarks/quant_methods.py`), never by the result after it.
+the seed-to-seed spread pooled over every arm of the study. Arms that share no seed (run in different studies) are
+compared unpaired: the difference of their means, with the larger of the two-sample (Welch) and the pooled error.
+"The best method" is decided before training: the NVFP4 method whose AQN arm has the highest held-out pass@1 before
+RL (what a user would pick from `benchmarks/quant_methods.py`), never by the result after it; every AQN arm of
+that method (one per noise level) gets its own Table 1 claims.
 
     claims(runs) -> [Claim]; claims_markdown(claims) -> str
 """
@@ -81,7 +83,37 @@ def paired(runs: list[dict], a: str, b: str, key: str) -> dict | None:
             "a": statistics.fmean(va[s] for s in seeds), "b": statistics.fmean(vb[s] for s in seeds)}
 
 
+def unpaired(runs: list[dict], a: str, b: str, key: str) -> dict | None:
+    """Arm a minus arm b on `key` from every seed of each (for arms that share none): {"mean", "n" (a's seeds),
+    "n_b", "a", "b" (the arms' means), "se_welch" (sqrt(var_a / n_a + var_b / n_b)), "se_pooled" (pooled std *
+    sqrt(1 / n_a + 1 / n_b)), "se" (the larger; None when neither arm has two seeds), "unpaired": True}; None when
+    an arm has no value."""
+    va, vb = list(values(runs, a, key).values()), list(values(runs, b, key).values())
+    if not va or not vb:
+        return None
+    na, nb = len(va), len(vb)
+    se_welch = math.sqrt(statistics.variance(va) / na + statistics.variance(vb) / nb) if min(na, nb) > 1 else None
+    std, _ = pooled_std(runs, key)
+    se_pooled = std * math.sqrt(1 / na + 1 / nb) if std is not None else None
+    se = max((x for x in (se_welch, se_pooled) if x is not None), default=None)
+    return {"mean": statistics.fmean(va) - statistics.fmean(vb), "se": se, "se_welch": se_welch,
+            "se_pooled": se_pooled, "n": na, "n_b": nb, "a": statistics.fmean(va), "b": statistics.fmean(vb),
+            "unpaired": True}
+
+
+def compare(runs: list[dict], a: str, b: str, key: str) -> dict | None:
+    """`paired` over the seeds both arms finished, or `unpaired` when they share none."""
+    return paired(runs, a, b, key) or unpaired(runs, a, b, key)
+
+
 def diff_text(d: dict, a: str, b: str, what: str) -> str:
+    if d.get("unpaired"):
+        parts = [f"{d[k]:.3f} {label}" for k, label in (("se_welch", "two-sample"), ("se_pooled", "from the pooled "
+                 "seed spread")) if d.get(k) is not None]
+        se = "" if d["se"] is None else (f" ± {d['se']:.3f} (SE, the larger of {' and '.join(parts)})"
+                                         if len(parts) > 1 else f" ± {d['se']:.3f} (SE, {parts[0]})")
+        return (f"{what}: {a} {d['a']:.3f} vs {b} {d['b']:.3f}, difference {d['mean']:+.3f}{se}, unpaired: "
+                f"{d['n']} and {d['n_b']} seed(s), none in common")
     se = ""
     if d["se"] is not None:
         parts = [f"{d['se_paired']:.3f} paired by seed"] + (
@@ -105,14 +137,16 @@ def _arms(runs: list[dict]) -> dict[str, object]:
     return {r["arm"]: parse_arm(r["arm"]) for r in runs}
 
 
-def best_nvfp4_aqn(runs: list[dict]) -> str | None:
-    """The NVFP4 + AQN arm (default decay, no own lr) with the best held-out pass@1 before RL."""
+def best_nvfp4_aqn(runs: list[dict]) -> list[str]:
+    """The NVFP4 + AQN arms (default decay, no own lr) of the method with the best held-out pass@1 before RL: one
+    per noise level, in the order they first appear; [] when there is none."""
     arms = _arms(runs)
     candidates = [name for name, arm in arms.items()
                   if arm.format == "nvfp4" and arm.aqn and arm.decay == DEFAULT_DECAY and arm.lr is None]
     before = {name: statistics.fmean(values(runs, name, "pass1_before").values() or [float("-inf")])
               for name in candidates}
-    return max(candidates, key=lambda name: (before[name], name), default=None)
+    best = max(candidates, key=lambda name: (before[name], name), default=None)
+    return [name for name in candidates if best is not None and arms[name].method == arms[best].method]
 
 
 def _without_aqn(runs: list[dict], name: str) -> str | None:
@@ -124,7 +158,7 @@ def _without_aqn(runs: list[dict], name: str) -> str | None:
 
 def claims(runs: list[dict]) -> list[Claim]:
     arms = _arms(runs)
-    best = best_nvfp4_aqn(runs)
+    best_arms = best_nvfp4_aqn(runs)
     bf16 = next((n for n, a in arms.items() if a.format == "bf16" and not a.aqn and a.lr is None), None)
     nf4 = next((n for n, a in arms.items() if a.format == "nf4" and not a.aqn and a.lr is None), None)
     out = []
@@ -139,17 +173,19 @@ def claims(runs: list[dict]) -> list[Claim]:
     if not starts or bf16 is None:
         out.append(Claim(claim.format("(any method)"), "not measured", "needs a bf16 arm and an NVFP4 arm"))
     for method, name in starts.items():
-        d = paired(runs, name, bf16, "pass1_before") if bf16 else None
+        d = compare(runs, name, bf16, "pass1_before") if bf16 else None
         if d is not None:
             out.append(Claim(claim.format(method), "holds" if d["mean"] >= -0.01 else "does not hold",
                              diff_text(d, name, bf16, "pass@1 before")))
 
     # Table 1: NVFP4 + LoRA (+ AQN) at least as good as 16-bit LoRA after RL, and better than QLoRA
-    for other, label in ((bf16, "16-bit LoRA"), (nf4, "NF4 QLoRA")):
-        name = f"NVFP4 + AQN (best method) after RL >= {label} (held-out pass@1, paper Table 1)"
-        d = paired(runs, best, other, "pass1_after") if best and other else None
-        out.append(Claim(name, _at_least(d), "needs both arms" if d is None
-                         else diff_text(d, best, other, "pass@1 after")))
+    for best in best_arms or [None]:
+        for other, label in ((bf16, "16-bit LoRA"), (nf4, "NF4 QLoRA")):
+            name = f"NVFP4 + AQN (best method) after RL >= {label} (held-out pass@1, paper Table 1)"
+            name += f": {best}" if len(best_arms) > 1 else ""
+            d = compare(runs, best, other, "pass1_after") if best and other else None
+            out.append(Claim(name, _at_least(d), "needs both arms" if d is None
+                             else diff_text(d, best, other, "pass@1 after")))
 
     # AQN: more entropy (exploration), faster reward growth, a better final score, per format and method
     for name, arm in arms.items():
@@ -158,9 +194,9 @@ def claims(runs: list[dict]) -> list[Claim]:
         twin = _without_aqn(runs, name)
         if twin is None:
             continue
-        ent = paired(runs, name, twin, "entropy_mean")
-        growth = paired(runs, name, twin, "reward_growth")
-        after = paired(runs, name, twin, "pass1_after")
+        ent = compare(runs, name, twin, "entropy_mean")
+        growth = compare(runs, name, twin, "reward_growth")
+        after = compare(runs, name, twin, "pass1_after")
         for what, d, text in (("raises the policy's entropy (mean over steps)", ent, "entropy"),
                               ("speeds reward growth (last 20% minus first 20% of steps)", growth, "reward growth"),
                               ("improves held-out pass@1 after RL", after, "pass@1 after")):
@@ -180,7 +216,7 @@ def claims(runs: list[dict]) -> list[Claim]:
         arm = parse_arm(name)
         ref = next((n for n, a in arms.items() if a.aqn and a.decay == DEFAULT_DECAY
                     and (a.format, a.method, a.lr) == (arm.format, arm.method, arm.lr)), None)
-        d = paired(runs, ref, name, "pass1_after") if ref else None
+        d = compare(runs, ref, name, "pass1_after") if ref else None
         out.append(Claim(f"the exponential AQN decay at least as good as {arm.decay}", _at_least(d),
                          "needs the exponential twin" if d is None else diff_text(d, ref, name, "pass@1 after")))
     return out
