@@ -92,6 +92,7 @@ def test_verdicts():
     assert ent.verdict == "holds" and "+0.110" in ent.evidence
     growth = c["AQN speeds reward growth (last 20% minus first 20% of steps): nvfp4-awq+aqn vs nvfp4-awq"]
     assert growth.verdict == "does not hold"  # -0.02 on every seed: no spread, a clear loss
+    assert "(first 20% of steps 0.300 vs 0.300, last 20% 0.600 vs 0.620)" in growth.evidence  # where it came from
     assert c["the exponential AQN decay beats linear / cosine / logarithmic"].verdict == "not measured"
     md = claims_markdown(claims(runs))
     assert md.count("\n- ") == len(c) - 1 and "**within noise**" in md

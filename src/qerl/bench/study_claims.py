@@ -156,6 +156,16 @@ def _without_aqn(runs: list[dict], name: str) -> str | None:
     return twin[0] if twin else None
 
 
+def _growth_ends(runs: list[dict], a: str, b: str) -> str:
+    """Where a reward-growth difference comes from: the two ends' means. The AQN arms' early rollouts carry the
+    most noise, so a larger growth can be a lower start (the noise's own cost) rather than a higher end."""
+    first, last = compare(runs, a, b, "reward_first"), compare(runs, a, b, "reward_last")
+    if first is None or last is None:
+        return ""
+    return (f" (first 20% of steps {first['a']:.3f} vs {first['b']:.3f}, last 20% {last['a']:.3f} vs "
+            f"{last['b']:.3f})")
+
+
 def claims(runs: list[dict]) -> list[Claim]:
     arms = _arms(runs)
     best_arms = best_nvfp4_aqn(runs)
@@ -204,8 +214,10 @@ def claims(runs: list[dict]) -> list[Claim]:
                 "holds" if d["mean"] > 0 and (d["se"] is None or d["mean"] > 2 * d["se"])
                 else "within noise" if d["se"] is not None and abs(d["mean"]) <= 2 * d["se"]
                 else "does not hold")
-            out.append(Claim(f"AQN {what}: {name} vs {twin}", verdict,
-                             "needs both arms" if d is None else diff_text(d, name, twin, text)))
+            evidence = "needs both arms" if d is None else diff_text(d, name, twin, text)
+            if d is not None and text == "reward growth":
+                evidence += _growth_ends(runs, name, twin)
+            out.append(Claim(f"AQN {what}: {name} vs {twin}", verdict, evidence))
 
     # the decay schedule: the paper's exponential decay at least as good as the others
     decays = [n for n, a in arms.items() if a.aqn and a.decay != DEFAULT_DECAY]
