@@ -265,3 +265,16 @@ def test_train_speed_arms_and_summaries_of_earlier_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     # steps 2-3: medians 3.0 s; update ms per 1k loss tokens (1 + 2) s / 5000 tokens = 600; decode 500 us
     assert "device: H200" in out and "| nvfp4+aqn:new | 3.00 | - | 1.00 | 1.50 | 600.0 | 500.0 |" in out
+
+
+def test_kernel_shapes_match_the_model_configs_the_step_benchmark_builds():
+    # `qerl bench kernels --models 1.5B` must time the linears `qerl bench step --models 1.5b` runs
+    from qerl.bench.kernels import layer_shapes
+    from qerl.bench.rollout import QWEN25
+
+    for name, cfg in QWEN25.items():
+        h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        head_dim = h // cfg["num_attention_heads"]
+        kv = cfg["num_key_value_heads"] * head_dim
+        assert layer_shapes(name.upper()) == {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h),
+                                              "down": (h, inter)}, name

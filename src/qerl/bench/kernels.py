@@ -1,6 +1,6 @@
 """Benchmark the fused NVFP4 kernels against cuBLAS bf16 on linear shapes (`qerl bench kernels`).
 
-For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-7B/14B/32B/72B or SmolLM2-135M) and each M it
+For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-1.5B/7B/14B/32B/72B or SmolLM2-135M) and each M it
 times, side by side on one GPU:
   cublas    F.linear with a bf16 weight (the 16-bit baseline);
   deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
@@ -25,8 +25,8 @@ from ..kernels.workspace import capture_graph
 
 # (hidden, intermediate, heads, kv heads, head_dim): Qwen2.5 sizes, and SmolLM2-135M (the embedded model, whose
 # hidden size 576 is not a multiple of 128, the Gluon kernels' K step)
-MODEL_SHAPES = {"7B": (3584, 18944, 28, 4, 128), "14B": (5120, 13824, 40, 8, 128), "32B": (5120, 27648, 40, 8, 128),
-                "72B": (8192, 29568, 64, 8, 128), "SmolLM2": (576, 1536, 9, 3, 64)}
+MODEL_SHAPES = {"1.5B": (1536, 8960, 12, 2, 128), "7B": (3584, 18944, 28, 4, 128), "14B": (5120, 13824, 40, 8, 128),
+                "32B": (5120, 27648, 40, 8, 128), "72B": (8192, 29568, 64, 8, 128), "SmolLM2": (576, 1536, 9, 3, 64)}
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 BACKWARD_M = (16, 256, 1024, 4096)
 
