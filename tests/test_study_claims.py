@@ -109,3 +109,15 @@ def test_a_start_below_the_margin_does_not_hold_and_missing_arms_are_not_measure
     ahead = by_name(claims([run("bf16", 0, 0.30, 0.6), run("nvfp4-awq", 0, 0.39, 0.6), run("nvfp4", 0, 0.295, 0.6)]))
     assert ahead["NVFP4 awq starts no more than 0.01 below bf16 (held-out pass@1 before RL)"].verdict == "holds"
     assert ahead["NVFP4 rtn starts no more than 0.01 below bf16 (held-out pass@1 before RL)"].verdict == "holds"
+
+
+def test_a_decay_is_compared_with_the_exponential_arm_of_the_same_noise_level():
+    runs = [run("nvfp4+aqn", 0, 0.3, 0.50), run("nvfp4+aqn=0.05", 0, 0.3, 0.70), run("nvfp4+aqn=0.05:linear", 0, 0.3, 0.60),
+            run("nvfp4+aqn:linear", 0, 0.3, 0.55)]
+    c = by_name(claims(runs))
+    at_005 = c["the exponential AQN decay at least as good as linear: nvfp4+aqn=0.05:linear"]
+    assert at_005.verdict == "holds" and "nvfp4+aqn=0.05 0.700 vs nvfp4+aqn=0.05:linear 0.600" in at_005.evidence
+    paper = c["the exponential AQN decay at least as good as linear: nvfp4+aqn:linear"]
+    assert paper.verdict == "does not hold" and "nvfp4+aqn 0.500 vs nvfp4+aqn:linear 0.550" in paper.evidence
+    alone = by_name(claims([run("nvfp4+aqn=0.1", 0, 0.3, 0.6), run("nvfp4+aqn:cosine", 0, 0.3, 0.6)]))
+    assert alone["the exponential AQN decay at least as good as cosine"].verdict == "not measured"  # no σ 1e-2 twin

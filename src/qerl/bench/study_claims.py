@@ -226,10 +226,14 @@ def claims(runs: list[dict]) -> list[Claim]:
                          "no arm with another decay (e.g. nvfp4+aqn:linear)"))
     for name in decays:
         arm = parse_arm(name)
+        # the twin differs in the decay alone: same format, method, lr and noise level
         ref = next((n for n, a in arms.items() if a.aqn and a.decay == DEFAULT_DECAY
-                    and (a.format, a.method, a.lr) == (arm.format, arm.method, arm.lr)), None)
+                    and (a.format, a.method, a.lr, a.sigma) == (arm.format, arm.method, arm.lr, arm.sigma)), None)
         d = compare(runs, ref, name, "pass1_after") if ref else None
-        out.append(Claim(f"the exponential AQN decay at least as good as {arm.decay}", _at_least(d),
+        claim = f"the exponential AQN decay at least as good as {arm.decay}"
+        if sum(arms[n].decay == arm.decay for n in decays) > 1:
+            claim += f": {name}"
+        out.append(Claim(claim, _at_least(d),
                          "needs the exponential twin" if d is None else diff_text(d, ref, name, "pass@1 after")))
     return out
 
