@@ -117,3 +117,30 @@ def test_smollm2_gsm8k_greedy():
     assert out["n_problems"] == 8 and 0.0 <= out["pass@1"] <= 0.5
     assert out["mean_length"] > 20  # it writes a solution, not nothing
     assert all(r in (0.0, 1.0) for p in out["per_problem"] for r in p["rewards"])
+
+
+def test_qerl_eval_keeps_layers_in_bf16_as_the_trained_policy_had_them(tmp_path, capsys):
+    """--keep-bf16 rebuilds the policy a config with model.keep_bf16 trained (e.g. last:2 at 1.5B)."""
+    from qerl.cli import main
+    from qerl.eval.evaluate import prepare_model
+    from qerl.models import quant_layers
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    base = [str(tmp_path / "m"), "--dataset", "unused", "--dtype", "fp32", "--device", "cpu"]
+    args = add_eval_arguments(argparse.ArgumentParser()).parse_args(base + ["--format", "nvfp4", "--keep-bf16", "last:1"])
+    m, _ = prepare_model(args)
+    last = f"model.layers.{model.config.num_hidden_layers - 1}."
+    formats = {name: layer.weight_format for name, layer in quant_layers(m).items()}
+    assert formats and all((f == "bf16") == name.startswith(last) for name, f in formats.items()), formats
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["eval", str(tmp_path / "m"), "--dataset", str(data), "--n", "1", "--max-new-tokens", "3", "--dtype",
+                 "fp32", "--device", "cpu", "--format", "nvfp4", "--keep-bf16", "last:1"]) == 0
+    assert "base nvfp4 with last:1 in bf16" in " ".join(capsys.readouterr().err.split())
+    # refused before anything loads: no 4-bit format to keep layers out of, or a malformed pattern
+    for extra, message in ((["--keep-bf16", "last:2"], "needs --format nvfp4"),
+                           (["--format", "nvfp4", "--keep-bf16", "last:0"], "--keep-bf16: ")):
+        assert main(["eval", str(tmp_path / "absent"), "--dataset", str(data), *extra]) == 2
+        assert message in capsys.readouterr().err

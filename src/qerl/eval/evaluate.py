@@ -105,6 +105,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument("--format", choices=list(FORMATS),
                         help="quantize the base first (ignored when the model is already quantized)")
+    parser.add_argument("--keep-bf16", default="",
+                        help="with --format: comma-separated module names / patterns / last:N left in bf16, as the "
+                             "trained policy had them (model.keep_bf16; e.g. last:2 for configs/gsm8k-grpo-1.5b.yaml)")
     parser.add_argument("--dtype", default="auto",
                         help="dtype of unquantized tensors: bf16, fp16, fp32, or auto (bf16 on a GPU, fp32 on the CPU)")
     parser.add_argument("--device", help="cuda / cpu (default: cuda when available)")
@@ -117,6 +120,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+def keep_bf16_arg(args) -> list[str]:
+    """--keep-bf16 as a list of patterns, checked: ValueError when malformed or without a 4-bit --format."""
+    from ..models.precision import check_keep_bf16
+
+    keep = [k for k in args.keep_bf16.split(",") if k.strip()] if args.keep_bf16 else []
+    if keep and args.format in (None, "bf16"):
+        raise ValueError("--keep-bf16 keeps layers of a quantized base in bf16: it needs --format nvfp4, mxfp4 or nf4")
+    try:
+        return check_keep_bf16(keep)
+    except ValueError as e:
+        raise ValueError(f"--keep-bf16: {e}") from None
+
+
 def prepare_model(args):
     """Load, quantize when asked, attach the adapter -> (model, tokenizer)."""
     from ..models import load_adapter, load_causal_lm, quant_layers, quantize_model
@@ -126,17 +142,21 @@ def prepare_model(args):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = compute_dtype(args.dtype, device)
+    keep = keep_bf16_arg(args)
     # an adapter attaches to QuantLinear layers; "bf16" is the unquantized layer with the same code path
     fmt = args.format or ("bf16" if args.adapter else None)
     directory = plain_hf_directory(args.model) if fmt else None
     if directory is not None:  # quantize while loading: the 16-bit model is never held whole
         model, tokenizer = stream_quantized(directory, fmt, dtype=dtype, device=device,
-                                            trust_remote_code=args.trust_remote_code)
+                                            trust_remote_code=args.trust_remote_code, keep_bf16=keep)
     else:
         model, tokenizer = load_causal_lm(args.model, dtype=dtype, device=device,
                                           trust_remote_code=args.trust_remote_code)
+        if quant_layers(model) and keep:
+            raise ValueError(f"--keep-bf16: {args.model} is already quantized; which of its layers are 16-bit was "
+                             "chosen when it was quantized (qerl quantize --keep-bf16)")
         if not quant_layers(model) and fmt:
-            quantize_model(model, fmt)
+            quantize_model(model, fmt, keep_bf16=keep)
     if tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer found; evaluation needs one")
     if args.adapter:
@@ -164,12 +184,16 @@ def run_eval(args) -> int:
     from ..data import load_problems
 
     console = Console(stderr=True)
+    keep_bf16_arg(args)  # refuse a bad --keep-bf16 before any loading
     rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed,
                          max_bad_fraction=args.max_bad_fraction)
     t0 = time.perf_counter()
     with console.status(f"loading {args.model}"):
         model, tokenizer = prepare_model(args)
-    console.print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s; {len(rows)} problems from {args.dataset}")
+    base = f"base {args.format}" + (f" with {args.keep_bf16} in bf16" if args.keep_bf16 else "") if args.format else (
+        "base bf16" if args.adapter else "base as stored")
+    console.print(f"loaded {args.model} ({base}) in {time.perf_counter() - t0:.1f}s; {len(rows)} problems from "
+                  f"{args.dataset}")
     sampling = SamplingParams(0.0) if args.greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
     t0 = time.perf_counter()
     result = evaluate(model, tokenizer, rows, n_samples=args.n, sampling=sampling,
