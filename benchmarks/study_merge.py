@@ -76,7 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", help="each study's results.json")
     ap.add_argument("--arms", default=None, help="arms of the table and plots, in this order (default: all); the "
                     "claims and the pooled seed spread always use every run")
-    ap.add_argument("--compare", default="", help="pairs of arms A/B, comma-separated: A minus B, paired by seed (unpaired when they share none)")
+    ap.add_argument("--compare", default="",
+                    help="pairs of arms A/B, comma-separated: A minus B, paired by seed (unpaired when they share "
+                         "none)")
     args = ap.parse_args(argv)
     pairs = [tuple(p.split("/")) for p in args.compare.split(",") if p.strip()]
     if any(len(p) != 2 for p in pairs):

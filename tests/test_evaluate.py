@@ -129,7 +129,8 @@ def test_qerl_eval_keeps_layers_in_bf16_as_the_trained_policy_had_them(tmp_path,
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     base = [str(tmp_path / "m"), "--dataset", "unused", "--dtype", "fp32", "--device", "cpu"]
-    args = add_eval_arguments(argparse.ArgumentParser()).parse_args(base + ["--format", "nvfp4", "--keep-bf16", "last:1"])
+    args = add_eval_arguments(argparse.ArgumentParser()).parse_args(
+        base + ["--format", "nvfp4", "--keep-bf16", "last:1"])
     m, _ = prepare_model(args)
     last = f"model.layers.{model.config.num_hidden_layers - 1}."
     formats = {name: layer.weight_format for name, layer in quant_layers(m).items()}

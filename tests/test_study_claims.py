@@ -112,8 +112,8 @@ def test_a_start_below_the_margin_does_not_hold_and_missing_arms_are_not_measure
 
 
 def test_a_decay_is_compared_with_the_exponential_arm_of_the_same_noise_level():
-    runs = [run("nvfp4+aqn", 0, 0.3, 0.50), run("nvfp4+aqn=0.05", 0, 0.3, 0.70), run("nvfp4+aqn=0.05:linear", 0, 0.3, 0.60),
-            run("nvfp4+aqn:linear", 0, 0.3, 0.55)]
+    runs = [run("nvfp4+aqn", 0, 0.3, 0.50), run("nvfp4+aqn=0.05", 0, 0.3, 0.70),
+            run("nvfp4+aqn=0.05:linear", 0, 0.3, 0.60), run("nvfp4+aqn:linear", 0, 0.3, 0.55)]
     c = by_name(claims(runs))
     at_005 = c["the exponential AQN decay at least as good as linear: nvfp4+aqn=0.05:linear"]
     assert at_005.verdict == "holds" and "nvfp4+aqn=0.05 0.700 vs nvfp4+aqn=0.05:linear 0.600" in at_005.evidence

@@ -86,8 +86,8 @@ def paired(runs: list[dict], a: str, b: str, key: str) -> dict | None:
 def unpaired(runs: list[dict], a: str, b: str, key: str) -> dict | None:
     """Arm a minus arm b on `key` from every seed of each (for arms that share none): {"mean", "n" (a's seeds),
     "n_b", "a", "b" (the arms' means), "se_welch" (sqrt(var_a / n_a + var_b / n_b)), "se_pooled" (pooled std *
-    sqrt(1 / n_a + 1 / n_b)), "se" (the larger; None when neither arm has two seeds), "unpaired": True}; None when
-    an arm has no value."""
+    sqrt(1 / n_a + 1 / n_b)), "se" (the larger of those that exist; None when no arm of the study has two seeds),
+    "unpaired": True}; None when an arm has no value."""
     va, vb = list(values(runs, a, key).values()), list(values(runs, b, key).values())
     if not va or not vb:
         return None
