@@ -278,3 +278,33 @@ def test_kernel_shapes_match_the_model_configs_the_step_benchmark_builds():
         kv = cfg["num_key_value_heads"] * head_dim
         assert layer_shapes(name.upper()) == {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h),
                                               "down": (h, inter)}, name
+
+
+def test_kernel_policy_overrides_from_the_command_line(capsys):
+    from qerl.bench.step import args_json, parse_args as step_args
+    from qerl.kernels.route import KernelPolicy, kernel_policy, parse_policy_overrides, route
+
+    got = parse_policy_overrides("permute_x=false, wgmma_max_m=64,triton=none,disabled=gluon_mma+gluon_wgmma_ws")
+    assert got == {"permute_x": False, "wgmma_max_m": 64, "triton": None,
+                   "disabled": frozenset({"gluon_mma", "gluon_wgmma_ws"})}
+    assert parse_policy_overrides("") == {}
+    # the overrides change what routes where: the 1.5B qkv weight at 128 decode rows
+    assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma_xp"
+    with kernel_policy(**parse_policy_overrides("permute_x=false")):
+        assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma"
+    with kernel_policy(**parse_policy_overrides("wgmma_max_m=64")):
+        assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "triton_dequantize"
+    for bad, message in (("permute_x", "expected FIELD=VALUE"), ("no_such=1", "expected FIELD=VALUE"),
+                         ("wgmma_max_m=big", "expected an integer"), ("grad_input_no_temporary=none", "true or false"),
+                         ("disabled=gluon_mma+nope", "unknown backends ['nope']")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_policy_overrides(bad)
+    assert set(KernelPolicy.__dataclass_fields__) >= set(got)
+    # both benchmarks take it, refuse a bad one before looking for a GPU, and record it
+    ap, args = step_args(["--policy", "permute_x=false"])
+    assert args.policy == {"permute_x": False} and args_json(args)["policy"] == {"permute_x": False}
+    with pytest.raises(SystemExit):
+        step_args(["--policy", "permute_x=maybe"])
+    with pytest.raises(SystemExit) as e:
+        rollout_main(["--policy", "wgmma_max_m=x"])
+    assert e.value.code == 2 and "expected an integer" in capsys.readouterr().err

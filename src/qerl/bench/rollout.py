@@ -364,10 +364,17 @@ def parse_args(argv=None):
     ap.add_argument("--disable", default="",
                     help="comma list of kernel backends to route around (qerl.kernels.route names, e.g. "
                          "gluon_wgmma_ws): an A/B of one kernel inside the engine")
+    ap.add_argument("--policy", default="",
+                    help="kernel routing thresholds for this run, FIELD=VALUE,... (qerl.kernels.route.KernelPolicy, "
+                         "e.g. permute_x=false or wgmma_max_m=64): an A/B of a routing rule inside the engine")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
-    from ..kernels.route import BACKENDS
+    from ..kernels.route import BACKENDS, parse_policy_overrides
 
+    try:
+        args.policy = parse_policy_overrides(args.policy)
+    except ValueError as e:
+        ap.error(str(e))
     args.disable = [b for b in args.disable.split(",") if b]
     unknown = sorted(set(args.disable) - set(BACKENDS))
     if unknown:
@@ -390,7 +397,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from ..kernels.route import kernel_policy
+    from ..kernels.route import kernel_policy, policy_overrides_json
 
     ap, args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -398,12 +405,15 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     results = []
-    with kernel_policy(disabled=args.disable):
+    policy = dict(args.policy)
+    disabled = set(args.disable) | set(policy.pop("disabled", ()))
+    with kernel_policy(**policy, disabled=disabled):
         for size in args.models.split(","):
             run_size(size, args, bw, results)
     print(table(results, device, bw, args.new) if args.profile is None else profile_table(results, device, args))
     if args.out:
         saved = {k: v for k, v in vars(args).items() if k != "profile"}
+        saved["policy"] = policy_overrides_json(args.policy)
         p = args.profile
         saved["profile"] = None if p is None else dict(name=p.name, max_new_tokens=p.max_new_tokens, source=p.source,
                                                        rows=len(p.lengths), group_size=p.group_size)

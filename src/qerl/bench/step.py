@@ -451,7 +451,10 @@ def run(args, dist_ctx) -> list[dict]:
 
 def args_json(args) -> dict:
     """The run's arguments as JSON values: the profile as its name, budget, source and row count."""
+    from ..kernels.route import policy_overrides_json
+
     out = {k: v for k, v in vars(args).items() if k != "profile"}
+    out["policy"] = policy_overrides_json(args.policy)
     p = args.profile
     out["profile"] = None if p is None else dict(name=p.name, max_new_tokens=p.max_new_tokens, source=p.source,
                                                  rows=len(p.lengths), group_size=p.group_size)
@@ -632,8 +635,17 @@ def parse_args(argv=None):
     ap.add_argument("--profile-update", action="store_true",
                     help="after the timed steps, one more step per cell with its policy update under the "
                          "profiler: the update's device kernels by time and how busy the GPU was")
+    ap.add_argument("--policy", default="",
+                    help="kernel routing thresholds for this run, FIELD=VALUE,... (qerl.kernels.route.KernelPolicy, "
+                         "e.g. permute_x=false; disabled=BACKEND+BACKEND)")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
+    from ..kernels.route import parse_policy_overrides
+
+    try:
+        args.policy = parse_policy_overrides(args.policy)
+    except ValueError as e:
+        ap.error(str(e))
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
     args.prompts = [int(p) for p in args.prompts.split(",")]
@@ -660,6 +672,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from ..kernels.route import kernel_policy
     from ..rl.distributed import barrier, init_distributed
 
     ap, args = parse_args(argv)
@@ -670,7 +683,8 @@ def main(argv=None) -> int:
     if args.memory_cap_gib:
         total = torch.cuda.get_device_properties(dist_ctx.local_rank).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
-    results = run(args, dist_ctx)
+    with kernel_policy(**args.policy):
+        results = run(args, dist_ctx)
     barrier(dist_ctx)
     if dist_ctx.is_main:
         device = torch.cuda.get_device_name()

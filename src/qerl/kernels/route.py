@@ -128,6 +128,43 @@ def kernel_policy(policy: KernelPolicy | None = None, **overrides) -> Iterator[K
         _POLICY.reset(token)
 
 
+def parse_policy_overrides(text: str) -> dict:
+    """"FIELD=VALUE,..." -> {field: value} for `kernel_policy(**overrides)` (a benchmark's --policy), each value
+    read as its `KernelPolicy` field's type: int (e.g. wgmma_max_m=64), bool or none (permute_x=false, triton=none),
+    a "+"-separated backend list for disabled. ValueError naming the field for an unknown one or a bad value."""
+    fields = {f.name: f for f in dataclasses.fields(KernelPolicy)}
+    out = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if not sep or name not in fields:
+            raise ValueError(f"kernel policy {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        kind = str(fields[name].type)
+        if name == "disabled":
+            out[name] = frozenset(b for b in value.split("+") if b)
+            unknown = sorted(out[name] - set(BACKENDS))
+            if unknown:
+                raise ValueError(f"kernel policy disabled: unknown backends {unknown}; known: {', '.join(BACKENDS)}")
+        elif "bool" in kind:
+            if value not in ("true", "false") and not ("None" in kind and value == "none"):
+                raise ValueError(f"kernel policy {name}: expected true or false{' or none' * ('None' in kind)}, "
+                                 f"got {value!r}")
+            out[name] = None if value == "none" else value == "true"
+        else:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise ValueError(f"kernel policy {name}: expected an integer, got {value!r}") from None
+    return out
+
+
+def policy_overrides_json(overrides: dict) -> dict:
+    """`parse_policy_overrides`' result as JSON values (a disabled set as a sorted list), for a benchmark's record."""
+    return {k: sorted(v) if isinstance(v, frozenset) else v for k, v in overrides.items()}
+
+
 _UNAVAILABLE: set[str] = set()  # backends that failed to import or compile in this process (see mark_unavailable)
 
 
