@@ -1,5 +1,5 @@
 """Rollout throughput: HF `generate` vs the qerl engine (bf16, bf16+LoRA, NVFP4+LoRA, ...) on random-weight
-Qwen2.5-7B/14B/32B-shaped models built directly on the GPU (speed does not depend on weight values).
+Qwen2.5-shaped models (1.5B to 72B) built directly on the GPU (speed does not depend on weight values).
 
 Every run: prompt of `--prompt` random tokens, exactly `--new` new tokens (EOS ignored), sampling at
 temperature 1 (the engine's sampling cost is included). Reported per cell: end-to-end tokens/s (new tokens
@@ -337,7 +337,7 @@ def parse_schedulers(text: str) -> list[str]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="7b", help="comma list of 7b,14b,32b")
+    ap.add_argument("--models", default="7b", help=f"comma list of {','.join(QWEN25)} (Qwen2.5 shapes)")
     ap.add_argument("--variants", default="hf,bf16,bf16+lora,nvfp4+lora",
                     help="hf (HF generate, bf16), bf16 (engine, plain HF modules), <fmt>+lora (QuantLinear)")
     ap.add_argument("--batches", default="1,8,32,64,128", help="rows per rollout (--lengths: multiples of --group)")
