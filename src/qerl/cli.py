@@ -19,13 +19,13 @@ def _quantize(args) -> int:
     from .data.calibration import check_source
     from .models.calibrate import calibration_ids, default_samples
     from .models.convert import quant_layers
-    from .models.precision import describe_keep_bf16
+    from .models.precision import describe_keep_bf16, parse_keep_bf16
     from .models.stream import stream_quantized
     from .quant import CALIBRATED, check_method
 
     t0 = time.perf_counter()
     targets = args.targets.split(",")
-    keep = [k for k in args.keep_bf16.split(",") if k] if args.keep_bf16 else []
+    keep = parse_keep_bf16(args.keep_bf16)
     calibrated = args.method in CALIBRATED
     check_method(args.method, args.format)
     if calibrated:

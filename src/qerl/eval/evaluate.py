@@ -122,15 +122,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def keep_bf16_arg(args) -> list[str]:
     """--keep-bf16 as a list of patterns, checked: ValueError when malformed or without a 4-bit --format."""
-    from ..models.precision import check_keep_bf16
+    from ..models.precision import parse_keep_bf16
 
-    keep = [k for k in args.keep_bf16.split(",") if k.strip()] if args.keep_bf16 else []
+    keep = parse_keep_bf16(args.keep_bf16)
     if keep and args.format in (None, "bf16"):
         raise ValueError("--keep-bf16 keeps layers of a quantized base in bf16: it needs --format nvfp4, mxfp4 or nf4")
-    try:
-        return check_keep_bf16(keep)
-    except ValueError as e:
-        raise ValueError(f"--keep-bf16: {e}") from None
+    return keep
 
 
 def prepare_model(args):

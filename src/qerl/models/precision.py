@@ -47,6 +47,15 @@ def check_keep_bf16(specs: Iterable[str]) -> list[str]:
     return specs
 
 
+def parse_keep_bf16(text: str) -> list[str]:
+    """A command line's "--keep-bf16 last:2,*.down_proj" as checked entries ([] for ""); ValueError (prefixed
+    --keep-bf16) when one is malformed."""
+    try:
+        return check_keep_bf16([k.strip() for k in text.split(",") if k.strip()])
+    except ValueError as e:
+        raise ValueError(f"--keep-bf16: {e}") from None
+
+
 def _last_count(spec: str) -> int:
     n = spec[len(LAST):]
     if not n.isdigit() or int(n) < 1:
