@@ -52,13 +52,13 @@ def main(argv=None) -> int:
     from qerl.eval.fidelity import fidelity_text
     from qerl.models import load_causal_lm
     from qerl.models.convert import quantize_model
+    from qerl.models.precision import parse_keep_bf16
     from qerl.nn.noisy_norm import find_noisy_norms
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_causal_lm(args.model, dtype="bf16" if device.type == "cuda" else "fp32", device=device)
     if args.format != "bf16":
-        keep = [k for k in args.keep_bf16.split(",") if k]
-        quantize_model(model, args.format, keep_bf16=keep)
+        quantize_model(model, args.format, keep_bf16=parse_keep_bf16(args.keep_bf16))
     model.eval()
     ids = tok(fidelity_text(args.problems), return_tensors="pt").input_ids[:, :args.max_tokens].to(device)
     # the noise scales each consumer column by (1 + z_j / w_j): its effect depends on the norm weights' size

@@ -320,10 +320,14 @@ def test_awq_plus_nvfp4_gives_a_model_closer_to_the_dense_one():
 # ---------------------------------------------------------------------------------------------- AQN
 
 
+def folded_pair(**overrides):
+    """(an outlier model, token ids, its AWQ-folded copy): the AQN tests' two models of one policy."""
+    model, ids = outlier_model(**overrides), token_ids()
+    return model, ids, awq_model(model, ids)[0]
+
+
 def test_aqn_on_a_folded_model_draws_the_unfolded_models_policy():
-    model = outlier_model(num_key_value_heads=4)
-    ids = token_ids()
-    folded, _ = awq_model(model, ids)
+    model, ids, folded = folded_pair(num_key_value_heads=4)
     with torch.no_grad():
         clean = folded(ids).logits
         for sigma in (0.05, 0.2):
@@ -345,9 +349,7 @@ def test_aqn_on_a_folded_model_draws_the_unfolded_models_policy():
 
 
 def test_relative_aqn_on_a_folded_model_draws_the_unfolded_models_policy():
-    model = outlier_model(num_key_value_heads=4)
-    ids = token_ids()
-    folded, _ = awq_model(model, ids)
+    model, ids, folded = folded_pair(num_key_value_heads=4)
     with torch.no_grad():
         clean = folded(ids).logits
         with NoisyNorms(model, 0.1, seed=3, relative=True), NoisyNorms(folded, 0.1, seed=3, relative=True):
@@ -359,9 +361,7 @@ def test_relative_aqn_on_a_folded_model_draws_the_unfolded_models_policy():
 
 
 def test_aqn_sigma_zero_on_a_folded_model_is_bit_identical():
-    model = outlier_model(dtype=torch.float32)
-    ids = token_ids()
-    folded, _ = awq_model(model, ids)
+    model, ids, folded = folded_pair(dtype=torch.float32)
     weights = [n.weight.detach().clone() for n in find_noisy_norms(folded)]
     with torch.no_grad():
         clean = folded(ids).logits

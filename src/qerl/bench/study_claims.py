@@ -106,20 +106,18 @@ def compare(runs: list[dict], a: str, b: str, key: str) -> dict | None:
     return paired(runs, a, b, key) or unpaired(runs, a, b, key)
 
 
+SE_SOURCES = (("se_paired", "paired by seed"), ("se_welch", "two-sample"), ("se_pooled", "from the pooled seed spread"))
+
+
 def diff_text(d: dict, a: str, b: str, what: str) -> str:
-    if d.get("unpaired"):
-        parts = [f"{d[k]:.3f} {label}" for k, label in (("se_welch", "two-sample"), ("se_pooled", "from the pooled "
-                 "seed spread")) if d.get(k) is not None]
-        se = "" if d["se"] is None else (f" ± {d['se']:.3f} (SE, the larger of {' and '.join(parts)})"
-                                         if len(parts) > 1 else f" ± {d['se']:.3f} (SE, {parts[0]})")
-        return (f"{what}: {a} {d['a']:.3f} vs {b} {d['b']:.3f}, difference {d['mean']:+.3f}{se}, unpaired: "
-                f"{d['n']} and {d['n_b']} seed(s), none in common")
-    se = ""
-    if d["se"] is not None:
-        parts = [f"{d['se_paired']:.3f} paired by seed"] + (
-            [f"{d['se_pooled']:.3f} from the pooled seed spread"] if d.get("se_pooled") is not None else [])
-        se = f" ± {d['se']:.3f} (SE, the larger of {' and '.join(parts)})" if len(parts) > 1 else f" ± {d['se']:.3f} (SE)"
-    return f"{what}: {a} {d['a']:.3f} vs {b} {d['b']:.3f}, difference {d['mean']:+.3f}{se} over {d['n']} seed(s)"
+    """One line for a `paired` or `unpaired` difference: the means, the difference, its SE and where the SE came
+    from."""
+    parts = [f"{d[k]:.3f} {label}" for k, label in SE_SOURCES if d.get(k) is not None]
+    se = "" if d["se"] is None else f" ± {d['se']:.3f} (SE, " + (
+        f"the larger of {' and '.join(parts)})" if len(parts) > 1 else f"{parts[0]})")
+    seeds = (f", unpaired: {d['n']} and {d['n_b']} seed(s), none in common" if d.get("unpaired")
+             else f" over {d['n']} seed(s)")
+    return f"{what}: {a} {d['a']:.3f} vs {b} {d['b']:.3f}, difference {d['mean']:+.3f}{se}{seeds}"
 
 
 def _at_least(d: dict | None, margin: float = 0.0) -> str:
