@@ -13,6 +13,7 @@ no seed), for pairs the claims do not name.
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -64,6 +65,36 @@ def with_base_lr(runs: list[dict], base_lr: float) -> list[dict]:
     return out
 
 
+BLOWN_UP_ENTROPY = 1.0  # nats per token: ~4x any arm's first steps; the sigma-0.1 blow-ups reached 2.4-6.3
+
+
+def step_diagnostics_markdown(runs: list[dict], arms: list[str]) -> str:
+    """Per arm, from each run's per-step metrics (means over steps, then over seeds): the sampled reward of steps
+    1-3 (the start under sampling, which greedy pass@1 before does not show), gradient norm, clip fraction, the
+    rollout/training mismatch weight (TIS), the share of rows at the token limit; and the steps whose mean token
+    entropy exceeded BLOWN_UP_ENTROPY (an AQN draw that broke a whole rollout batch)."""
+    def mean_of(rs, key, steps=None):
+        per_run = [statistics.fmean(vals) for r in rs
+                   if (vals := [m[key] for m in r.get("metrics", []) if m.get(key) is not None
+                                and (steps is None or m["step"] in steps)])]
+        return f"{statistics.fmean(per_run):.3f}" if per_run else "-"
+
+    lines = ["| arm | n | reward, steps 1-3 | grad norm | clip fraction | TIS weight | rows at the limit | runs with a "
+             f"step above {BLOWN_UP_ENTROPY:g} nat | those steps: entropy, rows at the limit, reward |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for arm in arms:
+        rs = [r for r in runs if r["arm"] == arm]
+        blown = [(r["seed"], m) for r in rs for m in r.get("metrics", [])
+                 if (m.get("entropy") or 0.0) > BLOWN_UP_ENTROPY]
+        where = "; ".join(f"seed {seed} step {m['step']}: {m['entropy']:.2f}, {m.get('truncated_fraction', 0):.2f}, "
+                          f"{m.get('reward', float('nan')):.2f}" for seed, m in blown) or "-"
+        lines.append(f"| {arm} | {len(rs)} | {mean_of(rs, 'reward', {1, 2, 3})} | {mean_of(rs, 'grad_norm')} | "
+                     f"{mean_of(rs, 'clip_fraction')} | {mean_of(rs, 'tis_weight_mean')} | "
+                     f"{mean_of(rs, 'truncated_fraction')} | {len({seed for seed, _ in blown})} of {len(rs)} | "
+                     f"{where} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     from qerl.bench.study import scoped_override
     from qerl.bench.study_claims import claims, claims_markdown, compare, diff_text, pooled_std
@@ -106,7 +137,8 @@ def main(argv=None) -> int:
         std, n_arms = pooled_std(every_run, key)
         if std is not None:
             lines.append(f"seed-to-seed std of {label}, pooled over {n_arms} arms: {std:.4f}")
-    lines += ["", "the paper's claims:", claims_markdown(claims(every_run))]
+    lines += ["", "per-step diagnostics:", step_diagnostics_markdown(runs, list(agg)),
+              "", "the paper's claims:", claims_markdown(claims(every_run))]
     if pairs:
         lines += ["", "comparisons:"]
         for a, b in pairs:

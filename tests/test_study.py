@@ -435,3 +435,11 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
     assert "| bf16 | 3 |" in text and "| nvfp4 | 3 |" in text and "bf16@0.0001 | 3" not in text  # table: --arms
     assert "| bf16 | **5e-05** |" in text  # the rate table still sees every run; 5e-5 won
     assert (tmp_path / "out" / "study_reward.png").is_file()
+    assert "| bf16 | 3 | 0.300 | - | - | - | - | 0 of 3 | - |" in text  # steps 1-3 reward; no other metric recorded
+    # a step whose noisy rollouts blew up is named with its numbers
+    blown = [{**_merge_run("nvfp4+aqn", 0, 0.6), "metrics": [
+        {"step": 1, "reward": 0.2, "entropy": 0.3, "grad_norm": 0.1, "truncated_fraction": 0.0},
+        {"step": 2, "reward": 0.05, "entropy": 6.0, "grad_norm": 0.3, "truncated_fraction": 0.8}]},
+        _merge_run("nvfp4+aqn", 1, 0.6)]
+    row = merge.step_diagnostics_markdown(blown, ["nvfp4+aqn"]).splitlines()[-1]
+    assert row == "| nvfp4+aqn | 2 | 0.212 | 0.200 | - | - | 0.400 | 1 of 2 | seed 0 step 2: 6.00, 0.80, 0.05 |"
