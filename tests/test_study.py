@@ -200,6 +200,12 @@ def test_a_finished_job_made_from_an_edited_config_file_is_refused(tmp_path):
     with pytest.raises(StudyError, match="config aqn.sigma_start differs"):
         study.split_finished(jobs, SETTINGS, {jobs[0]: now})
     assert study.config_diffs({"a": {"b": 1, "c": [1]}}, {"a": {"b": 1, "c": [2]}, "d": 0}) == ["a.c", "d"]
+    off = {"aqn": {"enabled": False, "sigma_start": 0.1}, "optim": {"lr": 5e-5}}
+    changed_sigma = {"aqn": {"enabled": False, "sigma_start": 0.05}, "optim": {"lr": 5e-5}}
+    assert study.config_diffs(off, changed_sigma) == []  # noise settings of a run without AQN are inert
+    assert study.config_diffs(off, {**changed_sigma, "optim": {"lr": 1e-4}}) == ["optim.lr"]
+    assert study.config_diffs({"aqn": {**off["aqn"], "enabled": True}},
+                              {"aqn": {**changed_sigma["aqn"], "enabled": True}}) == ["aqn.sigma_start"]
 
 
 # children: write result.json (argv[1]) and exit; or fail; or sleep past the deadline

@@ -122,7 +122,11 @@ def comparable_config(cfg) -> dict:
 
 
 def config_diffs(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two nested config dicts."""
+    """The dotted keys whose values differ between two nested config dicts. The noise settings of a run with AQN
+    off in both (`aqn.enabled` false) are inert and not compared: a config file whose σ changed between two
+    studies still ran the same bf16 or no-AQN arm."""
+    if not prefix:
+        a, b = _without_inert_aqn(a), _without_inert_aqn(b)
     out = []
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key), b.get(key)
@@ -131,6 +135,13 @@ def config_diffs(a: dict, b: dict, prefix: str = "") -> list[str]:
         elif x != y:
             out.append(f"{prefix}{key}")
     return out
+
+
+def _without_inert_aqn(config: dict) -> dict:
+    aqn = config.get("aqn")
+    if isinstance(aqn, dict) and aqn.get("enabled") is False:
+        return {**config, "aqn": {"enabled": False}}
+    return config
 
 
 def split_finished(jobs: list[Job], settings: dict, configs: dict | None = None) -> tuple[list[Job], list[Job]]:
