@@ -1,11 +1,13 @@
 """Which Gluon NVFP4 tile and K split is fastest for a small model's weights at rollout row counts (GPU).
 
 `python benchmarks/small_weight_tiles.py [--model 1.5B] [--layers qkv,o,gate_up,down] [--m 48,64,96,128]
-[--out FILE.json]`: for each layer of the model (`qerl.bench.kernels.MODEL_SHAPES`) and each row count, times
+[--baseline-policy FIELD=VALUE,...] [--no-sweep] [--out FILE.json]`: for each layer of the model (`qerl.bench.kernels.MODEL_SHAPES`) and each row count, times
 cuBLAS bf16, one dequantize pass + cuBLAS, the routed backend (`route.route` under the default policy), and
 every tile candidate of the wgmma form (x staged and pre-permuted) and the mma.sync form at K splits
 {1, 2, 3, 4, 6, 8}, in microseconds (CUDA-graph replays, weights rotated through > 2x L2, as `qerl bench
-kernels`). Prints the default, the best candidate and cuBLAS per shape, and a table last. At hidden size 1536
+kernels`); --baseline-policy also times the routed backend under those `KernelPolicy` overrides (e.g. the
+earlier rule: wide_m_tile=128,permute_x_min_weight=0,wide_m_min_k_tiles=1), --no-sweep skips the candidates.
+Prints the default, the best candidate and cuBLAS per shape, and a table last. At hidden size 1536
 the routed kernel at 65-128 rows runs about 2x cuBLAS (`qerl bench kernels --models 1.5B`); this finds whether
 another tile or split closes that.
 """
@@ -36,7 +38,7 @@ def candidates(m: int):
         yield "mma.sync", False, (bn, min(64, bms[0]), bkh, 16, ns)
 
 
-def sweep_shape(name: str, n: int, k: int, ms, replays: int) -> list[dict]:
+def sweep_shape(name: str, n: int, k: int, ms, replays: int, baseline: dict | None, sweep: bool) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cap = torch.cuda.get_device_capability()
     fp4_bytes, copies, bf, q = _rotated_weights(n, k, L2)
@@ -48,8 +50,12 @@ def sweep_shape(name: str, n: int, k: int, ms, replays: int) -> list[dict]:
                             replays)
         backend = rt.route("nvfp4", m, n, k, cap)
         t_routed = _graph_time(lambda i: nvfp4_linear(xs[i % 2], **q[i % copies]), calls, replays)
+        t_base = None
+        if baseline is not None:
+            with rt.kernel_policy(**baseline):
+                t_base = _graph_time(lambda i: nvfp4_linear(xs[i % 2], **q[i % copies]), calls, replays)
         tried = []
-        for form, xp, cfg in candidates(m):
+        for form, xp, cfg in candidates(m) if sweep else ():
             tiles = k // (2 * cfg[2])
             if k % (2 * cfg[2]):
                 continue
@@ -64,12 +70,14 @@ def sweep_shape(name: str, n: int, k: int, ms, replays: int) -> list[dict]:
                 tried.append({"form": form, "x_permuted": xp, "config": list(cfg), "split": s, "us": t * 1e6})
         tried.sort(key=lambda r: r["us"])
         row = {"layer": name, "N": n, "K": k, "M": m, "sms": sms, "routed": backend, "cublas_us": t_cub * 1e6,
-               "deq_cublas_us": t_deq * 1e6, "routed_us": t_routed * 1e6, "best": tried[:5]}
+               "deq_cublas_us": t_deq * 1e6, "routed_us": t_routed * 1e6,
+               "baseline_us": None if t_base is None else t_base * 1e6, "best": tried[:5]}
         rows.append(row)
-        b = tried[0]
+        base = "" if t_base is None else f" | baseline policy {t_base * 1e6:.1f}"
+        best = "" if not tried else (f" | best {tried[0]['form']} xp={tried[0]['x_permuted']} "
+                                     f"{tuple(tried[0]['config'])} s{tried[0]['split']} {tried[0]['us']:.1f}")
         print(f"{name} {n}x{k} M={m}: cuBLAS {t_cub * 1e6:.1f} | deq+cuBLAS {t_deq * 1e6:.1f} | routed ({backend}) "
-              f"{t_routed * 1e6:.1f} | best {b['form']} xp={b['x_permuted']} {tuple(b['config'])} s{b['split']} "
-              f"{b['us']:.1f}", flush=True)
+              f"{t_routed * 1e6:.1f}{base}{best}", flush=True)
     return rows
 
 
@@ -79,24 +87,30 @@ def main() -> None:
     p.add_argument("--layers", default="qkv,o,gate_up,down")
     p.add_argument("--m", default="48,64,96,128")
     p.add_argument("--replays", type=int, default=5)
+    p.add_argument("--baseline-policy", help="also time the routed backend under these KernelPolicy overrides")
+    p.add_argument("--no-sweep", action="store_true", help="time cuBLAS and the routed backend only")
     p.add_argument("--out")
     a = p.parse_args()
     ms = [int(v) for v in a.m.split(",")]
+    baseline = rt.parse_policy_overrides(a.baseline_policy) if a.baseline_policy else None
     wanted = a.layers.split(",")
     shapes = {name: nk for name, nk in layer_shapes(a.model).items() if name in wanted}
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
     for name, (n, k) in shapes.items():
-        rows += sweep_shape(name, n, k, ms, a.replays)
+        rows += sweep_shape(name, n, k, ms, a.replays, baseline, not a.no_sweep)
         torch.cuda.empty_cache()
-    print("\n| layer | M | cuBLAS us | deq+cuBLAS us | routed us (backend) | best us | best form, x permuted, "
-          "(BN,BM,BKH,KW,NS), split | best x cuBLAS |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    print("\n| layer | M | cuBLAS us | deq+cuBLAS us | routed us (backend) | baseline policy us | best us | best form, "
+          "x permuted, (BN,BM,BKH,KW,NS), split | routed x cuBLAS | best x cuBLAS |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
-        b = r["best"][0]
+        b = r["best"][0] if r["best"] else None
+        base = "" if r["baseline_us"] is None else f"{r['baseline_us']:.1f}"
+        best = " | |" if b is None else (f" {b['us']:.1f} | {b['form']}, {b['x_permuted']}, {tuple(b['config'])}, "
+                                         f"s{b['split']} |")
         print(f"| {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.1f} | {r['deq_cublas_us']:.1f} | "
-              f"{r['routed_us']:.1f} ({r['routed']}) | {b['us']:.1f} | {b['form']}, {b['x_permuted']}, "
-              f"{tuple(b['config'])}, s{b['split']} | {r['cublas_us'] / b['us']:.2f} |")
+              f"{r['routed_us']:.1f} ({r['routed']}) | {base} |{best} {r['cublas_us'] / r['routed_us']:.2f} | "
+              + ("" if b is None else f"{r['cublas_us'] / b['us']:.2f}") + " |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

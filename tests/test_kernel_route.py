@@ -182,3 +182,27 @@ def test_a_warp_specialized_backend_that_cannot_run_is_marked_and_routed_around(
     with pytest.raises(ValueError, match="K % 32"):
         nvfp4_matmul._call_or_mark("route", "kernel Z", rt.GLUON_MMA, bad_arguments)
     assert rt.GLUON_MMA not in rt.unavailable()
+
+
+def test_small_weights_above_64_rows_take_64_row_tiles_x_staged_and_few_k_splits():
+    """The wgmma form above swap_max_m rows at a 1.5B model's shapes (benchmarks/small_weight_tiles.py): x staged
+    for q/k/v and o (pre-permuted from 8M elements: gate/up, down), 64-row activation tiles under big_weight
+    (128 above), and above 32 rows no K split shorter than wide_m_min_k_tiles tiles; the policy restores the
+    earlier rule."""
+    pytest.importorskip("triton")
+    from qerl.kernels import gluon_nvfp4 as gk
+
+    def plan(m, n, k):
+        cfg, waves = gk.pick_config_wgmma(m, n, k)
+        floor = rt.current_policy().wide_m_min_k_tiles if m > 32 else 1
+        return cfg[1], gk.split_for(m, n, k, cfg, 132, waves, floor), rt.route("nvfp4", m, n, k, H100)
+
+    assert plan(128, 2048, 1536) == (64, (4, 3), rt.GLUON_WGMMA)  # q/k/v: 12 K tiles in 4 splits of 3
+    assert plan(64, 1536, 1536) == (64, (4, 3), rt.GLUON_WGMMA)  # o at 64 rows: was 12 splits of one tile
+    assert plan(96, 17920, 1536)[::2] == (64, rt.GLUON_WGMMA_XP)  # gate/up
+    assert plan(128, 8192, 8192) == (128, (3, 22), rt.GLUON_WGMMA_XP)  # 64M elements: a big weight
+    assert plan(1, 2048, 1536)[1] == (6, 1)  # one row: partials are tiny, every K tile its own split
+    with rt.kernel_policy(wide_m_tile=128, permute_x_min_weight=0, wide_m_min_k_tiles=1):
+        assert plan(128, 2048, 1536) == (128, (6, 2), rt.GLUON_WGMMA_XP)
+        assert plan(64, 1536, 1536)[1] == (12, 1)
+    assert gk.split_for(1, 64, 1024, (64, 8, 64, 16, 3), 132, 4.0, min_tiles_per_split=5) == (1, 8)

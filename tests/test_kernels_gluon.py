@@ -96,18 +96,28 @@ def test_wgmma_with_x_staged_or_pre_permuted(x_permuted):
           x_permuted=x_permuted)
 
 
-def test_wgmma_takes_65_to_256_rows_through_the_dispatch():
-    """Above 64 rows on sm_90 the router sends the forward to the wgmma form with 128-row activation tiles (up to
-    128 rows for every weight, 256 for weights of >= 32M elements): `nvfp4_linear` with bias and a LoRA term
-    equals the reference there, and past the rule dequantize + cuBLAS takes them."""
+@pytest.mark.parametrize("policy", [{}, {"wide_m_tile": 128, "permute_x_min_weight": 0, "wide_m_min_k_tiles": 1}])
+def test_wgmma_takes_65_to_256_rows_through_the_dispatch(policy):
+    """Above 64 rows on sm_90 the router sends the forward to the wgmma form (up to 128 rows for every weight,
+    256 for weights of >= 32M elements; x staged for weights under 8M elements, 64-row activation tiles under
+    32M, short K split no finer than 3 tiles; and under the earlier rule, 128-row tiles with x pre-permuted):
+    `nvfp4_linear` with bias and a LoRA term equals the reference there, and past the rule dequantize + cuBLAS
+    takes them."""
     require_cuda()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
     from qerl.kernels.nvfp4_matmul import nvfp4_linear
 
-    for m, n, k, split in [(65, 333, 1024, None), (100, 1000, 2048, 3), (128, 4608, 3584, None),
-                           (200, 8200, 4096, None), (256, 8192, 4096, 2)]:
-        assert rt.route("nvfp4", m, n, k, (9, 0)) == rt.GLUON_WGMMA_XP
+    with rt.kernel_policy(**policy):
+        _wide_m_cases(nvfp4_linear, staged_below=rt.current_policy().permute_x_min_weight)
+
+
+def _wide_m_cases(nvfp4_linear, staged_below):
+    for m, n, k, split in [(65, 333, 1024, None), (100, 1000, 2048, 3), (128, 2048, 1536, None),
+                           (96, 1536, 8960, None), (128, 4608, 3584, None), (200, 8200, 4096, None),
+                           (256, 8192, 4096, 2)]:
+        xp = n * k >= staged_below
+        assert rt.route("nvfp4", m, n, k, (9, 0)) == (rt.GLUON_WGMMA_XP if xp else rt.GLUON_WGMMA)
         _case(m, n, k, seed=m, global_scale=900.0, bias=True, split=split, lora_r=16 if m % 2 else 0)
         gen = torch.Generator().manual_seed(m + 1)
         w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, 2688.0).items()}

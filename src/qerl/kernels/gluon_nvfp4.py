@@ -159,11 +159,15 @@ def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     one 64-row wgmma tile per warpgroup, 3 stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128
     packed bytes per step and ~4 programs per SM, above that 64 bytes and ~3; with x pre-permuted
     (`route.permute_x_rule`) 128 bytes per step at 17-32 rows for gate/up-like weights (N > 4 K) and ~2
-    programs per SM at 33-64 rows; above 64 rows 128 activation rows per tile and 2 stages. Set from H200 tile
-    sweeps over BN x (BKH, NS) x programs per SM (docs/benchmarks.md; benchmarks/split_sweep.py times the split)."""
-    xp = permute_x_rule(current_policy(), m, n, k)
+    programs per SM at 33-64 rows; above 64 rows 2 stages and 128 activation rows per tile for big weights,
+    `KernelPolicy.wide_m_tile` (64) for the others. Set from H200 tile sweeps over BN x (BKH, NS) x programs per
+    SM (docs/benchmarks.md; benchmarks/split_sweep.py times the split, benchmarks/small_weight_tiles.py every
+    tile and split at a small model's shapes)."""
+    policy = current_policy()
+    xp = permute_x_rule(policy, m, n, k)
     if m > 64:
-        cfg, waves = (64, 128, 64, 16, 2), 2.0
+        bm = 128 if n * k >= policy.big_weight else policy.wide_m_tile
+        cfg, waves = (64, bm, 64, 16, 2), 2.0
     elif m <= 16:
         cfg, waves = (64, 8 if m <= 8 else 16, 128, 16, 3), 4.0
     elif m <= 32:
@@ -175,12 +179,14 @@ def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     return cfg, waves
 
 
-def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0) -> tuple[int, int]:
-    """(number of K splits, K tiles per split): about `waves` programs per SM."""
+def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0,
+              min_tiles_per_split: int = 1) -> tuple[int, int]:
+    """(number of K splits, K tiles per split): about `waves` programs per SM, each split taking at least
+    `min_tiles_per_split` K tiles (fewer splits where K is short)."""
     bn, bm, bkh = cfg[:3]
     tiles = k // (2 * bkh)
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    s = max(1, min(tiles, math.ceil(waves * sms / grid_nm)))
+    s = max(1, min(tiles // max(1, min_tiles_per_split), math.ceil(waves * sms / grid_nm)))
     per = triton.cdiv(tiles, s)
     return triton.cdiv(tiles, per), per
 
@@ -218,7 +224,9 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
         raise ValueError(f"scale rows must be 4-byte aligned (K % 64 == 0), got row stride {scale_u8.stride(0)}")
     tiles = k // (2 * bkh)
     if split is None:
-        s, per = split_for(m, n, k, cfg, sms, waves)
+        # above 32 rows each split writes and re-reads an M x N fp32 partial: short K loops do not pay for it
+        floor = current_policy().wide_m_min_k_tiles if wgmma and config is None and m > 32 else 1
+        s, per = split_for(m, n, k, cfg, sms, waves, floor)
     else:
         per = triton.cdiv(tiles, max(1, min(split, tiles)))
         s = triton.cdiv(tiles, per)

@@ -9,10 +9,10 @@ test) and nowhere else. The rules and the measurements that set them (H200; docs
     rows 1..swap_max_m          Gluon, mma.sync form (`gluon_mma`); on sm_90 the wgmma form instead for
                                 wgmma_min_m..swap_max_m rows, and from wgmma_small_m rows for weights of
                                 >= wgmma_small_m_min_weight elements (`gluon_wgmma`; `gluon_wgmma_xp` when x is
-                                rewritten once in operand order: weights of >= big_weight elements, and every
-                                weight above swap_max_m rows);
-    sm_90, up to wgmma_max_m    the wgmma form with 128-row tiles (up to wgmma_max_m_big rows for weights of
-                                >= big_weight elements);
+                                rewritten once in operand order: weights of >= big_weight elements, and above
+                                swap_max_m rows weights of >= permute_x_min_weight elements);
+    sm_90, up to wgmma_max_m    the wgmma form, wide_m_tile-row tiles (128 and up to wgmma_max_m_big rows for
+                                weights of >= big_weight elements);
     sm_90, ws_min_m..ws_max_m   for weights of >= ws_min_n rows and >= ws_min_weight elements: the
                                 warp-specialized wgmma kernel (`gluon_wgmma_ws`; set on an H100), ahead of
                                 the rules above;
@@ -96,6 +96,13 @@ class KernelPolicy:
     # "big" weights: above it the wgmma form takes x pre-permuted and more rows, and the tl.dot kernel more rows
     big_weight: int = 32 * 2**20
     permute_x: bool | None = None  # wgmma form: force x staged (False) or pre-permuted (True); None: the rule
+    # the wgmma form above swap_max_m rows on weights under big_weight (a 1.5B model's every linear; H200:
+    # `python benchmarks/small_weight_tiles.py`, docs/benchmarks.md "Small weights at rollout rows"): activation
+    # rows per tile, the weight size from which x is pre-permuted (staged below it), and, above 32 rows, the
+    # fewest K tiles one split may take (each split adds an M x N fp32 partial; 128 / 0 / 1 = the earlier rule)
+    wide_m_tile: int = 64
+    permute_x_min_weight: int = 8 * 2**20
+    wide_m_min_k_tiles: int = 3
     # Triton kernels (`qerl bench kernels` and `--decode`)
     gemv_max_m: int = 1
     fused_max_m: int = 16
@@ -194,9 +201,10 @@ def ws_rows(p: KernelPolicy, m: int, n: int, k: int) -> bool:
 
 
 def permute_x_rule(p: KernelPolicy, m: int, n: int, k: int) -> bool:
-    """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step
-    (always above swap_max_m rows: staging a 128-row x tile through registers every step costs more)."""
-    return n * k >= p.big_weight or m > p.swap_max_m
+    """wgmma form: rewrite x in operand order first (one extra small launch) rather than stage it every step:
+    for big weights, and above swap_max_m rows for weights of >= permute_x_min_weight elements (below that
+    the extra launch costs more than staging saves: a 1.5B model's q/k/v and o)."""
+    return n * k >= p.big_weight or (m > p.swap_max_m and n * k >= p.permute_x_min_weight)
 
 
 def permute_x(p: KernelPolicy, m: int, n: int, k: int) -> bool:
