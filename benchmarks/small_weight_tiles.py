@@ -92,7 +92,12 @@ def main() -> None:
     p.add_argument("--out")
     a = p.parse_args()
     ms = [int(v) for v in a.m.split(",")]
-    baseline = rt.parse_policy_overrides(a.baseline_policy) if a.baseline_policy else None
+    try:
+        baseline = rt.parse_policy_overrides(a.baseline_policy) if a.baseline_policy else None
+    except ValueError as e:
+        p.error(f"--baseline-policy: {e}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
     wanted = a.layers.split(",")
     shapes = {name: nk for name, nk in layer_shapes(a.model).items() if name in wanted}
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -1,5 +1,5 @@
 """The GPU benchmarks' parts that run on CPU: `qerl bench rollout --disable`, `benchmarks/wgmma_ws_ab.py` and
-`benchmarks/ws_clocks.py` refuse what they cannot run before looking for a GPU (ws_clocks also parses nvidia-smi's
+`benchmarks/ws_clocks.py`, `benchmarks/small_weight_tiles.py` refuse what they cannot run before looking for a GPU (ws_clocks also parses nvidia-smi's
 samples), and `benchmarks/compile_wgmma_ws.py` compiles the kernel offline and rewrites its setmaxnreg counts."""
 
 import json
@@ -308,3 +308,15 @@ def test_kernel_policy_overrides_from_the_command_line(capsys):
     with pytest.raises(SystemExit) as e:
         rollout_main(["--policy", "wgmma_max_m=x"])
     assert e.value.code == 2 and "expected an integer" in capsys.readouterr().err
+
+
+def test_small_weight_tiles_tries_both_forms_and_refuses_a_bad_policy(monkeypatch, capsys):
+    tiles = _bench("small_weight_tiles")
+    at128 = list(tiles.candidates(128))
+    assert {c[2][1] for c in at128 if c[0] == "wgmma"} == {64, 128}  # activation rows per tile
+    assert {c[1] for c in at128 if c[0] == "wgmma"} == {False, True}  # x staged and pre-permuted
+    assert {c[2][1] for c in tiles.candidates(48)} == {64} and any(c[0] == "mma.sync" for c in at128)
+    monkeypatch.setattr("sys.argv", ["small_weight_tiles.py", "--baseline-policy", "wide_m_tile=big"])
+    with pytest.raises(SystemExit):
+        tiles.main()
+    assert "--baseline-policy: kernel policy wide_m_tile: expected an integer" in capsys.readouterr().err
