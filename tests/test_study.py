@@ -449,3 +449,29 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
         _merge_run("nvfp4+aqn", 1, 0.6)]
     row = merge.step_diagnostics_markdown(blown, ["nvfp4+aqn"]).splitlines()[-1]
     assert row == "| nvfp4+aqn | 2 | 0.212 | 0.200 | - | - | 0.400 | 1 of 2 | seed 0 step 2: 6.00, 0.80, 0.05 |"
+
+
+def test_study_window_reads_finished_and_unfinished_studies(tmp_path, capsys):
+    """benchmarks/study_window.py: the same window from a results.json and from a study directory whose jobs
+    stopped early (job_state.json + metrics.jsonl, no result.json); a run short of the window is named, not
+    averaged in."""
+    from bench_scripts import load_benchmark
+
+    window = load_benchmark("study_window")
+    steps = lambda n, r: [{"step": s, "reward": r + 0.01 * s, "entropy": 0.2} for s in range(1, n + 1)]  # noqa: E731
+    done = tmp_path / "results.json"
+    done.write_text(json.dumps({"runs": [{"arm": "bf16", "seed": 0, "metrics": steps(10, 0.5)}]}))
+    partial = tmp_path / "partial"
+    for seed, n in ((6, 8), (7, 3)):
+        job = partial / f"nvfp4_s{seed}"
+        job.mkdir(parents=True)
+        (job / "job_state.json").write_text(json.dumps({"settings": {"arm": "nvfp4", "seed": seed}}))
+        (job / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in steps(n, 0.4)) + "\n")
+    assert window.main(["--steps", "4-6", str(done), str(partial)]) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 | 0 | 0.550 | 0.550 | 0.200 | - |" in out  # mean of 0.54, 0.55, 0.56
+    assert "| nvfp4 | 6 | 0.450 | 0.450 | 0.200 | 7 |" in out  # seed 7 stopped at step 3
+    with pytest.raises(SystemExit):
+        window.main(["--steps", "6-4", str(done)])
+    with pytest.raises(SystemExit, match="neither a results.json"):
+        window.main(["--steps", "1-2", str(tmp_path / "empty_dir_that_is_missing")])
