@@ -289,9 +289,11 @@ def test_kernel_policy_overrides_from_the_command_line(capsys):
                    "disabled": frozenset({"gluon_mma", "gluon_wgmma_ws"})}
     assert parse_policy_overrides("") == {}
     # the overrides change what routes where: the 1.5B qkv weight at 128 decode rows
-    assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma_xp"
-    with kernel_policy(**parse_policy_overrides("permute_x=false")):
-        assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma"
+    assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma"
+    with kernel_policy(**parse_policy_overrides("permute_x=true")):
+        assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma_xp"
+    with kernel_policy(**parse_policy_overrides("permute_x_min_weight=0")):  # the earlier rule
+        assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma_xp"
     with kernel_policy(**parse_policy_overrides("wgmma_max_m=64")):
         assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "triton_dequantize"
     for bad, message in (("permute_x", "expected FIELD=VALUE"), ("no_such=1", "expected FIELD=VALUE"),
