@@ -63,6 +63,10 @@ def cosine(a: dict, b: dict, names=None) -> float:
     return (dot / (na * nb)).item()
 
 
+def median_module_cosine(a: dict, b: dict) -> float:
+    return statistics.median(cosine(a, b, [n]) for n in a)
+
+
 def norm(a: dict) -> float:
     return sum((v ** 2).sum() for v in a.values()).sqrt().item()
 
@@ -90,7 +94,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = gsm8k_train_offline()
     sets = {"A": rows[:args.problems], "B": rows[args.problems:2 * args.problems]}
-    grads, tokens, lora_a = {}, 0, {}
+    grads, lora_a = {}, {}
     for fmt in ("bf16", args.format):
         model, tok = load_causal_lm(args.model, dtype="bf16" if device.type == "cuda" else "fp32", device=device)
         torch.manual_seed(args.seed)  # the same LoRA A on both bases (B starts at zero)
@@ -105,7 +109,6 @@ def main(argv=None) -> int:
                              "initialisation")
         for name, problems in sets.items():
             ids, mask = problem_batch(tok, problems)
-            tokens = max(tokens, int(mask.sum()))
             grads[fmt, name] = lora_b_grads(model, ids, mask)
             print(f"{fmt} set {name}: {ids.shape[0]} sequences, {int(mask.sum())} solution tokens, "
                   f"|grad B| {norm(grads[fmt, name]):.4g}", flush=True)
@@ -113,7 +116,6 @@ def main(argv=None) -> int:
         gc.collect()
 
     q = args.format
-    per_module = lambda a, b: statistics.median(cosine(a, b, [n]) for n in a)  # noqa: E731
     print(f"\n{args.model}; bf16 vs {q}" + (f" (keep_bf16 {args.keep_bf16})" if args.keep_bf16 else "") +
           f"; LoRA r {args.r}, seed {args.seed}; {args.problems} GSM8K training-split problems per set; "
           f"{device.type} ({torch.__version__}), {datetime.date.today()}\n")
@@ -121,13 +123,13 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|")
     for name in sets:
         a, b = grads["bf16", name], grads[q, name]
-        print(f"| set {name}: bf16 base vs {q} base | {cosine(a, b):.4f} | {per_module(a, b):.4f} | "
+        print(f"| set {name}: bf16 base vs {q} base | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} | "
               f"{norm(b) / norm(a):.3f} |")
     a, b = grads["bf16", "A"], grads["bf16", "B"]
-    print(f"| bf16 base: set A vs set B (other problems) | {cosine(a, b):.4f} | {per_module(a, b):.4f} | "
+    print(f"| bf16 base: set A vs set B (other problems) | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} | "
           f"{norm(b) / norm(a):.3f} |")
     a, b = grads[q, "A"], grads[q, "B"]
-    print(f"| {q} base: set A vs set B | {cosine(a, b):.4f} | {per_module(a, b):.4f} | {norm(b) / norm(a):.3f} |")
+    print(f"| {q} base: set A vs set B | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} | {norm(b) / norm(a):.3f} |")
     return 0
 
 

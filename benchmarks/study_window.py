@@ -47,8 +47,9 @@ def window_markdown(sources: list[tuple[str, list[dict]]], first: int, last: int
     for name, runs in sources:
         for arm in dict.fromkeys(r["arm"] for r in runs):
             rs = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
-            kept = [(r["seed"], w) for r in rs if (w := window_means(r, first, last)) is not None]
-            short = [str(r["seed"]) for r in rs if window_means(r, first, last) is None]
+            means = [(r["seed"], window_means(r, first, last)) for r in rs]
+            kept = [(seed, w) for seed, w in means if w is not None]
+            short = [str(seed) for seed, w in means if w is None]
             if not kept:
                 lines.append(f"| {name} | {arm} | - | - | - | - | {', '.join(short)} |")
                 continue
