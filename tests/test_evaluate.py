@@ -145,3 +145,45 @@ def test_qerl_eval_keeps_layers_in_bf16_as_the_trained_policy_had_them(tmp_path,
                            (["--format", "nvfp4", "--keep-bf16", "last:0"], "--keep-bf16: ")):
         assert main(["eval", str(tmp_path / "absent"), "--dataset", str(data), *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_an_adapter_trained_on_a_4bit_base_loads_onto_the_16bit_model(tmp_path):
+    """`qerl eval MODEL --adapter DIR` without --format (and the study's --eval-16bit-base) scores the adapter on
+    the unquantized model: every targeted weight W becomes W + scaling * B A, whatever base it was trained on."""
+    import copy
+
+    import torch
+
+    from qerl.eval.evaluate import prepare_model
+    from qerl.models import quant_layers, quantize_model, save_adapter
+    from qerl.nn.lora import LoraConfig
+
+    torch.manual_seed(0)
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    trained = copy.deepcopy(model)
+    quantize_model(trained, "nvfp4", lora=LoraConfig(r=4, alpha=8.0))
+    layers = quant_layers(trained)
+    for layer in layers.values():  # a trained adapter: B is no longer zero
+        torch.nn.init.normal_(layer.lora_B.weight, std=0.05)
+    save_adapter(trained, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "m"))
+
+    args = add_eval_arguments(argparse.ArgumentParser()).parse_args(
+        [str(tmp_path / "m"), "--dataset", "unused", "--dtype", "fp32", "--device", "cpu",
+         "--adapter", str(tmp_path / "adapter")])
+    served, _ = prepare_model(args)
+    assert {layer.weight_format for layer in quant_layers(served).values()} == {"bf16"}  # the unquantized path
+
+    merged = copy.deepcopy(model)
+    modules = dict(merged.named_modules())
+    for name, layer in layers.items():  # the 16-bit base stores its weights in bf16 (format "bf16")
+        delta = layer.scaling * layer.lora_B.weight.detach() @ layer.lora_A.weight.detach()
+        w = modules[name].weight
+        w.data = w.data.to(torch.bfloat16).to(w.dtype) + delta.to(w.dtype)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        got, want = served(input_ids=ids).logits, merged.eval()(input_ids=ids).logits
+        untouched = model.eval()(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert (got - untouched).abs().max() > 1e-3  # the adapter did change the model

@@ -394,6 +394,35 @@ def test_a_learning_rate_sweep_leaves_the_held_out_set_alone(tmp_path, capsys):
     assert f"picked: {best}" in printed
 
 
+def test_eval_16bit_base_scores_4bit_adapters_on_the_unquantized_model(tmp_path, capsys):
+    """--eval-16bit-base: the NVFP4 + AQN arm's trained adapter is scored again on the 16-bit model after RL
+    (pass1_after_16bit, its own table column and Table 1 claim); the bf16 arm's base is that model already."""
+    model_dir, data = tiny_study_inputs(tmp_path)
+    out = tmp_path / "study16"
+    argv = ["--model", model_dir, "--train", data, "--test", data, "--eval-limit", "4", "--eval-n", "1",
+            "--eval-temperature", "0", "--eval-16bit-base", "--arms", "nvfp4+aqn,bf16", "--seeds", "0", "--steps", "1",
+            "--parallel", "2", "--out", str(out), "--deadline-s", "240",
+            *[x for k, v in TINY_SETTINGS.items() for x in ("--set", f"{k}={v}")]]
+    code = study.main(argv)
+    printed = capsys.readouterr().out
+    logs = {p.name: p.read_text()[-3000:] for p in out.glob("*/job.log")}
+    assert code == 0, (printed, logs)
+    runs = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert 0 <= runs["nvfp4+aqn"]["pass1_after_16bit"] <= 1
+    assert runs["bf16"]["pass1_after_16bit"] == runs["bf16"]["pass1_after"]
+    assert "pass@1 after, 16-bit base" in printed
+    assert "adapter on the 16-bit base after RL >= 16-bit LoRA" in (out / "claims.md").read_text()
+    assert "--eval-16bit-base" in study.job_command(study.build_parser().parse_args(argv), study.make_jobs(
+        study.parse_arms("nvfp4"), [0], out)[0])
+
+
+def test_the_16bit_base_column_shows_only_when_measured():
+    runs = [_run("nvfp4", 0, pass1_after_16bit=None), _run("bf16", 0, pass1_after_16bit=None)]
+    table = study_report.markdown_table(study_report.aggregate(runs))
+    assert "16-bit base" not in table
+    assert table.splitlines()[1].count("---") == len(study_report.AGGREGATED) + 1
+
+
 # merging studies ----------------------------------------------------------------------------------
 
 

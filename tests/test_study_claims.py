@@ -121,3 +121,19 @@ def test_a_decay_is_compared_with_the_exponential_arm_of_the_same_noise_level():
     assert paper.verdict == "does not hold" and "nvfp4+aqn 0.500 vs nvfp4+aqn:linear 0.550" in paper.evidence
     alone = by_name(claims([run("nvfp4+aqn=0.1", 0, 0.3, 0.6), run("nvfp4+aqn:cosine", 0, 0.3, 0.6)]))
     assert alone["the exponential AQN decay at least as good as cosine"].verdict == "not measured"  # no σ 1e-2 twin
+
+
+def test_table_1_on_the_16bit_base_when_the_study_measured_it():
+    # the 4-bit arm ends below bf16 on its own base, level on the 16-bit one: two claims, two verdicts
+    runs = []
+    for s in (0, 1, 2):
+        runs.append({**run("bf16", s, 0.30, 0.72 + 0.01 * s), "pass1_after_16bit": 0.72 + 0.01 * s})
+        runs.append({**run("nvfp4+aqn", s, 0.30, 0.62 + 0.01 * s), "pass1_after_16bit": 0.725 + 0.01 * s})
+    c = by_name(claims(runs))
+    own = c["NVFP4 + AQN (best method) after RL >= 16-bit LoRA (held-out pass@1, paper Table 1)"]
+    served = c["NVFP4 + AQN (best method) adapter on the 16-bit base after RL >= 16-bit LoRA (held-out pass@1, "
+               "paper Table 1)"]
+    assert own.verdict == "does not hold" and served.verdict == "holds"
+    assert "pass@1 after, 16-bit base: nvfp4+aqn 0.735 vs bf16 0.730, difference +0.005" in served.evidence
+    assert not any("16-bit base" in name for name in by_name(claims([run("bf16", 0, 0.3, 0.7),
+                                                                    run("nvfp4+aqn", 0, 0.3, 0.6)])))

@@ -17,7 +17,9 @@ next to the trainer's metrics.jsonl and the job's log (job.log). A killed study 
 running the same command again skips every job whose result.json exists (after checking it was made with
 the same settings) and runs only the missing ones; a job killed mid-run (the --deadline-s, a lost machine)
 continues from its last checkpoint (`save_every`) with its held-out "before" score kept, unless --no-resume.
-To redo a job, delete its directory. On a machine with several GPUs the jobs are spread over them
+To redo a job, delete its directory. --eval-16bit-base also scores each 4-bit arm's trained adapter on the
+16-bit model (`pass1_after_16bit`; a bf16 arm's is its `pass1_after`): the after-RL score split into what the
+adapter learned and what the 4-bit base costs it (docs/results.md, "The gap is in the base"). On a machine with several GPUs the jobs are spread over them
 (--gpus), each job on one GPU.
 """
 
@@ -266,20 +268,49 @@ def run_job(args, job: Job) -> dict:
     before = state["pass1_before"]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    adapter = trainer.train()
     after = held_out()
+    after_16bit = None
+    if args.eval_16bit_base and test_rows is not None:
+        if job.arm.format == "bf16":
+            after_16bit = after  # its base is the 16-bit model
+        else:
+            del trainer  # its 4-bit model and optimizer state make room for the 16-bit model
+            after_16bit = held_out_on_16bit_base(cfg, adapter, test_rows, args, job.seed)
     metrics = read_metrics(Path(cfg.output_dir) / "metrics.jsonl")
     # training time over every attempt: the steps' own wall times (a resumed run redoes none of them twice)
     seconds = sum(m.get("time_step") or 0.0 for m in metrics)
     result = {"arm": job.arm.name, "seed": job.seed, "format": job.arm.format, "method": job.arm.method,
               "aqn": job.arm.aqn,
               "decay": job.arm.decay if job.arm.aqn else None, "pass1_before": before, "pass1_after": after,
+              **({"pass1_after_16bit": after_16bit} if after_16bit is not None else {}),
               "seconds": seconds, **summarize(metrics), "job_seconds": time.perf_counter() - t_job,
               "attempts": state["attempts"],
               "device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "settings": settings_of(args), "config": comparable_config(cfg), "metrics": metrics}
     write_json_atomic(job.result_path, result)
     return result
+
+
+def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int) -> float:
+    """Held-out pass@1 of a trained adapter on the unquantized model (as `qerl eval MODEL --adapter DIR` scores
+    it): the same problems, sampling, token limit, prompt suffix and seed as the job's own evaluations."""
+    import gc
+
+    import torch
+
+    from ..eval.evaluate import evaluate, prepare_model
+    from ..rollout.sampling import SamplingParams
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    model, tokenizer = prepare_model(argparse.Namespace(
+        model=cfg.model.name, adapter=str(adapter), format=None, keep_bf16="", device=None, dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code))
+    res = evaluate(model, tokenizer, rows, n_samples=args.eval_n, sampling=SamplingParams(args.eval_temperature, 0, 0.95),
+                   max_new_tokens=cfg.rollout.max_new_tokens, suffix=cfg.data.suffix, seed=seed, progress=False)
+    return res["pass@1"]
 
 
 def job_command(args, job: Job) -> list[str]:
@@ -292,6 +323,8 @@ def job_command(args, job: Job) -> list[str]:
         cmd += ["--set", item]
     if not args.resume:
         cmd.append("--no-resume")
+    if args.eval_16bit_base:
+        cmd.append("--eval-16bit-base")
     return cmd
 
 
@@ -325,6 +358,9 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
                         "picks each arm's rate by training reward; docs/results.md)")
     p.add_argument("--eval-n", type=int, default=4)
     p.add_argument("--eval-temperature", type=float, default=0.6)
+    p.add_argument("--eval-16bit-base", action="store_true",
+                   help="also score each 4-bit arm's trained adapter on the unquantized model after RL "
+                        "(pass1_after_16bit; needs room for the 16-bit model beside nothing else on the GPU)")
     p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][+aqn][:DECAY][@LR],...")
     p.add_argument("--seeds", "--seed", default="0", help="comma-separated, e.g. 0,1,2: every arm once per seed")
     p.add_argument("--steps", type=int, default=40)

@@ -8,10 +8,15 @@ from .study_arms import DEFAULT_DECAY, parse_arm
 
 # Quantities aggregated over seeds, with their table headers and decimals.
 AGGREGATED = (("pass1_before", "pass@1 before", 3), ("pass1_after", "pass@1 after", 3),
+              ("pass1_after_16bit", "pass@1 after, 16-bit base", 3),
               ("reward_first", "reward first", 3), ("reward_last", "reward last", 3),
               ("entropy_first", "entropy first", 3), ("entropy_last", "entropy last", 3),
               ("seconds", "train s", 1), ("time_rollout", "rollout s/step", 2),
               ("time_update", "update s/step", 2), ("memory_gb", "peak GB", 2))
+
+
+# Columns shown only when some arm has them (a study run with --eval-16bit-base).
+OPTIONAL = {"pass1_after_16bit"}
 
 
 # aggregation --------------------------------------------------------------------------------------
@@ -47,11 +52,14 @@ def fmt_stat(stat: dict, digits: int) -> str:
 
 
 def markdown_table(agg: dict) -> str:
-    """The aggregate as a Markdown table, mean ± sample std over seeds ('-' where n < 2)."""
-    head = ["arm", "n", *(label for _, label, _ in AGGREGATED)]
+    """The aggregate as a Markdown table, mean ± sample std over seeds ('-' where n < 2); an OPTIONAL column
+    only when some arm has a value in it."""
+    shown = [(key, label, digits) for key, label, digits in AGGREGATED
+             if key not in OPTIONAL or any(row[key]["n"] for row in agg.values())]
+    head = ["arm", "n", *(label for _, label, _ in shown)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, row in agg.items():
-        cells = [arm, str(row["n"]), *(fmt_stat(row[key], digits) for key, _, digits in AGGREGATED)]
+        cells = [arm, str(row["n"]), *(fmt_stat(row[key], digits) for key, _, digits in shown)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
