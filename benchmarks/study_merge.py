@@ -5,9 +5,9 @@ config's optim.lr; the learning-rate table names that rate so those runs join th
 
     python benchmarks/study_merge.py OUT STUDY/results.json STUDY2/results.json [--arms a,b,...] [--compare A/B,...]
 
---compare adds, for each pair of arms, the differences the claims use (held-out pass@1 after, reward growth,
-entropy), seed by seed with the same standard error (unpaired, from every seed of each, when the two arms share
-no seed), for pairs the claims do not name.
+--compare adds, for each pair of arms, the differences the claims use (held-out pass@1 after, on the 16-bit base
+too where the studies measured it, reward growth, entropy), seed by seed with the same standard error (unpaired,
+from every seed of each, when the two arms share no seed), for pairs the claims do not name.
 """
 
 import argparse
@@ -142,9 +142,11 @@ def main(argv=None) -> int:
     if pairs:
         lines += ["", "comparisons:"]
         for a, b in pairs:
-            for key, what in (("pass1_after", "pass@1 after"), ("reward_growth", "reward growth"),
-                              ("entropy_mean", "entropy")):
+            for key, what in (("pass1_after", "pass@1 after"), ("pass1_after_16bit", "pass@1 after, 16-bit base"),
+                              ("reward_growth", "reward growth"), ("entropy_mean", "entropy")):
                 d = compare(every_run, a, b, key)
+                if d is None and key == "pass1_after_16bit":
+                    continue  # measured only by studies run with --eval-16bit-base
                 lines.append(f"- {diff_text(d, a, b, what)}" if d else f"- {what}: {a} or {b} has no run")
     swept = {base for base, by_lr in lr_groups(with_base_lr(every_run, base_lr)).items() if len(by_lr) > 1}
     spelled = [r for r in with_base_lr(every_run, base_lr) if r["arm"].split("@")[0] in swept]

@@ -465,6 +465,15 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
                        "--arms", "bf16,nvfp4", "--compare", "nvfp4/bf16"]) == 0
     text = (tmp_path / "out" / "merged.md").read_text()
     assert "pass@1 after: nvfp4 0.660 vs bf16 0.710, difference -0.050" in text  # 0.66 against 0.70/0.71/0.72
+    assert "16-bit base" not in text  # neither study ran --eval-16bit-base
+    served = [_merge_study(settings, [{**r, "pass1_after_16bit": r["pass1_after"] + 0.05} for r in st["runs"]])
+              for st in (a, b)]
+    for i, study_ in enumerate(served):
+        (tmp_path / f"served{i}.json").write_text(json.dumps(study_))
+    assert merge.main([str(tmp_path / "out16"), str(tmp_path / "served0.json"), str(tmp_path / "served1.json"),
+                       "--arms", "bf16,nvfp4", "--compare", "nvfp4/bf16"]) == 0
+    assert "pass@1 after, 16-bit base: nvfp4 0.710 vs bf16 0.760, difference -0.050" in \
+        (tmp_path / "out16" / "merged.md").read_text()
     with pytest.raises(SystemExit, match="expected pairs A/B"):
         merge.main([str(tmp_path / "o2"), str(tmp_path / "s0.json"), "--compare", "nvfp4"])
     assert "| bf16 | 3 |" in text and "| nvfp4 | 3 |" in text and "bf16@0.0001 | 3" not in text  # table: --arms
