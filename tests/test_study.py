@@ -513,3 +513,12 @@ def test_study_window_reads_finished_and_unfinished_studies(tmp_path, capsys):
         window.main(["--steps", "6-4", str(done)])
     with pytest.raises(SystemExit, match="neither a results.json"):
         window.main(["--steps", "1-2", str(tmp_path / "empty_dir_that_is_missing")])
+
+
+def test_eval_16bit_base_refuses_a_quantized_checkpoint(tmp_path, capsys):
+    quantized = tmp_path / "q"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({"model_type": "qwen2", "quantization_config": {}}))
+    code = study.main(["--model", str(quantized), "--eval-16bit-base", "--out", str(tmp_path / "o")])
+    assert code != 0 and "is a quantized checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before any job

@@ -17,10 +17,10 @@ next to the trainer's metrics.jsonl and the job's log (job.log). A killed study 
 running the same command again skips every job whose result.json exists (after checking it was made with
 the same settings) and runs only the missing ones; a job killed mid-run (the --deadline-s, a lost machine)
 continues from its last checkpoint (`save_every`) with its held-out "before" score kept, unless --no-resume.
-To redo a job, delete its directory. --eval-16bit-base also scores each 4-bit arm's trained adapter on the
-16-bit model (`pass1_after_16bit`; a bf16 arm's is its `pass1_after`): the after-RL score split into what the
-adapter learned and what the 4-bit base costs it (docs/results.md, "The gap is in the base"). On a machine with several GPUs the jobs are spread over them
-(--gpus), each job on one GPU.
+To redo a job, delete its directory. On a machine with several GPUs the jobs are spread over them (--gpus),
+each job on one GPU. --eval-16bit-base also scores each 4-bit arm's trained adapter on the 16-bit model
+(`pass1_after_16bit`; a bf16 arm's is its `pass1_after`): the after-RL score split into what the adapter learned
+and what the 4-bit base costs it (docs/results.md, "The gap is in the base").
 """
 
 import argparse
@@ -305,12 +305,26 @@ def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    from ..models import quant_layers
+
     model, tokenizer = prepare_model(argparse.Namespace(
         model=cfg.model.name, adapter=str(adapter), format=None, keep_bf16="", device=None, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code))
-    res = evaluate(model, tokenizer, rows, n_samples=args.eval_n, sampling=SamplingParams(args.eval_temperature, 0, 0.95),
+    formats = {layer.weight_format for layer in quant_layers(model).values()}
+    if formats - {"bf16"}:  # main() refuses quantized checkpoints up front; this catches any other way in
+        raise StudyError(f"--eval-16bit-base: {cfg.model.name} loaded as {sorted(formats)}, not the 16-bit model")
+    sampling = SamplingParams(args.eval_temperature, 0, 0.95)
+    res = evaluate(model, tokenizer, rows, n_samples=args.eval_n, sampling=sampling,
                    max_new_tokens=cfg.rollout.max_new_tokens, suffix=cfg.data.suffix, seed=seed, progress=False)
     return res["pass@1"]
+
+
+def check_16bit_model(model: str) -> None:
+    """StudyError when `model` is a local quantized checkpoint: --eval-16bit-base needs the 16-bit model."""
+    config = Path(model).expanduser() / "config.json"
+    if config.is_file() and "quantization_config" in json.loads(config.read_text()):
+        raise StudyError(f"--eval-16bit-base: {model} is a quantized checkpoint; give the 16-bit model the arms "
+                         "quantize (--model) to score the adapters on it")
 
 
 def job_command(args, job: Job) -> list[str]:
@@ -360,7 +374,8 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--eval-temperature", type=float, default=0.6)
     p.add_argument("--eval-16bit-base", action="store_true",
                    help="also score each 4-bit arm's trained adapter on the unquantized model after RL "
-                        "(pass1_after_16bit; needs room for the 16-bit model beside nothing else on the GPU)")
+                        "(pass1_after_16bit; loaded once the job's trainer is released). --model must be the "
+                        "16-bit model, not a quantized checkpoint")
     p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][+aqn][:DECAY][@LR],...")
     p.add_argument("--seeds", "--seed", default="0", help="comma-separated, e.g. 0,1,2: every arm once per seed")
     p.add_argument("--steps", type=int, default=40)
@@ -395,6 +410,8 @@ def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.benc
             raise StudyError("--set optim.lr and an arm's @LR both set the learning rate; give one or the other")
         if args.eval_limit < 0:
             raise StudyError(f"--eval-limit must be >= 0 (0: no held-out evaluation), got {args.eval_limit}")
+        if args.eval_16bit_base:
+            check_16bit_model(args.model)
         if args.parallel < 1:
             raise StudyError(f"--parallel must be >= 1, got {args.parallel}")
         jobs = make_jobs(arms, seeds, Path(args.out))
