@@ -1,4 +1,4 @@
-"""`qerl` command line: quantize a model, RL-train a LoRA adapter on it, evaluate, run benchmarks."""
+"""`qerl` command line: quantize a model, RL-train a LoRA adapter on it, evaluate, merge, run benchmarks."""
 
 import argparse
 import json
@@ -120,6 +120,19 @@ def _eval(args) -> int:
     return run_eval(args)
 
 
+def _merge(args) -> int:
+    from .models.merge import adapter_base, merge_adapter
+
+    model = args.model or adapter_base(args.adapter)
+    t0 = time.perf_counter()
+    with console.status(f"merging {args.adapter} into {model}"):
+        out = merge_adapter(args.adapter, args.out, model=model, dtype=args.dtype, device=args.device,
+                            trust_remote_code=args.trust_remote_code, overwrite=args.overwrite)
+    console.print(f"{args.adapter} merged into {model} ({args.dtype}) in {time.perf_counter() - t0:.1f}s: {out}",
+                  soft_wrap=True)
+    return 0
+
+
 def _bench(args) -> int:
     import importlib
 
@@ -174,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_arguments(e)
     e.set_defaults(func=_eval)
+
+    m = sub.add_parser("merge", help="merge a trained adapter into the 16-bit model (a Hugging Face directory)")
+    m.add_argument("adapter", help="PEFT adapter directory (e.g. a `qerl train` run's adapter/)")
+    m.add_argument("--out", required=True, help="output directory (written atomically)")
+    m.add_argument("--model", help="the 16-bit model to merge into (default: the adapter's base_model_name_or_path)")
+    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype of the merged weights")
+    m.add_argument("--device", default="cpu", help="where the merge runs (cpu, cuda, cuda:N)")
+    m.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    m.add_argument("--trust-remote-code", action="store_true", help="allow code from the model directory to run")
+    m.set_defaults(func=_merge)
 
     b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout, step (one end-to-end RL step)")
     b.add_argument("what", choices=["kernels", "rollout", "step"])

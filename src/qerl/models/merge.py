@@ -1,0 +1,50 @@
+"""A trained adapter merged into the 16-bit model: one Hugging Face directory any server loads.
+
+An adapter `qerl train` wrote on a 4-bit base names the original model as its base
+(`base_model_name_or_path`), and PEFT merges it into that model's 16-bit weights: each targeted weight
+W [out, in] becomes W + scaling * B [out, r] @ A [r, in] (expert LoRA and trained routers as PEFT merges them).
+On Qwen2.5-Coder-1.5B such an adapter scored as a bf16-trained one on the 16-bit model, and 0.02-0.04 lower on
+its 4-bit training base (docs/results.md, "The gap is in the base").
+"""
+
+import json
+from pathlib import Path
+
+from .atomic import atomic_directory
+
+
+def adapter_base(adapter) -> str:
+    """The model an adapter directory names as its base; ValueError when it is not a PEFT adapter or names none."""
+    config = Path(adapter).expanduser() / "adapter_config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{adapter}: no adapter_config.json (a PEFT adapter directory, e.g. RUN/adapter)")
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config}: names no base model; give it with --model")
+    return base
+
+
+def merge_adapter(adapter, out, model: str | None = None, dtype: str = "bf16", device: str = "cpu",
+                  trust_remote_code: bool = False, overwrite: bool = False) -> Path:
+    """Load the 16-bit `model` (default: the adapter's base), merge the adapter in with PEFT, write model and
+    tokenizer to `out` (atomic; FileExistsError unless overwrite). dtype: of the loaded and written weights
+    (bf16, fp16, fp32); the merge adds the adapter's product in that dtype. Returns the written directory."""
+    from peft import PeftModel
+
+    from .convert import quant_layers
+    from .load import load_causal_lm
+
+    model = model or adapter_base(adapter)
+    out = Path(out).expanduser().resolve()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
+    base, tokenizer = load_causal_lm(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    if quant_layers(base):
+        raise ValueError(f"{model} is a quantized checkpoint: merge into the 16-bit model it was made from "
+                         "(--model), whose weights the adapter's product is added to")
+    merged = PeftModel.from_pretrained(base, str(Path(adapter).expanduser())).merge_and_unload()
+    with atomic_directory(out, overwrite) as tmp:
+        merged.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return out

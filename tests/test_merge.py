@@ -1,0 +1,74 @@
+"""`qerl merge`: an adapter trained on a 4-bit base merged into the 16-bit model with PEFT, written as a plain
+Hugging Face directory whose logits are the base's with W + scaling * B A in every targeted linear."""
+
+import copy
+import json
+
+import pytest
+import torch
+from tiny import tiny_model, tiny_tokenizer
+
+from qerl.cli import main
+from qerl.models import quant_layers, quantize_model, save_adapter
+from qerl.nn.lora import LoraConfig
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """(base dir, adapter dir, the fp32 base model, {module name: fp32 delta [out, in]})."""
+    torch.manual_seed(0)
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    q = copy.deepcopy(model)
+    quantize_model(q, "nvfp4", lora=LoraConfig(r=4, alpha=8.0))
+    deltas = {}
+    for name, layer in quant_layers(q).items():  # a trained adapter: B is no longer zero
+        torch.nn.init.normal_(layer.lora_B.weight, std=0.05)
+        deltas[name] = layer.scaling * layer.lora_B.weight.detach() @ layer.lora_A.weight.detach()
+    save_adapter(q, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    return tmp_path / "base", tmp_path / "adapter", model, deltas
+
+
+def test_merge_writes_the_16bit_model_plus_the_adapter(trained, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    base_dir, adapter, model, deltas = trained
+    out = tmp_path / "merged"
+    assert main(["merge", str(adapter), "--out", str(out), "--dtype", "fp32"]) == 0  # the base named by the adapter
+    assert "merged into" in capsys.readouterr().err
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert not any("lora" in k for k in merged.state_dict())  # a plain model, nothing of PEFT left
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert (out / "tokenizer_config.json").is_file()
+
+    reference = copy.deepcopy(model).eval()
+    modules = dict(reference.named_modules())
+    for name, delta in deltas.items():
+        modules[name].weight.data += delta
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        got, want, base = merged(input_ids=ids).logits, reference(input_ids=ids).logits, model.eval()(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert (got - base).abs().max() > 1e-3  # the adapter changed the model
+
+    # bf16 by default; an existing --out is refused, --overwrite replaces it
+    assert main(["merge", str(adapter), "--out", str(out), "--model", str(base_dir)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["merge", str(adapter), "--out", str(out), "--overwrite"]) == 0
+    assert json.loads((out / "config.json").read_text()).get("dtype", json.loads(
+        (out / "config.json").read_text()).get("torch_dtype")) == "bfloat16"
+
+
+def test_merge_refuses_what_it_cannot_merge(trained, tmp_path, capsys):
+    from qerl.models import save_quantized
+
+    base_dir, adapter, model, _ = trained
+    assert main(["merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err
+    q = copy.deepcopy(model)
+    quantize_model(q, "nvfp4")
+    save_quantized(q, tiny_tokenizer(), tmp_path / "q")
+    assert main(["merge", str(adapter), "--out", str(tmp_path / "o"), "--model", str(tmp_path / "q")]) == 2
+    assert "is a quantized checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing half-written
