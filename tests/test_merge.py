@@ -1,6 +1,8 @@
-"""`qerl merge`: an adapter trained on a 4-bit base merged into the 16-bit model with PEFT, written as a plain
-Hugging Face directory whose logits are the base's with W + scaling * B A in every targeted linear."""
+"""An adapter trained on a 4-bit base, served on the 16-bit model: `qerl merge` (PEFT's merge, written as a plain
+Hugging Face directory) and `qerl eval --adapter` without --format (the study's --eval-16bit-base), both the
+base's logits with W + scaling * B A in every targeted linear."""
 
+import argparse
 import copy
 import json
 
@@ -72,3 +74,24 @@ def test_merge_refuses_what_it_cannot_merge(trained, tmp_path, capsys):
     assert main(["merge", str(adapter), "--out", str(tmp_path / "o"), "--model", str(tmp_path / "q")]) == 2
     assert "is a quantized checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing half-written
+
+
+def test_eval_without_format_serves_the_adapter_on_the_16bit_model(trained):
+    from qerl.eval import add_eval_arguments
+    from qerl.eval.evaluate import prepare_model
+
+    base_dir, adapter, model, deltas = trained
+    args = add_eval_arguments(argparse.ArgumentParser()).parse_args(
+        [str(base_dir), "--dataset", "unused", "--dtype", "fp32", "--device", "cpu", "--adapter", str(adapter)])
+    served, _ = prepare_model(args)
+    assert {layer.weight_format for layer in quant_layers(served).values()} == {"bf16"}  # the unquantized path
+
+    reference = copy.deepcopy(model).eval()
+    modules = dict(reference.named_modules())
+    for name, delta in deltas.items():  # that path stores its weights in bf16 (format "bf16")
+        w = modules[name].weight
+        w.data = w.data.to(torch.bfloat16).to(w.dtype) + delta
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        got, want = served(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
