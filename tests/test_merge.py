@@ -96,3 +96,33 @@ def test_eval_without_format_serves_the_adapter_on_the_16bit_model(trained):
     with torch.no_grad():
         got, want = served(input_ids=ids).logits, reference(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_merge_a_mixture_of_experts_adapter_with_expert_lora(tmp_path):
+    """Expert LoRA (PEFT target_parameters) merges too: the merged model's logits are PEFT's unmerged ones on the
+    same 16-bit base."""
+    from peft import PeftModel
+    from tiny_moe import tiny_moe
+    from transformers import AutoModelForCausalLM
+
+    from qerl.models import lora_parameters
+
+    dense = tiny_moe("qwen3_moe", experts_implementation="eager")
+    dense.save_pretrained(tmp_path / "base")
+    tiny_tokenizer().save_pretrained(tmp_path / "base")
+    q = quantize_model(copy.deepcopy(dense), "nvfp4", lora=LoraConfig(r=4, alpha=8.0, experts=True))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lora_parameters(q).values():  # every factor matters, the experts' included
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    save_adapter(q, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+
+    assert main(["merge", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                  experts_implementation="eager").eval()
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(dense), tmp_path / "adapter").eval()
+    ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want, base = merged(ids).logits, peft_model(ids).logits, dense(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - base).abs().max() > 1e-3
