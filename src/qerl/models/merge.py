@@ -14,7 +14,8 @@ from .atomic import atomic_directory
 
 
 def adapter_base(adapter) -> str:
-    """The model an adapter directory names as its base; ValueError when it is not a PEFT adapter or names none."""
+    """The model an adapter directory names as its base; FileNotFoundError when it is not a PEFT adapter
+    directory, ValueError when its config names no base."""
     config = Path(adapter).expanduser() / "adapter_config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{adapter}: no adapter_config.json (a PEFT adapter directory, e.g. RUN/adapter)")
