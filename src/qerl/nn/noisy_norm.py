@@ -24,8 +24,9 @@ stored weight gives it directly.
 import torch
 from torch import nn
 
+from ..quant.awq import CHANNEL_SCALE  # fp32 [D] buffer on an AWQ-folded norm
+
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
-CHANNEL_SCALE = "qerl_channel_scale"  # fp32 [D] buffer on an AWQ-folded norm (qerl.quant.awq)
 
 
 def find_noisy_norms(model: nn.Module) -> list[nn.Module]:

@@ -26,7 +26,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..nn.noisy_norm import CHANNEL_SCALE
+# fp32 [D] non-persistent buffer that apply_awq leaves on each norm it folded a channel scale into; AQN
+# (`qerl.nn.noisy_norm`) reads it to draw that norm's noise in the unfolded units
+CHANNEL_SCALE = "qerl_channel_scale"
 
 FakeQuant = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
