@@ -1,16 +1,21 @@
 """Training configuration: nested dataclasses, loaded from YAML plus `section.key=value` overrides.
 
-Every field is documented where it is defined, grouped by purpose: what it does, its unit, and the value
-of the QeRL paper's recipes (arXiv 2510.11696; "paper:", as configs/gsm8k-grpo-*.yaml and
-configs/bigmath-dapo-*.yaml set them) where the paper gives one. The defaults are small enough for the
-CPU demo; a paper run takes its recipe file. docs/training.md describes what one step does with them.
+Every field is documented where it is defined, in its metadata's "help", grouped by purpose: what it does,
+its unit, and the value of the QeRL paper's recipes (arXiv 2510.11696; "paper:", as
+configs/gsm8k-grpo-*.yaml and configs/bigmath-dapo-*.yaml set them) where the paper gives one. The defaults
+are small enough for the CPU demo; a paper run takes its recipe file. docs/training.md describes what one
+step does with them. `config_help()` prints every key (`qerl train --help-config`) and `config_markdown()`
+writes docs/config.md (`python -m qerl.config --markdown > docs/config.md`).
 
 Unknown keys and invalid values are refused with a message naming the key; the resolved config is saved
-in the run directory so a run can be reproduced and resumed. The allowed values of each choice come from
-the module that interprets it (`_CHOICES`).
+in the run directory so a run can be reproduced and resumed. The allowed values of each choice (`_CHOICES`)
+are defined once in `qerl.choices`, which the modules that interpret them import as well: this module is a
+leaf, importing nothing of qerl's but `qerl.choices` and `qerl.lora_config` (no torch).
 """
 
 import dataclasses
+import inspect
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,15 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from .formats import FORMATS
-from .models.precision import check_keep_bf16
-from .nn.lora import DEFAULT_TARGETS, LoraConfig
-from .quant import METHODS
-from .rl.aqn import DECAYS
-from .rl.losses import ALGOS
-from .rl.lr_schedule import SCHEDULES
-from .rl.update import OLD_LOGPROBS
-from .rollout.scheduler import SCHEDULERS
+from .choices import (ALGOS, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, METHODS, OLD_LOGPROBS, SCHEDULERS, SCHEDULES,
+                      check_keep_bf16)
+from .lora_config import DEFAULT_TARGETS, LoraConfig
 
 
 class ConfigError(ValueError):
@@ -38,11 +37,12 @@ class CalibrationSection:
     """`model.calibration:` calibration text for the calibrated quantization methods (gptq, awq); rtn and
     4over6 read none."""
 
-    source: str = "auto"  # auto | reasoning-gym | train | FILE.jsonl / .txt (sources in qerl.data.calibration)
-    # sequences; null: 128 when the model is quantized on a GPU, 64 on a CPU (on SmolLM2 both give the same
-    # KL and 64 keeps GPTQ under two minutes on two cores; docs/formats.md)
-    samples: int | None = None
-    max_tokens: int = 256  # tokens per sequence
+    source: str = field(default="auto", metadata={
+        "help": "auto | reasoning-gym | train | FILE.jsonl / .txt (sources in qerl.data.calibration)"})
+    samples: int | None = field(default=None, metadata={
+        "help": "sequences; null: 128 when the model is quantized on a GPU, 64 on a CPU (on SmolLM2 both give "
+                "the same KL and 64 keeps GPTQ under two minutes on two cores; docs/formats.md)"})
+    max_tokens: int = field(default=256, metadata={"help": "tokens per sequence"})
 
 
 @dataclass
@@ -50,43 +50,44 @@ class ModelSection:
     """`model:` the policy's base model, how it is stored, and where it runs."""
 
     # which model
-    # embedded name, HF directory, GGUF file, hub id or quantized directory; paper: Qwen2.5-{3B,7B,14B,32B}-Instruct
-    name: str = "smollm2-135m-instruct"
-    adapter: str | None = None  # start from this PEFT adapter directory instead of a fresh LoRA
-    trust_remote_code: bool = False  # let transformers run the model repository's own code
+    name: str = field(default="smollm2-135m-instruct", metadata={
+        "help": "embedded name, HF directory, GGUF file, hub id or quantized directory; "
+                "paper: Qwen2.5-{3B,7B,14B,32B}-Instruct"})
+    adapter: str | None = field(default=None, metadata={
+        "help": "start from this PEFT adapter directory instead of a fresh LoRA"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "let transformers run the model repository's own code"})
     # how the frozen base is stored
-    format: str = "nvfp4"  # weight format (qerl.formats): nvfp4 | mxfp4 | nf4 | bf16 (16-bit LoRA); paper: nvfp4
-    quant_method: str = "rtn"  # how codes and scales are chosen (qerl.quant): rtn | 4over6 | gptq | awq
-    calibration: CalibrationSection = field(default_factory=CalibrationSection)  # for gptq / awq
-    keep_bf16: list[str] = field(default_factory=list)  # module names / fnmatch patterns / last:N left 16-bit
-    quantize_embeddings: bool = False  # also store the input embedding in `format` (untied models only)
-    # off | update | all: keep a 16-bit copy of every 4-bit linear weight, made once and kept for the run, for
-    # the loss pass (update) or the loss pass and rollouts (all). +2 bytes per weight for dense-matmul speed where
-    # the 4-bit kernels lose (small models' updates; NF4, which has no fused kernel); the 4-bit weights stay what
-    # the policy is (the copy is their exact dequantization) and what is saved. MoE experts keep their kernels.
-    dense_weights: str = "off"
+    format: str = field(default="nvfp4", metadata={
+        "help": "weight format (qerl.formats); bf16 = 16-bit LoRA; paper: nvfp4"})
+    quant_method: str = field(default="rtn", metadata={
+        "help": "how codes and scales are chosen (qerl.quant)"})
+    calibration: CalibrationSection = field(default_factory=CalibrationSection, metadata={
+        "help": "calibration text for gptq / awq"})
+    keep_bf16: list[str] = field(default_factory=list, metadata={
+        "help": "module names / fnmatch patterns / last:N left 16-bit (syntax: qerl.models.precision)"})
+    quantize_embeddings: bool = field(default=False, metadata={
+        "help": "also store the input embedding in `format` (untied models only)"})
+    dense_weights: str = field(default="off", metadata={
+        "help": "keep a 16-bit copy of every 4-bit linear weight, made once and kept for the run, for the loss "
+                "pass (update) or the loss pass and rollouts (all). +2 bytes per weight for dense-matmul speed "
+                "where the 4-bit kernels lose (small models' updates; NF4, which has no fused kernel); the 4-bit "
+                "weights stay what the policy is (the copy is their exact dequantization) and what is saved. "
+                "MoE experts keep their kernels."})
     # where it runs
-    dtype: str = "auto"  # activations and unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)
-    device: str = "auto"  # cpu | cuda | cuda:N; auto = cuda when available
+    dtype: str = field(default="auto", metadata={
+        "help": "activations and unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)"})
+    device: str = field(default="auto", metadata={"help": "cpu | cuda | cuda:N; auto = cuda when available"})
 
 
 @dataclass
 class LoraSection(LoraConfig):
     """`lora:` the trainable adapters, one per targeted linear. A `qerl.nn.LoraConfig` (the type the model
-    surgery takes, so the fields, defaults and checks are defined once, there), with `targets` a list as
-    YAML writes it:
+    surgery takes, so the fields, defaults, help and checks are defined once, in `qerl.lora_config`), with
+    `targets` a list as YAML writes it."""
 
-      r           rank; paper: 32
-      alpha       the update is (alpha / r) B A; paper: 64
-      dropout     dropout probability on the adapter's input, in [0, 1)
-      use_rslora  scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r
-      targets     leaf names of the linears that are quantized and get an adapter; default: every attention
-                  and MLP projection
-      experts     also LoRA on each 4-bit MoE expert's gate_up and down (Qwen3-MoE / Qwen2-MoE; same r, alpha,
-                  rslora; needs dropout 0); default false: the experts stay frozen (memory: docs/training.md)
-    """
-
-    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS),
+                               metadata=LoraConfig.__dataclass_fields__["targets"].metadata)
 
     def __post_init__(self):
         super().__post_init__()  # LoraConfig's checks (r >= 1, dropout in [0, 1), some targets)
@@ -97,16 +98,21 @@ class LoraSection(LoraConfig):
 class DataSection:
     """`data:` the training problems and how they become prompts."""
 
-    train: str = "reasoning-gym:basic_arithmetic"  # source (qerl.data.datasets); paper: gsm8k | bigmath
-    limit: int | None = None  # use only the first N problems
-    question_key: str | None = None  # column holding the question, when not a usual name
-    answer_key: str | None = None  # column holding the reference answer, when not a usual name
-    max_bad_fraction: float = 0.1  # refuse the source when more than this share of its rows is malformed
-    # answer-format instruction after the question: gsm8k | boxed | none | literal text (qerl.data.templates);
-    # paper: gsm8k (GSM8K), boxed (BigMath)
-    suffix: str = "gsm8k"
-    system: str | None = None  # system message of the chat template
-    max_prompt_tokens: int = 256  # longer prompts are dropped, tokens; paper: 256 (GSM8K), 512 (BigMath)
+    train: str = field(default="reasoning-gym:basic_arithmetic", metadata={
+        "help": "source (qerl.data.datasets); paper: gsm8k | bigmath"})
+    limit: int | None = field(default=None, metadata={"help": "use only the first N problems"})
+    question_key: str | None = field(default=None, metadata={
+        "help": "column holding the question, when not a usual name"})
+    answer_key: str | None = field(default=None, metadata={
+        "help": "column holding the reference answer, when not a usual name"})
+    max_bad_fraction: float = field(default=0.1, metadata={
+        "help": "refuse the source when more than this share of its rows is malformed"})
+    suffix: str = field(default="gsm8k", metadata={
+        "help": "answer-format instruction after the question: gsm8k | boxed | none | literal text "
+                "(qerl.data.templates); paper: gsm8k (GSM8K), boxed (BigMath)"})
+    system: str | None = field(default=None, metadata={"help": "system message of the chat template"})
+    max_prompt_tokens: int = field(default=256, metadata={
+        "help": "longer prompts are dropped, tokens; paper: 256 (GSM8K), 512 (BigMath)"})
 
 
 @dataclass
@@ -114,21 +120,27 @@ class RolloutSection:
     """`rollout:` sampling the completions of one step."""
 
     # batch shape
-    prompts_per_step: int = 8  # prompts per step, over all processes; paper: 128
-    group_size: int = 8  # G completions per prompt, compared with each other; paper: 8 (16 for BigMath 14B / 32B)
-    max_new_tokens: int = 256  # completion budget, tokens; paper: 2048 (GSM8K), 4096 (BigMath)
-    # sampling distribution (log-probs are recorded and recomputed under softmax(logits / temperature))
-    temperature: float = 1.0  # 0 = greedy; paper: 1.0
-    top_p: float = 1.0  # nucleus sampling mass, in (0, 1]; 1 = off
-    top_k: int = 0  # sample among the k most likely tokens; 0 = off
-    # continuous: a finished row is refilled from the step's queue and the last rows are compacted into smaller
-    # batches | static: each batch decodes until its longest row stops (the reference); same samples either way
-    scheduler: str = "continuous"
+    prompts_per_step: int = field(default=8, metadata={"help": "prompts per step, over all processes; paper: 128"})
+    group_size: int = field(default=8, metadata={
+        "help": "G completions per prompt, compared with each other; paper: 8 (16 for BigMath 14B / 32B)"})
+    max_new_tokens: int = field(default=256, metadata={
+        "help": "completion budget, tokens; paper: 2048 (GSM8K), 4096 (BigMath)"})
+    # sampling distribution
+    temperature: float = field(default=1.0, metadata={
+        "help": "0 = greedy; log-probs are recorded and recomputed under softmax(logits / temperature); "
+                "paper: 1.0"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass, in (0, 1]; 1 = off"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens; 0 = off"})
+    scheduler: str = field(default="continuous", metadata={
+        "help": "continuous: a finished row is refilled from the step's queue and the last rows are compacted "
+                "into smaller batches | static: each batch decodes until its longest row stops (the "
+                "reference); same samples either way"})
     # memory
-    # free the KV cache + decode graphs before each update (memory for the backward): true | false | null = auto
-    # (free after the first rollout, then keep them when the run's peak plus the engine's bytes fit 70% of the
-    # card: the next rollouts skip re-capturing their decode graphs; always frees under data parallel)
-    release_kv_cache: bool | None = None
+    release_kv_cache: bool | None = field(default=None, metadata={
+        "help": "free the KV cache + decode graphs before each update (memory for the backward): true | false "
+                "| null = auto (free after the first rollout, then keep them when the run's peak plus the "
+                "engine's bytes fit 70% of the card: the next rollouts skip re-capturing their decode graphs; "
+                "always frees under data parallel)"})
 
 
 @dataclass
@@ -137,66 +149,88 @@ class AQNSection:
     the quantized linears) while sampling, decaying over K equal stages of training, the first noise-free
     (qerl.rl.aqn, qerl.nn.noisy_norm)."""
 
-    enabled: bool = True  # false = the no-AQN ablation (sigma 0 throughout); paper: true
-    sigma_start: float = 1e-2  # noise std of stage 1, in the norm weights' units; paper: 1e-2
-    sigma_end: float = 5e-4  # noise std of the last stage; paper: 5e-4
-    num_stages: int = 10  # K; paper: 10
-    # how sigma falls from sigma_start to sigma_end (qerl.rl.aqn): exponential | linear | cosine | logarithmic;
-    # paper: exponential
-    decay: str = "exponential"
-    per_forward: bool = False  # redraw the noise before every forward (default: once per rollout batch)
-    # beyond the paper: noise std sigma * |w_j| per channel, the same relative change of every norm weight (how
-    # far either moves the policy depends on the model: docs/results.md, "AQN's direct effect")
-    relative: bool = False
-    # beyond the paper: scale sigma to hold the sampling distribution's mean token entropy (nats) at a target
-    target_entropy: float | None = None  # nats per token; null = off
-    controller_gain: float = 0.5  # multiplier *= exp(gain * (target - entropy) / target) after each step
+    enabled: bool = field(default=True, metadata={
+        "help": "false = the no-AQN ablation (sigma 0 throughout); paper: true"})
+    sigma_start: float = field(default=1e-2, metadata={
+        "help": "noise std of stage 1, in the norm weights' units; paper: 1e-2"})
+    sigma_end: float = field(default=5e-4, metadata={"help": "noise std of the last stage; paper: 5e-4"})
+    num_stages: int = field(default=10, metadata={"help": "K; paper: 10"})
+    decay: str = field(default="exponential", metadata={
+        "help": "how sigma falls from sigma_start to sigma_end (qerl.rl.aqn); paper: exponential"})
+    per_forward: bool = field(default=False, metadata={
+        "help": "redraw the noise before every forward (default: once per rollout batch)"})
+    relative: bool = field(default=False, metadata={
+        "help": "beyond the paper: noise std sigma * |w_j| per channel, the same relative change of every norm "
+                "weight (how far either moves the policy depends on the model: docs/results.md, \"AQN's "
+                "direct effect\")"})
+    target_entropy: float | None = field(default=None, metadata={
+        "help": "beyond the paper: scale sigma to hold the sampling distribution's mean token entropy at this "
+                "target, nats per token; null = off"})
+    controller_gain: float = field(default=0.5, metadata={
+        "help": "multiplier *= exp(gain * (target - entropy) / target) after each step (aqn.target_entropy)"})
 
 
 @dataclass
 class AlgoSection:
     """`algo:` the RL objective (qerl.rl.losses) and the DAPO options."""
 
-    name: str = "grpo"  # grpo | dapo | dr_grpo; paper: grpo (GSM8K), dapo (BigMath)
+    name: str = field(default="grpo", metadata={"help": "the objective; paper: grpo (GSM8K), dapo (BigMath)"})
     # the clipped objective
-    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low; paper: 0.2
-    clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high; paper: 0.28 (DAPO's clip-higher)
-    kl_beta: float = 0.0  # weight of the k3 KL to the LoRA-disabled model (0 = no reference pass); paper: 0
-    scale_rewards: bool = True  # divide advantages by the group std (always off for dr_grpo)
-    num_updates: int = 1  # mu: optimizer steps per rollout batch
-    # the noisy sampler against the noise-free learner (docs/training.md, "Which log-probs are π_old")
-    old_logprobs: str = "recompute"  # recompute (the loss policy, no noise) | sampling (the noisy sampler's)
-    tis_cap: float | None = 2.0  # truncated importance sampling cap, >= 1; null = off
-    # DAPO (arXiv 2503.14476); paper, BigMath: dynamic_sampling, max_refills 4, overlong_filter, overlong_buffer 512
-    dynamic_sampling: bool = False  # keep only groups with mixed rewards, sample more prompts to refill
-    max_refills: int = 4  # at most this many further prompt batches per step for dynamic sampling
-    overlong_filter: bool = False  # truncated completions are masked out of the loss
-    # soft overlong punishment L_cache, tokens: the reward falls linearly to -1 over the last this many tokens of
-    # rollout.max_new_tokens (0 = off)
-    overlong_buffer: int = 0
+    clip_low: float = field(default=0.2, metadata={
+        "help": "the ratio is clipped below at 1 - clip_low; paper: 0.2"})
+    clip_high: float = field(default=0.2, metadata={
+        "help": "the ratio is clipped above at 1 + clip_high; paper: 0.28 (DAPO's clip-higher)"})
+    kl_beta: float = field(default=0.0, metadata={
+        "help": "weight of the k3 KL to the LoRA-disabled model (0 = no reference pass); paper: 0"})
+    scale_rewards: bool = field(default=True, metadata={
+        "help": "divide advantages by the group std (always off for dr_grpo)"})
+    num_updates: int = field(default=1, metadata={"help": "mu: optimizer steps per rollout batch"})
+    # the noisy sampler against the noise-free learner
+    old_logprobs: str = field(default="recompute", metadata={
+        "help": "which log-probs are pi_old: recompute (the loss policy, no noise) | sampling (the noisy "
+                "sampler's); docs/training.md, \"Which log-probs are π_old\""})
+    tis_cap: float | None = field(default=2.0, metadata={
+        "help": "truncated importance sampling cap, >= 1; null = off"})
+    # DAPO (arXiv 2503.14476)
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "DAPO: keep only groups with mixed rewards, sample more prompts to refill; paper, BigMath: true"})
+    max_refills: int = field(default=4, metadata={
+        "help": "at most this many further prompt batches per step for dynamic sampling; paper, BigMath: 4"})
+    overlong_filter: bool = field(default=False, metadata={
+        "help": "DAPO: truncated completions are masked out of the loss; paper, BigMath: true"})
+    overlong_buffer: int = field(default=0, metadata={
+        "help": "DAPO's soft overlong punishment L_cache, tokens: the reward falls linearly to -1 over the last "
+                "this many tokens of rollout.max_new_tokens (0 = off); paper, BigMath: 512"})
 
 
 @dataclass
 class OptimSection:
     """`optim:` AdamW on the LoRA parameters."""
 
-    lr: float = 1e-5  # peak learning rate; paper: 1e-5
-    weight_decay: float = 0.0  # AdamW's decoupled weight decay
-    warmup_steps: int = 0  # linear warmup, steps
-    schedule: str = "constant"  # after the warmup: constant | cosine (to 0 at the last step)
-    max_grad_norm: float = 1.0  # clip the LoRA gradient's global L2 norm; paper: 1.0
-    # loss passes without padding: micro-batches cut by tokens, each group's prompt forwarded once (docs/training.md)
-    packing: bool = True
-    # tokens per packed forward / backward (prompts once per micro-batch + completion tokens): memory vs speed;
-    # with checkpointing ~0.4 MB a token at 7B, ~1.6 MB at 72B (the gradient is the whole batch's either way).
-    # null: by model size (`qerl.rl.packing.token_budget`): 16384 up to ~1.5B, 15360 at 7B, 8192 from 14B up
-    max_tokens_per_micro_batch: int | None = None
-    micro_batch_size: int = 8  # packing off: padded sequences per forward / backward (memory vs speed)
-    gradient_checkpointing: bool = True  # recompute each decoder layer in the backward (memory for time)
-    # the backward through NVFP4 weights never dequantizes a whole weight into a 16-bit temporary (its largest
-    # N x K copy: 0.27 GB at 7B, 0.97 GB at 72B); sm_90 only, slower from ~512 rows a micro-batch (memory for time)
-    grad_input_no_temporary: bool = False
-    max_bad_steps: int = 5  # abort after this many non-finite steps in a row
+    lr: float = field(default=1e-5, metadata={"help": "peak learning rate; paper: 1e-5"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW's decoupled weight decay"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warmup, steps"})
+    schedule: str = field(default="constant", metadata={
+        "help": "after the warmup: constant, or cosine (to 0 at the last step)"})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "clip the LoRA gradient's global L2 norm; paper: 1.0"})
+    packing: bool = field(default=True, metadata={
+        "help": "loss passes without padding: micro-batches cut by tokens, each group's prompt forwarded once "
+                "(docs/training.md)"})
+    max_tokens_per_micro_batch: int | None = field(default=None, metadata={
+        "help": "tokens per packed forward / backward (prompts once per micro-batch + completion tokens): "
+                "memory vs speed; with checkpointing ~0.4 MB a token at 7B, ~1.6 MB at 72B (the gradient is the "
+                "whole batch's either way). null: by model size (`qerl.rl.packing.token_budget`): 16384 up to "
+                "~1.5B, 15360 at 7B, 8192 from 14B up"})
+    micro_batch_size: int = field(default=8, metadata={
+        "help": "packing off: padded sequences per forward / backward (memory vs speed)"})
+    gradient_checkpointing: bool = field(default=True, metadata={
+        "help": "recompute each decoder layer in the backward (memory for time)"})
+    grad_input_no_temporary: bool = field(default=False, metadata={
+        "help": "the backward through NVFP4 weights never dequantizes a whole weight into a 16-bit temporary "
+                "(its largest N x K copy: 0.27 GB at 7B, 0.97 GB at 72B); sm_90 only, slower from ~512 rows a "
+                "micro-batch (memory for time)"})
+    max_bad_steps: int = field(default=5, metadata={"help": "abort after this many non-finite steps in a row"})
 
 
 @dataclass
@@ -206,50 +240,58 @@ class MoESection:
     a router the pretraining already balanced, and nudging routing changes the policy in ways the clipped
     objective does not see (docs/training.md, "Mixture-of-experts router")."""
 
-    # train the routers (`mlp.gate`; Qwen2-MoE also `mlp.shared_expert_gate`) beside the LoRA adapters: fp32
-    # master weights in the optimizer, routing computed in fp32, saved in the adapter (PEFT modules_to_save)
-    train_router: bool = False
-    # weight of the load-balancing auxiliary loss (Switch Transformer; transformers' router_aux_loss_coef,
-    # 0.001 in the Qwen MoE configs) added to the RL loss, over the forward's real tokens; 0 = off
-    aux_loss_coef: float = 0.0
+    train_router: bool = field(default=False, metadata={
+        "help": "train the routers (`mlp.gate`; Qwen2-MoE also `mlp.shared_expert_gate`) beside the LoRA "
+                "adapters: fp32 master weights in the optimizer, routing computed in fp32, saved in the adapter "
+                "(PEFT modules_to_save)"})
+    aux_loss_coef: float = field(default=0.0, metadata={
+        "help": "weight of the load-balancing auxiliary loss (Switch Transformer; transformers' "
+                "router_aux_loss_coef, 0.001 in the Qwen MoE configs) added to the RL loss, over the forward's "
+                "real tokens; 0 = off"})
 
 
 @dataclass
 class TrainConfig:
     """The whole run: one section per part of the loop, then rewards, length and outputs."""
 
-    model: ModelSection = field(default_factory=ModelSection)
-    lora: LoraSection = field(default_factory=LoraSection)
-    data: DataSection = field(default_factory=DataSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    aqn: AQNSection = field(default_factory=AQNSection)
-    algo: AlgoSection = field(default_factory=AlgoSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    moe: MoESection = field(default_factory=MoESection)
+    model: ModelSection = field(default_factory=ModelSection, metadata={"help": "the policy's base model"})
+    lora: LoraSection = field(default_factory=LoraSection, metadata={"help": "the trainable adapters"})
+    data: DataSection = field(default_factory=DataSection, metadata={"help": "the training problems"})
+    rollout: RolloutSection = field(default_factory=RolloutSection, metadata={"help": "sampling the completions"})
+    aqn: AQNSection = field(default_factory=AQNSection, metadata={"help": "Adaptive Quantization Noise"})
+    algo: AlgoSection = field(default_factory=AlgoSection, metadata={"help": "the RL objective"})
+    optim: OptimSection = field(default_factory=OptimSection, metadata={"help": "AdamW on the LoRA parameters"})
+    moe: MoESection = field(default_factory=MoESection, metadata={"help": "mixture-of-experts routers"})
     # rewards
-    rewards: list[str] = field(default_factory=lambda: ["math"])  # built-in names or package.module:function
-    reward_weights: list[float] | None = None  # one per reward, summed; null = all 1
-    reward_timeout_s: float = 10.0  # per reward function and batch, seconds; past it the rows are unscored (counted)
-    # stop the run (a checkpoint is written first) after this many steps in a row in which one reward function
-    # failed on every row (raised, timed out or returned no valid number): its weight has silently become zero
-    max_reward_failure_steps: int = 3
+    rewards: list[str] = field(default_factory=lambda: ["math"], metadata={
+        "help": "reward functions: built-in names or package.module:function"})
+    reward_weights: list[float] | None = field(default=None, metadata={
+        "help": "one per reward, summed; null = all 1"})
+    reward_timeout_s: float = field(default=10.0, metadata={
+        "help": "per reward function and batch, seconds; past it the rows are unscored (counted)"})
+    max_reward_failure_steps: int = field(default=3, metadata={
+        "help": "stop the run (a checkpoint is written first) after this many steps in a row in which one reward "
+                "function failed on every row (raised, timed out or returned no valid number): its weight has "
+                "silently become zero"})
     # length and randomness
-    steps: int = 20  # training steps (one rollout batch each); paper: 200 (GSM8K), 500 (BigMath)
-    seed: int = 0  # data order, LoRA initialisation, sampling and AQN noise
+    steps: int = field(default=20, metadata={
+        "help": "training steps (one rollout batch each); paper: 200 (GSM8K), 500 (BigMath)"})
+    seed: int = field(default=0, metadata={"help": "data order, LoRA initialisation, sampling and AQN noise"})
     # outputs
-    output_dir: str = "runs/qerl"  # the run directory (config, metrics, checkpoints, adapter)
-    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
-    keep_last: int = 2  # step checkpoints kept (0 = all)
-    keep_best: bool = False  # also keep checkpoints/best: the highest mean reward since the previous save
-    tensorboard: bool = True  # also log to <output_dir>/tensorboard (when tensorboard is installed)
-    plots: bool = True  # write reward / entropy / sigma / length plots at the end
+    output_dir: str = field(default="runs/qerl", metadata={
+        "help": "the run directory (config, metrics, checkpoints, adapter)"})
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps; 0 = only at the end"})
+    keep_last: int = field(default=2, metadata={"help": "step checkpoints kept (0 = all)"})
+    keep_best: bool = field(default=False, metadata={
+        "help": "also keep checkpoints/best: the highest mean reward since the previous save"})
+    tensorboard: bool = field(default=True, metadata={
+        "help": "also log to <output_dir>/tensorboard (when tensorboard is installed)"})
+    plots: bool = field(default=True, metadata={"help": "write reward / entropy / sigma / length plots at the end"})
 
 
-DENSE_WEIGHTS = ("off", "update", "all")
-
-# The allowed values of each choice, from the module that interprets it.
+# The allowed values of each choice (defined in qerl.choices, imported by the modules that interpret them).
 _CHOICES = {
-    "model.format": tuple(FORMATS),
+    "model.format": FORMAT_NAMES,
     "model.quant_method": METHODS,
     "model.dense_weights": DENSE_WEIGHTS,
     "aqn.decay": DECAYS,
@@ -411,3 +453,105 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 def save_config(cfg: TrainConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# --- self-documentation: every key's help is its field's metadata ---------------------------------------------
+
+
+def _type_name(tp) -> str:
+    return tp.__name__ if isinstance(tp, type) and not typing.get_args(tp) else str(tp).replace("typing.", "")
+
+
+def _default_text(value) -> str:
+    """A default as YAML writes it (null, true, [a, b])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_default_text(v) for v in value) + "]"
+    return str(value)
+
+
+def config_sections(cls=TrainConfig, prefix: str = "") -> list[tuple[str, type, list[dict]]]:
+    """[(section name, section class, [key entries])] in definition order: "" for the top-level keys, then
+    each section (nested ones, such as model.calibration, after their parent). An entry is a dict with key
+    (dotted), type, default (YAML text), choices (a tuple or None) and help."""
+    hints = typing.get_type_hints(cls)
+    entries, nested = [], []
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            nested.extend(config_sections(hints[f.name], key + "."))
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        entries.append({"key": key, "type": _type_name(hints[f.name]), "default": _default_text(default),
+                        "choices": _CHOICES.get(key), "help": f.metadata.get("help", "")})
+    return [(prefix.rstrip("."), cls, entries)] + nested
+
+
+def _section_order(sections):
+    """The sections first, the top-level keys (section "") last."""
+    return [s for s in sections if s[0]] + [s for s in sections if not s[0]]
+
+
+def _help_text(entry: dict) -> str:
+    text = entry["help"]
+    if entry["choices"]:
+        text += ("" if text.endswith(".") else ".") + f" One of: {', '.join(entry['choices'])}."
+    return text
+
+
+def config_help() -> str:
+    """Every config key as plain text, one entry per key: `section.key (type, default): help`."""
+    lines = ["Training config keys: YAML sections (configs/*.yaml), or section.key=value overrides.", ""]
+    for name, cls, entries in _section_order(config_sections()):
+        doc = " ".join(inspect.getdoc(cls).split())
+        lines += textwrap.wrap(doc if name else f"Top-level keys. {doc}", width=110) + [""]
+        for e in entries:
+            lines += textwrap.wrap(f"{e['key']} ({e['type']}, {e['default']}): {_help_text(e)}", width=110,
+                                   initial_indent="  ", subsequent_indent="      ")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _md_cell(text: str, code: bool = False) -> str:
+    """A table cell: `|` escaped (also inside code spans, as GitHub's tables want), `<` as text outside them."""
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return f"`{text}`" if code else text.replace("<", "&lt;")
+
+
+MARKDOWN_COMMAND = "python -m qerl.config --markdown > docs/config.md"
+
+
+def config_markdown() -> str:
+    """docs/config.md: one table per section (key, type, default, help), generated from the fields' metadata."""
+    intro = (f"Generated from `src/qerl/config.py` (each field's metadata) by `{MARKDOWN_COMMAND}`; do not edit "
+             "by hand (tests/test_config_doc.py checks it). `qerl train --help-config` prints the same as plain "
+             "text.")
+    usage = ("A config is a YAML file of these sections (`configs/*.yaml`), with `section.key=value` overrides on "
+             "the command line; unknown keys and invalid values are refused with a message naming the key. "
+             "\"paper:\" gives the value of the QeRL paper's recipes (configs/gsm8k-grpo-*.yaml, "
+             "configs/bigmath-dapo-*.yaml) where the paper gives one. What one step does with them: "
+             "[training.md](training.md).")
+    out = ["# Configuration reference", "", *textwrap.wrap(intro, width=110), "", *textwrap.wrap(usage, width=110), ""]
+    for name, cls, entries in _section_order(config_sections()):
+        doc = " ".join(inspect.getdoc(cls).split()).removeprefix(f"`{name}:` ")
+        out += [f"## `{name}:`" if name else "## Top-level keys", "", *textwrap.wrap(doc, width=110), "",
+                "| key | type | default | help |", "|---|---|---|---|"]
+        for e in entries:
+            key = e["key"][len(name) + 1:] if name else e["key"]
+            cells = [f"`{key}`", _md_cell(e["type"], code=True), _md_cell(e["default"], code=True),
+                     _md_cell(_help_text(e))]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m qerl.config",
+                                     description="Print every training config key with its type, default and help.")
+    parser.add_argument("--markdown", action="store_true", help=f"docs/config.md's text ({MARKDOWN_COMMAND})")
+    print(config_markdown() if parser.parse_args().markdown else config_help(), end="")

@@ -26,25 +26,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
+# check_keep_bf16: the syntax check needs no model, so it lives in the torch-free `qerl.choices` (config validation)
+from ..choices import KEEP_BF16_LAST as LAST, check_keep_bf16, keep_bf16_last_count as _last_count  # noqa: F401
 from ..formats import get_format
 from ..nn import DEFAULT_TARGETS
 from .targets import FUSED_GROUPS, find_targets
 
-LAST = "last:"
 _EXAMPLES = 4  # valid names quoted in an error message
-
-
-def check_keep_bf16(specs: Iterable[str]) -> list[str]:
-    """The entries as a list, after a syntax check that needs no model (e.g. for config validation).
-
-    ValueError for a non-string or empty entry, or a `last:N` whose N is not a positive integer."""
-    specs = [specs] if isinstance(specs, str) else list(specs)
-    for spec in specs:
-        if not isinstance(spec, str) or not spec.strip():
-            raise ValueError(f"keep_bf16 entries are module names or patterns, got {spec!r}")
-        if spec.startswith(LAST):
-            _last_count(spec)
-    return specs
 
 
 def parse_keep_bf16(text: str) -> list[str]:
@@ -54,13 +42,6 @@ def parse_keep_bf16(text: str) -> list[str]:
         return check_keep_bf16([k.strip() for k in text.split(",") if k.strip()])
     except ValueError as e:
         raise ValueError(f"--keep-bf16: {e}") from None
-
-
-def _last_count(spec: str) -> int:
-    n = spec[len(LAST):]
-    if not n.isdigit() or int(n) < 1:
-        raise ValueError(f"keep_bf16 entry {spec!r}: write last:N with N >= 1 decoder layers, e.g. last:2")
-    return int(n)
 
 
 def decoder_layer_index(name: str) -> int | None:

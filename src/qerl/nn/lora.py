@@ -1,38 +1,14 @@
-"""LoRA hyper-parameters and the adapter init used by PEFT (so exported adapters mean the same thing)."""
+"""LoRA hyper-parameters and the adapter init used by PEFT (so exported adapters mean the same thing).
+
+`LoraConfig` and `DEFAULT_TARGETS` are defined in `qerl.lora_config` (torch-free, so the training config can
+import them) and re-exported here."""
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class LoraConfig:
-    r: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
-    targets: tuple[str, ...] = field(default_factory=lambda: DEFAULT_TARGETS)
-    # also per-expert LoRA on the 4-bit MoE experts (`QuantExperts.add_lora`); needs dropout 0
-    experts: bool = False
-
-    def __post_init__(self):
-        if self.r < 1:
-            raise ValueError(f"LoRA rank r must be >= 1, got {self.r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        self.targets = tuple(self.targets)
-        if not self.targets:
-            raise ValueError("LoRA needs at least one target module name")
-        if self.experts and self.dropout > 0:  # PEFT's ParamWrapper (the adapter format) refuses it as well
-            raise ValueError(f"LoRA on MoE experts (experts: true) needs dropout 0, got {self.dropout}")
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+from ..lora_config import DEFAULT_TARGETS, LoraConfig  # noqa: F401 (re-exported)
 
 
 def init_lora_(lora_A: nn.Linear, lora_B: nn.Linear) -> None:

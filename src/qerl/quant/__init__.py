@@ -14,11 +14,11 @@ import warnings
 
 import torch
 
+from ..choices import METHODS  # the methods (and the config's model.quant_method)
 from ..formats import FORMATS, get_format
 from .gptq import HessianError, gptq_nvfp4
 from .nvfp4_scales import quantize_nvfp4_searched
 
-METHODS = ("rtn", "4over6", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")
 SUPPORTED_FORMATS = {"rtn": tuple(FORMATS), "4over6": ("nvfp4",), "gptq": ("nvfp4",),
                      "awq": ("nvfp4", "mxfp4", "nf4")}

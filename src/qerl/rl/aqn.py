@@ -14,7 +14,8 @@ With K = 2 there is one noisy stage, which is the last one, so it gets sigma_end
 import math
 from dataclasses import dataclass
 
-DECAYS = ("exponential", "linear", "cosine", "logarithmic")  # the values of `decay` (and of the config's aqn.decay)
+from ..choices import DECAYS  # the values of `decay` (and of the config's aqn.decay)
+
 # sigma_start / median |norm weight| below which AQN barely changes sampling: measured on CPU (docs/results.md,
 # "AQN's direct effect"), 0.006 (Qwen2.5-Coder-1.5B at 1e-2) moved the policy by KL 0.0004 per token, while 0.037
 # (SmolLM2-135M at 1e-2) and 0.063 (the 1.5B at 0.1) moved it by KL 0.04

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-ALGOS = ("grpo", "dapo", "dr_grpo")  # the values of `algo` (and of the config's algo.name)
+from ..choices import ALGOS  # the values of `algo` (and of the config's algo.name)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import math
 from typing import Callable
 
-SCHEDULES = ("constant", "cosine")  # the values of `schedule` (and of the config's optim.schedule)
+from ..choices import SCHEDULES  # the values of `schedule` (and of the config's optim.schedule)
 
 
 def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

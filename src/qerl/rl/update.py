@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..choices import OLD_LOGPROBS  # the values of UpdateSettings.old_logprobs (config: algo.old_logprobs)
 from ..kernels import dequantized_weights
 from ..models.router import original_routers
 from ..nn.quant_linear import lora_disabled
@@ -24,8 +25,6 @@ from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
 from .packing import PackedMicroBatch, needed_tokens, packed_logprobs, plan_micro_batches
 from .router_aux import capture_router_logits, load_balancing_loss, router_top_k
-
-OLD_LOGPROBS = ("recompute", "sampling")  # the values of UpdateSettings.old_logprobs (config: algo.old_logprobs)
 
 
 @dataclass(frozen=True)

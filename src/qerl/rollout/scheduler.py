@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..choices import SCHEDULERS  # the engine's schedulers (and the config's rollout.scheduler)
 from .memory import BATCH_BUCKETS, bucket_batch
 from .sampling import draw_key, keyed_exponentials, next_token
 from .stop_strings import decode_text
 
-SCHEDULERS = ("continuous", "static")
 # Compaction moves the live rows to the smallest batch bucket that holds them, never below MIN_COMPACT_WIDTH rows,
 # and only when that halves the width: each new width costs one decode-graph capture, per rollout where the
 # trainer frees the graphs before its backward (rollout.release_kv_cache true, data parallel), which a 7B step at
