@@ -23,9 +23,9 @@ import tempfile
 DEFAULTS = {"BM": 256, "BKH": 64, "BNR": 64, "NS": 3, "CREGS": 232, "NC": 2}
 # kernel -> (module, kernel name, {descriptor argument: (dtype, block shape from the constexprs)})
 KERNELS = {
-    "forward": ("gluon_nvfp4_wgmma_ws", "nvfp4_wgmma_ws_kernel",
+    "forward": ("gluon.nvfp4_wgmma_ws", "nvfp4_wgmma_ws_kernel",
                 {"x_desc": ("bf16", lambda c: [c["BM"], c["BKH"]]), "w_desc": ("u8", lambda c: [64, c["BKH"]])}),
-    "grad_input": ("gluon_nvfp4_grad_input", "nvfp4_grad_input_kernel",
+    "grad_input": ("gluon.nvfp4_grad_input", "nvfp4_grad_input_kernel",
                    {"g_desc": ("bf16", lambda c: [c["BM"], c["BNR"]]), "w_desc": ("u8", lambda c: [c["BNR"], 32])}),
 }
 POINTERS = {"s_ptr": "*u8", "gs_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
@@ -37,7 +37,7 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("constexprs", nargs="*", metavar="NAME=VALUE")
     ap.add_argument("--kernel", choices=sorted(KERNELS), default="forward",
-                    help="forward: gluon_nvfp4_wgmma_ws; grad_input: gluon_nvfp4_grad_input")
+                    help="forward: gluon.nvfp4_wgmma_ws; grad_input: gluon.nvfp4_grad_input")
     ap.add_argument("--src", default=None, help="directory holding the qerl package to import (default: installed)")
     ap.add_argument("--setmaxnreg-floor", type=int, default=0, metavar="N",
                     help="raise every setmaxnreg below N to N before ptxas (diagnostic; not launchable)")

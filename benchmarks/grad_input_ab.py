@@ -1,4 +1,4 @@
-"""A/B of the input gradient dY @ W: the NVFP4 kernel (`gluon_nvfp4_grad_input`), the routed path, cuBLAS bf16.
+"""A/B of the input gradient dY @ W: the NVFP4 kernel (`gluon.nvfp4_grad_input`), the routed path, cuBLAS bf16.
 
 `PYTHONPATH=$PWD/src python benchmarks/grad_input_ab.py`: correctness against the float32 reference first (dY rows
 1/257/1030, weights of 200/4608 rows x 3584 columns and 336 x 1056, all 16 FP4 codes, 1 or 3 splits of the
@@ -52,8 +52,8 @@ def _variants(a):
 
 
 def _call(kind, cfg, waves, g, w, sms, split=None):
-    from qerl.kernels import gluon_nvfp4_grad_input as gi
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.gluon import nvfp4_grad_input as gi
+    from qerl.kernels.triton import fp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear_grad_input
     from qerl.kernels.operands import global_scale_f32, scale_bytes
 

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from qerl.kernels.triton_lora_a import config, lora_a_triton
+from qerl.kernels.triton.lora_a import config, lora_a_triton
 from qerl.kernels.workspace import capture_graph
 
 

@@ -1,4 +1,4 @@
-"""Tile sweep of the grouped FP4 experts kernel (`kernels.triton_fp4_grouped`) at decode and prefill sizes of a
+"""Tile sweep of the grouped FP4 experts kernel (`kernels.triton.fp4_grouped`) at decode and prefill sizes of a
 real MoE shape: for each (BN, BK, warps, stages) the gate_up and down products alone (routing precomputed,
 replayed from a CUDA graph, median of --repeats), checked against the default tiles' output, and the bytes each
 reads as effective bandwidth. Prints one table per token count, fastest first.
@@ -15,7 +15,7 @@ import torch
 
 def main(argv=None) -> int:
     from qerl.formats import get_format
-    from qerl.kernels import triton_fp4_grouped as grouped
+    from qerl.kernels.triton import fp4_grouped as grouped
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="8,64,256")

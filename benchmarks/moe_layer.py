@@ -6,7 +6,7 @@ uniform random routing, CUDA events around one experts call (median of --repeats
 NVFP4 path has no host sync, so it is also timed replayed from a CUDA graph, as the rollout engine would run it:
 that column is GPU time alone, without Python and launch overhead; the eager columns include them.
 --gemv adds, in CUDA graphs, the layer with the grouped forward forced onto each kernel (the CUDA-core decode kernel
-of `triton_fp4_grouped_gemv` and the tile kernel of `triton_fp4_grouped`; the default column uses the automatic
+of `triton.fp4_grouped_gemv` and the tile kernel of `triton.fp4_grouped`; the default column uses the automatic
 rule), their speed-up over bf16 grouped_mm, and the gate_up + down products alone per kernel with the weight bytes
 of the hit experts as effective bandwidth. --gemv-config sets the decode kernel's `GroupedGemvConfig` fields.
 
@@ -66,10 +66,10 @@ def graphed(fn):
 
 def forced_kernels(row: dict, quant, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                    repeats: int) -> None:
-    """Adds to row, for the grouped forward's decode kernel and tile kernel each (`triton_fp4_grouped.GEMV`
+    """Adds to row, for the grouped forward's decode kernel and tile kernel each (`triton.fp4_grouped.GEMV`
     forced while capturing): the layer replayed from a CUDA graph, and its two grouped products alone (the
     layer's sorted rows and offsets precomputed) with their hit experts' packed + scale bytes as TB/s."""
-    from qerl.kernels import triton_fp4_grouped as grouped
+    from qerl.kernels.triton import fp4_grouped as grouped
 
     E, k = quant.num_experts, index.shape[1]
     flat = index.reshape(-1)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gemv-config", default="", help="decode kernel config, e.g. bn=256,warps=4,split=2,rows=8")
     args = ap.parse_args(argv)
     if args.gemv_config:
-        from qerl.kernels import triton_fp4_grouped_gemv as gemv
+        from qerl.kernels.triton import fp4_grouped_gemv as gemv
 
         fields = {}
         for item in args.gemv_config.split(","):

@@ -19,7 +19,7 @@ CASES = [("gate_up", 37888, 3584, 64), ("gate_up", 37888, 3584, 256), ("qkv", 46
 
 def main() -> None:
     from qerl.bench.kernels import _weights
-    from qerl.kernels import gluon_nvfp4 as gk
+    from qerl.kernels.gluon import nvfp4 as gk
 
     for name, n, k, m in CASES:
         _, q = _weights(n, k, 1)

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from qerl.bench.kernels import MODEL_SHAPES, _decode_inputs, _graph_time, _rotated_weights, layer_shapes
-from qerl.kernels import gluon_nvfp4 as gk
+from qerl.kernels.gluon import nvfp4 as gk
 from qerl.kernels import route as rt
-from qerl.kernels import triton_fp4 as tk
+from qerl.kernels.triton import fp4 as tk
 from qerl.kernels.nvfp4_matmul import nvfp4_linear
 
 L2 = 50 * 2**20

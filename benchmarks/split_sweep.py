@@ -1,10 +1,10 @@
 """How many K splits the Gluon decode kernel should use, per shape and row count (GPU).
 
 `python benchmarks/split_sweep.py [M,M,...]` (default 1,8,16,32,64): for the Qwen2.5 layer shapes the rollout
-engine runs (q/k/v and gate/up fused), times the routed Gluon kernel (`gluon_nvfp4.nvfp4_linear_gluon`: the
+engine runs (q/k/v and gate/up fused), times the routed Gluon kernel (`gluon.nvfp4.nvfp4_linear_gluon`: the
 mma.sync or wgmma form, as `route.route` picks it on this GPU) with its default tile at its default split and at
 splits {1, 2, 3, 4, 6, 8, 12}, in microseconds (CUDA-graph replays, weights rotated through > 2x L2, as
-`qerl bench kernels`), and prints the best split with the programs per SM it gives. `gluon_nvfp4.split_for`
+`qerl bench kernels`), and prints the best split with the programs per SM it gives. `gluon.nvfp4.split_for`
 was tuned from its output.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.bench.kernels import _decode_inputs, _graph_time, _rotated_weights
-from qerl.kernels import gluon_nvfp4 as gk
+from qerl.kernels.gluon import nvfp4 as gk
 from qerl.kernels import route as rt
 
 L2 = 50 * 2**20

@@ -6,7 +6,7 @@ First checks every config against the float32 reference at odd M (exit 1 on an e
 times each config (BN, BM, BKH, KW, NS) at 1-3 programs per SM (the K split `split_for` gives) with CUDA-graph
 replays, weights rotated through > 2x L2, against cuBLAS bf16 on the same weights. Prints one markdown table per
 shape: microseconds and cuBLAS time / kernel time (> 1: faster than cuBLAS). `route` sends 65-256 rows to the
-first config at 2 programs per SM (`gluon_nvfp4.pick_config_wgmma`). Raw result (the same measurement, printed
+first config at 2 programs per SM (`gluon.nvfp4.pick_config_wgmma`). Raw result (the same measurement, printed
 by this script's first form in commit f5c6fef): docs/results/wgmma_tile_sweep_h100_2026-11-25.txt.
 """
 
@@ -25,7 +25,7 @@ WAVES = (1.0, 2.0, 3.0)
 
 def launch(x, packed, scales, gscale, cfg, waves, sms):
     """x [M, K] bf16 @ W^T through the wgmma form with tile cfg and the K split for ~waves programs per SM."""
-    from qerl.kernels import gluon_nvfp4 as gk
+    from qerl.kernels.gluon import nvfp4 as gk
 
     m, k = x.shape
     split = gk.split_for(m, packed.shape[0], k, cfg, sms, waves)[0]

@@ -75,10 +75,10 @@ def test_ws_clocks_parses_nvidia_smi_samples_and_its_arguments(capsys):
 
 @pytest.mark.parametrize("m,k", [(64, 3584), (128, 3584), (256, 3584), (256, 18944)])
 def test_grad_input_kernel_compiles_for_sm90_without_a_gpu(capsys, m, k):
-    """Each tile `gluon_nvfp4_grad_input.pick_config` routes to builds with this Triton and its ptxas: no spills,
+    """Each tile `gluon.nvfp4_grad_input.pick_config` routes to builds with this Triton and its ptxas: no spills,
     the step's wgmmas waited once (not serialized)."""
     pytest.importorskip("triton.experimental.gluon")
-    from qerl.kernels.gluon_nvfp4_grad_input import pick_config
+    from qerl.kernels.gluon.nvfp4_grad_input import pick_config
 
     bm, bnr, ns, nc, cregs = pick_config(m, k)
     mod = _bench("compile_wgmma_ws")

@@ -70,7 +70,7 @@ def _error(out, ref) -> float:
 
 def check_kernel(device: str, dtype=torch.bfloat16, seed: int = 0, cases=CASES, public: bool = False) -> list[str]:
     """Kernel vs fp32 reference for each case at slots 0, a middle one and S - 1, plus huge q/k values."""
-    from qerl.kernels import triton_decode_attention as tda
+    from qerl.kernels.triton import decode_attention as tda
     from qerl.kernels.decode_attention import decode_attention, decode_attention_reference
 
     fails = []
@@ -173,7 +173,7 @@ def check_sinks_window(device: str, dtype=torch.bfloat16, seed: int = 7, cases=W
     """Kernel with sinks and/or a window vs the fp32 reference at slots 0, a middle one, S - 1 and one per
     row; slots outside the window hold NaN; the last row of every other case has no valid key (zeros out);
     sinks large and small against the scores (magnitude 30: the sink wins or loses the softmax's max)."""
-    from qerl.kernels import triton_decode_attention as tda
+    from qerl.kernels.triton import decode_attention as tda
     from qerl.kernels.decode_attention import decode_attention_reference
 
     fails = []

@@ -41,7 +41,7 @@ def _rms_module(d: int, eps: float, dtype, device, gen):
 
 @poisoned
 def check_norm(device: str, dtype=torch.bfloat16, seed: int = 0) -> list[str]:
-    from qerl.kernels.triton_fused_ops import add_rms_norm
+    from qerl.kernels.triton.fused_ops import add_rms_norm
 
     fails = []
     gen = torch.Generator().manual_seed(seed)
@@ -75,7 +75,7 @@ def check_norm(device: str, dtype=torch.bfloat16, seed: int = 0) -> list[str]:
 
 def check_rope(device: str, dtype=torch.bfloat16, seed: int = 1) -> list[str]:
     from qerl.kernels.fused_ops import rope_reference
-    from qerl.kernels.triton_fused_ops import rope_
+    from qerl.kernels.triton.fused_ops import rope_
 
     fails = []
     gen = torch.Generator().manual_seed(seed)
@@ -112,7 +112,7 @@ def _silu_inputs(M: int, I: int, dtype, gen, batch_dims: bool) -> torch.Tensor:
 def check_silu_mul(device: str, dtype=torch.bfloat16, seed: int = 6) -> list[str]:
     """silu_mul on column slices of one [M, 2I] tensor, and on every finite and infinite 16-bit gate value,
     against F.silu(gate) * up on the same device."""
-    from qerl.kernels.triton_fused_ops import silu_mul
+    from qerl.kernels.triton.fused_ops import silu_mul
 
     fails = []
     gen = torch.Generator().manual_seed(seed)
@@ -158,7 +158,7 @@ def check_rope_store(device: str, dtype=torch.bfloat16, seed: int = 7, cases=ROP
     """rope_store_decode: the returned q, and the whole caches (slot written, every other slot untouched),
     equal to rope_reference + index_copy_; q, k, v unchanged."""
     from qerl.kernels.fused_ops import rope_reference
-    from qerl.kernels.triton_fused_ops import rope_store_decode
+    from qerl.kernels.triton.fused_ops import rope_store_decode
 
     fails = []
     gen = torch.Generator().manual_seed(seed)
@@ -223,7 +223,7 @@ def test_cpu_path_is_the_eager_reference(monkeypatch):
 
     from qerl.kernels.fused_ops import add_norm, rope_qk, rope_qk_store, rope_reference, silu_mul
 
-    monkeypatch.setitem(sys.modules, "qerl.kernels.triton_fused_ops", None)  # importing it raises
+    monkeypatch.setitem(sys.modules, "qerl.kernels.triton.fused_ops", None)  # importing it raises
     gen = torch.Generator().manual_seed(5)
     norm = _rms_module(48, 1e-5, torch.bfloat16, "cpu", gen)
     h, d = torch.randn(2, 3, 48).bfloat16(), torch.randn(2, 3, 48).bfloat16()
@@ -266,7 +266,7 @@ def test_gpu_dispatch_and_graph_replay(monkeypatch):
     require_cuda()
     from transformers.activations import ACT2FN
 
-    from qerl.kernels import triton_fused_ops
+    from qerl.kernels.triton import fused_ops as triton_fused_ops
     from qerl.kernels.fused_ops import rope_qk_store, rope_reference, silu_mul
 
     calls = []

@@ -1,4 +1,4 @@
-"""`gluon_nvfp4.call_on_stored_weight`, the wrapper every Gluon NVFP4 entry runs its launch in, on CPU with a
+"""`gluon.nvfp4.call_on_stored_weight`, the wrapper every Gluon NVFP4 entry runs its launch in, on CPU with a
 plain-torch launch (the Gluon kernels themselves are GPU-tested): requirement checks, 3-D x, scale bytes as
 stored, bias, and a LoRA term passed to the launch up to the epilogue width and added after it above."""
 
@@ -9,7 +9,7 @@ from test_kernels_triton import _random_fp4
 
 from qerl.formats.nvfp4 import dequantize_nvfp4
 
-gluon_nvfp4 = pytest.importorskip("qerl.kernels.gluon_nvfp4")
+gluon_nvfp4 = pytest.importorskip("qerl.kernels.gluon.nvfp4")
 
 
 def _launch_reference(calls):

@@ -1,4 +1,4 @@
-"""The grouped FP4 kernels for mixture-of-experts layers (qerl.kernels.triton_fp4_grouped), forward and input
+"""The grouped FP4 kernels for mixture-of-experts layers (qerl.kernels.triton.fp4_grouped), forward and input
 gradient, against the plain-torch float64 reference: each expert's rows times its own dequantized weight.
 
 CPU: the Triton interpreter in a subprocess (small shapes); GPU (`-m gpu`): decode- and prefill-sized
@@ -39,7 +39,7 @@ def _reference(x: torch.Tensor, offsets: list[int], tensors: dict, mx: bool, gra
 @poisoned
 def _check(device: str, counts: list[int], n: int, k: int, mx: bool, seed: int) -> list[str]:
     """The forward and the input gradient of one routing against the float64 reference."""
-    from qerl.kernels.triton_fp4_grouped import grouped_fp4_grad_input, grouped_fp4_linear
+    from qerl.kernels.triton.fp4_grouped import grouped_fp4_grad_input, grouped_fp4_linear
 
     gen = torch.Generator().manual_seed(seed)
     E = len(counts)
@@ -88,7 +88,7 @@ def _check_experts_module(fmt: str) -> list[str]:
     T, k, E, H = 40, 2, quant.num_experts, quant.hidden_dim
     index = torch.randint(0, E, (T, k))
     index[3, 0] = index[17, 1] = E  # expert-parallel sentinels: skipped, in the output and in the gradients
-    from qerl.kernels import triton_fp4_grouped
+    from qerl.kernels.triton import fp4_grouped as triton_fp4_grouped
 
     builds, build = [], triton_fp4_grouped.tile_table
     triton_fp4_grouped.tile_table = lambda *a: builds.append(1) or build(*a)  # count the tables built
@@ -140,7 +140,7 @@ def test_gpu(counts, n, k, mx):
 def test_tile_table_covers_every_row_once_in_a_fixed_size():
     """The device-built table: each expert's rows in bm-row tiles, in order, then empty slots; its size depends
     only on the shapes (E + rows / bm), never on the routing."""
-    from qerl.kernels.triton_fp4_grouped import tile_table
+    from qerl.kernels.triton.fp4_grouped import tile_table
 
     for counts, bm in (([3, 0, 17, 1, 0], 16), ([0, 0, 0], 16), ([40, 40], 32), ([5] * 8, 64)):
         offsets = [0]

@@ -1,6 +1,6 @@
-"""The grouped FP4 decode kernel for mixture-of-experts layers (qerl.kernels.triton_fp4_grouped_gemv) and the routing
+"""The grouped FP4 decode kernel for mixture-of-experts layers (qerl.kernels.triton.fp4_grouped_gemv) and the routing
 to it from `grouped_fp4_linear`, against the plain-torch float64 reference (each expert's rows times its own
-dequantized weight), and on the GPU against the tile kernel of `triton_fp4_grouped`.
+dequantized weight), and on the GPU against the tile kernel of `triton.fp4_grouped`.
 
 CPU: the Triton interpreter in a subprocess per suite (tiny shapes); GPU (`-m gpu`): Qwen3-30B-A3B expert shapes
 (128 experts, gate_up [1536, 2048], down [2048, 768]) at decode routings, and a CUDA-graph capture replayed on new
@@ -50,8 +50,8 @@ def _check(device: str, counts: list[int], n: int, k: int, mx: bool, seed: int, 
            dtype=torch.bfloat16, special: bool = True, route: bool | None = None) -> list[str]:
     """The decode kernel (or `grouped_fp4_linear` with `GEMV = route` when route is not None) on one routing, with
     `tail` rows past offsets[-1], against the float64 reference; returns the failures as strings."""
-    from qerl.kernels import triton_fp4_grouped
-    from qerl.kernels.triton_fp4_grouped_gemv import grouped_fp4_gemv
+    from qerl.kernels.triton import fp4_grouped as triton_fp4_grouped
+    from qerl.kernels.triton.fp4_grouped_gemv import grouped_fp4_gemv
 
     gen = torch.Generator().manual_seed(seed)
     E = len(counts)
@@ -96,7 +96,7 @@ def _check(device: str, counts: list[int], n: int, k: int, mx: bool, seed: int, 
 
 def suite_nvfp4() -> list[str]:
     """Shapes and routings, NVFP4 (group 16: K only a multiple of 16, so odd word counts)."""
-    from qerl.kernels.triton_fp4_grouped_gemv import GroupedGemvConfig as C
+    from qerl.kernels.triton.fp4_grouped_gemv import GroupedGemvConfig as C
 
     fails = []
     fails += _check("cpu", [3, 0, 5, 1], 24, 48, False, 0, tail=2)  # K8 = 6: not whole 4-word steps
@@ -112,7 +112,7 @@ def suite_nvfp4() -> list[str]:
 
 def suite_mxfp4() -> list[str]:
     """The same for MXFP4 (group 32: 4 words per scale block)."""
-    from qerl.kernels.triton_fp4_grouped_gemv import GroupedGemvConfig as C
+    from qerl.kernels.triton.fp4_grouped_gemv import GroupedGemvConfig as C
 
     fails = []
     fails += _check("cpu", [3, 0, 5, 1], 24, 64, True, 10, tail=2)
@@ -129,7 +129,7 @@ def suite_routing() -> list[str]:
     """`grouped_fp4_linear`'s routing: both kernels forced on the same cases; no rows at all; every row a
     sentinel; QuantExperts' grouped path (forward through the decode kernel, input gradient through the tile
     kernel) against its reference loop."""
-    from qerl.kernels import triton_fp4_grouped
+    from qerl.kernels.triton import fp4_grouped as triton_fp4_grouped
     from test_grouped_fp4 import _check_experts_module
 
     fails = []
@@ -153,7 +153,7 @@ def test_interpreter(suite):
 
 
 def test_routing_rule_uses_host_numbers_and_the_switch():
-    from qerl.kernels import triton_fp4_grouped as g
+    from qerl.kernels.triton import fp4_grouped as g
 
     saved = g.GEMV
     try:
@@ -170,7 +170,7 @@ def test_routing_rule_uses_host_numbers_and_the_switch():
 
 
 def test_split_and_chunk_choice():
-    from qerl.kernels.triton_fp4_grouped_gemv import GroupedGemvConfig, chunk_rows, pick_split
+    from qerl.kernels.triton.fp4_grouped_gemv import GroupedGemvConfig, chunk_rows, pick_split
 
     cfg = GroupedGemvConfig()
     assert chunk_rows(64, 128) == 4 and chunk_rows(512, 128) == 16
@@ -194,7 +194,7 @@ def _decode_routing(tokens: int, E: int, top_k: int, gen: torch.Generator) -> li
 def test_gpu_real_sizes(tokens, n, k, mx):
     """Qwen3-30B-A3B decode (128 experts, top-8) against the reference, and against the tile kernel."""
     require_cuda()
-    from qerl.kernels import triton_fp4_grouped as g
+    from qerl.kernels.triton import fp4_grouped as g
 
     gen = torch.Generator().manual_seed(tokens + n)
     counts = _decode_routing(tokens, 128, 8, gen)
@@ -229,7 +229,7 @@ def test_gpu_real_sizes(tokens, n, k, mx):
 def test_gpu_skewed_and_forced(config, mx):
     """One expert taking all rows (several chunks), forced split-K and small chunks, at the down shape."""
     require_cuda()
-    from qerl.kernels.triton_fp4_grouped_gemv import GroupedGemvConfig as C
+    from qerl.kernels.triton.fp4_grouped_gemv import GroupedGemvConfig as C
 
     cfg = {None: None, "split": C(split=4), "rows4": C(rows=4), "noskip": C(rows=8, skip=False),
            "wide": C(bn=256, bkw=8, warps=4)}[config]
@@ -245,7 +245,7 @@ def test_gpu_cuda_graph_replays_new_routings(tokens):
     """`grouped_fp4_linear` (routed to the decode kernel) captured once, replayed on new routings and inputs
     written into the captured buffers: equal to the eager call on each (no host read of the routing)."""
     require_cuda()
-    from qerl.kernels import triton_fp4_grouped as g
+    from qerl.kernels.triton import fp4_grouped as g
 
     E, n, k, top_k = 128, 1536, 2048, 8
     t = _weights(E, n, k, False, torch.Generator().manual_seed(1), special=True)

@@ -190,7 +190,7 @@ def test_small_weights_above_64_rows_take_64_row_tiles_x_staged_and_few_k_splits
     (128 above), and above 32 rows no K split shorter than wide_m_min_k_tiles tiles; the policy restores the
     earlier rule."""
     pytest.importorskip("triton")
-    from qerl.kernels import gluon_nvfp4 as gk
+    from qerl.kernels.gluon import nvfp4 as gk
 
     def plan(m, n, k):
         cfg, waves = gk.pick_config_wgmma(m, n, k)

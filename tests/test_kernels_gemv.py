@@ -1,4 +1,4 @@
-"""CUDA-core decode kernel (qerl.kernels.triton_fp4_gemv, M = 1..16) against the plain-torch float32 reference.
+"""CUDA-core decode kernel (qerl.kernels.triton.fp4_gemv, M = 1..16) against the plain-torch float32 reference.
 
 Same standard as tests/test_kernels_triton.py (whose helpers it reuses): fresh random weights drawn as raw
 codes and scale bytes (all 16 E2M1 codes, subnormal E4M3 scales, zero blocks), extreme global scales,
@@ -38,7 +38,8 @@ def _weights(n: int, k: int, gs: float, seed: int) -> tuple[dict, torch.Tensor]:
 def _check_case(device, m, n, k, gs, dtype, seed, config=None, bias=True, entry=False) -> list[str]:
     """One call against the float64 reference; the weight depends on (n, k, gs, seed), x and the bias on
     (seed, m) too."""
-    from qerl.kernels import nvfp4_linear, triton_fp4 as tk
+    from qerl.kernels import nvfp4_linear
+    from qerl.kernels.triton import fp4 as tk
 
     t, w = _weights(n, k, gs, seed)
     gen = torch.Generator().manual_seed(seed * 1000 + m)
@@ -64,14 +65,14 @@ def _check_case(device, m, n, k, gs, dtype, seed, config=None, bias=True, entry=
 def _check_decode_table(device: str) -> list[str]:
     """All 256 code pairs and all 127 finite E4M3 scales through the kernel: x = rows of the identity, so
     y[m, n] = W[n, col] exactly up to the final rounding of one fp32 product (to bf16: <= 2^-8 relative)."""
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.triton import fp4 as tk
 
     fails = []
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).repeat(8, 1)  # [128, 16]: K=32
     e4m3 = torch.arange(128, dtype=torch.int32).to(torch.uint8)
     e4m3[127] = 0x38  # 0x7F is NaN
     t = {"weight_packed": packed, "weight_scale": torch.stack([e4m3, e4m3.flip(0)], 1).view(torch.float8_e4m3fn)}
-    from qerl.kernels.triton_fp4_gemv import GemvConfig
+    from qerl.kernels.triton.fp4_gemv import GemvConfig
 
     for gs in (1.0, 2688.0 / 3.7, 1e-20, 1e20):
         t["weight_global_scale"] = torch.tensor([gs])
@@ -91,7 +92,7 @@ def _check_decode_table(device: str) -> list[str]:
 
 
 def interpreter_suite() -> list[str]:
-    from qerl.kernels.triton_fp4_gemv import GemvConfig
+    from qerl.kernels.triton.fp4_gemv import GemvConfig
 
     fails = _check_decode_table("cpu")
     cfgs = [None, GemvConfig(32, 4, 1, 1), GemvConfig(64, 4, 1, 3), GemvConfig(32, 2, 1, 2)]
@@ -120,7 +121,7 @@ def test_gpu_decode_table():
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gpu_gemv(n, k):
     require_cuda()
-    from qerl.kernels.triton_fp4_gemv import GemvConfig
+    from qerl.kernels.triton.fp4_gemv import GemvConfig
 
     fails = []
     for j, gs in enumerate((2688.0 / 0.05, 1e-25, 1e25)):  # weights drawn once per global scale, x per M

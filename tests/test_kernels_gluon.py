@@ -1,4 +1,4 @@
-"""The Gluon swap-AB NVFP4 decode kernel (qerl.kernels.gluon_nvfp4) against the plain-torch float32 reference.
+"""The Gluon swap-AB NVFP4 decode kernel (qerl.kernels.gluon.nvfp4) against the plain-torch float32 reference.
 
 GPU only: Gluon kernels do not run under the Triton interpreter. Weights are fresh random raw codes and
 scale bytes (all 16 E2M1 codes, subnormal and maximal E4M3 scales, zero blocks), outputs and split-K
@@ -38,7 +38,7 @@ def _activations(m, n, k, gen, bias, lora_r):
 @poisoned
 def _case(m, n, k, seed, global_scale, bias, config=None, split=None, lora_r=0, wgmma=None, x_permuted=None):
     """One call of the Gluon kernel against the reference; wgmma None: the form `route` picks on this GPU."""
-    from qerl.kernels import gluon_nvfp4
+    from qerl.kernels.gluon import nvfp4 as gluon_nvfp4
 
     gen = torch.Generator().manual_seed(seed)
     w = {name: t.cuda() for name, t in _random_fp4(n, k, 16, False, gen, global_scale).items()}
@@ -146,7 +146,7 @@ def test_split_k_meets_in_one_launch_under_graph_replay(wgmma, x_permuted):
     require_cuda()
     if wgmma and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
-    from qerl.kernels import gluon_nvfp4
+    from qerl.kernels.gluon import nvfp4 as gluon_nvfp4
     from qerl.kernels.workspace import persistent_tensors
 
     m, n, k, r = (40, 700, 2048, 16) if wgmma else (5, 700, 2048, 16)
@@ -201,7 +201,8 @@ def test_shapes_the_swap_kernel_cannot_take_route_elsewhere():
     """K % 128 != 0, a global scale <= 128, fp16 x: the route sends them to the Triton kernels, the Gluon
     entry refuses them if called anyway, and `nvfp4_linear` still answers."""
     require_cuda()
-    from qerl.kernels import gluon_nvfp4, nvfp4_linear
+    from qerl.kernels import nvfp4_linear
+    from qerl.kernels.gluon import nvfp4 as gluon_nvfp4
     from qerl.kernels.operands import step_fits_bf16
 
     gen = torch.Generator().manual_seed(0)

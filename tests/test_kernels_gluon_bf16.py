@@ -1,4 +1,4 @@
-"""The Gluon bf16 decode kernel (qerl.kernels.gluon_bf16) against a float32 reference, and its route.
+"""The Gluon bf16 decode kernel (qerl.kernels.gluon.bf16) against a float32 reference, and its route.
 
 GPU only: Gluon kernels do not run under the Triton interpreter. Fresh random weights and activations (and
 huge and all-zero rows), outputs and split-K partials NaN-poisoned first, odd M and N, K a multiple of 8 but
@@ -38,7 +38,7 @@ def _reference(x, w, b=None, h=None, lb=None):
 
 
 def _kernel(x, w, b=None, lora=None, config=None, split=None):
-    from qerl.kernels import gluon_bf16
+    from qerl.kernels.gluon import bf16 as gluon_bf16
     from qerl.kernels.workspace import poisoned_outputs
 
     with poisoned_outputs():
@@ -78,7 +78,7 @@ def test_bf16_kernel_under_graph_replay():
 
     x, w, b, h, lb = _inputs(8, 700, 2048, seed=3, r=16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    from qerl.kernels.gluon_bf16 import bf16_linear_swap
+    from qerl.kernels.gluon.bf16 import bf16_linear_swap
 
     def call():
         return bf16_linear_swap(x, w, b, sms, split=4, lora=(h, lb))
@@ -116,7 +116,7 @@ def test_bf16_linear_routes_decode_rows_to_the_kernel():
 
 def test_bf16_kernel_declines_what_it_cannot_take():
     require_cuda()
-    from qerl.kernels import gluon_bf16
+    from qerl.kernels.gluon import bf16 as gluon_bf16
 
     x = torch.randn(4, 104, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 104, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The NVFP4 input-gradient kernel (qerl.kernels.gluon_nvfp4_grad_input) against the float32 reference.
+"""The NVFP4 input-gradient kernel (qerl.kernels.gluon.nvfp4_grad_input) against the float32 reference.
 
 GPU only (sm_90: wgmma, TMA, warp specialization; Gluon does not run under the Triton interpreter). Weights are
 fresh random raw codes with every one of the 16 x 16 code pairs along row 0 (one byte's two output columns) and
@@ -55,7 +55,7 @@ def _check(y, refs, what):
 
 @poisoned
 def _case(m, n, k, seed, global_scale=900.0, split=None, config=None):
-    from qerl.kernels import gluon_nvfp4_grad_input as gi
+    from qerl.kernels.gluon import nvfp4_grad_input as gi
     from qerl.kernels.operands import global_scale_f32, scale_bytes
 
     gen = torch.Generator().manual_seed(seed)
@@ -89,7 +89,7 @@ def test_split_k_under_graph_replay_is_exact_and_resets_its_counters():
     """A captured split-K launch replayed with fresh dY equals the eager call bit for bit and the reference,
     and leaves the arrival counters at zero."""
     _require_sm90()
-    from qerl.kernels import gluon_nvfp4_grad_input as gi
+    from qerl.kernels.gluon import nvfp4_grad_input as gi
     from qerl.kernels.operands import global_scale_f32, scale_bytes
     from qerl.kernels.workspace import persistent_tensors
 
@@ -116,7 +116,7 @@ def test_split_k_under_graph_replay_is_exact_and_resets_its_counters():
 
 def test_entry_takes_leading_dims_and_rejects_what_it_cannot_take():
     _require_sm90()
-    from qerl.kernels.gluon_nvfp4_grad_input import nvfp4_grad_input_gluon
+    from qerl.kernels.gluon.nvfp4_grad_input import nvfp4_grad_input_gluon
 
     gen = torch.Generator().manual_seed(0)
     w = _weight(264, 640, gen, 900.0)

@@ -1,4 +1,4 @@
-"""The warp-specialized NVFP4 wgmma kernel (qerl.kernels.gluon_nvfp4_wgmma_ws) against the float32 reference.
+"""The warp-specialized NVFP4 wgmma kernel (qerl.kernels.gluon.nvfp4_wgmma_ws) against the float32 reference.
 
 GPU only (sm_90: wgmma, TMA, warp specialization; Gluon does not run under the Triton interpreter). Weights are
 fresh random raw codes with every one of the 16 x 16 code pairs in row 0, scale bytes from subnormal to 448 and
@@ -44,7 +44,7 @@ def _reference(x, w, bias, lora):
 
 @poisoned
 def _case(m, n, k, seed, global_scale=900.0, bias=False, lora_r=0, split=None, config=None):
-    from qerl.kernels import gluon_nvfp4_wgmma_ws as gw
+    from qerl.kernels.gluon import nvfp4_wgmma_ws as gw
     from qerl.kernels.operands import global_scale_f32, scale_bytes
 
     gen = torch.Generator().manual_seed(seed)
@@ -103,7 +103,7 @@ def test_split_k_under_graph_replay_is_exact_and_resets_its_counters():
     """A captured split-K launch replayed with fresh x equals the eager call bit for bit and the reference,
     and leaves the arrival counters at zero."""
     _require_sm90()
-    from qerl.kernels import gluon_nvfp4_wgmma_ws as gw
+    from qerl.kernels.gluon import nvfp4_wgmma_ws as gw
     from qerl.kernels.operands import global_scale_f32, scale_bytes
     from qerl.kernels.workspace import persistent_tensors
 
@@ -135,7 +135,7 @@ def test_split_k_under_graph_replay_is_exact_and_resets_its_counters():
 
 def test_inputs_the_kernel_cannot_take_raise():
     _require_sm90()
-    from qerl.kernels.gluon_nvfp4_wgmma_ws import nvfp4_linear_ws_gluon
+    from qerl.kernels.gluon.nvfp4_wgmma_ws import nvfp4_linear_ws_gluon
 
     w = _weight(256, 640, torch.Generator().manual_seed(0), 900.0)
     with pytest.raises(ValueError, match="K % 128"):

@@ -1,4 +1,4 @@
-"""Fused FP4 Triton kernels (qerl.kernels.triton_fp4) against the plain-torch float32 reference.
+"""Fused FP4 Triton kernels (qerl.kernels.triton.fp4) against the plain-torch float32 reference.
 
 The same checks run two ways:
   - on the CPU through the Triton interpreter, in a subprocess started with TRITON_INTERPRET=1 (Triton
@@ -67,7 +67,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @poisoned
 def _check_case(device: str, m: int, n: int, k: int, mx: bool, gs: float, dtype, seed: int, config=None) -> list[str]:
     """Forward (with bias) and input gradient of one shape; returns the failures as strings."""
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.triton import fp4 as tk
 
     gen = torch.Generator().manual_seed(seed)
     group = 32 if mx else 16
@@ -100,7 +100,7 @@ def _check_case(device: str, m: int, n: int, k: int, mx: bool, gs: float, dtype,
 def _check_decode_table(device: str) -> list[str]:
     """Every byte (all 16 x 16 code pairs) and every finite E4M3 / E8M0 scale, dequantized on the device,
     equals the torch dequantize (float32 out: exact up to one float32 rounding of the scale product)."""
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.triton import fp4 as tk
 
     fails = []
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).repeat(8, 1)  # [128, 16]
@@ -130,7 +130,7 @@ def _check_decode_table(device: str) -> list[str]:
 
 def interpreter_suite() -> list[str]:
     """All CPU checks; run in a subprocess with TRITON_INTERPRET=1 (see `test_interpreter`)."""
-    from qerl.kernels.triton_fp4_mm import TileConfig
+    from qerl.kernels.triton.fp4_mm import TileConfig
 
     fails = _check_decode_table("cpu")
     small = [None, TileConfig(16, 16, 32, split=2), TileConfig(32, 32, 64, split=3, prefetch=False)]

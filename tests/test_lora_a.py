@@ -100,7 +100,7 @@ def _inputs(M, R, K, variant, dtype, device, gen):
 @poisoned
 def _check_one(x, a, splits, block_m, tag, call) -> list[str]:
     """One case: `call(x, a, splits, block_m)` against the float64 reference, poisoned, twice."""
-    from qerl.kernels import triton_lora_a
+    from qerl.kernels.triton import lora_a as triton_lora_a
 
     M, K = x.shape
     R = a.shape[0]
@@ -134,7 +134,7 @@ def _check_one(x, a, splits, block_m, tag, call) -> list[str]:
 
 
 def _triton_call(x, a, splits, block_m, preload=None):
-    from qerl.kernels.triton_lora_a import lora_a_triton
+    from qerl.kernels.triton.lora_a import lora_a_triton
 
     return lora_a_triton(x, a, splits=splits, block_m=block_m, preload=preload)
 
@@ -180,7 +180,7 @@ def test_config_splits(monkeypatch):
     """The automatic split on an H200-sized GPU (132 SMs): >= MIN_K_PER_SPLIT columns per program, at most 2 programs per
     SM, a tail of at most RED_ROUNDS loads, no empty program; a forced split count is kept."""
     pytest.importorskip("triton")
-    from qerl.kernels import triton_lora_a as tla
+    from qerl.kernels.triton import lora_a as tla
 
     monkeypatch.setattr(tla, "_sm_count", lambda device: 132)
     dev = torch.device("cpu")
@@ -204,7 +204,7 @@ def test_cpu_path_is_the_matmul(monkeypatch):
     """Off CUDA, lora_a is exactly x.reshape(-1, K) @ a.t() (the Triton module is not even imported)."""
     from qerl.kernels.lora_a import lora_a
 
-    monkeypatch.setitem(sys.modules, "qerl.kernels.triton_lora_a", None)  # importing it raises
+    monkeypatch.setitem(sys.modules, "qerl.kernels.triton.lora_a", None)  # importing it raises
     gen = torch.Generator().manual_seed(2)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         wide = torch.randn(2, 3, 200, generator=gen).to(dtype)
@@ -243,7 +243,7 @@ def test_gpu_dispatch(monkeypatch):
     """On CUDA, lora_a takes the kernel for M <= 64 (leading dims flattened), cuBLAS above and when disabled."""
     require_cuda()
     from qerl.kernels import lora_a as la
-    from qerl.kernels import triton_lora_a
+    from qerl.kernels.triton import lora_a as triton_lora_a
 
     calls = []
     fn = triton_lora_a.lora_a_triton
@@ -269,7 +269,7 @@ def test_gpu_graph_replay(M, R, K):
     """One call captured in a CUDA graph (two, sharing the cached buffers): 20 replays with new x copied into
     the static input, each equal to the reference and bit-identical to an eager call (counters reset)."""
     require_cuda()
-    from qerl.kernels import triton_lora_a
+    from qerl.kernels.triton import lora_a as triton_lora_a
     from qerl.kernels.lora_a import lora_a
 
     assert triton_lora_a.config(M, R, K, torch.device("cuda"))["splits"] > 1  # the counter protocol runs
@@ -297,7 +297,7 @@ def test_gpu_two_streams_keep_their_own_buffers():
     counters, and every result equals the same call run alone (shared counters would let one stream's last
     program sum the other's half-written partials)."""
     require_cuda()
-    from qerl.kernels import triton_lora_a as tla
+    from qerl.kernels.triton import lora_a as tla
 
     M, R, K = 8, 64, 3584
     cfg = tla.config(M, R, K, torch.device("cuda"))

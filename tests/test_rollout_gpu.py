@@ -85,7 +85,7 @@ def test_cuda_graph_equals_eager_through_the_gluon_decode_kernels(batch, x_permu
     prompts (4 rows) its mma.sync form, at 12 prompts (16 rows, sm_90) the wgmma form with x staged or
     pre-permuted (the production default for large weights, forced here on small ones). Graph replay equals
     eager decode token for token and bit for bit, and the recorded log-probs match a full forward."""
-    from qerl.kernels import gluon_nvfp4
+    from qerl.kernels.gluon import nvfp4 as gluon_nvfp4
 
     if batch > 8 and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma form needs sm_90")
@@ -147,7 +147,7 @@ def test_programmatic_launches_equal_plain_launches(batch, monkeypatch):
 
 
 def test_one_launch_sampler_records_what_a_full_forward_gives():
-    """The engine's CUDA sampler (one Triton launch per step, `qerl.kernels.triton_sampling`; T > 0 without
+    """The engine's CUDA sampler (one Triton launch per step, `qerl.kernels.triton.sampling`; T > 0 without
     top-k / top-p) with EOS on: graph == eager bit for bit, a seeded run repeats and another seed differs, the
     recorded log-probs and entropies are those of a full forward (fp32 model), and a row that drew an EOS id
     ends there: mask False and padding after it, finish reason "stop"."""
@@ -183,9 +183,9 @@ def test_one_launch_sampler_records_what_a_full_forward_gives():
 
 def test_plain_bf16_model_decodes_through_the_bf16_kernel(monkeypatch):
     """An unquantized bf16 model: the engine's plain nn.Linear layers and the lm_head take the Gluon bf16 decode
-    kernel (`gluon_bf16`) at decode sizes; graph == eager bit for bit, and the sampled log-probs are those of
+    kernel (`gluon.bf16`) at decode sizes; graph == eager bit for bit, and the sampled log-probs are those of
     HF's own forward (cuBLAS), as closely as bf16 allows."""
-    from qerl.kernels import gluon_bf16
+    from qerl.kernels.gluon import bf16 as gluon_bf16
 
     calls = []
     real = gluon_bf16.bf16_linear_swap

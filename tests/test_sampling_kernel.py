@@ -1,4 +1,4 @@
-"""The one-launch sampler (`qerl.kernels.triton_sampling`) against float64 torch references.
+"""The one-launch sampler (`qerl.kernels.triton.sampling`) against float64 torch references.
 
 Checked on fresh random logits, with NaN-poisoned outputs and partials: the log-prob of the drawn token and
 the entropy of softmax(logits / T) (one fp32 pass, so within ~1e-5 of float64), greedy tokens equal to
@@ -51,7 +51,7 @@ def _reference(logits, temperature):
 
 
 def check_statistics(device, cases=CASES, seed=0) -> list[str]:
-    from qerl.kernels import triton_sampling as ts
+    from qerl.kernels.triton import sampling as ts
 
     fails = []
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -84,7 +84,7 @@ def check_statistics(device, cases=CASES, seed=0) -> list[str]:
 def check_distribution(device, rows=(3000, 3000), seed=1) -> list[str]:
     """Many rows with the same logits: the token frequencies against softmax(z / T), each within 5 sigma
     (rows: for a 6-token and a 9000-token vocabulary, the second split over 3 programs per row)."""
-    from qerl.kernels import triton_sampling as ts
+    from qerl.kernels.triton import sampling as ts
 
     fails = []
     for rows, (V, T, chunks, hot) in zip(rows, ((6, 1.0, None, (0, 3, 5)), (9000, 0.8, 3, (2, 4500, 8999)))):
@@ -106,7 +106,7 @@ def check_distribution(device, rows=(3000, 3000), seed=1) -> list[str]:
 
 def check_record(device, seed=2) -> list[str]:
     """The engine's bookkeeping, against the eager formulas of `RolloutEngine._generate`."""
-    from qerl.kernels import triton_sampling as ts
+    from qerl.kernels.triton import sampling as ts
 
     gen = torch.Generator(device=device).manual_seed(seed)
     B, V, T, i = 6, 3000, 4, 2
@@ -150,7 +150,7 @@ def check_row_keys(device, seed=3) -> list[str]:
     """Row keys: a row's draw follows its key + step only. The same logits in a permuted batch with the keys
     permuted alike draw the same tokens per row; a row with key k at step s draws what key k + 1 draws at
     step s - 1; distinct keys on identical logits draw differently."""
-    from qerl.kernels import triton_sampling as ts
+    from qerl.kernels.triton import sampling as ts
 
     gen = torch.Generator(device=device).manual_seed(seed)
     B, V = 5, 3000
@@ -213,7 +213,7 @@ def test_gpu_steps_of_a_rollout_compile_once(monkeypatch):
     """A rollout's steps differ in step number, seed and the record columns' addresses (alignment): none
     of it may compile the kernel again (a compile costs seconds, mid-rollout)."""
     require_cuda()
-    from qerl.kernels import triton_sampling as ts
+    from qerl.kernels.triton import sampling as ts
 
     B, V, T = 8, 152064, 40
     logits = torch.randn(B, V, device="cuda").to(torch.bfloat16)

@@ -41,7 +41,7 @@ def group_of(name: str) -> str:
 def prepared_steps(engine, batch: int, prompt: int, steps: int):
     """Prefill a batch of `prompt` random tokens, capture the graphs and fill the cache; returns run(), which
     performs `steps` decode steps (the engine's step at a fixed attended length) each followed by the
-    engine's sampler (one launch, `triton_sampling`, where it applies; else `next_token`) and syncs."""
+    engine's sampler (one launch, `triton.sampling`, where it applies; else `next_token`) and syncs."""
     from ..rollout.sampling import SamplingParams, fused_sampling_applies, next_token
     from .rollout import prompts_tensor
 
@@ -58,7 +58,7 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
     torch.cuda.synchronize()
     fused = engine.fused_sampling and fused_sampling_applies(state["logits"], sp)
     if fused:
-        from ..kernels.triton_sampling import sample_triton
+        from ..kernels.triton.sampling import sample_triton
 
     def run():
         for i in range(steps):

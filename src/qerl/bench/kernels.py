@@ -88,7 +88,7 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
     """cuBLAS bf16, dequantize + cuBLAS, the tl.dot kernel ("fused") and what `nvfp4_linear` /
     `nvfp4_linear_grad_input` route the product to ("routed": the swap-AB kernels, the CUDA-core gemv, the
     tl.dot kernel or dequantize + cuBLAS, by `qerl.kernels.route`)."""
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.triton import fp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
     fp4_bytes = n * k // 2 + n * k // 16
@@ -134,7 +134,7 @@ def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: in
     """Time the fused kernel with each TileConfig (split 0 = the automatic split); (us, config), fastest first."""
     import dataclasses
 
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.triton import fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     fp4_bytes = n * k // 2 + n * k // 16
@@ -162,7 +162,7 @@ DECODE_M = (1, 2, 4, 8, 16)
 
 
 def gemv_candidates():
-    from qerl.kernels.triton_fp4_gemv import GemvConfig as G
+    from qerl.kernels.triton.fp4_gemv import GemvConfig as G
 
     return [G(256, 4, 4), G(512, 4, 4), G(256, 4, 8), G(512, 4, 8), G(256, 4, 4, waves=8), G(128, 4, 2)]
 
@@ -183,7 +183,7 @@ def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int):
 def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:
     """Decode sizes: cuBLAS bf16 vs the fused tensor-core kernel vs the CUDA-core gemv kernel (default
     config, and the fastest of `candidates`), weights rotated through > 2x L2 as in `bench_shape`."""
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.triton import fp4 as tk
 
     fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
     rows = []
@@ -228,9 +228,9 @@ def swap_candidates(m: int):
 def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = True) -> list[dict]:
     """Decode sizes: cuBLAS bf16 vs the Triton kernels the dispatch used before (fused tl.dot; gemv at
     M = 1) vs the Gluon swap-AB kernel with its default tile and (tiles) the fastest of `swap_candidates`."""
-    from qerl.kernels import gluon_nvfp4 as gk
+    from qerl.kernels.gluon import nvfp4 as gk
     from qerl.kernels import route as rt
-    from qerl.kernels import triton_fp4 as tk
+    from qerl.kernels.triton import fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
@@ -413,7 +413,7 @@ def _run_swap(args, ms, l2, meta) -> int:
 
 
 def _run_sweep(args, ms, bms, l2) -> int:
-    from qerl.kernels.triton_fp4_mm import TileConfig as T
+    from qerl.kernels.triton.fp4_mm import TileConfig as T
 
     small = [T(16, 64, 128, 0), T(16, 32, 128, 0), T(16, 64, 128, 0, 8), T(16, 128, 128, 0, 8), T(16, 32, 256, 0, 8),
              T(16, 64, 128, 0, prefetch=False), T(16, 64, 128, 0, 4, 1), T(16, 128, 64, 0)]

@@ -3,15 +3,15 @@
 `quantized_linear(fmt, x, tensors, bias)` is what the layers call; it dispatches to the format's entry
 module (`nvfp4_matmul`, `mxfp4_matmul`, `bf16_matmul`; other formats dequantize in torch). Each entry asks
 `route.route` for a backend over (format, M, N, K, device) under the scoped `route.KernelPolicy`: on CUDA
-bf16/fp16 the Gluon kernels at decode sizes (`gluon_nvfp4` and its sm_90 form `gluon_nvfp4_wgmma`,
-`gluon_bf16`), on sm_90 the warp-specialized ones at a few hundred rows (`gluon_nvfp4_wgmma_ws` forward,
-`gluon_nvfp4_grad_input` for the input gradient) and the Triton kernels otherwise (`triton_fp4`: tl.dot with W
+bf16/fp16 the Gluon kernels at decode sizes (`gluon.nvfp4` and its sm_90 form `gluon.nvfp4_wgmma`,
+`gluon.bf16`), on sm_90 the warp-specialized ones at a few hundred rows (`gluon.nvfp4_wgmma_ws` forward,
+`gluon.nvfp4_grad_input` for the input gradient) and the Triton kernels otherwise (`triton.fp4`: tl.dot with W
 decoded in registers, the CUDA-core GEMV, one-pass dequantize + cuBLAS), imported only then, so CPU users need no
 Triton. Everywhere
 else the plain-torch path dequantizes the weight into a temporary freed when the call returns, so the 4-bit
 tensors stay the only persistent copy.
 The other operations, one entry module each: `decode_attention`, `fused_ops` (residual-add + RMSNorm, RoPE,
-SiLU-mul), `lora_a`; sampling is `triton_sampling` behind `qerl.rollout.sampling`. Shared pieces: `operands`
+SiLU-mul), `lora_a`; sampling is `triton.sampling` behind `qerl.rollout.sampling`. Shared pieces: `operands`
 (argument views), `workspace` (kernel buffers), `pdl` (programmatic dependent launch).
 """
 

@@ -1,7 +1,7 @@
 """y = x @ W^T (+ bias) (+ a LoRA term) for a 16-bit weight: the bf16 baseline's base matmul.
 
 The public entry for 16-bit weights. `route.route` sends decode sizes on CUDA (bf16, up to
-`KernelPolicy.bf16_swap_max_m` rows) to the Gluon kernel `gluon_bf16`: one launch with split-K, bias and the
+`KernelPolicy.bf16_swap_max_m` rows) to the Gluon kernel `gluon.bf16`: one launch with split-K, bias and the
 LoRA term inside, and programmatic dependent launch in the rollout engine's decode step. Everything else
 (CPU, fp32, more rows, no Gluon) is `F.linear` plus one in-place addmm.
 """
@@ -31,10 +31,10 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _gluon_linear(x, weight, bias, lora):
-    """`gluon_bf16`, or None when the weight's layout does not suit it (see `gluon_bf16.supported`) or this
+    """`gluon.bf16`, or None when the weight's layout does not suit it (see `gluon.bf16.supported`) or this
     Triton / GPU cannot build it (then marked unavailable for the process, with a warning)."""
     try:
-        from . import gluon_bf16
+        from .gluon import bf16 as gluon_bf16
     except (ImportError, AttributeError) as e:  # no triton.experimental.gluon, or a different API
         warnings.warn(f"Gluon bf16 decode kernel unavailable here ({type(e).__name__}: {str(e)[:200]}); "
                       "using cuBLAS", RuntimeWarning, stacklevel=3)

@@ -9,7 +9,7 @@ a row's tokens occupy consecutive slots (left pads, if any, only hide keys throu
 (gpt-oss): one logit per query head that joins the softmax's denominator and has no value (transformers'
 eager gpt-oss attention, `qerl.nn.sinks`); it is not multiplied by `scale`. GQA follows HF's repeat_kv: query
 head h reads kv head h // (H // KV). On CUDA bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a
-flash-decoding Triton kernel (`triton_decode_attention`: one launch, or two when the visible span is split
+flash-decoding Triton kernel (`triton.decode_attention`: one launch, or two when the visible span is split
 across programs) in place of SDPA plus its mask kernels; elsewhere the fp32 torch reference below. Both never
 read masked slots (stale or NaN values there are harmless) and give zeros for a row with no visible key, with
 or without a sink.
@@ -55,7 +55,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     multiplier; sinks None or a float [H] tensor on q's device (per-head sink logits, read on the device);
     window None or an int >= 1 (a layer's sliding window, fixed per layer) -> [B, H, hd], q's dtype."""
     if use_triton(q):
-        from .triton_decode_attention import decode_attention_triton
+        from .triton.decode_attention import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
     return decode_attention_reference(q, k_cache, v_cache, key_valid, slot, S, scale, sinks, window)

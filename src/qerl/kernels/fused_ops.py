@@ -7,7 +7,7 @@
                            -> rotated q; rotated k and v written into the caches at the device-side slot
                               (one decode token: RoPE + the cache write, in one launch)
 
-The Triton path (`triton_fused_ops`) is taken for CUDA bf16/fp16 tensors when the norm is a plain
+The Triton path (`triton.fused_ops`) is taken for CUDA bf16/fp16 tensors when the norm is a plain
 Llama/Qwen-style RMSNorm (`weight` of the activation dtype and `variance_epsilon`), the activation is SiLU,
 and the layouts fit (unit stride on the last dim); it rounds exactly where the eager code does, so only the
 fp32 summation order inside the norm differs. It reads the norm's weight tensor on every call, so an AQN
@@ -36,7 +36,7 @@ def add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tu
     """h, delta [..., D] -> (s, norm(s)) with s = h + delta (s = h when delta is None)."""
     params = _rms_norm_params(norm, h) if use_triton(h) else None
     if params is not None and (delta is None or (delta.dtype == h.dtype and delta.shape == h.shape)):
-        from .triton_fused_ops import add_rms_norm
+        from .triton.fused_ops import add_rms_norm
 
         return add_rms_norm(h.contiguous(), None if delta is None else delta.contiguous(), *params)
     s = h if delta is None else h + delta
@@ -54,7 +54,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """q [B, L, H, hd], k [B, L, KV, hd]; cos, sin [B, L, hd] -> rotated (q, k), same shapes and dtype.
     On the Triton path q and k are rotated in place (they must be fresh tensors the caller owns)."""
     if use_triton(q) and cos.dtype == q.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1:
-        from .triton_fused_ops import rope_
+        from .triton.fused_ops import rope_
 
         cos, sin = cos.contiguous(), sin.contiguous()
         return rope_(q, cos, sin), rope_(k, cos, sin)
@@ -79,7 +79,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act_fn: nn.Module | None = No
     """
     if (_is_plain_silu(act_fn) and use_triton(gate) and up.dtype == gate.dtype and up.shape == gate.shape
             and up.device == gate.device and gate.stride(-1) == 1 and up.stride(-1) == 1):
-        from .triton_fused_ops import silu_mul as triton_silu_mul
+        from .triton.fused_ops import silu_mul as triton_silu_mul
 
         return triton_silu_mul(gate, up)
     return (F.silu(gate) if act_fn is None else act_fn(gate)) * up
@@ -106,7 +106,7 @@ def rope_qk_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     by an `index_copy_` of the slot; the Triton path (CUDA bf16/fp16, one dtype throughout) does it in one launch.
     """
     if _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot):
-        from .triton_fused_ops import rope_store_decode
+        from .triton.fused_ops import rope_store_decode
 
         return rope_store_decode(q, k, v, cos, sin, k_cache, v_cache, slot)
     rq = rope_reference(q, cos, sin)

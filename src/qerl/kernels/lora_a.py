@@ -3,9 +3,9 @@
 Why: at decode each group of sibling linears computes h = x @ A^T with x [M, K] (M = batch rows <= 64,
 K = 3584 / 18944 for Qwen2.5-7B) and A [R, K] (R = the group's stacked LoRA ranks, 8..256). The product
 is tiny and latency-bound, and cuBLAS runs it as a split-K GEMM plus a separate splitKreduce kernel: two
-launches (H200: ~4.8 us + ~1.6 us), 112 calls per 7B decode step. `triton_lora_a` does it in one launch.
+launches (H200: ~4.8 us + ~1.6 us), 112 calls per 7B decode step. `triton.lora_a` does it in one launch.
 
-Design (`triton_lora_a`): grid (cdiv(R, BR), splits, M tiles of <= 32 rows). Each program computes the
+Design (`triton.lora_a`): grid (cdiv(R, BR), splits, M tiles of <= 32 rows). Each program computes the
 fp32 partial product of one (R, M) tile over one slice of K and stores it to a cached fp32 workspace, then
 increments the tile's int32 arrival counter (acq_rel atomic, after a CTA barrier). The program that
 arrives last sums the tile's partials in a fixed order (deterministic), rounds once to the 16-bit dtype,
@@ -40,7 +40,7 @@ def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     if (use_triton(x) and 1 <= M <= MAX_M and K > 0 and a.dtype == x.dtype and a.device == x.device and a.ndim == 2
             and a.shape[1] == K and a.is_contiguous() and a.shape[0] > 0):
-        from . import triton_lora_a as tla
+        from .triton import lora_a as tla
 
         if torch.cuda.is_current_stream_capturing() and not tla.has_buffers(x.device, M, a.shape[0], K):
             # new counters must be zeroed before the first launch, which a capture cannot do eagerly

@@ -1,7 +1,7 @@
 """y = x @ W^T and its input gradient for an MXFP4 weight (E8M0 scale per 32 inputs, no global scale).
 
 The public entry for MXFP4 products, routed like `nvfp4_matmul` (`route.route`): on CUDA bf16/fp16 the Triton
-kernels of `triton_fp4` (tl.dot with W decoded in registers, or one-pass dequantize + cuBLAS; one kernel
+kernels of `triton.fp4` (tl.dot with W decoded in registers, or one-pass dequantize + cuBLAS; one kernel
 family serves both formats), everything else the plain-torch reference (dequantize into a temporary for this
 call only).
 """
@@ -26,7 +26,7 @@ def mxfp4_linear(
     if backend == rt.TORCH_DEQUANTIZE:
         w = dequantize_mxfp4(weight_packed, weight_scale, dtype=x.dtype)
     else:
-        from . import triton_fp4 as tk
+        from .triton import fp4 as tk
 
         if backend == rt.TRITON_DOT:
             return tk.mxfp4_linear_triton(x, weight_packed, weight_scale, bias)
@@ -39,7 +39,7 @@ def mxfp4_linear_grad_input(grad_out: torch.Tensor, weight_packed: torch.Tensor,
     backend = _backend("grad_input", grad_out, weight_packed)
     if backend == rt.TORCH_DEQUANTIZE:
         return grad_out @ dequantize_mxfp4(weight_packed, weight_scale, dtype=grad_out.dtype)
-    from . import triton_fp4 as tk
+    from .triton import fp4 as tk
 
     if backend == rt.TRITON_DOT:
         return tk.mxfp4_grad_input_triton(grad_out, weight_packed, weight_scale)

@@ -1,9 +1,9 @@
 """y = x @ W^T and its input gradient for an NVFP4 weight, without keeping W in 16 bits.
 
 The public entry for NVFP4 products. `route.route` picks the backend from (M, N, K, device, dtype) under the
-current `KernelPolicy`: the Gluon swap-AB kernels (`gluon_nvfp4`) at decode sizes, the Gluon input-gradient
-kernel (`gluon_nvfp4_grad_input`) for dY @ W at a few hundred rows, the Triton kernels
-(`triton_fp4`: tl.dot with W decoded in registers, the CUDA-core GEMV, or a one-pass dequantize followed by
+current `KernelPolicy`: the Gluon swap-AB kernels (`gluon.nvfp4`) at decode sizes, the Gluon input-gradient
+kernel (`gluon.nvfp4_grad_input`) for dY @ W at a few hundred rows, the Triton kernels
+(`triton.fp4`: tl.dot with W decoded in registers, the CUDA-core GEMV, or a one-pass dequantize followed by
 cuBLAS) otherwise on CUDA, and on the CPU the plain-torch path, which is also the reference the kernels are
 tested against: dequantize into a temporary that lives for this call only (speed matters less there than
 staying small). Triton and Gluon are imported only when a kernel backend runs.
@@ -53,7 +53,7 @@ def _linear(backend: str, x, weight_packed, weight_scale, weight_global_scale, b
     if backend == rt.TORCH_DEQUANTIZE:
         w = dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-    from . import triton_fp4 as tk
+    from .triton import fp4 as tk
 
     if backend == rt.TRITON_GEMV:
         return tk.nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias)
@@ -69,7 +69,7 @@ def _gluon_linear(backend: str, x, weight_packed, weight_scale, weight_global_sc
     if backend == rt.GLUON_WGMMA_WS:
         return _gluon_ws_linear(x, weight_packed, weight_scale, weight_global_scale, bias, lora)
     try:
-        from . import gluon_nvfp4
+        from .gluon import nvfp4 as gluon_nvfp4
     except (ImportError, AttributeError) as e:  # no triton.experimental.gluon, or a different API
         return _unavailable(e, "Gluon NVFP4 kernels", *rt.GLUON_NVFP4)
     try:
@@ -89,14 +89,14 @@ def _gluon_linear(backend: str, x, weight_packed, weight_scale, weight_global_sc
 def _gluon_ws_linear(x, weight_packed, weight_scale, weight_global_scale, bias, lora):
     """The warp-specialized kernel, or None after marking it unavailable (no warp_specialize / TMA in this
     Triton, or a build that fails here); the other Gluon kernels stay routable."""
-    return _call_or_mark("gluon_nvfp4_wgmma_ws", "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS,
+    return _call_or_mark("gluon.nvfp4_wgmma_ws", "warp-specialized Gluon NVFP4 kernel", rt.GLUON_WGMMA_WS,
                          lambda mod: mod.nvfp4_linear_ws_gluon(x, weight_packed, weight_scale, weight_global_scale,
                                                                bias, lora))
 
 
 def _gluon_grad_input(grad_out, weight_packed, weight_scale, weight_global_scale):
     """The Gluon input-gradient kernel, or None after marking it unavailable (as `_gluon_ws_linear`)."""
-    return _call_or_mark("gluon_nvfp4_grad_input", "Gluon NVFP4 input-gradient kernel", rt.GLUON_GRAD_INPUT,
+    return _call_or_mark("gluon.nvfp4_grad_input", "Gluon NVFP4 input-gradient kernel", rt.GLUON_GRAD_INPUT,
                          lambda mod: mod.nvfp4_grad_input_gluon(grad_out, weight_packed, weight_scale,
                                                                 weight_global_scale))
 
@@ -152,7 +152,7 @@ def nvfp4_linear_grad_input(
                           step_fits=fits, unavailable=rt.unavailable())
     if backend == rt.TORCH_DEQUANTIZE:
         return grad_out @ dequantize_nvfp4(weight_packed, weight_scale, weight_global_scale, dtype=grad_out.dtype)
-    from . import triton_fp4 as tk
+    from .triton import fp4 as tk
 
     if backend == rt.TRITON_DOT:
         return tk.nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)

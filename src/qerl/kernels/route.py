@@ -49,15 +49,15 @@ import torch
 # Backend names, as `route` returns them
 TORCH_DEQUANTIZE = "torch_dequantize"  # plain torch: dequantize W into a temporary, F.linear (reference, CPU)
 TORCH_LINEAR = "torch_linear"  # F.linear on a 16-bit weight (cuBLAS on CUDA)
-TRITON_DEQUANTIZE = "triton_dequantize"  # `triton_fp4.*_dequantize_triton` into a temporary, then cuBLAS
-TRITON_DOT = "triton_dot"  # `triton_fp4.*_linear_triton` / `*_grad_input_triton` (tl.dot, W decoded in registers)
-TRITON_GEMV = "triton_gemv"  # `triton_fp4.nvfp4_linear_gemv` (CUDA cores)
-GLUON_MMA = "gluon_mma"  # `gluon_nvfp4`, mma.sync
-GLUON_WGMMA = "gluon_wgmma"  # `gluon_nvfp4` launching `gluon_nvfp4_wgmma`, x staged through registers
+TRITON_DEQUANTIZE = "triton_dequantize"  # `triton.fp4.*_dequantize_triton` into a temporary, then cuBLAS
+TRITON_DOT = "triton_dot"  # `triton.fp4.*_linear_triton` / `*_grad_input_triton` (tl.dot, W decoded in registers)
+TRITON_GEMV = "triton_gemv"  # `triton.fp4.nvfp4_linear_gemv` (CUDA cores)
+GLUON_MMA = "gluon_mma"  # `gluon.nvfp4`, mma.sync
+GLUON_WGMMA = "gluon_wgmma"  # `gluon.nvfp4` launching `gluon.nvfp4_wgmma`, x staged through registers
 GLUON_WGMMA_XP = "gluon_wgmma_xp"  # the same, x rewritten once in operand order (`permute_x_kernel`)
-GLUON_WGMMA_WS = "gluon_wgmma_ws"  # `gluon_nvfp4_wgmma_ws`: TMA producer warp, two decoding wgmma warpgroups
-GLUON_BF16 = "gluon_bf16"  # `gluon_bf16`
-GLUON_GRAD_INPUT = "gluon_grad_input"  # `gluon_nvfp4_grad_input`: dY @ W with W decoded in registers (sm_90)
+GLUON_WGMMA_WS = "gluon_wgmma_ws"  # `gluon.nvfp4_wgmma_ws`: TMA producer warp, two decoding wgmma warpgroups
+GLUON_BF16 = "gluon_bf16"  # `gluon.bf16`
+GLUON_GRAD_INPUT = "gluon_grad_input"  # `gluon.nvfp4_grad_input`: dY @ W with W decoded in registers (sm_90)
 GLUON_NVFP4 = (GLUON_MMA, GLUON_WGMMA, GLUON_WGMMA_XP, GLUON_WGMMA_WS)
 BACKENDS = (TORCH_DEQUANTIZE, TORCH_LINEAR, TRITON_DEQUANTIZE, TRITON_DOT, TRITON_GEMV, *GLUON_NVFP4, GLUON_BF16,
             GLUON_GRAD_INPUT)

@@ -25,7 +25,7 @@ The forward has exactly the semantics of transformers' eager experts forward: ac
 the token's routing weight, `index_add_` into the output. Two paths compute it:
 - grouped (the default wherever it applies: NVFP4 / MXFP4 on CUDA in bf16 / fp16; `grouped_kernel = False`
   on a module or the class turns it off): the token-expert pairs sorted by expert, then one grouped 4-bit kernel
-  launch for gate_up and one for down over all hit experts (`kernels.triton_fp4_grouped`), weights decoded in
+  launch for gate_up and one for down over all hit experts (`kernels.triton.fp4_grouped`), weights decoded in
   registers, and the same for the input gradient in the backward. No host sync, so the rollout engine
   captures MoE decode steps in CUDA graphs when every experts module takes this path;
 - reference (NF4, the CPU, fp32, or the flag off): transformers' loop over the hit experts, each expert's
@@ -71,7 +71,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offsets, packed, scale, global_scale, group, mx):
-        from ..kernels.triton_fp4_grouped import grouped_fp4_linear
+        from ..kernels.triton.fp4_grouped import grouped_fp4_linear
 
         ctx.save_for_backward(packed, scale, global_scale)
         ctx.offsets, ctx.group, ctx.mx = offsets, group, mx
@@ -79,7 +79,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from ..kernels.triton_fp4_grouped import grouped_fp4_grad_input
+        from ..kernels.triton.fp4_grouped import grouped_fp4_grad_input
 
         packed, scale, global_scale = ctx.saved_tensors
         grad_x = grouped_fp4_grad_input(grad_out.contiguous(), ctx.offsets, packed, scale, global_scale, ctx.group,
@@ -304,7 +304,7 @@ class QuantExperts(nn.Module):
         return True
 
     def _kernel_linear(self, x: torch.Tensor, offsets: torch.Tensor, weight: str) -> torch.Tensor:
-        """The grouped 4-bit product of one weight (`kernels.triton_fp4_grouped`), with its input gradient."""
+        """The grouped 4-bit product of one weight (`kernels.triton.fp4_grouped`), with its input gradient."""
         mx = self.weight_format == "mxfp4"
         gs = None if mx else getattr(self, f"{weight}_weight_global_scale")
         return _GroupedLinear.apply(x, offsets, getattr(self, f"{weight}_weight_packed"),

@@ -7,7 +7,7 @@ The pieces it ties together, one file each: the forward pass over the model's ow
 (`model_runner`, with `rope` and the adapter snapshot `lora_snapshot`), the static KV cache (`kv_cache`),
 the captured decode steps (`cuda_graphs`), how many rows a batch may hold (`memory`), turning logits into
 tokens (`sampling`; on CUDA one Triton launch per step draws the tokens and records them,
-`qerl.kernels.triton_sampling`), stop strings (`stop_strings`) and the result type (`result`). On Hopper
+`qerl.kernels.triton.sampling`), stop strings (`stop_strings`) and the result type (`result`). On Hopper
 and newer the decode step's kernels are chained by programmatic dependent launch (`qerl.kernels.pdl`):
 each launches while its predecessor runs and prefetches its static weight bytes before waiting for the
 activations.
@@ -55,7 +55,7 @@ class RolloutEngine:
     GPUs, off with QERL_PDL=0): the decode step's Triton kernels launch with programmatic dependent launch,
     each starting while the previous one finishes (`qerl.kernels.pdl`). fused_sampling (default on; CUDA, no
     top-k / top-p): each step's draw, log-prob, entropy and bookkeeping in one Triton launch
-    (`qerl.kernels.triton_sampling`) instead of ~24 small torch ops. Draws are counter-based: token p of
+    (`qerl.kernels.triton.sampling`) instead of ~24 small torch ops. Draws are counter-based: token p of
     sequence s uses the counter (seed, s, p), the seed taken once per call from the generator, so a seeded
     run repeats itself under either scheduler; the fused and the eager sampler use different streams.
     dense_weights: a dict the caller keeps (the trainer's model.dense_weights store): quantized linears then

@@ -3,7 +3,7 @@
 Every function here takes and returns device tensors and never calls `.item()`, `.tolist()` or a
 data-dependent branch, so a decode loop built from them runs ahead of the GPU (`philox_seed`, one host read
 per rollout, is the exception). On CUDA the engine replaces `next_token` and its bookkeeping by one Triton
-launch where `fused_sampling_applies` (`qerl.kernels.triton_sampling`: same distribution and statistics).
+launch where `fused_sampling_applies` (`qerl.kernels.triton.sampling`: same distribution and statistics).
 
 Conventions: `logits` are [B, V] (any float dtype; the math runs in fp32). `temperature == 0` means
 greedy. The recorded log-probs and entropies are those of the *temperature-scaled, untruncated*
@@ -128,7 +128,7 @@ def keyed_exponentials(seed: int, keys: list[int], step: int):
 
 
 def fused_sampling_applies(logits: torch.Tensor, params: SamplingParams) -> bool:
-    """Whether one Triton launch (`qerl.kernels.triton_sampling`) can draw from these logits [B, V]: CUDA,
+    """Whether one Triton launch (`qerl.kernels.triton.sampling`) can draw from these logits [B, V]: CUDA,
     unit column stride, no top-k / top-p truncation (those need a sort: the eager path keeps them),
     Triton importable and QERL_DISABLE_TRITON unset."""
     return (logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and params.top_k == 0

@@ -267,7 +267,7 @@ class Scheduler:
         tok_col, mask_col, lp_col, ent_col = self.records.column(g, b)
         logits = e.step_logits[:b]
         if self.fused:
-            from ..kernels.triton_sampling import sample_triton
+            from ..kernels.triton.sampling import sample_triton
 
             sample_triton(logits, self.sampling.temperature, self.seed, g, row_keys=self.keys[:b], record=dict(
                 done=self.done[:b], eos=self.eos, pad_id=e.pad_token_id, tokens=tok_col, mask=mask_col,

@@ -29,10 +29,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import pdl
-from .route import sm_count
-from .triton_fp4_codes import round_to
-from .workspace import alloc, has_persistent, persistent
+from .. import pdl
+from ..route import sm_count
+from ..workspace import alloc, has_persistent, persistent
+from .fp4_codes import round_to
 
 # Defaults set by `benchmarks/lora_a_sweep.py` (Qwen2.5-7B r16 decode shapes, M 1/8/64)
 MIN_K_PER_SPLIT = 256  # a program streams at least this many K columns (fewer: the split overhead dominates)

@@ -10,7 +10,7 @@ side and the few activation rows its 8-column side. What makes it fast on Hopper
   - even/odd split: byte j of a row holds k = 2j (low nibble) and 2j+1 (high nibble); the low nibbles form
     A_lo [BN, BKH], the high ones A_hi, and out^T += A_lo @ x_lo^T + A_hi @ x_hi^T;
   - decode by inline PTX, two nibbles 16 bits apart per step: t = q & 0x000F000F, (t * 0x1040) &
-    0x81C081C0 = s<<15 | mag<<6 in each half (the E2M1 value * 2^-126 as bf16, see triton_fp4_codes),
+    0x81C081C0 = s<<15 | mag<<6 in each half (the E2M1 value * 2^-126 as bf16, see triton.fp4_codes),
     one mul.rn.bf16x2 by step * 2^126: ~2.1 instructions per weight, ~3.4-3.9 per weight for the whole
     loop at M <= 16 (SASS). The pairing permutes k inside each 4-byte group (SIGMA = [0, 2, 1, 3]); x is
     permuted the same way when split into x_lo / x_hi, so the product is unchanged;
@@ -23,9 +23,9 @@ side and the few activation rows its 8-column side. What makes it fast on Hopper
     deterministic (at decode sizes a separate reduce launch costs about as much as a small layer's matmul).
 Requirements (`route` sends only such calls here): bf16 x, K % 128 == 0, scale rows 4-byte aligned,
 global_scale > 128 (step * 2^126 finite in bf16, as for the inline-PTX decode of the Triton kernels), sm_80+
-(sm_90 for the wgmma form). One source for Triton 3.6 and newer (two API names differ, see `gluon_common`).
+(sm_90 for the wgmma form). One source for Triton 3.6 and newer (two API names differ, see `common`).
 GPU-tested only: Gluon does not run under the Triton interpreter. The helpers shared with the wgmma form and
-`gluon_bf16` live in `gluon_common`.
+`bf16` live in `common`.
 
 Entry: `nvfp4_linear_gluon` (the format's tensors as stored, any leading dims); `nvfp4_linear_swap` is its
 launcher on prepared 2-D operands.
@@ -40,12 +40,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import pdl
-from .gluon_common import (_barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile, _store_out, _wait,
+from .. import pdl
+from ..operands import add_lora, as_2d, global_scale_f32, scale_bytes, step_fits_bf16
+from ..route import current_policy, permute_x, permute_x_rule, sm_count
+from ..workspace import alloc
+from .common import (_barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile, _store_out, _wait,
                            launch_buffers, lora_operands)
-from .operands import add_lora, as_2d, global_scale_f32, scale_bytes, step_fits_bf16
-from .route import current_policy, permute_x, permute_x_rule, sm_count
-from .workspace import alloc
 
 
 @gluon.jit
@@ -155,7 +155,7 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for the wgmma kernel (`gluon_nvfp4_wgmma`, the rows `route.wgmma_rows` sends it):
+    """(tile, programs per SM) for the wgmma kernel (`nvfp4_wgmma`, the rows `route.wgmma_rows` sends it):
     one 64-row wgmma tile per warpgroup, 3 stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128
     packed bytes per step and ~4 programs per SM, above that 64 bytes and ~3; with x pre-permuted
     (`route.permute_x_rule`) 128 bytes per step at 17-32 rows for gate/up-like weights (N > 4 K) and ~2
@@ -207,7 +207,7 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     config: (BN, BM, BKH, KW, NS), None for `pick_config`'s; split: number of K splits (None: the pick's
     programs per SM, 2 with an explicit config). lora: (h [M, R] bf16 with unit column stride, lb [N, R]
     bf16 contiguous), adds h @ lb^T (a LoRA delta: h = x @ A^T, lb = scaling * B) in the same launch.
-    wgmma: the Hopper-only wgmma variant (`gluon_nvfp4_wgmma`; sm_90, BN a multiple of 64) instead of mma.sync;
+    wgmma: the Hopper-only wgmma variant (`nvfp4_wgmma`; sm_90, BN a multiple of 64) instead of mma.sync;
     x_permuted (wgmma only; None: `route.permute_x` under the current policy): x is first rewritten in the
     operand order by one small launch, then copied into the pipeline by cp.async instead of staged through
     registers every step."""
@@ -237,7 +237,7 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     kernel, extra = nvfp4_swap_kernel, {}
     if wgmma:
         # imported here, not at the top: a Triton without the Hopper wgmma API still runs the mma.sync form
-        from .gluon_nvfp4_wgmma import nvfp4_swap_wgmma_kernel, permute_x_kernel
+        from .nvfp4_wgmma import nvfp4_swap_wgmma_kernel, permute_x_kernel
 
         xperm = permute_x(current_policy(), m, n, k) if x_permuted is None else x_permuted
         kernel, extra = nvfp4_swap_wgmma_kernel, {"XP": xperm}

@@ -4,20 +4,20 @@ The Triton backends of `nvfp4_matmul` / `mxfp4_matmul` (`route` picks one). Publ
 format's tensors exactly as stored (compressed-tensors layout, no re-packing):
   nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bias)  x [..., K] -> [..., N]
   nvfp4_grad_input_triton(grad_out, weight_packed, weight_scale, weight_global_scale)  [..., N] -> [..., K]
-  nvfp4_linear_gemv(...)  same as nvfp4_linear_triton for 1..16 rows, on CUDA cores (`triton_fp4_gemv`)
+  nvfp4_linear_gemv(...)  same as nvfp4_linear_triton for 1..16 rows, on CUDA cores (`fp4_gemv`)
   nvfp4_dequantize_triton(...)  W [N, K] in one pass (the dequantize + cuBLAS backend)
   mxfp4_linear_triton / mxfp4_grad_input_triton / mxfp4_dequantize_triton: the same for MXFP4 (uint8 E8M0
   scales per 32, no global scale).
 Inputs must be bf16 or fp16 with K % 16 == 0 (K % 32 for MXFP4). The tile shape is picked from (M, N, K)
-by `pick_config`; see `triton_fp4_mm` for the kernels. This module imports Triton: import it lazily.
+by `pick_config`; see `fp4_mm` for the kernels. This module imports Triton: import it lazily.
 """
 
 import torch
 
-from .operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
-from .route import sm_count
-from .triton_fp4_gemv import GemvConfig, fp4_gemv
-from .triton_fp4_mm import TileConfig, fp4_dequantize, fp4_grad_input, fp4_linear
+from ..operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
+from ..route import sm_count
+from .fp4_gemv import GemvConfig, fp4_gemv
+from .fp4_mm import TileConfig, fp4_dequantize, fp4_grad_input, fp4_linear
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -82,7 +82,7 @@ def nvfp4_linear_triton(x, weight_packed, weight_scale, weight_global_scale, bia
 
 
 def nvfp4_linear_gemv(x, weight_packed, weight_scale, weight_global_scale, bias=None, config=None):
-    """Decode sizes (x viewed as [M, K] with M <= 16): the CUDA-core kernel of `triton_fp4_gemv`.
+    """Decode sizes (x viewed as [M, K] with M <= 16): the CUDA-core kernel of `fp4_gemv`.
     Same arguments and result as `nvfp4_linear_triton`."""
     k = x.shape[-1]
     _check(x, weight_packed, k, "nvfp4")

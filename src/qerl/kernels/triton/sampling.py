@@ -12,7 +12,7 @@ Grid (B, NC): program (b, c) takes the slice [c CHUNK, (c + 1) CHUNK) of row b, 
           E = -log U ~ Exp(1), U = Philox(seed, offset + b V + v) (the exponential race: argmax of the keys
           is a sample of softmax(z); greedy: key = z). The slice's best key and its smallest index.
 Then it stores its partial and takes a ticket from row b's arrival counter (the protocol of
-`triton_lora_a`: CTA barrier, acq_rel atomic, .cg loads). The last program of the row combines the NC
+`lora_a`: CTA barrier, acq_rel atomic, .cg loads). The last program of the row combines the NC
 partials in chunk order (a fixed order, so the result does not depend on which program came last):
   lse = M + log(sum_c s_c e^(M_c - M)), entropy = lse - sum_c t_c e^(M_c - M) / sum_c s_c e^(M_c - M),
   token = the best key's smallest index (torch.argmax's tie rule), logprob = z[token] - lse,
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 
-from .route import sm_count
-from .workspace import alloc, counters
+from ..route import sm_count
+from ..workspace import alloc, counters
 
 BLOCK = 2048  # elements per loop step of a program (8 warps: 8 per thread)
 MIN_CHUNK = 4096  # a program takes at least this many elements of a row

@@ -10,7 +10,7 @@ multiply, weight multiply), the residual add one more, rotate-half RoPE ~5 per t
 multiply 2, the cache writes 2. These kernels do each group in one launch with the SAME roundings as the
 eager torch code they replace (every bf16/fp16 intermediate that torch materialises is rounded here too),
 so results differ only by the order of the fp32 sum inside the norm's mean. Outputs are allocated through
-`triton_fp4_mm._alloc`, so tests can fill them with NaN first. This module imports Triton: import it
+`fp4_mm._alloc`, so tests can fill them with NaN first. This module imports Triton: import it
 lazily (see `fused_ops`).
 """
 
@@ -20,9 +20,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import pdl
-from .triton_fp4_codes import round_to
-from .workspace import alloc
+from .. import pdl
+from ..workspace import alloc
+from .fp4_codes import round_to
 
 
 @triton.jit

@@ -23,10 +23,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import pdl
-from .route import sm_count
-from .triton_fp4_codes import round_to
-from .workspace import alloc
+from .. import pdl
+from ..route import sm_count
+from ..workspace import alloc
+from .fp4_codes import round_to
 
 BLOCK_N = 64  # keys per tile
 PROGRAMS_PER_SM = 2

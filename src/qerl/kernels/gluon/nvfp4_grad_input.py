@@ -1,7 +1,7 @@
 """Gluon kernel: the input gradient dX = dY @ W of an NVFP4 weight on Hopper, without a dequantized copy of W.
 
 The training pass's backward through a frozen NVFP4 layer (`nvfp4_matmul.nvfp4_linear_grad_input`). The forward
-kernel (`gluon_nvfp4_wgmma_ws`) reads each packed byte as two consecutive k of one weight row, which is what
+kernel (`nvfp4_wgmma_ws`) reads each packed byte as two consecutive k of one weight row, which is what
 wgmma's register A operand wants there: consecutive pairs along the reduction. Here the reduction runs over the
 weight's rows n, so a byte holds two *output* columns k, 2j and 2j + 1. The product is computed transposed,
 
@@ -39,10 +39,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_common import DECODE_PTX_PAIRS, _decode_asm, _split_group_layout, _step_bf16, _store_out
-from .operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
-from .route import sm_count
-from .workspace import alloc, counters
+from ..operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
+from ..route import sm_count
+from ..workspace import alloc, counters
+from .common import DECODE_PTX_PAIRS, _decode_asm, _split_group_layout, _step_bf16, _store_out
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 RB = gl.constexpr(64)  # output columns k per consumer warpgroup (one wgmma M)

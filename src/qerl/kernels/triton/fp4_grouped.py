@@ -3,11 +3,11 @@
 Rows of x are sorted by expert (expert e owns rows offsets[e]..offsets[e+1]); the weights are the stacked
 per-expert tensors of `qerl.nn.QuantExperts` (packed uint8 [E, N, K/2], scales [E, N, K/group], NVFP4's
 global scale fp32 [E, 1]). A tile table maps each program to (expert, first row); the program decodes its
-expert's [BN, BK] weight tiles in registers, as the dense kernel of `triton_fp4_mm` does, so no expert is ever
+expert's [BN, BK] weight tiles in registers, as the dense kernel of `fp4_mm` does, so no expert is ever
 written out in 16 bits. The table is built on the device from the offsets with a size fixed by the shapes
 (E + rows / BM slots, the unused ones empty and returning at once), so a call never waits for the host and can
 be captured in a CUDA graph. At decode (a few rows per expert, `use_gemv`) the forward goes to the CUDA-core
-kernel of `triton_fp4_grouped_gemv` instead. This module imports Triton: import it lazily.
+kernel of `fp4_grouped_gemv` instead. This module imports Triton: import it lazily.
 """
 
 from dataclasses import dataclass
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .operands import ASM_MIN_GLOBAL_SCALE, as_2d, scale_bytes
-from .triton_fp4_codes import fp4_load, round_to
-from .triton_fp4_mm import _STEP_NUM, _decode, _load_rows, asm_ok
+from ..operands import ASM_MIN_GLOBAL_SCALE, as_2d, scale_bytes
+from .fp4_codes import fp4_load, round_to
+from .fp4_mm import _STEP_NUM, _decode, _load_rows, asm_ok
 
 
 @triton.jit
@@ -165,7 +165,7 @@ GEMV_MAX_ROWS_PER_EXPERT = 0.5  # the decode kernel's FMAs grow with the rows of
 
 
 def use_gemv(rows: int, experts: int) -> bool:
-    """Whether `grouped_fp4_linear` takes the CUDA-core decode kernel (`triton_fp4_grouped_gemv`) for `rows` rows
+    """Whether `grouped_fp4_linear` takes the CUDA-core decode kernel (`fp4_grouped_gemv`) for `rows` rows
     over `experts` experts: host-known numbers only (the routing stays on the device), so a CUDA graph captured
     at one batch size always replays the same kernel."""
     if GEMV is not None:
@@ -181,9 +181,9 @@ def grouped_fp4_linear(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Ten
 
     packed uint8 [E, N, K/2]; scale [E, N, K/group] (E4M3 bits, or E8M0 exponents when mx); global_scale fp32
     [E, 1] (NVFP4's per-expert divisor) or None (MXFP4). Few rows per expert (decode, `use_gemv`): the CUDA-core
-    kernel of `triton_fp4_grouped_gemv`; else the tile kernel below."""
+    kernel of `fp4_grouped_gemv`; else the tile kernel below."""
     if use_gemv(x.shape[0], packed.shape[0]):
-        from .triton_fp4_grouped_gemv import grouped_fp4_gemv
+        from .fp4_grouped_gemv import grouped_fp4_gemv
 
         return grouped_fp4_gemv(x, offsets, packed, scale, global_scale, group, mx)
     n, k = packed.shape[1], 2 * packed.shape[2]
@@ -207,7 +207,7 @@ def _grouped_fp4_grad_input_kernel(g_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, tile_ex
                                    GROUP: tl.constexpr, MX: tl.constexpr, EVEN_N: tl.constexpr,
                                    EVEN_K: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
     """out[r, K] = g[r, N] @ W_e[N, K] for the rows r of tile program_id(1): the reduction runs over W_e's rows,
-    each step decoding a [BN, BK] tile (no transpose), as `triton_fp4_mm._fp4_grad_input_kernel` does."""
+    each step decoding a [BN, BK] tile (no transpose), as `fp4_mm._fp4_grad_input_kernel` does."""
     pid_k = tl.program_id(0)
     r0, r_end, step_mul, w_e, s_e = _expert_tile(tile_expert_ptr, tile_row_ptr, row_end_ptr, w_ptr, s_ptr, gs_ptr,
                                                  stride_we, stride_se, HAS_GS, ASM)

@@ -4,13 +4,13 @@ The bf16 baseline (`quantize_model(fmt="bf16")`, the engine's bf16 variants) dec
 GEMV-like kernels at 1-16 rows stream the weights at 2.2-4.2 TB/s on an H200 (the large ones near the copy
 bandwidth) but split K into a second reduce launch on most shapes (140 `splitKreduce_kernel` launches per 7B
 step) and cannot take part in programmatic dependent launch (`pdl`), so each of their ~8 launches per layer
-costs its full launch and ramp latency. This kernel is the NVFP4 decode kernel (`gluon_nvfp4`) without the decode:
+costs its full launch and ramp latency. This kernel is the NVFP4 decode kernel (`nvfp4`) without the decode:
   - out^T = W @ x^T: a [BN, BK] weight tile (16-byte cp.async into an NS-stage shared pipeline) is the A
     operand of mma.sync m16n8k16, the x tile [BM, BK] the B operand (cp.async in the same stage);
   - with PDL the first NS - 1 weight stages are in flight before the wait for the previous kernel;
-  - split-K meets in the same launch (`gluon_common._store_out`: the last program of a tile sums the fp32
+  - split-K meets in the same launch (`common._store_out`: the last program of a tile sums the fp32
     partials in a fixed order), and a LoRA term h @ lb^T rides as one more MMA in the epilogue
-    (`gluon_nvfp4._lora_tile`), so a bf16+LoRA linear is one launch instead of GEMM + reduce + addmm.
+    (`nvfp4._lora_tile`), so a bf16+LoRA linear is one launch instead of GEMM + reduce + addmm.
 Rows of W past N and of x past M are zero-filled (no memory access). Requirements (checked by `supported`):
 bf16 x and W on CUDA (sm_80+), K % 8 == 0 (16-byte rows), unit column strides. GPU-tested only: Gluon does
 not run under the Triton interpreter.
@@ -23,8 +23,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import pdl
-from .gluon_common import _async_load, _barrier, _commit, _lora_tile, _store_out, _wait, launch_buffers, lora_operands
+from .. import pdl
+from .common import _async_load, _barrier, _commit, _lora_tile, _store_out, _wait, launch_buffers, lora_operands
 
 
 @gluon.jit

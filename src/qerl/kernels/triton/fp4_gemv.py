@@ -1,6 +1,6 @@
 """NVFP4 decode-size product (M = 1..16) on CUDA cores: y[M, N] = x[M, K] @ W[N, K]^T, no tensor cores.
 
-Why not `tl.dot`: at M <= 16 the fused tensor-core kernel (`triton_fp4_mm`) is bound by instructions
+Why not `tl.dot`: at M <= 16 the fused tensor-core kernel (`fp4_mm`) is bound by instructions
 (decode + layout conversion into the MMA operand + scale multiply: ~7.5-12 per weight element), not by
 bytes. Here each weight element costs ~2 integer/convert instructions to decode plus one fp32 FMA per
 row of x, and nothing is converted between layouts.
@@ -12,7 +12,7 @@ the tile, BKW words (16 bytes when BKW = 4) per row per step, so its loads are 1
 K reduction inside a step needs no shuffles. x (bf16/fp16) is read once per step per row of x and shared by
 all the thread's weight rows.
 
-Decode of a word, 8 codes, to fp32 (the fp16 bit trick of `triton_fp4_codes`: fp16 bits
+Decode of a word, 8 codes, to fp32 (the fp16 bit trick of `fp4_codes`: fp16 bits
 sign<<15 | mag3<<9 are the E2M1 value * 2^-14, exact for all 16 codes, subnormal 0.5 included):
 nibbles j and j+4 (j = 0..3) form one fp16x2 register, low half = element j, high half = element j+4.
 Rotating the word right by 4j - 9 (mod 32) puts both magnitudes at bits 9..11 and 25..27 at once; rotating
@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_fp4_mm
-from .triton_fp4_codes import e4m3_to_f32, round_to
-from .workspace import alloc
+from ..workspace import alloc
+from . import fp4_mm
+from .fp4_codes import e4m3_to_f32, round_to
 
 GEMV_MAX_M = 16
 
@@ -199,4 +199,4 @@ def fp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, glob
         part.stride(-2), part.stride(0) if partial else 0, per,
         M=m, BMP=triton.next_power_of_2(m), BN=cfg.bn, BKW=cfg.bkw, HAS_BIAS=bias is not None and not partial,
         PARTIAL=partial, EVEN=even, INTERP=x.device.type != "cuda", num_warps=cfg.warps)
-    return triton_fp4_mm.splitk_reduce(part, bias, x.dtype) if partial else part
+    return fp4_mm.splitk_reduce(part, bias, x.dtype) if partial else part

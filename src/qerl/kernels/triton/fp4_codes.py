@@ -1,6 +1,6 @@
 """Triton device helpers: FP4 E2M1 codes and their block scales -> 16-bit weight tiles in registers.
 
-Only imported when a Triton kernel is launched (see `triton_fp4.py`), so CPU users without Triton can
+Only imported when a Triton kernel is launched (see `fp4.py`), so CPU users without Triton can
 import qerl.
 
 E2M1 -> float without a lookup table. A code is s|e1 e0|m (sign bit 3, 2-bit exponent with bias 1, 1
@@ -177,7 +177,7 @@ def fp4_decode_bf16_asm(p, s, step_mul_2p63, BR: tl.constexpr, BC: tl.constexpr,
     """NVFP4 only, bf16 out, GPU only: `fp4_decode` through `_e2m1x8_to_bf16_asm`.
 
     step_mul_2p63 = 2^71 / global_scale (the E4M3 decode's 2^8, and half of 2^126); the caller guarantees
-    step * 2^126 stays finite in bf16 (global_scale > 448 * 2^126 / bf16 max, see triton_fp4).
+    step * 2^126 stays finite in bf16 (global_scale > 448 * 2^126 / bf16 max, see fp4).
     The step is rounded to bf16 before the multiply: one extra rounding (<= 2^-9 relative) on W.
     """
     NG: tl.constexpr = BC // GROUP

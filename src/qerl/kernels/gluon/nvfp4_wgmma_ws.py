@@ -35,10 +35,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_common import _decode_asm, _lora_tile, _split_group_layout, _step_bf16, _store_out, lora_operands
-from .gluon_nvfp4 import call_on_stored_weight, split_for
-from .gluon_nvfp4_wgmma import _phys_layout, _pi_bits, _to_logical, permute_x_kernel
-from .workspace import alloc, counters
+from ..workspace import alloc, counters
+from .common import _decode_asm, _lora_tile, _split_group_layout, _step_bf16, _store_out, lora_operands
+from .nvfp4 import call_on_stored_weight, split_for
+from .nvfp4_wgmma import _phys_layout, _pi_bits, _to_logical, permute_x_kernel
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 RB = gl.constexpr(64)  # weight rows per consumer warpgroup (one wgmma M)
@@ -174,7 +174,7 @@ def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tenso
                     bias: torch.Tensor | None, sms: int, config: tuple[int, int, int, int] = DEFAULT_CONFIG,
                     split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
                     waves: float = 1.0, no_decode: bool = False) -> torch.Tensor:
-    """x [M, K] bf16 -> x @ W^T (+ bias) (+ h @ lb^T), [M, N] bf16; operands as `gluon_nvfp4.nvfp4_linear_swap`.
+    """x [M, K] bf16 -> x @ W^T (+ bias) (+ h @ lb^T), [M, N] bf16; operands as `nvfp4.nvfp4_linear_swap`.
     config (BM, BKH, NS, CREGS); split: number of K splits (None: `split_for` at `waves` programs per SM);
     no_decode: the benchmark's counterfactual (zero weights instead of decoding: wrong results)."""
     m, k = x.shape
@@ -215,7 +215,7 @@ def nvfp4_linear_ws_gluon(x: torch.Tensor, weight_packed: torch.Tensor, weight_s
                           weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None,
                           lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] bf16 -> x @ W^T + bias (+ h @ lb^T for lora = (h [..., R], lb = scaling * B [N, R])), [..., N]
-    bf16, with the warp-specialized kernel; `gluon_nvfp4.nvfp4_linear_gluon`'s contract (`call_on_stored_weight`)."""
+    bf16, with the warp-specialized kernel; `nvfp4.nvfp4_linear_gluon`'s contract (`call_on_stored_weight`)."""
     def launch(x2, packed, scale_u8, gs, b, sms, lo):
         return nvfp4_linear_ws(x2, packed, scale_u8, gs, b, sms, lora=lo)
 

@@ -1,6 +1,6 @@
 """Triton kernels: x @ W^T and dY @ W for an FP4 weight (NVFP4 or MXFP4), dequantized in registers.
 
-One tiled kernel per product; the shape picks the tile (see `triton_fp4.pick_config`):
+One tiled kernel per product; the shape picks the tile (see `fp4.pick_config`):
   - small M (decode): BM = 16 (the smallest tensor-core tile), narrow N tiles, long K tiles and split-K so
     that every SM streams packed weights; partial sums go to a float32 buffer [S, M, N] reduced after;
   - large M (prefill, loss pass): 128 x 128 tiles, the dequantized W tile fed to bf16 tensor cores.
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fp4_codes import fp4_decode, fp4_decode_bf16_asm, fp4_load, round_to
-from .workspace import alloc
+from ..workspace import alloc
+from .fp4_codes import fp4_decode, fp4_decode_bf16_asm, fp4_load, round_to
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr,
     pid_k = tl.program_id(2)
     step_mul = 1.0
     if HAS_GS:
-        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr)  # 2^22 (or 2^71) / global_scale: see triton_fp4_codes
+        step_mul = _STEP_NUM(ASM) / tl.load(gs_ptr)  # 2^22 (or 2^71) / global_scale: see fp4_codes
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     m_mask = offs_m < M

@@ -1,15 +1,15 @@
 """Grouped FP4 experts product at decode sizes (a few rows per expert) on CUDA cores, no tensor cores.
 
-Same product and operands as `triton_fp4_grouped.grouped_fp4_linear`: x [M, K] bf16/fp16, rows sorted by expert
+Same product and operands as `fp4_grouped.grouped_fp4_linear`: x [M, K] bf16/fp16, rows sorted by expert
 (expert e owns rows offsets[e]..offsets[e+1], offsets int [E + 1] on the device), stacked weights packed uint8
 [E, N, K/2], scales uint8 [E, N, K/group] (E4M3 bits, NVFP4, group 16; or E8M0 exponents, MXFP4, group 32),
 NVFP4's per-expert global scale fp32 [E, 1]; out [M, N] in x.dtype, rows from offsets[-1] on are 0.
 
 Why a second kernel: at decode each expert sees ~1-16 rows, and the tile kernel's 16-row `tl.dot` tile is bound
 by instructions (decode + layout conversion into the MMA operand), not by bytes. This is the dense
-`triton_fp4_gemv` scheme per expert: packed codes read as int32 words [E, N, K/8] (a free view, 16-byte vector
+`fp4_gemv` scheme per expert: packed codes read as int32 words [E, N, K/8] (a free view, 16-byte vector
 loads, each thread holding whole weight rows of the tile), 8 codes decoded per word with the fp16 bit trick
-(`triton_fp4_gemv._pair`), one fp32 FMA per weight element per row of x, the block scale (and for NVFP4
+(`fp4_gemv._pair`), one fp32 FMA per weight element per row of x, the block scale (and for NVFP4
 2^22 / global_scale) applied once per block to the block's partial sum.
 
 Grid (all sizes from host-known shapes only, so a call never waits for the host and can be captured in a CUDA
@@ -32,11 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .operands import as_2d, scale_bytes
-from .route import sm_count
-from .triton_fp4_codes import e4m3_to_f32, e8m0_times_2p14, round_to
-from .triton_fp4_gemv import _pair, _row_dot
-from .workspace import alloc
+from ..operands import as_2d, scale_bytes
+from ..route import sm_count
+from ..workspace import alloc
+from .fp4_codes import e4m3_to_f32, e8m0_times_2p14, round_to
+from .fp4_gemv import _pair, _row_dot
 
 
 @dataclass(frozen=True)

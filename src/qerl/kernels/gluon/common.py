@@ -1,9 +1,9 @@
-"""What the Gluon kernels share (`gluon_nvfp4`, its wgmma form `gluon_nvfp4_wgmma`, `gluon_bf16`).
+"""What the Gluon kernels share (`nvfp4`, its wgmma form `nvfp4_wgmma`, `bf16`).
 
 API names that differ between Triton releases, the NVFP4 decode in registers (`_decode_stage`: inline-PTX nibble
 decode, per-group scale step), the cp.async weight stage (`_issue_w`), the x tile split into the decode's k
 order (`_load_x_split`), the LoRA epilogue (`_lora_tile`), the split-K store that the last program to arrive
-finishes (`_store_out`), and the launch buffers. See `gluon_nvfp4` for the kernel they serve. GPU-tested only:
+finishes (`_store_out`), and the launch buffers. See `nvfp4` for the kernel they serve. GPU-tested only:
 Gluon does not run under the Triton interpreter.
 """
 
@@ -13,7 +13,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .workspace import alloc, counters
+from ..workspace import alloc, counters
 
 # API names that differ between Triton 3.6 and 3.9 (everything else used here is common to both)
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # 3.9: barrier, 3.6: thread_barrier
@@ -182,7 +182,7 @@ def _store_out(acc, L: gl.constexpr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stri
     once, writes out and resets the counter for the next launch (stream order; CUDA-graph replays rely on
     it). Ordering: every thread's partial stores -> CTA barrier -> the acq_rel GPU-scope atomic (release:
     the whole CTA's stores, by cumulativity) -> [last program] ticket broadcast to its threads -> partial
-    loads through L2 (.cg: no stale L1 line). Same protocol as `triton_lora_a`."""
+    loads through L2 (.cg: no stale L1 line). Same protocol as `triton.lora_a`."""
     on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
     omask = gl.expand_dims(on < N, 1) & gl.expand_dims(om < M, 0)

@@ -1,6 +1,6 @@
 """Gluon kernel: NVFP4 weight x bf16 activations, "swap AB" on Hopper wgmma with the A operand in registers.
 
-The sm_90 form of the NVFP4 decode kernel, for the rows `route.wgmma_rows` gives it (`gluon_nvfp4.nvfp4_linear_swap`
+The sm_90 form of the NVFP4 decode kernel, for the rows `route.wgmma_rows` gives it (`nvfp4.nvfp4_linear_swap`
 launches it with wgmma=True). Drop-in variant of `nvfp4_swap_kernel` (same arguments, grid and semantics, the
 LoRA epilogue included):
 out^T[N, M] = W @ x^T with the decoded weight tile [BN, BKH] (BN = 64 or 128 rows per warpgroup) as the
@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # shared with the mma.sync kernel: API shims, decode, scale step, the cp.async stage
-from .gluon_common import (_async_load, _barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile,
+from .common import (_async_load, _barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile,
                           _store_out, _wait)
 
 
@@ -184,7 +184,7 @@ def nvfp4_swap_wgmma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
                             BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
                             NS: gl.constexpr, PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr,
                             HAS_BIAS: gl.constexpr, RP: gl.constexpr, XP: gl.constexpr, PDL: gl.constexpr = False):
-    """Same grid, arguments and semantics as `gluon_nvfp4.nvfp4_swap_kernel` (KW is ignored: the wgmma A
+    """Same grid, arguments and semantics as `nvfp4.nvfp4_swap_kernel` (KW is ignored: the wgmma A
     layout fixes the register run at 16 bytes). Needs NW == 4 (one warpgroup), BN % 64 == 0, BM in 8..256
     (multiple of 8), BKH in {64, 128}. XP: x_ptr is `permute_x_kernel`'s xp (row stride stride_xm) and its
     tiles ride the NS-stage cp.async pipeline with the weights; else x is staged through registers.
