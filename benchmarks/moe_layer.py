@@ -19,7 +19,11 @@ import datetime
 
 import torch
 
-SHAPES = {"qwen3-30b-a3b": dict(num_experts=128, top_k=8, hidden=2048, inter=768)}
+from qerl.bench.shapes import MOE_SHAPES
+
+SHAPES = {name: dict(num_experts=s["num_experts"], top_k=s["num_experts_per_tok"], hidden=s["hidden_size"],
+                     inter=s["moe_intermediate_size"])
+          for name, s in MOE_SHAPES.items() if "num_experts" in s}  # the Qwen3-MoE shapes
 
 
 def experts_module(shape: dict, implementation: str):

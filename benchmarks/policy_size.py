@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from qerl.bench.rollout import QWEN25, policy_bytes, qwen25_config
+from qerl.bench.rollout import policy_bytes
+from qerl.bench.shapes import QWEN25, qwen25_config
 from qerl.formats import get_format
 from qerl.models.convert import find_targets, memory_report, set_module
 from qerl.nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear

@@ -267,17 +267,25 @@ def test_train_speed_arms_and_summaries_of_earlier_runs(tmp_path, capsys):
     assert "device: H200" in out and "| nvfp4+aqn:new | 3.00 | - | 1.00 | 1.50 | 600.0 | 500.0 |" in out
 
 
-def test_kernel_shapes_match_the_model_configs_the_step_benchmark_builds():
+def test_kernel_shapes_are_the_linears_of_the_models_the_step_benchmark_builds():
     # `qerl bench kernels --models 1.5B` must time the linears `qerl bench step --models 1.5b` runs
-    from qerl.bench.kernels import layer_shapes
-    from qerl.bench.rollout import QWEN25
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    for name, cfg in QWEN25.items():
-        h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-        head_dim = h // cfg["num_attention_heads"]
-        kv = cfg["num_key_value_heads"] * head_dim
-        assert layer_shapes(name.upper()) == {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h),
-                                              "down": (h, inter)}, name
+    from qerl.bench.kernels import MODEL_SHAPES, layer_shapes
+    from qerl.bench.shapes import QWEN25, SMOLLM2_135M, qwen25_config
+
+    configs = {size.upper(): qwen25_config(size, layers=1) for size in QWEN25}
+    configs["SmolLM2"] = LlamaConfig(**dict(SMOLLM2_135M, num_hidden_layers=1))
+    assert list(configs) == list(MODEL_SHAPES)
+    for name, cfg in configs.items():
+        with torch.device("meta"):
+            layer = AutoModelForCausalLM.from_config(cfg).model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = sum(m.out_features for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        assert layer_shapes(name) == {"qkv": (qkv, attn.q_proj.in_features), "o": tuple(attn.o_proj.weight.shape),
+                                      "gate_up": (2 * mlp.gate_proj.out_features, mlp.gate_proj.in_features),
+                                      "down": tuple(mlp.down_proj.weight.shape)}, name
 
 
 def test_kernel_policy_overrides_from_the_command_line(capsys):

@@ -22,19 +22,17 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.workspace import capture_graph
+from .shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
-# (hidden, intermediate, heads, kv heads, head_dim): Qwen2.5 sizes, and SmolLM2-135M (the embedded model, whose
-# hidden size 576 is not a multiple of 128, the Gluon kernels' K step)
-MODEL_SHAPES = {"1.5B": (1536, 8960, 12, 2, 128), "7B": (3584, 18944, 28, 4, 128), "14B": (5120, 13824, 40, 8, 128),
-                "32B": (5120, 27648, 40, 8, 128), "72B": (8192, 29568, 64, 8, 128), "SmolLM2": (576, 1536, 9, 3, 64)}
+# Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
+MODEL_SHAPES = {**{size.upper(): shape for size, shape in QWEN25.items()}, "SmolLM2": SMOLLM2_135M}
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 BACKWARD_M = (16, 256, 1024, 4096)
 
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """{layer: (N, K)} for y[M, N] = x[M, K] @ W[N, K]^T."""
-    h, inter, heads, kv, hd = MODEL_SHAPES[model]
-    return {"qkv": (h + 2 * kv * hd, h), "o": (heads * hd, h), "gate_up": (2 * inter, h), "down": (h, inter)}
+    return linear_shapes(MODEL_SHAPES[model])
 
 
 def _capture_calls(fn, calls: int):

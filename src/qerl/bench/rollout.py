@@ -34,57 +34,9 @@ import time
 import torch
 
 from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
+from .shapes import QWEN25, qwen25_config
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
-
-QWEN25 = {  # Qwen2.5 shapes (config.json of the hub releases); vocab 152064, untied embeddings from 7B up
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4),
-    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                num_key_value_heads=8),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8),
-    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8),
-}
-
-
-MOE_SHAPES = {  # mixtures of experts (config.json of the hub release): every layer sparse
-    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                          num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, vocab_size=151936, tie_word_embeddings=False, norm_topk_prob=True),
-    # gpt-oss-20b: transformers' GptOssConfig defaults are the 120b's attention and widths; 24 layers, 32 experts,
-    # top-4; alternating sliding-window (128) and full attention, sinks, yarn RoPE, biases: the config's own
-    "gpt-oss-20b": dict(num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4),
-}
-
-
-def moe_config(size: str, layers: int | None = None):
-    """The config of a `MOE_SHAPES` shape, Qwen3-MoE or gpt-oss (layers: fewer decoder layers, for smoke
-    tests)."""
-    from transformers import GptOssConfig, Qwen3MoeConfig
-
-    shape = dict(MOE_SHAPES[size])
-    if layers:
-        shape["num_hidden_layers"] = layers
-    if size.startswith("gpt-oss"):
-        n = shape["num_hidden_layers"]
-        shape["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-        return GptOssConfig(output_router_logits=False, **shape)
-    return Qwen3MoeConfig(max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643,
-                          eos_token_id=151645, pad_token_id=151643, output_router_logits=False, **shape)
-
-
-def qwen25_config(size: str, layers: int | None = None):
-    from transformers import Qwen2Config
-
-    shape = {"vocab_size": 152064, "tie_word_embeddings": False, **QWEN25[size]}
-    if layers:
-        shape["num_hidden_layers"] = layers
-    return Qwen2Config(max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, use_sliding_window=False,
-                       bos_token_id=151643, eos_token_id=151645, pad_token_id=151643, **shape)
 
 
 def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int, embeddings: bool = False):

@@ -57,7 +57,7 @@ import torch
 from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
 from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
-from .rollout import MOE_SHAPES, QWEN25, moe_config, qwen25_config
+from .shapes import MOE_SHAPES, QWEN25, moe_config, qwen25_config
 
 
 def model_config(size: str, layers: int | None = None):
