@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from ..formats import get_format
+from .quant_base import QuantizedModule
 
 # tensors that hold one value for the whole table; every other tensor has a leading row axis of V rows
 _PER_TENSOR = ("weight_global_scale",)
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(QuantizedModule):
     """Frozen 4-bit token embedding. Build with `QuantEmbedding.from_embedding(embedding, fmt)`."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: str, tensors: dict[str, torch.Tensor],
@@ -42,11 +43,6 @@ class QuantEmbedding(nn.Module):
         for name, t in tensors.items():
             self.register_buffer(name, t)
 
-    def _apply(self, fn, recurse=True):
-        from .quant_linear import apply_keeping_storage_dtypes
-
-        return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
-
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, fmt: str) -> "QuantEmbedding":
         """Quantize nn.Embedding's table [V, D] (its own global scale, round-to-nearest)."""
@@ -54,9 +50,6 @@ class QuantEmbedding(nn.Module):
         check_embedding_shape(V, D, get_format(fmt).name)
         tensors = get_format(fmt).quantize(embedding.weight, None)
         return cls(V, D, fmt, tensors, embedding.weight.dtype, embedding.padding_idx)
-
-    def quantized_tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self._tensor_names}
 
     @property
     def device(self) -> torch.device:

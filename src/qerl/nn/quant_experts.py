@@ -53,7 +53,7 @@ from torch import nn
 
 from ..formats import get_format
 from .lora import LoraConfig
-from .quant_linear import apply_keeping_storage_dtypes
+from .quant_base import QuantizedModule
 
 WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -141,9 +141,10 @@ def _try_grouped_mm(device: torch.device, dtype: torch.dtype, r: int, k: int, n:
         return False
 
 
-class QuantExperts(nn.Module):
+class QuantExperts(QuantizedModule):
     """Frozen 4-bit experts. Build with `QuantExperts.from_experts(experts_module, fmt)`."""
 
+    carries_lora = True  # expert LoRA (`add_lora`); `lora_disabled` switches it off
     grouped_kernel = True  # the grouped Triton path where it applies (see the module docstring)
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str, act_fn: nn.Module,
@@ -162,7 +163,7 @@ class QuantExperts(nn.Module):
                     raise ValueError(f"{weight}.{name}: expected {num_experts} experts, got shape {tuple(t.shape)}")
                 self.register_buffer(f"{weight}_{name}", t)
                 names.append(f"{weight}_{name}")
-        self._tensor_names = tuple(names)  # read by apply_keeping_storage_dtypes
+        self._tensor_names = tuple(names)  # their dtypes are kept through casts (QuantizedModule._apply)
         self.lora_A = self.lora_B = self.lora_config = None  # expert LoRA: `add_lora`
         self.lora_enabled = True  # `lora_disabled` turns it off (the KL reference pass)
         self.scaling = 1.0
@@ -194,9 +195,6 @@ class QuantExperts(nn.Module):
             raise ValueError(f"{type(experts).__name__}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
                              f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
         return e, h, two_i // 2
-
-    def _apply(self, fn, recurse=True):
-        return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
 
     def weight_dims(self, weight: str) -> tuple[int, int]:
         """(N, K) of each expert's `weight` matrix, as the format stores it: gate_up [2I, H], down [H, I]."""

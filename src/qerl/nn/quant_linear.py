@@ -9,7 +9,7 @@ compressed-tensors module state. LoRA parameters are `lora_A.weight` [r, K] and 
 backward recomputes x-gradients from the 4-bit tensors instead of saving a 16-bit W.
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from ..formats import get_format
 from ..kernels import quantized_linear, quantized_linear_grad_input
 from ..kernels.route import KernelPolicy, current_policy, kernel_policy
 from .lora import LoraConfig, init_lora_, lora_hidden
+from .quant_base import QuantizedModule, lora_disabled  # noqa: F401 (lora_disabled: imported from here too)
 
 
 def _routed_by(policy: KernelPolicy):
@@ -63,25 +64,10 @@ class _QuantizedMatmul(torch.autograd.Function):
         return (grad_x, None, None, None, grad_h, grad_b, None, None) + (None,) * len(ctx.names)
 
 
-def apply_keeping_storage_dtypes(module: nn.Module, parent_apply, fn, recurse=True):
-    """Module._apply for a layer holding a 4-bit format: `.half()`, `.to(dtype)` etc. may move the format's
-    tensors but never change their dtype. Torch casts every floating buffer, and NVFP4's FP8 block scales or
-    its FP32 global scale (a divisor up to ~1e7 for small-amax weights, inf in fp16) would silently change
-    the weight. Bias and LoRA follow the requested dtype as usual; the dense "bf16" format does too."""
-    if getattr(module, "weight_format", "bf16") == "bf16":
-        return parent_apply(fn, recurse)
-    keep = {name: getattr(module, name).dtype for name in module._tensor_names}
-
-    def device_only(t):
-        out = fn(t)
-        owned = any(t is getattr(module, name) for name in keep)
-        return t.to(out.device) if owned and out.dtype != t.dtype else out
-
-    return parent_apply(device_only, recurse)
-
-
-class QuantLinear(nn.Module):
+class QuantLinear(QuantizedModule):
     """Frozen quantized base + LoRA. Build with `QuantLinear.from_linear(linear, fmt, lora)`."""
+
+    carries_lora = True
 
     def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, torch.Tensor],
                  bias: torch.Tensor | None = None, lora: LoraConfig | None = None):
@@ -115,12 +101,6 @@ class QuantLinear(nn.Module):
         self.lora_config = lora
         self.scaling = lora.scaling
 
-    def quantized_tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self._tensor_names}
-
-    def _apply(self, fn, recurse=True):
-        return apply_keeping_storage_dtypes(self, super()._apply, fn, recurse)
-
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The base weight W [N, K] as a new dense tensor (for export and tests; not used in forward)."""
         return get_format(self.weight_format).dequantize(**self.quantized_tensors(), dtype=dtype)
@@ -138,23 +118,6 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         r = self.lora_A.out_features if self.lora_A is not None else 0
         return f"in={self.in_features}, out={self.out_features}, format={self.weight_format}, lora_r={r}"
-
-
-@contextmanager
-def lora_disabled(model: nn.Module):
-    """Inside, every QuantLinear and every 4-bit experts stack (`QuantExperts`, expert LoRA) computes its base
-    only: the reference policy pi_ref of GRPO's KL term, with no second copy of the model."""
-    from .quant_experts import QuantExperts  # it imports this module
-
-    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
-    previous = [m.lora_enabled for m in layers]
-    for m in layers:
-        m.lora_enabled = False
-    try:
-        yield
-    finally:
-        for m, p in zip(layers, previous):
-            m.lora_enabled = p
 
 
 def set_routing_policy(model: nn.Module, policy: KernelPolicy | None) -> int:
