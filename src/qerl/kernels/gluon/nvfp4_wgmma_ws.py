@@ -17,7 +17,8 @@ stall and three 4-warp programs per SM that each re-read their x tile. Here the 
 the two consumers share one 256-row x tile (a quarter of the x traffic per multiply of the 64 x 128 tile). What
 still costs (H100, `benchmarks/ws_clocks.py`): at 1024-4096 rows every variant runs at the 700 W power cap, and
 the kernel does 0.84-0.94x the work per clock cycle of cuBLAS, with or without the decode (within 1%, 7% on one
-shape; zero weights instead of the decode run faster because they draw less power: a higher clock).
+shape; a zero-weight variant of this kernel without the decode, measured once and not kept, ran faster because it
+drew less power: a higher clock).
 Ping-pong turns between the consumers and decoding one step ahead were measured and were not faster (commits
 a6cd4a0 and cd8ac76; with the loads issued by a consumer, so that no warpgroup's setmaxnreg is below the wgmma
 pipeline's registers, ptxas no longer serializes the decode-ahead schedule; at the same tile it is 0-12% faster
@@ -90,8 +91,7 @@ def _producer(x_desc, w_desc, xls, xhs, wqs, ready, empty, pid_n, pid_m, k_lo, n
 @gluon.jit
 def _consumer(xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om, ws_ptr, cnt_ptr,
               h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, CID: gl.constexpr, BM: gl.constexpr,
-              BKH: gl.constexpr, NS: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr, RP: gl.constexpr,
-              NO_DECODE: gl.constexpr):
+              BKH: gl.constexpr, NS: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr, RP: gl.constexpr):
     """One warpgroup: weight rows [64 rb, 64 rb + 64) (rb = 2 pid_n + CID) x the shared x tile; its own
     epilogue (LoRA, bias, split-K) as a 64-row program."""
     NW: gl.constexpr = 4
@@ -111,11 +111,7 @@ def _consumer(xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, 
         sb_next = _scales(s_ptr, N, stride_s, rb, k_lo + (i + 1) * BK, i + 1 < n, S, BKH)
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
-        if NO_DECODE:  # counterfactual for the benchmark: zero weights, everything else unchanged
-            lo = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
-            hi = gl.full([RB, BKH], 0.0, gl.bfloat16, A)
-        else:
-            lo, hi = _decode(wqs.index(2 * s + CID), sb, c, A, P, L3, p, BKH)
+        lo, hi = _decode(wqs.index(2 * s + CID), sb, c, A, P, L3, p, BKH)
         tok = warpgroup_mma(lo, xls.index(s).permute((1, 0)), acc, is_async=True)
         tok = warpgroup_mma(hi, xhs.index(s).permute((1, 0)), tok, is_async=True)
         acc, lo, hi = warpgroup_mma_wait(0, deps=(tok, lo, hi))
@@ -135,9 +131,8 @@ def _consumer(xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, 
 @gluon.jit
 def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stride_s, stride_om, ws_ptr,
                           cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R, BM: gl.constexpr, BKH: gl.constexpr,
-                          NS: gl.constexpr, CREGS: gl.constexpr, NO_DECODE: gl.constexpr,
-                          PARTIAL: gl.constexpr,
-                          HAS_BIAS: gl.constexpr, RP: gl.constexpr):
+                          NS: gl.constexpr, CREGS: gl.constexpr, PARTIAL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          RP: gl.constexpr):
     """x_desc: TMA descriptor of xp [M, K] bf16 (`permute_x_kernel`, BN = 64), block [BM, BKH]; w_desc: of
     weight_packed [N, K/2] uint8, block [64, BKH]; launched with num_warps=4 (consumer 0; the other consumer
     and the producer are added by warp_specialize)."""
@@ -159,10 +154,10 @@ def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
     gl.warp_specialize([
         (_consumer, (xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om, ws_ptr,
                      cnt_ptr, h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, 0, BM, BKH, NS, PARTIAL,
-                     HAS_BIAS, RP, NO_DECODE)),
+                     HAS_BIAS, RP)),
         (_consumer, (xls, xhs, wqs, ready, empty, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_s, stride_om, ws_ptr,
                      cnt_ptr, h_ptr, lb_ptr, stride_hm, R, pid_n, pid_m, pid_k, k_lo, n, 1, BM, BKH, NS, PARTIAL,
-                     HAS_BIAS, RP, NO_DECODE)),
+                     HAS_BIAS, RP)),
         (_producer, (x_desc, w_desc, xls, xhs, wqs, ready, empty, pid_n, pid_m, k_lo, n, BM, BKH, NS)),
     ], [4, 1], [CREGS, 40])
     for s in gl.static_range(NS):
@@ -173,10 +168,9 @@ def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
 def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
                     bias: torch.Tensor | None, sms: int, config: tuple[int, int, int, int] = DEFAULT_CONFIG,
                     split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    waves: float = 1.0, no_decode: bool = False) -> torch.Tensor:
+                    waves: float = 1.0) -> torch.Tensor:
     """x [M, K] bf16 -> x @ W^T (+ bias) (+ h @ lb^T), [M, N] bf16; operands as `nvfp4.nvfp4_linear_swap`.
-    config (BM, BKH, NS, CREGS); split: number of K splits (None: `split_for` at `waves` programs per SM);
-    no_decode: the benchmark's counterfactual (zero weights instead of decoding: wrong results)."""
+    config (BM, BKH, NS, CREGS); split: number of K splits (None: `split_for` at `waves` programs per SM)."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -206,8 +200,7 @@ def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tenso
     w_desc = TensorDescriptor.from_tensor(packed, [64, bkh], gl.NVMMASharedLayout.get_default_for([64, bkh], gl.uint8))
     nvfp4_wgmma_ws_kernel[grid](
         x_desc, w_desc, scale_u8, global_scale, b, out, m, n, k, scale_u8.stride(0), out.stride(0), ws, cnt, per, h, lb,
-        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, NO_DECODE=no_decode, PARTIAL=s > 1,
-        HAS_BIAS=bias is not None, RP=rp, num_warps=4)
+        stride_hm, r, BM=bm, BKH=bkh, NS=ns, CREGS=cregs, PARTIAL=s > 1, HAS_BIAS=bias is not None, RP=rp, num_warps=4)
     return out
 
 
