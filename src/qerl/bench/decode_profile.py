@@ -7,7 +7,7 @@ with torch.profiler's CUDA activity. Prints, per variant and
 batch, the kernels by GPU time per step (calls per step, us per step, share of the step) and groups them
 into matmul / attention / norm+elementwise / sampling, so a change can be aimed at the largest part.
 
-    python benchmarks/decode_profile.py --models 7b --variants bf16+lora,nvfp4+lora --batches 8,64
+    python -m qerl.bench.decode_profile --models 7b --variants bf16+lora,nvfp4+lora --batches 8,64
 """
 
 import argparse

@@ -19,8 +19,8 @@ tokens), tokens/s (rows decoded per second, finished rows still held in a batch 
 static scheduler. `--schedulers continuous,static` times both engine schedulers on the same draws, alternating
 which goes first; `--repeats` draws (seed --seed + repeat) per cell, medians reported.
 
-    python benchmarks/rollout.py --models 7b --batches 1,8,32,64,128 --out results.json
-    python benchmarks/rollout.py --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 \\
+    qerl bench rollout --models 7b --batches 1,8,32,64,128 --out results.json
+    qerl bench rollout --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 \\
         --lengths long-reasoning-4096 --schedulers continuous,static --out ragged.json
 """
 

@@ -37,11 +37,11 @@ Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the pr
 LoRA gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
 gradient of a fixed batch equals the single-process gradient of the whole batch.
 
-    python benchmarks/e2e.py --models 7b --variants bf16,nvfp4 --prompts 8 --completion 512 --out e2e.json
-    python benchmarks/e2e.py --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 \\
+    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 8 --completion 512 --out e2e.json
+    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 \\
         --modes new,old --out e2e_ragged.json
-    python benchmarks/e2e.py --models 72b --variants nvfp4 --prompts 8 --order sequential --micro-batch 4
-    torchrun --nproc-per-node 2 benchmarks/e2e.py --models 7b --variants nvfp4 --prompts 8 --check-dist
+    qerl bench step --models 72b --variants nvfp4 --prompts 8 --order sequential --micro-batch 4
+    torchrun --nproc-per-node 2 -m qerl.bench.step --models 7b --variants nvfp4 --prompts 8 --check-dist
 """
 
 import argparse
@@ -555,8 +555,8 @@ def ceiling_table(results, device, args) -> str:
         name = "" if len(args.modes) == 1 else f" ({mode_label(mode)})"
         try:
             if cells(report):
-                parts.append(f"ceiling of the NVFP4 step for 4-bit-weight kernels{name} (python "
-                             "benchmarks/step_ceiling.py --help):\n" + bound_table([("this run", report)]))
+                parts.append(f"ceiling of the NVFP4 step for 4-bit-weight kernels{name} (python -m "
+                             "qerl.bench.step_ceiling --help):\n" + bound_table([("this run", report)]))
         except ValueError as e:  # the measurements above stand; only the bound is not computable
             parts.append(f"no ceiling for this run{name}: {e}")
     return "\n\n".join(parts)

@@ -7,7 +7,7 @@ at most by the ratio of those bytes. The ceiling keeps bf16's measured reference
 and untimed glue, and divides bf16's measured rollout by that byte ratio (an upper bound: it assumes bf16's
 whole rollout scales with bytes read, though part of it is sampling, attention arithmetic and launches).
 
-    python benchmarks/step_ceiling.py docs/results/e2e_7b_h100_2026-11-25_interleaved.json
+    python -m qerl.bench.step_ceiling docs/results/e2e_7b_h100_2026-11-25_interleaved.json
 """
 
 import argparse
