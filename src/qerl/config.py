@@ -502,15 +502,19 @@ def _help_text(entry: dict) -> str:
     return text
 
 
+def _wrap(text: str, **kw) -> list[str]:
+    return textwrap.wrap(text, width=110, break_on_hyphens=False, **kw)
+
+
 def config_help() -> str:
     """Every config key as plain text, one entry per key: `section.key (type, default): help`."""
     lines = ["Training config keys: YAML sections (configs/*.yaml), or section.key=value overrides.", ""]
     for name, cls, entries in _section_order(config_sections()):
         doc = " ".join(inspect.getdoc(cls).split())
-        lines += textwrap.wrap(doc if name else f"Top-level keys. {doc}", width=110) + [""]
+        lines += _wrap(doc if name else f"Top-level keys. {doc}") + [""]
         for e in entries:
-            lines += textwrap.wrap(f"{e['key']} ({e['type']}, {e['default']}): {_help_text(e)}", width=110,
-                                   initial_indent="  ", subsequent_indent="      ")
+            lines += _wrap(f"{e['key']} ({e['type']}, {e['default']}): {_help_text(e)}", initial_indent="  ",
+                           subsequent_indent="      ")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -534,10 +538,10 @@ def config_markdown() -> str:
              "\"paper:\" gives the value of the QeRL paper's recipes (configs/gsm8k-grpo-*.yaml, "
              "configs/bigmath-dapo-*.yaml) where the paper gives one. What one step does with them: "
              "[training.md](training.md).")
-    out = ["# Configuration reference", "", *textwrap.wrap(intro, width=110), "", *textwrap.wrap(usage, width=110), ""]
+    out = ["# Configuration reference", "", *_wrap(intro), "", *_wrap(usage), ""]
     for name, cls, entries in _section_order(config_sections()):
         doc = " ".join(inspect.getdoc(cls).split()).removeprefix(f"`{name}:` ")
-        out += [f"## `{name}:`" if name else "## Top-level keys", "", *textwrap.wrap(doc, width=110), "",
+        out += [f"## `{name}:`" if name else "## Top-level keys", "", *_wrap(doc), "",
                 "| key | type | default | help |", "|---|---|---|---|"]
         for e in entries:
             key = e["key"][len(name) + 1:] if name else e["key"]
