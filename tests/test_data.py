@@ -117,7 +117,8 @@ def test_bad_rows_are_skipped_counted_and_named(tmp_path, caplog):
     assert rows == [{"question": "ok?", "answer": "1"}]
     # the total counts the two unparseable lines too (they never became records)
     assert "skipped 7 of 8 rows" in caplog.text
-    for needle in ("line 6: not UTF-8", "line 7: invalid JSON", "row 1: 'question'", "row 2: 'answer' is missing"):
+    # every problem is named by its 1-based file line, parsed or not (a 0-based "row" beside them misleads)
+    for needle in ("line 6: not UTF-8", "line 7: invalid JSON", "line 2: 'question'", "line 3: 'answer' is missing"):
         assert needle in caplog.text, needle
 
 
@@ -143,7 +144,7 @@ def test_too_many_bad_rows_refuse_the_source(tmp_path, caplog):
     over = _mixed_jsonl(tmp_path / "over.jsonl", n_good=17, n_unparseable=1, n_invalid=1)
     with pytest.raises(DatasetError, match=r"over\.jsonl: 2 of 19 rows are bad") as err:
         load_problems(over)
-    assert "\n" not in str(err.value) and "line 18: invalid JSON" in str(err.value) and "row 17" in str(err.value)
+    assert "\n" not in str(err.value) and "line 18: invalid JSON" in str(err.value) and "line 19" in str(err.value)
     # the share is of the whole file, whatever `limit` keeps
     with pytest.raises(DatasetError, match="2 of 19 rows are bad"):
         load_problems(over, limit=5)

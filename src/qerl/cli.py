@@ -2,14 +2,31 @@
 
 import argparse
 import json
+import logging
+import signal
 import sys
 import time
+import warnings
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .argtypes import positive_int
+from .rl.stop import Interrupted, TrainingInterrupted, raise_on_stop_signals
+
 console = Console(stderr=True)
+
+# Libraries that announce, on import, optional native parts this machine does not have (torchao's CUDA
+# extensions, bitsandbytes' CPU kernels from the `kernels` hub) or deprecations that are theirs to fix (torch's
+# pytree registrations); none of it concerns a qerl user, and it came before every message the CLI printed.
+_QUIET_LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree")
+
+
+def quiet_libraries() -> None:
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="torchao")
 
 
 def _quantize(args) -> int:
@@ -20,10 +37,12 @@ def _quantize(args) -> int:
     from .models.calibrate import calibration_ids, default_samples
     from .models.convert import quant_layers
     from .models.precision import describe_keep_bf16, parse_keep_bf16
+    from .models.atomic import check_output_dir
     from .models.stream import stream_quantized
     from .quant import CALIBRATED, check_method
 
     t0 = time.perf_counter()
+    out = check_output_dir(args.out, args.overwrite)  # before the model loads
     targets = args.targets.split(",")
     keep = parse_keep_bf16(args.keep_bf16)
     calibrated = args.method in CALIBRATED
@@ -32,8 +51,6 @@ def _quantize(args) -> int:
         check_source(args.calibration)
     device = quantize_device(args.device)
     samples = default_samples(device) if args.calibration_samples is None else args.calibration_samples
-    if samples <= 0:
-        raise ValueError(f"--calibration-samples must be positive, got {samples}")
     directory = plain_hf_directory(args.model) if args.no_check else None
     ref = ids = cal = None
     if directory is not None:  # no reference needed: never hold the 16-bit model
@@ -67,7 +84,7 @@ def _quantize(args) -> int:
         console.print(f"quantized to {args.format} with {args.method} on {device} in {time.perf_counter() - t1:.1f}s"
                       + (f" ({cal.numel()} calibration tokens)" if cal is not None else ""))
     report = memory_report(model)
-    out = save_quantized(model, tokenizer, args.out, overwrite=args.overwrite)
+    out = save_quantized(model, tokenizer, out, overwrite=args.overwrite)
     table = Table(title=f"{args.model} -> {args.format} ({args.method})", show_header=False)
     table.add_row("output", str(out))
     table.add_row("quantized linears", f"{report['quantized_params'] / 1e6:.1f} M weights")
@@ -103,13 +120,17 @@ def quantize_device(name: str):
 
 
 def _train(args) -> int:
-    from .config import load_config
-    from .rl.trainer import Trainer
+    from .config import config_help, load_config
 
+    if args.help_config:
+        print(config_help())
+        return 0
     cfg = load_config(args.config, args.overrides)
     if args.output_dir:
         cfg.output_dir = args.output_dir
-    trainer = Trainer(cfg, resume=args.resume, console=console)
+    from .rl.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=args.resume, console=console, override=tuple(args.override or ()))
     trainer.train()
     return 0
 
@@ -159,18 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration", default="auto",
                    help="calibration text for gptq / awq: auto, reasoning-gym, self (the model's own greedy "
                         "answers), or a .txt / .jsonl file; never an evaluation set")
-    q.add_argument("--calibration-samples", type=int,
+    q.add_argument("--calibration-samples", type=positive_int,
                    help="calibration sequences (default 128 on a GPU, 64 on the CPU; see docs/formats.md)")
     q.add_argument("--device", default="auto",
                    help="where the model is loaded, calibrated and quantized: auto (a GPU when there is one), "
                         "cpu, cuda, cuda:N")
-    q.add_argument("--calibration-max-tokens", type=int, default=256, help="tokens per calibration sequence")
+    q.add_argument("--calibration-max-tokens", type=positive_int, default=256,
+                   help="tokens per calibration sequence")
     q.add_argument("--keep-bf16", default="",
                    help="comma-separated module names / patterns / last:N left in bf16 (e.g. last:2,*.down_proj)")
-    q.add_argument("--out", required=True, help="output directory (written atomically)")
+    q.add_argument("--out", required=True, help="output directory (checked before the model loads, written "
+                                                "atomically)")
     q.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated linear names to quantize")
     q.add_argument("--dtype", default="bf16", help="dtype of the unquantized tensors (bf16, fp16, fp32)")
-    q.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it exists and qerl wrote it (anything else is refused, never deleted)")
     q.add_argument("--no-check", action="store_true", help="skip the KL / perplexity check against the original")
     q.add_argument("--trust-remote-code", action="store_true", help="allow code from the model directory to run")
     q.set_defaults(func=_quantize)
@@ -180,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.group_size=16")
     t.add_argument("--output-dir", help="run directory (overrides output_dir)")
     t.add_argument("--resume", nargs="?", const="auto", help="continue from the last complete checkpoint (or DIR)")
+    t.add_argument("--override", nargs="+", metavar="KEY",
+                   help="with --resume: config keys the resumed run may change (e.g. optim.lr); other changes "
+                        "than steps, save_every, keep_last, keep_best, logging and plots are refused without it")
+    t.add_argument("--help-config", action="store_true", help="print every config key with its type, default and "
+                                                             "meaning, then exit")
     t.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="pass@1 of a model (+ adapter) on a math dataset")
@@ -194,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", help="the 16-bit model to merge into (default: the adapter's base_model_name_or_path)")
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype of the merged weights")
     m.add_argument("--device", default="cpu", help="where the merge runs (cpu, cuda, cuda:N)")
-    m.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    m.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it exists and qerl wrote it (anything else is refused, never deleted)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow code from the model directory to run")
     m.set_defaults(func=_merge)
 
@@ -208,19 +238,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    # qerl shows its own progress; transformers' per-tensor bars and dtype advice are noise here.
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    from .rl.trainer import TrainingInterrupted
-
+    """Run one command; every failure a user can cause ends with one line and exit status 2, a stop signal
+    (SIGINT / SIGTERM, at any point, imports included) with one line and 128 + its number."""
+    quiet_libraries()
+    raise_on_stop_signals()
     try:
+        args = build_parser().parse_args(argv)
+        from transformers.utils import logging as hf_logging
+
+        # qerl shows its own progress; transformers' per-tensor bars and dtype advice are noise here.
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
         return args.func(args)
     except TrainingInterrupted as e:
         console.print(Text(str(e), style="yellow"), soft_wrap=True)
         return 128 + e.signum
+    except KeyboardInterrupt as e:  # Interrupted (SIGTERM, or a signal during training's clean stop) or Ctrl-C
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the line below is the last word, whatever comes now
+            signal.signal(sig, signal.SIG_IGN)
+        console.print(Text(f"stopped by {signal.Signals(signum).name}; nothing half-written was kept (outputs "
+                           "appear only when complete; a run continues from its last checkpoint with --resume)",
+                           style="yellow"), soft_wrap=True)
+        return 128 + signum
     except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
         # soft_wrap: keep paths unbroken; Text: a message with [brackets] is not rich markup.
         console.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)

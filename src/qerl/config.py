@@ -108,8 +108,8 @@ class DataSection:
     max_bad_fraction: float = field(default=0.1, metadata={
         "help": "refuse the source when more than this share of its rows is malformed"})
     suffix: str = field(default="gsm8k", metadata={
-        "help": "answer-format instruction after the question: gsm8k | boxed | none | literal text "
-                "(qerl.data.templates); paper: gsm8k (GSM8K), boxed (BigMath)"})
+        "help": "answer-format instruction after the question: gsm8k | boxed | none, or text:LITERAL "
+                "TEXT (anything else is refused; qerl.data.templates); paper: gsm8k (GSM8K), boxed (BigMath)"})
     system: str | None = field(default=None, metadata={"help": "system message of the chat template"})
     max_prompt_tokens: int = field(default=256, metadata={
         "help": "longer prompts are dropped, tokens; paper: 256 (GSM8K), 512 (BigMath)"})

@@ -87,12 +87,15 @@ def _check_fraction(max_bad_fraction: float) -> None:
 
 
 def normalize_rows(raw: list, where: str, question_key: str | None = None, answer_key: str | None = None,
-                   skipped: list[str] | None = None, max_bad_fraction: float = MAX_BAD_FRACTION) -> list[dict]:
+                   skipped: list[str] | None = None, max_bad_fraction: float = MAX_BAD_FRACTION,
+                   places: list[str] | None = None) -> list[dict]:
     """Raw records -> rows {"question", "answer", **rest}; bad rows are skipped and reported.
 
     raw: list of dicts (anything else in it is a bad row); where: the source name for messages;
     skipped: problems already found while reading (e.g. unparseable lines), reported together; those rows
     are not in `raw` but count towards the total. More than max_bad_fraction of the total bad: refused.
+    places: how messages name each record of `raw` (a .jsonl file's "line N", 1-based as editors count, like its
+    unreadable lines); default "row i", 0-based as in the list.
     """
     _check_fraction(max_bad_fraction)
     skipped = list(skipped or [])
@@ -104,16 +107,17 @@ def normalize_rows(raw: list, where: str, question_key: str | None = None, answe
     qk = _pick_key(columns, question_key, QUESTION_KEYS, "question", where)
     ak = _pick_key(columns, answer_key, ANSWER_KEYS, "answer", where)
     rows = []
-    for i, r in enumerate(raw):
+    places = places or [f"row {i}" for i in range(len(raw))]
+    for place, r in zip(places, raw):
         if not isinstance(r, dict):
-            skipped.append(f"row {i}: not an object ({type(r).__name__})")
+            skipped.append(f"{place}: not an object ({type(r).__name__})")
             continue
         q, a = r.get(qk), r.get(ak)
         if not isinstance(q, str) or not q.strip():
-            skipped.append(f"row {i}: {qk!r} is {'missing' if q is None else repr(q)[:40]}, not a non-empty string")
+            skipped.append(f"{place}: {qk!r} is {'missing' if q is None else repr(q)[:40]}, not a non-empty string")
             continue
         if isinstance(a, bool) or not isinstance(a, (str, int, float)) or (isinstance(a, str) and not a.strip()):
-            skipped.append(f"row {i}: {ak!r} is {'missing' if a is None else repr(a)[:40]}, not a string or number")
+            skipped.append(f"{place}: {ak!r} is {'missing' if a is None else repr(a)[:40]}, not a string or number")
             continue
         rest = {k: v for k, v in r.items() if k not in (qk, ak, "question", "answer")}
         rows.append({"question": q, "answer": str(a), **rest})
@@ -131,19 +135,21 @@ def normalize_rows(raw: list, where: str, question_key: str | None = None, answe
 # --------------------------------------------------------------------------------------- sources
 
 
-def _read_jsonl(path: Path) -> tuple[list, list[str]]:
-    records, bad = [], []
+def _read_jsonl(path: Path) -> tuple[list, list[str], list[str]]:
+    """-> (records, problems of unreadable lines, "line N" of each record): lines are counted from 1."""
+    records, bad, places = [], [], []
     with path.open("rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 records.append(json.loads(line.decode("utf-8")))
+                places.append(f"line {n}")
             except UnicodeDecodeError as e:
                 bad.append(f"line {n}: not UTF-8 ({e.reason} at byte {e.start})")
             except json.JSONDecodeError as e:
                 bad.append(f"line {n}: invalid JSON ({e.msg})")
-    return records, bad
+    return records, bad, places
 
 
 def _read_json(path: Path) -> list:
@@ -180,16 +186,17 @@ def load_file(path, question_key=None, answer_key=None, max_bad_fraction: float 
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
     suffix = path.suffix.lower()
-    bad = []
+    bad, places = [], None
     if suffix == ".jsonl":
-        raw, bad = _read_jsonl(path)
+        raw, bad, places = _read_jsonl(path)
     elif suffix == ".json":
         raw = _read_json(path)
     elif suffix == ".parquet":
         raw = _read_parquet(path)
     else:
         raise DatasetError(f"{path}: unknown file type {suffix!r}; use .jsonl, .json or .parquet")
-    return normalize_rows(raw, str(path), question_key, answer_key, skipped=bad, max_bad_fraction=max_bad_fraction)
+    return normalize_rows(raw, str(path), question_key, answer_key, skipped=bad, max_bad_fraction=max_bad_fraction,
+                          places=places)
 
 
 def _package_jsonl(*parts: str) -> list:

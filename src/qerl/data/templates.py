@@ -6,17 +6,34 @@ BOXED_SUFFIX = "Please reason step by step, and put your final answer within \\b
 SUFFIXES = {"gsm8k": GSM8K_SUFFIX, "boxed": BOXED_SUFFIX, "none": ""}
 
 
+LITERAL_PREFIX = "text:"
+
+
 def resolve_suffix(suffix: str | None) -> str:
-    """A suffix name ("gsm8k", "boxed", "none") or a literal suffix string -> the suffix text."""
+    """A suffix name ("gsm8k", "boxed", "none"), "text:<literal text>", or one of the named suffixes' own
+    texts -> the suffix text. Anything else is a ValueError (with "did you mean" for a near-miss): a mistyped
+    name must not become prompt text."""
     if suffix is None:
         return ""
-    return SUFFIXES.get(suffix, suffix)
+    if suffix in SUFFIXES:
+        return SUFFIXES[suffix]
+    if suffix.startswith(LITERAL_PREFIX):
+        return suffix[len(LITERAL_PREFIX):].strip()
+    if suffix in SUFFIXES.values():
+        return suffix
+    import difflib
+
+    close = difflib.get_close_matches(suffix.lower(), SUFFIXES, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(f"unknown suffix {suffix!r}: {hint}use one of {', '.join(SUFFIXES)}, or "
+                     f"'{LITERAL_PREFIX}<your text>' for literal prompt text")
 
 
 def build_prompt(question: str, tokenizer=None, suffix: str | None = GSM8K_SUFFIX, system: str | None = None) -> str:
     """The text to feed the model for one problem.
 
-    The user turn is `question` + a newline + `suffix` (a name from SUFFIXES or literal text).
+    The user turn is `question` + a newline + `suffix` (`resolve_suffix`: a name from SUFFIXES or
+    "text:...").
     With a tokenizer that has a chat template, the turn (after an optional system message) goes through
     it with the generation prompt appended; otherwise (base models, the test tokenizer) the prompt is the
     plain user text (system text first) followed by a newline.

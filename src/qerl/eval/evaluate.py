@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from ..data.datasets import MAX_BAD_FRACTION
-from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt
+from ..argtypes import (checked_by, non_negative_float, non_negative_int, positive_int, probability_mass,
+                        unit_interval)
+from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt, resolve_suffix
 from ..formats import FORMATS
 from ..rewards.math import math_reward
 from ..rollout.engine import RolloutEngine
@@ -44,6 +46,9 @@ def evaluate(model, tokenizer, rows: list[dict], n_samples: int = 1,
     """
     if not rows:
         raise ValueError("evaluate: no problems")
+    for name, value in (("n_samples", n_samples), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"evaluate: {name} must be >= 1, got {value}")
     n_samples = 1 if sampling.greedy else n_samples
     prompts = [build_prompt(r["question"], tokenizer, suffix, system) for r in rows]
     ids = [encode_prompt(p, tokenizer) for p in prompts]
@@ -89,19 +94,20 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="gsm8k, gsm8k-offline (GSM8K test; :heldout = its first 500 problems, :train = the 819 "
                              "after them), aime2025, bigmath, reasoning-gym:<task>, or a file")
     parser.add_argument("--split", default="test", help="dataset split (default test)")
-    parser.add_argument("--limit", type=int, help="evaluate on the first N problems")
-    parser.add_argument("--max-bad-fraction", type=float, default=MAX_BAD_FRACTION,
+    parser.add_argument("--limit", type=positive_int, help="evaluate on the first N problems")
+    parser.add_argument("--max-bad-fraction", type=unit_interval, default=MAX_BAD_FRACTION,
                         help="refuse the dataset when more than this share of its rows is malformed (default "
                              f"{MAX_BAD_FRACTION}; 1 = skip them all with a warning)")
-    parser.add_argument("--n", type=int, default=4, help="samples per problem (pass@1 averages them; default 4)")
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=positive_int, default=4,
+                        help="samples per problem (pass@1 averages them; default 4)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.6)
+    parser.add_argument("--top-p", type=probability_mass, default=0.95)
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     parser.add_argument("--greedy", action="store_true", help="temperature 0, one sample per problem")
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=64, help="sequences per engine call")
-    parser.add_argument("--suffix", default="gsm8k",
-                        help="prompt suffix: gsm8k (####), boxed (\\boxed{}), none, or literal text")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=512)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="sequences per engine call")
+    parser.add_argument("--suffix", default="gsm8k", type=checked_by(resolve_suffix),
+                        help="prompt suffix: gsm8k (####), boxed (\\boxed{}), none, or text:LITERAL TEXT")
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument("--format", choices=list(FORMATS),
                         help="quantize the base first (ignored when the model is already quantized)")
@@ -115,7 +121,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="decode from 16-bit copies of the 4-bit weights (+2 bytes per weight; NF4 has no fused "
                              "kernel and is several times faster so)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write per-problem results here (JSONL, one problem a line)")
+    parser.add_argument("--out", help="write per-problem results here (JSONL, one problem a line; checked before "
+                                      "the model loads, written atomically)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out if it exists and is a results file qerl eval wrote")
     parser.add_argument("--trust-remote-code", action="store_true")
     return parser
 
@@ -161,6 +170,17 @@ def prepare_model(args):
     return model.eval(), tokenizer
 
 
+def is_eval_output(path: Path) -> bool:
+    """Whether `path` is a per-problem results file `qerl eval --out` wrote (its first line is one problem's
+    record), the only kind of file --overwrite replaces."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and {"question", "answer", "completions", "rewards"} <= first.keys()
+
+
 def summary_table(result: dict, title: str):
     from rich.table import Table
 
@@ -178,10 +198,14 @@ def run_eval(args) -> int:
     """`qerl eval`: evaluate and print a summary; per-problem results to --out. Returns the exit code."""
     from rich.console import Console
 
+    from ..models.atomic import atomic_file, check_output_file
+
     from ..data import load_problems
 
     console = Console(stderr=True)
-    keep_bf16_arg(args)  # refuse a bad --keep-bf16 before any loading
+    # everything that can be refused is refused before the dataset and the model load
+    keep_bf16_arg(args)
+    out = check_output_file(args.out, args.overwrite, recognise=is_eval_output) if args.out else None
     rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed,
                          max_bad_fraction=args.max_bad_fraction)
     t0 = time.perf_counter()
@@ -197,10 +221,8 @@ def run_eval(args) -> int:
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, suffix=args.suffix,
                       seed=args.seed, system=args.system, dense_weights=args.dense_weights)
     seconds = time.perf_counter() - t0
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w", encoding="utf-8") as f:
+    if out is not None:
+        with atomic_file(out) as f:
             for p in result["per_problem"]:
                 f.write(json.dumps(p, ensure_ascii=False) + "\n")
     console.print(summary_table(result, f"{args.model}{' + ' + args.adapter if args.adapter else ''} on {args.dataset}"))

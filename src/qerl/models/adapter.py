@@ -108,9 +108,11 @@ def expert_target_parameters(model: nn.Module) -> list[str]:
 
 
 def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = None, overwrite: bool = False,
-                 original_base: bool = True) -> Path:
-    """Write the model's LoRA weights as a PEFT adapter directory (atomic). original_base: for a model
-    AWQ-folded in this process, write the adapter of the unfolded model (False: as trained)."""
+                 original_base: bool = True, notes: dict[str, str] | None = None, check_owner: bool = True) -> Path:
+    """Write the model's LoRA weights as a PEFT adapter directory (atomic; `atomic_directory`'s overwrite rule,
+    check_owner=False for a run's own adapter/). original_base: for a model AWQ-folded in this process, write
+    the adapter of the unfolded model (False: as trained). notes: {key: text} written into the safetensors
+    metadata as `qerl_<key>` (e.g. a warning that the adapter was trained on rewards that all failed)."""
     from peft import LoraConfig as PeftLoraConfig
 
     cfg = lora_config_of(model)
@@ -127,9 +129,10 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
         target_parameters=expert_target_parameters(model) or None,
         base_model_name_or_path=base_model_name_or_path or getattr(model.config, "_name_or_path", None),
     )
-    with atomic_directory(out, overwrite) as tmp:
+    metadata = {"format": "pt", **{f"qerl_{k}": str(v) for k, v in (notes or {}).items()}}
+    with atomic_directory(out, overwrite, kind="adapter", check_owner=check_owner) as tmp:
         peft_cfg.save_pretrained(str(tmp))
-        save_file(weights, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        save_file(weights, tmp / "adapter_model.safetensors", metadata=metadata)
     return Path(out).expanduser().resolve()
 
 

@@ -1,10 +1,31 @@
-"""Write a directory all-or-nothing: fill a hidden temp sibling, fsync, then rename into place."""
+"""Output paths, one rule for every command: checked before any work, written all-or-nothing, and replaced
+only when qerl wrote them.
 
+A directory qerl writes (a quantized or merged model, an adapter, a checkpoint) is filled in a hidden temp
+sibling, fsynced, then renamed into place; it carries OUTPUT_MARKER, a small JSON file naming what wrote it.
+`overwrite` replaces an existing directory only when it holds that marker (or is empty): a directory of the
+user's own files is refused with a list of what is in it, never deleted. A file qerl writes (`qerl eval
+--out`) is written to a temp sibling and renamed; `overwrite` replaces only a file a `recognise` function
+accepts as qerl's own. The results get the permissions of a normal new file or directory (the umask's),
+not the temp files' 0600 / 0700.
+"""
+
+import json
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+
+OUTPUT_MARKER = ".qerl-output.json"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_tree(root: Path) -> None:
@@ -16,16 +37,67 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
-@contextmanager
-def atomic_directory(out, overwrite: bool = False):
-    """Yield a temp directory; on success it becomes `out`, on any error it is deleted and `out` untouched."""
+def listing(path: Path, limit: int = 5) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    more = f", ... ({len(names)} entries)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _check_parent(out: Path, what: str) -> None:
+    """ValueError when `out`'s parent cannot hold it: a file on the way, or a directory we may not write."""
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{what} {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {out}: {parent} is not writable")
+
+
+def is_qerl_output(path: Path) -> bool:
+    """Whether the directory `path` was written by qerl (holds OUTPUT_MARKER)."""
+    return (Path(path) / OUTPUT_MARKER).is_file()
+
+
+def check_output_dir(out, overwrite: bool = False, what: str = "--out") -> Path:
+    """The resolved output directory, checked before any work: FileExistsError when it exists and overwrite is
+    off; ValueError when it is a file, when it holds files qerl did not write (even with overwrite), or when
+    its parent cannot be written. An empty directory is always fine."""
     out = Path(out).expanduser().resolve()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"{what} {out}: is a file; give a directory path")
+        if any(out.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{what} {out}: already exists (--overwrite replaces a directory qerl wrote)")
+            if not is_qerl_output(out):
+                raise ValueError(f"{what} {out}: holds files qerl did not write ({listing(out)}); --overwrite "
+                                 "replaces only a directory qerl wrote: choose another path or remove it yourself")
+    _check_parent(out, what)
+    return out
+
+
+@contextmanager
+def atomic_directory(out, overwrite: bool = False, kind: str = "output", check_owner: bool = True):
+    """Yield a temp directory; on success it becomes `out` (with OUTPUT_MARKER naming `kind`), on any error or
+    interruption it is deleted and `out` untouched. Refusals as `check_output_dir`; check_owner=False lets
+    overwrite replace a directory without the marker (qerl's own subdirectories of a run, which older versions
+    wrote unmarked)."""
+    if check_owner:
+        out = check_output_dir(out, overwrite)
+    else:
+        out = Path(out).expanduser().resolve()
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out}: already exists")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         yield tmp
+        from .. import __version__
+
+        (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": f"qerl {__version__}", "kind": kind,
+                                                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        os.chmod(tmp, 0o777 & ~_umask())
         _fsync_tree(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
@@ -36,4 +108,41 @@ def atomic_directory(out, overwrite: bool = False):
             os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_output_file(out, overwrite: bool = False, recognise: Callable[[Path], bool] | None = None,
+                      what: str = "--out") -> Path:
+    """The resolved output file, checked before any work: ValueError when it is a directory or its parent
+    cannot be written; FileExistsError when it exists and overwrite is off; ValueError when it exists and
+    `recognise` does not accept it as qerl's own (an empty file always is)."""
+    out = Path(out).expanduser().resolve()
+    if out.is_dir():
+        raise ValueError(f"{what} {out}: is a directory; give a file path")
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{what} {out}: already exists (--overwrite replaces a file qerl wrote)")
+        if out.stat().st_size and not (recognise is not None and recognise(out)):
+            raise ValueError(f"{what} {out}: is not a file qerl wrote; --overwrite replaces only those: choose "
+                             "another path or remove it yourself")
+    _check_parent(out, what)
+    return out
+
+
+@contextmanager
+def atomic_file(out: Path, mode: str = "w"):
+    """Yield an open temp file beside `out`; on success it is fsynced and renamed to `out`, on any error or
+    interruption deleted (an existing `out` stays as it was)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.tmp-")
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(name, 0o666 & ~_umask())
+        os.replace(name, out)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
         raise

@@ -185,7 +185,7 @@ def save_quantized(model: nn.Module, tokenizer, out, overwrite: bool = False) ->
     if kept:
         config[KEEP_KEY] = sorted(kept)
     config["quantization_config"] = quantization_config(fmt, ignore)
-    with atomic_directory(out, overwrite) as tmp:
+    with atomic_directory(out, overwrite, kind="quantized model") as tmp:
         write_model_files(tmp, state, config, model, tokenizer)
         scales = channel_scales(model)
         if scales:

@@ -160,6 +160,6 @@ def save_gpt_oss_mxfp4(model: nn.Module, tokenizer, out, overwrite: bool = False
     config = model.config.to_dict()
     config.pop("qerl_weight_format", None)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "modules_to_not_convert": NOT_CONVERTED}
-    with atomic_directory(out, overwrite) as tmp:
+    with atomic_directory(out, overwrite, kind="quantized model") as tmp:
         write_model_files(tmp, state, config, model, tokenizer)
     return Path(out).expanduser().resolve()

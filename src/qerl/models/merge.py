@@ -10,7 +10,7 @@ its 4-bit training base (docs/results.md, "The gap is in the base").
 import json
 from pathlib import Path
 
-from .atomic import atomic_directory
+from .atomic import atomic_directory, check_output_dir
 
 
 def adapter_base(adapter) -> str:
@@ -36,15 +36,13 @@ def merge_adapter(adapter, out, model: str | None = None, dtype: str = "bf16", d
     from .load import load_causal_lm
 
     model = model or adapter_base(adapter)
-    out = Path(out).expanduser().resolve()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
+    out = check_output_dir(out, overwrite)  # before the model loads
     base, tokenizer = load_causal_lm(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if quant_layers(base):
         raise ValueError(f"{model} is a quantized checkpoint: merge into the 16-bit model it was made from "
                          "(--model), whose weights the adapter's product is added to")
     merged = PeftModel.from_pretrained(base, str(Path(adapter).expanduser())).merge_and_unload()
-    with atomic_directory(out, overwrite) as tmp:
+    with atomic_directory(out, overwrite, kind="merged model") as tmp:
         merged.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -1,5 +1,9 @@
 """Find the final answer a completion commits to: the LAST `####`, `\\boxed{}` or `<answer>` marker.
 
+After `####` the answer is the number right after the marker, as in GSM8K's reference solutions and
+lm-evaluation-harness's strict match ("#### 18 (3 bags of 6)" answers 18); only when no number follows the
+marker (`#### \\frac{1}{2}`, "#### The answer is 18") is the rest of its line the answer text.
+
 Models often restate intermediate results in the same style ("... \\boxed{5} ... so \\boxed{7}"), and
 math-verify on the whole text would read two boxes as the set {5, 7}; cutting out the last marker's
 content first makes "the last answer counts" hold for every style.
@@ -13,6 +17,9 @@ STYLES = ("gsm8k", "boxed", "answer_tag")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
+# a number opening the text after `####`: a sign, digits with thousands commas, decimals or a fraction; currency,
+# markdown bold and inline-math openers may come first ("$1,250.50", "**18**", "\\(42\\)")
+_LEADING_NUMBER = re.compile(r"(?:\$|\*\*|\\\(|\s)*(-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)(?![\d.]*[a-zA-Z\\^_{])")
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,11 @@ def final_answer(text: str, styles=STYLES) -> FinalAnswer | None:
     if "boxed" in styles:
         found.append(_last_boxed(text))
     if "gsm8k" in styles:
-        found.append(_last(_HASHES, text, "gsm8k"))
+        hashes = _last(_HASHES, text, "gsm8k")
+        number = _LEADING_NUMBER.match(hashes.text) if hashes is not None else None
+        if number:  # the span stays the marker's line: what follows the number is still part of the answer line
+            hashes = FinalAnswer("gsm8k", number.group(1).rstrip(","), hashes.start, hashes.end)
+        found.append(hashes)
     found = [f for f in found if f is not None and f.text]
     return max(found, key=lambda f: f.start) if found else None
 

@@ -13,8 +13,6 @@ import dataclasses
 import os
 import random
 import resource
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -24,9 +22,11 @@ from rich.console import Console
 
 from ..config import TrainConfig, save_config, to_dict
 from ..data import DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
+from ..data.templates import resolve_suffix
 from ..kernels.route import current_policy
 from ..kernels.dequant_cache import dense_weight_bytes
 from ..models import load_adapter, lora_parameters, save_adapter
+from ..models.atomic import check_output_dir
 from ..models.calibrate import default_samples
 from ..models.policy import build_policy
 from ..models.router import router_parameters
@@ -36,53 +36,36 @@ from ..rewards import RewardRunner
 from ..rewards.resolve import resolve_reward
 from ..rollout import RolloutEngine
 from ..rollout.memory import EngineMemoryPolicy
-from .checkpointing import (check_same_run, list_checkpoints, load_trainer_state, rng_state, save_checkpoint,
-                            set_rng_state)
+from .checkpointing import (CONFIG_CHANGES_FILE, check_resume_changes, list_checkpoints, load_trainer_state,
+                            record_config_changes, rng_state, save_checkpoint, set_rng_state)
 from .aqn import weak_noise_note
 from .collect import collect_experience, failed_rewards
 from .distributed import barrier, init_distributed, mean_metrics
 from .prompt_stream import PromptStream
+from .stop import StopRequests, TrainingAborted, TrainingInterrupted  # noqa: F401 (re-exported)
 from .run_log import RunLog, plot_metrics, read_metrics, truncate_metrics
 from .settings import aqn_schedule, collect_settings, entropy_controller, lr_schedule, update_settings
 from .update import NonFiniteError, policy_update
 
 
-class TrainingAborted(RuntimeError):
-    """Too many bad steps in a row, a reward that always fails, or out of memory; the message says what happened
-    and what to change."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """SIGINT / SIGTERM: the step in flight was finished and a checkpoint written."""
-
-    def __init__(self, signum: int, checkpoint: Path):
-        super().__init__(f"stopped by {signal.Signals(signum).name} after a checkpoint at {checkpoint}; "
-                         "continue with --resume")
-        self.signum = signum
-
-
-class StopRequests:
-    """Turn SIGINT/SIGTERM into a request honoured at the next step boundary; a second one aborts at once."""
-
-    def __init__(self, console: Console):
-        self.console, self.signum, self._previous = console, None, {}
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.console.print(f"[yellow]{signal.Signals(signum).name}: finishing this step, then checkpointing "
-                           "(send it again to abort now)")
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def check_new_run_dir(run_dir: Path) -> None:
+    """Refuse, before any work, an output_dir that already holds a run (FileExistsError: --resume continues it),
+    a file, or a directory holding what a run would write over (ValueError). Other files may stay beside a run
+    (a launcher's log, say): a run never deletes anything."""
+    if not run_dir.exists():
+        check_output_dir(run_dir, what="output_dir")  # a file on the way or an unwritable parent
+        return
+    if not run_dir.is_dir():
+        raise ValueError(f"output_dir {run_dir}: is a file; give a directory path")
+    if any((run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", "checkpoints")):
+        raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
+                              "another output_dir")
+    taken = [name for name in ("adapter", "tensorboard", CONFIG_CHANGES_FILE) if (run_dir / name).exists()]
+    if taken:
+        raise ValueError(f"output_dir {run_dir}: holds {', '.join(taken)}, which a run writes; choose another "
+                         "output_dir")
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"output_dir {run_dir}: is not writable")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -108,8 +91,13 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: str | None = None, console: Console | None = None):
+    def __init__(self, cfg: TrainConfig, resume: str | None = None, console: Console | None = None,
+                 override: tuple[str, ...] = ()):
+        """resume: "auto" (the run's newest readable checkpoint) or a checkpoint directory; override: config keys
+        a resumed run may change beyond FUTURE_ONLY_KEYS (`--resume --override KEY ...`)."""
         self.cfg, self.console = cfg, console or Console(stderr=True)
+        if override and not resume:
+            raise ValueError("--override names config keys a resumed run may change: it needs --resume")
         self.device = resolve_device(cfg.model.device)
         self.dist = init_distributed(self.device)
         if self.dist.enabled and self.device.type == "cuda":
@@ -125,7 +113,17 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # same on every rank: identical LoRA initialisation
         # each rank samples its own completions (and AQN noise)
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed + 1_000_003 * self.dist.rank)
-        # rewards and data first: a bad reward name or data source is reported before the expensive model load
+        # everything that can be refused is checked before the expensive model load: the run directory (and, on
+        # --resume, the checkpoint and the config changes), the prompt suffix, the rewards and the data
+        self.run_dir = Path(cfg.output_dir)
+        self._override = tuple(override)
+        self._resume_from = self._plan_resume(resume, self._override) if resume else None
+        if not resume:
+            check_new_run_dir(self.run_dir)
+        try:
+            resolve_suffix(cfg.data.suffix)
+        except ValueError as e:
+            raise ValueError(f"data.suffix: {e}") from None
         self.rewards = RewardRunner([resolve_reward(name) for name in cfg.rewards], cfg.reward_weights,
                                     cfg.reward_timeout_s)
         try:
@@ -166,16 +164,13 @@ class Trainer:
                 self.console.print(f"[yellow]{note}", highlight=False)
         self.collect_settings = collect_settings(cfg, self.dist.world)
         self.update_settings = update_settings(cfg, self.model.config)
-        self.run_dir = Path(cfg.output_dir)
         self.step = 0
         self.bad_in_a_row = self.bad_total = 0
         self.reward_failures_in_a_row = {name: 0 for name in self.rewards.names}  # steps it failed on every row
+        self.reward_ever_scored = {name: False for name in self.rewards.names}  # any row, any step of the run
         self.best_reward, self._rewards_since_save = float("-inf"), []
-        if resume:
-            self._resume(resume)
-        elif (self.run_dir / "metrics.jsonl").exists():
-            raise FileExistsError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose "
-                                  "another output_dir")
+        if self._resume_from is not None:
+            self._resume(*self._resume_from)
         self.log = None
         if self.dist.is_main:  # one writer
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -267,6 +262,7 @@ class Trainer:
         failed = failed_rewards(metrics, self.rewards.names, rows)
         for name in self.rewards.names:
             self.reward_failures_in_a_row[name] = self.reward_failures_in_a_row[name] + 1 if name in failed else 0
+            self.reward_ever_scored[name] |= name not in failed
 
     def _abort_if_a_reward_keeps_failing(self) -> None:
         """Stop, after a checkpoint, once one reward function has failed on every row for
@@ -325,8 +321,11 @@ class Trainer:
         self.save_checkpoint()
         if not self.dist.is_main:
             return self.run_dir / "adapter"
+        never = [c for c, name in zip(cfg.rewards, self.rewards.names) if not self.reward_ever_scored[name]]
+        warning = (f"reward {', '.join(map(repr, never))} failed on every row of every step (1-{self.step}): "
+                   "this adapter learned without its signal") if never else None
         final = save_adapter(self.model, self.run_dir / "adapter", base_model_name_or_path=cfg.model.name,
-                             overwrite=True)
+                             overwrite=True, check_owner=False, notes={"warning": warning} if warning else None)
         self.log.close()
         if cfg.plots:
             for path in plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir):
@@ -336,6 +335,11 @@ class Trainer:
         self.console.print(f"reward: mean of the first {k} steps {sum(rewards[:k]) / k:.3f} -> "
                            f"last {k} steps {sum(rewards[-k:]) / k:.3f}")
         self.console.print(f"adapter: {final}")
+        if warning:
+            error = "; ".join((self.rewards.last_errors.get(n) or "no message").strip().splitlines()[0][:200]
+                              for c, n in zip(cfg.rewards, self.rewards.names) if c in never)
+            raise TrainingAborted(f"{warning} (last error: {error}); the adapter's metadata says so "
+                                  f"(qerl_warning in {final / 'adapter_model.safetensors'})")
         return final
 
     def _micro_batch_knob(self) -> str:
@@ -389,7 +393,7 @@ class Trainer:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "data": self.stream.state(), "rng": rng_state(self.generator), "bad_total": self.bad_total,
                  "aqn_multiplier": self.controller.multiplier if self.controller else 1.0,
-                 "best_reward": self.best_reward,
+                 "best_reward": self.best_reward, "reward_ever_scored": dict(self.reward_ever_scored),
                  "config": to_dict(self.cfg)}
         path = save_checkpoint(self.run_dir, self.step, self.model, state, self.cfg.keep_last)
         recent = self._rewards_since_save
@@ -400,15 +404,22 @@ class Trainer:
         self._rewards_since_save = []
         return path
 
-    def _resume(self, resume: str) -> None:
+    def _plan_resume(self, resume: str, override: tuple[str, ...]):
+        """Before the model loads: the checkpoint to continue from and its state, checked against the config ->
+        (state, checkpoint, accepted config changes), or None when the run starts again from step 0."""
+        if resume == "auto" and not self.run_dir.is_dir():
+            raise FileNotFoundError(f"--resume: {self.run_dir} holds no run (output_dir or --output-dir names it)")
         checkpoints = list_checkpoints(self.run_dir) if resume == "auto" else [Path(resume)]
         started = any((self.run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml"))
         if not checkpoints and resume == "auto" and started:
             # stopped before its first checkpoint (e.g. save_every 0 and killed): nothing to continue, so the run
             # starts again at step 0; refusing would leave a directory neither --resume nor a new run accepts
+            if override:
+                raise ValueError("--override: the run has no checkpoint yet, so it starts again from step 0 with "
+                                 "the new config; drop --override")
             self.console.print(f"[yellow]{self.run_dir} has no complete checkpoint yet: starting again from step 0")
             self._truncate_metrics(0)
-            return
+            return None
         if not checkpoints:
             raise FileNotFoundError(f"{self.run_dir}: no complete checkpoint to resume from")
         state, checkpoint = None, None
@@ -422,7 +433,10 @@ class Trainer:
                 self.console.print(f"[yellow]skipping checkpoint {candidate}: {e}")
         if state is None:
             raise ValueError(f"{self.run_dir}: no readable checkpoint to resume from")
-        check_same_run(state["config"], to_dict(self.cfg), checkpoint)
+        changes = check_resume_changes(state["config"], to_dict(self.cfg), checkpoint, override)
+        return state, checkpoint, changes
+
+    def _resume(self, state: dict, checkpoint: Path, changes) -> None:
         load_adapter(self.model, checkpoint / "adapter", original_base=False)
         self.params = self._trainable_parameters()  # load_adapter attached fresh LoRA parameters
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
@@ -434,9 +448,16 @@ class Trainer:
         if self.dist.rank > 0:  # the checkpoint holds rank 0's sampler; the others derive theirs
             self.generator.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank + state["step"])
         self.step, self.bad_total, self.best_reward = state["step"], state["bad_total"], state["best_reward"]
+        # written before this was kept: unknown, so assumed scored (no false alarm)
+        self.reward_ever_scored.update(state.get("reward_ever_scored", dict.fromkeys(self.rewards.names, True)))
         if self.controller is not None:
             self.controller.multiplier = state["aqn_multiplier"]
         self._truncate_metrics(self.step)
+        if self.dist.is_main:
+            record_config_changes(self.run_dir, self.step, changes, self._override)
+        for key, old, new in changes:
+            self.console.print(f"{key}: {old!r} -> {new!r} from step {self.step + 1} (recorded in "
+                               f"{CONFIG_CHANGES_FILE})", highlight=False)
         self.console.print(f"resumed from {checkpoint} at step {self.step}")
 
     def _truncate_metrics(self, step: int) -> None:
