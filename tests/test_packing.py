@@ -12,10 +12,11 @@ from qerl.models import lora_parameters, quantize_model
 from qerl.models.policy import enable_gradient_checkpointing
 from qerl.nn import LoraConfig
 from qerl.nn.noisy_norm import NoisyNorms
+from qerl.nn.packed_attention import ATTN_NAME
 from qerl.rl.collect import Experience
 from qerl.rl.logprobs import completion_logprobs
 from qerl.rl.losses import LossSettings
-from qerl.rl.packing import ATTN_NAME, needed_tokens, packed_logprobs, plan_micro_batches, prompt_groups
+from qerl.rl.packing import needed_tokens, packed_logprobs, plan_micro_batches, prompt_groups
 from qerl.rl.update import UpdateSettings, policy_update
 
 P, T = 7, 6
@@ -273,7 +274,7 @@ def test_the_config_sets_packing_and_its_budget():
 def test_gather_backward_equals_autograd_of_plain_indexing(dim):
     """Gather's gather-only backward sums the duplicate readers exactly like autograd's scatter-add; rows left
     out of the inverse must get zero gradient, so the upstream gradient is zeroed there."""
-    from qerl.rl.packing import host_gather
+    from qerl.nn.packed_attention import host_gather
 
     g = torch.Generator().manual_seed(0)
     size, rows = 11, 40
@@ -294,7 +295,7 @@ def test_gather_backward_equals_autograd_of_plain_indexing(dim):
 
 
 def test_inverse_index_of_a_permutation_is_its_inverse():
-    from qerl.rl.packing import inverse_index
+    from qerl.nn.packed_attention import inverse_index
 
     perm = torch.randperm(9, generator=torch.Generator().manual_seed(1))
     inv = inverse_index(perm, 9)
