@@ -15,7 +15,8 @@ import torch
 from qerl.bench.rollout import policy_bytes
 from qerl.bench.shapes import QWEN25, qwen25_config
 from qerl.formats import get_format
-from qerl.models.convert import find_targets, memory_report, set_module
+from qerl.models.memory import memory_report
+from qerl.models.targets import find_targets, set_module
 from qerl.nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from qerl.nn.quant_embedding import _PER_TENSOR
 

@@ -36,7 +36,8 @@ def bits_per_weight(tensors: dict[str, torch.Tensor], numel: int) -> float:
 
 def model_errors(name: str, formats: list[str]) -> None:
     from qerl.models import load_causal_lm
-    from qerl.models.convert import find_targets, shared_global_scales
+    from qerl.models.surgery import shared_global_scales
+    from qerl.models.targets import find_targets
     from qerl.nn import DEFAULT_TARGETS
 
     model, _ = load_causal_lm(name)

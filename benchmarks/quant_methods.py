@@ -42,7 +42,8 @@ def parse_row(row: str) -> tuple[str, str, str | None, list[str]]:
 def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.Module, float, dict]:
     """A fresh copy of `base` quantized as `row`; (model, seconds, info)."""
     from qerl.models.calibrate import calibration_ids, method_quantizer
-    from qerl.models.convert import calibrated_quantize, quantize_model
+    from qerl.models.calibrated_quantize import calibrated_quantize
+    from qerl.models.convert import quantize_model
     from qerl.models.precision import resolve_keep_bf16
     from qerl.quant import CALIBRATED
 
@@ -77,7 +78,9 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
 def explain_rows(model, row: str) -> None:
     """Diagnostic rows, in place on a dense model (see the module docstring)."""
     from qerl.formats.nvfp4 import E4M3_MAX
-    from qerl.models.convert import find_targets, quantize_model, shared_global_scales
+    from qerl.models.convert import quantize_model
+    from qerl.models.surgery import shared_global_scales
+    from qerl.models.targets import find_targets
     from qerl.nn import DEFAULT_TARGETS
 
     kind, _, rest = row.partition(":")
@@ -107,7 +110,7 @@ def explain_rows(model, row: str) -> None:
 
 def weight_error(base, model) -> float | None:
     """sqrt(sum ||W - deq||^2 / sum ||W||^2) over the quantized linears (None when nothing is quantized)."""
-    from qerl.models.convert import quant_layers
+    from qerl.models.targets import quant_layers
 
     num = den = 0.0
     layers = quant_layers(model)

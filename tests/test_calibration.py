@@ -14,7 +14,7 @@ from qerl.config import load_config
 from qerl.data.calibration import CalibrationError, check_source, pack_tokens
 from qerl.models import quantize_model, save_quantized
 from qerl.models.calibrate import calibration_ids
-from qerl.models.convert import quant_layers
+from qerl.models.targets import quant_layers
 from qerl.models.stream import build_layer_by_layer
 from qerl.rl.trainer import Trainer
 

@@ -8,7 +8,8 @@ from tiny import tiny_model
 
 from qerl.formats import get_format
 from qerl.models import dequantize_model, lora_parameters, memory_report, quant_layers, quantize_model, save_quantized
-from qerl.models.convert import shared_global_scales, find_targets
+from qerl.models.surgery import shared_global_scales
+from qerl.models.targets import find_targets
 from qerl.nn import DEFAULT_TARGETS, LoraConfig, QuantLinear
 
 # Stored bits per weight, scales included: NVFP4 4 + 8/16 (+ one fp32 per tensor), MXFP4 4 + 8/32,

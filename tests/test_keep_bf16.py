@@ -12,7 +12,7 @@ from tiny import tiny_model, tiny_tokenizer
 from qerl.formats import get_format
 from qerl.models import load_causal_lm, memory_report, quant_layers, quantize_model, save_quantized
 from qerl.models.checkpoint import KEEP_KEY
-from qerl.models.convert import find_targets
+from qerl.models.targets import find_targets
 from qerl.models.precision import (check_keep_bf16, describe_keep_bf16, keep_bf16_extra_bytes, match_keep_bf16,
                                    partial_sibling_groups, resolve_keep_bf16)
 from qerl.models.stream import stream_quantized

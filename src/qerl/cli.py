@@ -35,7 +35,7 @@ def _quantize(args) -> int:
     from .models.load import plain_hf_directory
     from .data.calibration import check_source
     from .models.calibrate import calibration_ids, default_samples
-    from .models.convert import quant_layers
+    from .models.targets import quant_layers
     from .models.precision import describe_keep_bf16, parse_keep_bf16
     from .models.atomic import check_output_dir
     from .models.stream import stream_quantized

@@ -2,12 +2,14 @@
 
 from .adapter import AdapterError, load_adapter, save_adapter
 from .checkpoint import load_quantized, save_quantized
-from .convert import (add_lora, dequantize_model, lora_parameters, memory_report, quant_embeddings, quant_experts,
-                      quant_layers, quantize_input_embeddings, quantize_model)
+from .convert import dequantize_model, quantize_input_embeddings, quantize_model
 from .experts import quantize_experts
 from .load import load_causal_lm
+from .lora_attach import add_lora, lora_parameters
+from .memory import memory_report
 from .sources import ModelLoadError
 from .registry import DEFAULT_MODEL, EMBEDDED
+from .targets import quant_embeddings, quant_experts, quant_layers
 
 __all__ = [
     "AdapterError", "DEFAULT_MODEL", "EMBEDDED", "ModelLoadError", "add_lora", "dequantize_model", "load_adapter", "load_causal_lm",

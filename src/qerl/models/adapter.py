@@ -41,9 +41,10 @@ from torch import nn
 from ..nn import LoraConfig
 from ..quant.awq import FOLDED_SCALES, lora_between_bases
 from .atomic import atomic_directory
-from .convert import add_lora, lora_parameters, quant_experts, quant_layers
+from .lora_attach import add_lora, lora_parameters
 from .router import (PEFT_MODULES_TO_SAVE, module_parameters, prepare_routers, reset_routers, router_modules,
                      router_parameters)
+from .targets import quant_experts, quant_layers
 
 PEFT_PREFIX = "base_model.model."
 # expert LoRA: qerl's parameter name "<path>.lora_{A,B}.<weight>" <-> PEFT's "<path>.<nesting>lora_{A,B}.weight"

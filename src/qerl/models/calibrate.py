@@ -4,7 +4,7 @@ input statistics, the per-group method quantizer, and the calibration tokens the
 The calibration tokens [S, T] run through the embedding; a pre-hook on decoder layer 0 records the hidden
 states and the arguments the model passes its layers (position embeddings, mask). Per layer, hooks on the
 dense target linears accumulate each input's Hessian H = sum x x^T / n (fp32 [K, K]) and keep a row sample
-for AWQ. `qerl.models.convert.calibrated_quantize` runs the loop; only one layer's statistics and the hidden
+for AWQ. `qerl.models.calibrated_quantize` runs the loop; only one layer's statistics and the hidden
 states [S, T, D] are alive at a time, so it also works on the streaming loader's meta-device skeleton.
 """
 

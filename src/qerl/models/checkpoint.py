@@ -34,11 +34,11 @@ from ..formats import get_format
 from ..nn import QuantEmbedding, QuantLinear
 from ..quant.awq import channel_scales, set_channel_scales
 from .atomic import atomic_directory
-from .convert import quant_experts, quant_layers, set_module
 from .moe_checkpoint import check_saveable_experts, expert_tensors, has_expert_tensors, take_experts
 from .router import router_modules
 from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import partial_sibling_groups
+from .targets import quant_experts, quant_layers, set_module
 
 MAX_SHARD_BYTES = 5 * 1024**3
 CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}

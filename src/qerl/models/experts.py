@@ -22,7 +22,7 @@ from ..formats import get_format
 from ..nn.quant_experts import QuantExperts
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from ..quant import check_method, quantize_group
-from .convert import set_module
+from .targets import set_module
 
 
 @dataclass(frozen=True)

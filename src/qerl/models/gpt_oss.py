@@ -35,8 +35,8 @@ from torch import nn
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from .atomic import atomic_directory
 from .checkpoint import assign_remaining, directory_tokenizer, write_model_files
-from .convert import quant_layers, set_module
 from .sources import ModelLoadError, check_safetensors, resolve_dtype
+from .targets import quant_layers, set_module
 
 MODEL_TYPE = "gpt_oss"
 QUANT_METHOD = "mxfp4"

@@ -32,8 +32,8 @@ def merge_adapter(adapter, out, model: str | None = None, dtype: str = "bf16", d
     (bf16, fp16, fp32); the merge adds the adapter's product in that dtype. Returns the written directory."""
     from peft import PeftModel
 
-    from .convert import quant_layers
     from .load import load_causal_lm
+    from .targets import quant_layers
 
     model = model or adapter_base(adapter)
     out = check_output_dir(out, overwrite)  # before the model loads

@@ -13,12 +13,14 @@ from ..nn import LoraConfig
 from ..quant import CALIBRATED, check_method
 from .adapter import load_adapter
 from .calibrate import calibration_ids, default_samples
-from .convert import add_lora, quant_layers, quantize_input_embeddings, quantize_model
+from .convert import quantize_input_embeddings, quantize_model
 from .load import load_causal_lm, plain_hf_directory
+from .lora_attach import add_lora
 from .sources import compute_dtype
 from .precision import describe_keep_bf16
 from .router import prepare_routers, router_modules
 from .stream import stream_quantized
+from .targets import quant_layers
 
 if TYPE_CHECKING:
     from ..config import ModelSection

@@ -17,10 +17,13 @@ from torch import nn
 
 from ..nn import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
-from .convert import add_expert_lora, add_lora_to, calibrated_quantize, quantize_input_embeddings, quantize_keeping
+from .calibrated_quantize import calibrated_quantize
+from .convert import quantize_input_embeddings
 from .experts import quantize_experts
+from .lora_attach import add_expert_lora, add_lora_to
 from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import names_under, resolve_keep_bf16
+from .surgery import quantize_keeping
 
 
 class _Checkpoint:

@@ -1,13 +1,18 @@
-"""Which linears of a model are quantization targets, and which of them serving engines fuse.
+"""Where things sit in a model: which linears are quantization targets (and which of them serving engines fuse),
+the quantized modules once converted, and replacing a submodule by its dotted path.
 
-Shared by the surgery (`convert`), the calibration (`calibrate`) and the loaders."""
+Shared by the surgery (`surgery`, `convert`, `experts`), the calibration (`calibrate`), LoRA attachment, the
+memory report and the loaders."""
 
 from typing import Iterable
 
 from torch import nn
 
+from ..nn import QuantEmbedding, QuantExperts, QuantLinear
+
 # Leaf names that share one global scale when they sit under the same parent module.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
 
 def find_targets(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linear]:
     """{module path: nn.Linear} for linears whose leaf name is in targets (lm_head never included)."""
@@ -22,3 +27,24 @@ def find_targets(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linea
             "check --targets against the model's module names"
         )
     return found
+
+
+def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted `path` (e.g. `model.layers.0.mlp.up_proj`) by `module`."""
+    parent_path, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, leaf, module)
+
+
+def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    """{module path: layer} of every QuantLinear in `model`, in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def quant_experts(model: nn.Module) -> dict[str, QuantExperts]:
+    """{module path: stack} of every 4-bit MoE experts stack (QuantExperts and its subclasses) in `model`."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantExperts)}
+
+
+def quant_embeddings(model: nn.Module) -> dict[str, QuantEmbedding]:
+    """{module path: embedding} of every QuantEmbedding in `model`."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantEmbedding)}
