@@ -1,6 +1,6 @@
 """Compile the warp-specialized NVFP4 kernel for sm_90 without a GPU and report what ptxas made of it.
 
-`python benchmarks/compile_wgmma_ws.py [NAME=VALUE ...] [--src DIR] [--setmaxnreg-floor N]`: NAME=VALUE set
+`python experiments/compile_wgmma_ws.py [NAME=VALUE ...] [--src DIR] [--setmaxnreg-floor N]`: NAME=VALUE set
 the kernel's constexprs (defaults BM=256 BKH=64 NS=3 CREGS=232 NC=2 where the kernel has them, the others 0);
 --src imports qerl from another tree, e.g. `git worktree add /tmp/a6 a6cd4a0` for the schedules measured there
 (`--src /tmp/a6/src MODE=4 BM=128 NS=4`). Uses the ptxas the installed Triton compiles sm_90 with (docs quote
@@ -103,7 +103,11 @@ def main(argv=None) -> int:
     import importlib
 
     module, name, descs = KERNELS[a.kernel]
-    kernel = getattr(importlib.import_module(f"qerl.kernels.{module}"), name)
+    try:
+        kernel_module = importlib.import_module(f"qerl.kernels.{module}")
+    except ModuleNotFoundError:  # a --src tree from before kernels/ was split by backend (gluon_nvfp4_wgmma_ws.py)
+        kernel_module = importlib.import_module(f"qerl.kernels.{module.replace('.', '_')}")
+    kernel = getattr(kernel_module, name)
     names = [p.name for p in kernel.params if p.is_constexpr]
     cx = {n: a.constexprs.get(n, DEFAULTS.get(n, 0)) for n in names}
     if a.kernel == "grad_input" and "NS" not in a.constexprs:
