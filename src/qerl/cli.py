@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_merge)
 
     b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout, step (one end-to-end RL step)")
-    b.add_argument("what", choices=["kernels", "rollout", "step"])
+    b.add_argument("what", choices=["kernels", "rollout", "step", "study"])
     b.add_argument("rest", nargs=argparse.REMAINDER,
                    help="arguments passed to the benchmark, e.g. rollout / step --lengths NAME|FILE (ragged "
                         "completion lengths from a profile) --schedulers continuous,static (step: --modes new,old)")
