@@ -13,6 +13,9 @@ tensors stay the only persistent copy.
 The other operations, one entry module each: `decode_attention`, `fused_ops` (residual-add + RMSNorm, RoPE,
 SiLU-mul), `lora_a`; sampling is `triton.sampling` behind `qerl.rollout.sampling`. Shared pieces: `operands`
 (argument views), `workspace` (kernel buffers), `pdl` (programmatic dependent launch).
+Layout: the entry modules and `route` here, the backends by language in `triton/` and `gluon/` (each imports
+Triton: imported lazily), and the tuning data, `KernelPolicy`'s thresholds and the kernels' tile tables, as one
+JSON file per device family in tuning/ (`route.TUNING_FILES`).
 """
 
 from .dequant_cache import dense_weight_bytes, dequantized_weights

@@ -2,8 +2,10 @@
 
 Imports no Triton (CPU users may not have it). The thresholds live in `KernelPolicy`, a frozen dataclass read
 from a context variable: `with kernel_policy(fused_max_m=32): ...` changes them for a scope (a benchmark, a
-test) and nowhere else. The rules and the measurements that set them (H200; docs/benchmarks.md, section
-"What runs where", and the benchmark named at each field):
+test) and nowhere else. Their default values are data, one JSON file per device family in kernels/tuning/
+(`TUNING_FILES`): default.json holds what every device uses, sm90.json what only the sm_90 rules read; the same
+files hold the kernels' tile tables (`tile_config`). The rules and the measurements that set them (H200;
+docs/benchmarks.md, section "What runs where", and the benchmark named at each field):
 
   NVFP4 forward x @ W^T (bf16 x, K % 128 == 0, global scale > 128, sm_80+: the Gluon swap-AB kernels)
     rows 1..swap_max_m          Gluon, mma.sync form (`gluon_mma`); on sm_90 the wgmma form instead for
@@ -38,11 +40,13 @@ excluded from then on (`unavailable` / `mark_unavailable`); `KernelPolicy.disabl
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from importlib import resources
 
 import torch
 
@@ -63,54 +67,81 @@ BACKENDS = (TORCH_DEQUANTIZE, TORCH_LINEAR, TRITON_DEQUANTIZE, TRITON_DOT, TRITO
             GLUON_GRAD_INPUT)
 
 
+# Tuning data, in this order; a key set by two files is an error (each family's file holds only its own rules)
+TUNING_FILES = ("default.json", "sm90.json")
+
+
+def load_tuning(files: tuple[str, ...] = TUNING_FILES) -> dict:
+    """{"policy": {KernelPolicy field: default}, "tiles": {backend: [row, ...]}} merged from kernels/tuning/<files>
+    (package data). A tile table's rows: see `tile_config`."""
+    merged: dict = {"policy": {}, "tiles": {}}
+    for name in files:
+        data = json.loads((resources.files(__package__) / "tuning" / name).read_text())
+        for section, values in merged.items():
+            again = sorted(values.keys() & data.get(section, {}).keys())
+            if again:
+                raise ValueError(f"kernels/tuning/{name}: {section} {again} already set by an earlier file")
+            values.update(data.get(section, {}))
+    return merged
+
+
+TUNING = load_tuning()
+_TUNED = TUNING["policy"]
+
+
 @dataclass(frozen=True)
 class KernelPolicy:
-    """The routing thresholds (rows M, weight sizes N * K in elements) and switches; see the module docstring."""
+    """The routing thresholds (rows M, weight sizes N * K in elements) and switches; see the module docstring.
+    The thresholds' defaults come from kernels/tuning/*.json (`TUNING`); the comments name what measured them."""
 
     triton: bool | None = None  # None: when Triton is importable and QERL_DISABLE_TRITON is not "1"
     # NVFP4 forward, Gluon swap-AB kernels (`qerl bench kernels --swap`, src/qerl/bench/kernels.py)
-    swap_max_m: int = 64
-    wgmma_min_m: int = 9
-    wgmma_small_m: int = 5
-    wgmma_small_m_min_weight: int = 100 * 2**20
-    wgmma_max_m: int = 128  # rows above swap_max_m (`qerl bench kernels`, routed vs deq+cuBLAS at M = 128/256)
-    wgmma_max_m_big: int = 256
+    swap_max_m: int = _TUNED["swap_max_m"]
+    wgmma_min_m: int = _TUNED["wgmma_min_m"]
+    wgmma_small_m: int = _TUNED["wgmma_small_m"]
+    wgmma_small_m_min_weight: int = _TUNED["wgmma_small_m_min_weight"]  # 100 * 2^20
+    # rows above swap_max_m (`qerl bench kernels`, routed vs deq+cuBLAS at M = 128/256)
+    wgmma_max_m: int = _TUNED["wgmma_max_m"]
+    wgmma_max_m_big: int = _TUNED["wgmma_max_m_big"]
     # the warp-specialized wgmma kernel: ws_min_m..ws_max_m rows, weights with >= ws_min_n rows and
-    # >= ws_min_weight elements (H100: `python benchmarks/wgmma_ws_ab.py`, docs/benchmarks.md section
+    # >= ws_min_weight (2^27) elements (H100: `python benchmarks/wgmma_ws_ab.py`, docs/benchmarks.md section
     # "Warp-specialized NVFP4 kernel")
-    ws_min_m: int = 256
-    ws_max_m: int = 1024
-    ws_min_n: int = 8192
-    ws_min_weight: int = 2**27
+    ws_min_m: int = _TUNED["ws_min_m"]
+    ws_max_m: int = _TUNED["ws_max_m"]
+    ws_min_n: int = _TUNED["ws_min_n"]
+    ws_min_weight: int = _TUNED["ws_min_weight"]
     # NVFP4 input gradient dY @ W on sm_90: the Gluon kernel at grad_input_min_m..grad_input_max_m rows for
-    # weights of >= grad_input_min_weight elements, up to grad_input_max_m_big rows from grad_input_big_weight
-    # (H100: `python benchmarks/grad_input_ab.py`, docs/benchmarks.md section "NVFP4 input gradient");
-    # grad_input_no_temporary: also at every other M that would dequantize W into a temporary (slower from ~512
-    # rows, but never holds an N x K 16-bit copy of W; the training config's optim.grad_input_no_temporary)
-    grad_input_min_m: int = 65
-    grad_input_max_m: int = 256
-    grad_input_max_m_big: int = 512
-    grad_input_min_weight: int = 2**26
-    grad_input_big_weight: int = 192 * 2**20
+    # weights of >= grad_input_min_weight (2^26) elements, up to grad_input_max_m_big rows from
+    # grad_input_big_weight (192 * 2^20) (H100: `python benchmarks/grad_input_ab.py`, docs/benchmarks.md section
+    # "NVFP4 input gradient"); grad_input_no_temporary: also at every other M that would dequantize W into a
+    # temporary (slower from ~512 rows, but never holds an N x K 16-bit copy of W; the training config's
+    # optim.grad_input_no_temporary)
+    grad_input_min_m: int = _TUNED["grad_input_min_m"]
+    grad_input_max_m: int = _TUNED["grad_input_max_m"]
+    grad_input_max_m_big: int = _TUNED["grad_input_max_m_big"]
+    grad_input_min_weight: int = _TUNED["grad_input_min_weight"]
+    grad_input_big_weight: int = _TUNED["grad_input_big_weight"]
     grad_input_no_temporary: bool = False
-    # "big" weights: above it the wgmma form takes x pre-permuted and more rows, and the tl.dot kernel more rows
-    big_weight: int = 32 * 2**20
+    # "big" weights (32 * 2^20 elements): above it the wgmma form takes x pre-permuted and more rows, and the
+    # tl.dot kernel more rows
+    big_weight: int = _TUNED["big_weight"]
     permute_x: bool | None = None  # wgmma form: force x staged (False) or pre-permuted (True); None: the rule
     # the wgmma form above swap_max_m rows on weights under big_weight (a 1.5B model's every linear; H200:
     # `python benchmarks/small_weight_tiles.py`, docs/benchmarks.md "Small weights at rollout rows"): activation
-    # rows per tile, the weight size from which x is pre-permuted (staged below it), and, above 32 rows, the
-    # fewest K tiles one split may take (each split adds an M x N fp32 partial; 128 / 0 / 1 = the earlier rule)
-    wide_m_tile: int = 64
-    permute_x_min_weight: int = 8 * 2**20
-    wide_m_min_k_tiles: int = 3
+    # rows per tile, the weight size (8 * 2^20) from which x is pre-permuted (staged below it), and, above 32
+    # rows, the fewest K tiles one split may take (each split adds an M x N fp32 partial; 128 / 0 / 1 = the
+    # earlier rule)
+    wide_m_tile: int = _TUNED["wide_m_tile"]
+    permute_x_min_weight: int = _TUNED["permute_x_min_weight"]
+    wide_m_min_k_tiles: int = _TUNED["wide_m_min_k_tiles"]
     # Triton kernels (`qerl bench kernels` and `--decode`)
-    gemv_max_m: int = 1
-    fused_max_m: int = 16
-    fused_max_m_big: int = 64
+    gemv_max_m: int = _TUNED["gemv_max_m"]
+    fused_max_m: int = _TUNED["fused_max_m"]
+    fused_max_m_big: int = _TUNED["fused_max_m_big"]
     # bf16 weights (`python benchmarks/rollout.py --variants bf16+lora`, docs/benchmarks.md "Rollout engine")
-    bf16_swap_max_m: int = 32
+    bf16_swap_max_m: int = _TUNED["bf16_swap_max_m"]
     # widest LoRA rank sum the Gluon kernels' epilogue takes (its B tile [BN, R] lives in registers)
-    lora_in_kernel_max_r: int = 128
+    lora_in_kernel_max_r: int = _TUNED["lora_in_kernel_max_r"]
     disabled: frozenset[str] = frozenset()  # backends `route` must not return (tests, benchmarks, debugging)
 
 
@@ -133,6 +164,54 @@ def kernel_policy(policy: KernelPolicy | None = None, **overrides) -> Iterator[K
         yield _POLICY.get()
     finally:
         _POLICY.reset(token)
+
+
+TILE_CONDITIONS = ("max_m", "min_weight", "x_permuted", "n_above_k_times", "k_above")  # see `tile_config`
+
+
+def _compile_tiles(tiles: dict) -> dict:
+    """TUNING["tiles"] as {backend: [(max_m, min_weight, x_permuted, n_above_k_times, k_above, tile,
+    programs_per_sm, reads_policy)]}, an absent condition None (what `tile_config` loops over)."""
+    out = {}
+    for backend, rows in tiles.items():
+        out[backend] = []
+        for row in rows:
+            unknown = set(row) - {*TILE_CONDITIONS, "tile", "programs_per_sm"}
+            if unknown:
+                raise ValueError(f"kernels/tuning: {backend} row {row}: unknown keys {sorted(unknown)}")
+            conds = tuple(row.get(c) for c in TILE_CONDITIONS)
+            values = (*conds, *row["tile"].values())
+            out[backend].append((*conds, row["tile"], row.get("programs_per_sm"),
+                                 any(isinstance(v, str) for v in values)))
+    return out
+
+
+_TILES = _compile_tiles(TUNING["tiles"])
+
+
+def tile_config(backend: str, m: int, n: int = 0, k: int = 0, *, x_permuted: bool | None = None,
+                policy: KernelPolicy | None = None) -> dict:
+    """The launch tile of `backend` for an [m, k] x [n, k]^T product: the first row of its table in `TUNING`
+    ("tiles") that matches, as {tile parameter: value} plus "programs_per_sm" where the row gives one. A row
+    matches when every condition it states holds (`TILE_CONDITIONS`): max_m (m <= max_m; null: any m),
+    min_weight (n * k >=), x_permuted (equal to the argument), n_above_k_times (n > value * k), k_above (k >).
+    A value given as a string is the `KernelPolicy` field of that name, read from `policy` (default: the current
+    one)."""
+    p = policy
+    for max_m, min_weight, xp, n_above_k_times, k_above, tile, programs, reads_policy in _TILES[backend]:
+        if reads_policy:
+            p = p or _POLICY.get()
+            max_m, min_weight, n_above_k_times, k_above = [getattr(p, v) if isinstance(v, str) else v for v in
+                                                           (max_m, min_weight, n_above_k_times, k_above)]
+        if ((max_m is None or m <= max_m) and (min_weight is None or n * k >= min_weight)
+                and (xp is None or x_permuted == xp) and (n_above_k_times is None or n > n_above_k_times * k)
+                and (k_above is None or k > k_above)):
+            out = {name: getattr(p, v) if isinstance(v, str) else v for name, v in tile.items()} \
+                if reads_policy else dict(tile)
+            if programs is not None:
+                out["programs_per_sm"] = programs
+            return out
+    raise LookupError(f"no row of the {backend!r} tile table takes m={m}, n={n}, k={k}, x_permuted={x_permuted}")
 
 
 def parse_policy_overrides(text: str) -> dict:

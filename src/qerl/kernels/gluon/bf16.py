@@ -24,6 +24,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import pdl
+from ..route import GLUON_BF16, tile_config
 from .common import _async_load, _barrier, _commit, _lora_tile, _store_out, _wait, launch_buffers, lora_operands
 
 
@@ -98,12 +99,13 @@ Bf16Config = tuple[int, int, int, int]
 
 
 def pick_config(m: int, n: int, k: int) -> tuple[Bf16Config, float]:
-    """(tile, programs per SM) for [m, k] x [n, k]^T: 3 stages, 128 columns per step, ~2 programs per SM for
-    weights of >= 32M elements and 3 otherwise (the most frequent best tile of an H200 sweep over the
+    """(tile, programs per SM) for [m, k] x [n, k]^T: the `gluon_bf16` table (kernels/tuning/default.json,
+    `route.tile_config`). BM the next of 8, 16, 32, 64 rows, 3 stages, 128 columns per step, ~2 programs per SM
+    for weights of >= 32M elements and 3 otherwise (the most frequent best tile of an H200 sweep over the
     Qwen2.5-7B shapes and the lm_head at M = 1 / 8 / 16; its effect in the engine: `qerl bench rollout`,
     docs/benchmarks.md "Rollout engine")."""
-    bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    return (64, bm, 128, 3), (2.0 if n * k >= 32 * 2**20 else 3.0)
+    t = tile_config(GLUON_BF16, m, n, k)
+    return (t["BN"], t["BM"], t["BK"], t["NS"]), t["programs_per_sm"]
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:

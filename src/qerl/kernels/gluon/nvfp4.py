@@ -42,7 +42,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import pdl
 from ..operands import add_lora, as_2d, global_scale_f32, scale_bytes, step_fits_bf16
-from ..route import current_policy, permute_x, permute_x_rule, sm_count
+from ..route import GLUON_MMA, GLUON_WGMMA, current_policy, permute_x, permute_x_rule, sm_count, tile_config
 from ..workspace import alloc
 from .common import (_barrier, _commit, _decode_stage, _issue_w, _load_x_split, _lora_tile, _store_out, _wait,
                            launch_buffers, lora_operands)
@@ -137,46 +137,34 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
 SwapConfig = tuple[int, int, int, int, int]
 
 
-def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for an [m, k] x [n, k]^T product (k % 128 == 0): per row bucket the tile of
-    `qerl bench kernels --swap`'s tile sweep (src/qerl/bench/kernels.py, `swap_candidates`) that was fastest
-    most often over the Qwen2.5-7B/32B/72B shapes on an H200; programs per SM from benchmarks/split_sweep.py."""
-    if m <= 8:
-        cfg, waves = (64, 8, 128, 16, 3), 3.0
-    elif m <= 16:
-        cfg, waves = (128, 16, 128, 16, 3), 3.0
-    elif m <= 32:
-        cfg, waves = (128, 32, 128, 16, 3), 2.0
-    else:
-        cfg, waves = (128, 64, 64, 16, 4), 3.0
+def _swap_tile(t: dict, k: int) -> tuple[SwapConfig, float]:
+    """A `route.tile_config` row as (tile, programs per SM); 64 packed bytes per step where K is not a multiple
+    of the row's step."""
+    cfg = (t["BN"], t["BM"], t["BKH"], t["KW"], t["NS"])
     if k % (2 * cfg[2]):
         cfg = (*cfg[:2], 64, *cfg[3:])
-    return cfg, waves
+    return cfg, t["programs_per_sm"]
+
+
+def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
+    """(tile, programs per SM) for an [m, k] x [n, k]^T product (k % 128 == 0): the `gluon_mma` table
+    (kernels/tuning/default.json, `route.tile_config`). Per row bucket the tile of `qerl bench kernels --swap`'s
+    tile sweep (src/qerl/bench/kernels.py, `swap_candidates`) that was fastest most often over the
+    Qwen2.5-7B/32B/72B shapes on an H200; programs per SM from benchmarks/split_sweep.py."""
+    return _swap_tile(tile_config(GLUON_MMA, m, n, k), k)
 
 
 def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
-    """(tile, programs per SM) for the wgmma kernel (`nvfp4_wgmma`, the rows `route.wgmma_rows` sends it):
-    one 64-row wgmma tile per warpgroup, 3 stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128
-    packed bytes per step and ~4 programs per SM, above that 64 bytes and ~3; with x pre-permuted
-    (`route.permute_x_rule`) 128 bytes per step at 17-32 rows for gate/up-like weights (N > 4 K) and ~2
-    programs per SM at 33-64 rows; above 64 rows 2 stages and 128 activation rows per tile for big weights,
-    `KernelPolicy.wide_m_tile` (64) for the others. Set from H200 tile sweeps over BN x (BKH, NS) x programs per
-    SM (docs/benchmarks.md; benchmarks/split_sweep.py times the split, benchmarks/small_weight_tiles.py every
-    tile and split at a small model's shapes)."""
-    policy = current_policy()
-    xp = permute_x_rule(policy, m, n, k)
-    if m > 64:
-        bm = 128 if n * k >= policy.big_weight else policy.wide_m_tile
-        cfg, waves = (64, bm, 64, 16, 2), 2.0
-    elif m <= 16:
-        cfg, waves = (64, 8 if m <= 8 else 16, 128, 16, 3), 4.0
-    elif m <= 32:
-        cfg, waves = (64, 32, 128 if xp and n > 4 * k else 64, 16, 3), 3.0
-    else:
-        cfg, waves = (64, 64, 64, 16, 3), 2.0 if xp else 3.0
-    if k % (2 * cfg[2]):
-        cfg = (*cfg[:2], 64, *cfg[3:])
-    return cfg, waves
+    """(tile, programs per SM) for the wgmma kernel (`nvfp4_wgmma`, the rows `route.wgmma_rows` sends it): the
+    `gluon_wgmma` table (kernels/tuning/sm90.json, `route.tile_config`, x pre-permuted by `route.permute_x_rule`).
+    One 64-row wgmma tile per warpgroup, 3 stages; BM (the wgmma N) the next of 8, 16, 32, 64; up to 16 rows 128
+    packed bytes per step and ~4 programs per SM, above that 64 bytes and ~3; with x pre-permuted 128 bytes per
+    step at 17-32 rows for gate/up-like weights (N > 4 K) and ~2 programs per SM at 33-64 rows; above 64 rows 2
+    stages and 128 activation rows per tile for big weights, `KernelPolicy.wide_m_tile` (64) for the others. Set
+    from H200 tile sweeps over BN x (BKH, NS) x programs per SM (docs/benchmarks.md; benchmarks/split_sweep.py
+    times the split, benchmarks/small_weight_tiles.py every tile and split at a small model's shapes)."""
+    xp = permute_x_rule(current_policy(), m, n, k)
+    return _swap_tile(tile_config(GLUON_WGMMA, m, n, k, x_permuted=xp), k)
 
 
 def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0,

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
-from ..route import sm_count
+from ..route import GLUON_GRAD_INPUT, sm_count, tile_config
 from ..workspace import alloc, counters
 from .common import DECODE_PTX_PAIRS, _decode_asm, _split_group_layout, _step_bf16, _store_out
 
@@ -54,12 +54,10 @@ def pick_config(m: int, k: int) -> tuple[int, int, int, int, int]:
     """(BM dY rows per tile, BNR weight rows per step, stages, consumer warpgroups, registers per consumer) by the
     H100 sweep of `benchmarks/grad_input_ab.py` (docs/benchmarks.md, "NVFP4 input gradient"): at <= 64 rows four
     consumers of a 64-row tile (more warps decoding: the decode, not the MMA, is the limit there), at <= 128 a
-    128-row tile, above it 256 rows with 128 weight rows per step for outputs wider than 8192, else 64."""
-    if m <= 64:
-        return (64, 64, 4, 4, 112)
-    if m <= 128:
-        return (128, 128, 4, 2, 232)
-    return (256, 128, 3, 2, 232) if k > 8192 else (256, 64, 4, 2, 232)
+    128-row tile, above it 256 rows with 128 weight rows per step for outputs wider than 8192, else 64 (the
+    `gluon_grad_input` table, kernels/tuning/sm90.json, `route.tile_config`)."""
+    t = tile_config(GLUON_GRAD_INPUT, m, k=k)
+    return t["BM"], t["BNR"], t["NS"], t["NC"], t["CREGS"]
 
 
 @gluon.constexpr_function

@@ -36,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..route import GLUON_WGMMA_WS, tile_config
 from ..workspace import alloc, counters
 from .common import _decode_asm, _lora_tile, _split_group_layout, _step_bf16, _store_out, lora_operands
 from .nvfp4 import call_on_stored_weight, split_for
@@ -43,7 +44,13 @@ from .nvfp4_wgmma import _phys_layout, _pi_bits, _to_logical, permute_x_kernel
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 RB = gl.constexpr(64)  # weight rows per consumer warpgroup (one wgmma M)
-DEFAULT_CONFIG = (256, 64, 3, 232)  # BM (x rows per tile), BKH, pipeline stages, registers per consumer
+
+
+def default_config() -> tuple[int, int, int, int]:
+    """(BM x rows per tile, BKH, pipeline stages, registers per consumer): the `gluon_wgmma_ws` table
+    (kernels/tuning/sm90.json, `route.tile_config`; H100, `benchmarks/wgmma_ws_ab.py`)."""
+    t = tile_config(GLUON_WGMMA_WS, 0)
+    return t["BM"], t["BKH"], t["NS"], t["CREGS"]
 
 
 @gluon.jit
@@ -166,16 +173,17 @@ def nvfp4_wgmma_ws_kernel(x_desc, w_desc, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K
 
 
 def nvfp4_linear_ws(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Tensor, global_scale: torch.Tensor,
-                    bias: torch.Tensor | None, sms: int, config: tuple[int, int, int, int] = DEFAULT_CONFIG,
+                    bias: torch.Tensor | None, sms: int, config: tuple[int, int, int, int] | None = None,
                     split: int | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
                     waves: float = 1.0) -> torch.Tensor:
     """x [M, K] bf16 -> x @ W^T (+ bias) (+ h @ lb^T), [M, N] bf16; operands as `nvfp4.nvfp4_linear_swap`.
-    config (BM, BKH, NS, CREGS); split: number of K splits (None: `split_for` at `waves` programs per SM)."""
+    config (BM, BKH, NS, CREGS), None: `default_config()`; split: number of K splits (None: `split_for` at `waves`
+    programs per SM)."""
     m, k = x.shape
     n = packed.shape[0]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
-    bm, bkh, ns, cregs = config
+    bm, bkh, ns, cregs = config or default_config()
     if k % (2 * bkh) or (k // 2) % 16 or packed.data_ptr() % 16:
         raise ValueError(f"K={k}: needs K % {2 * bkh} == 0 and 16-byte aligned weight rows for TMA")
     tiles = k // (2 * bkh)

@@ -15,7 +15,7 @@ by `pick_config`; see `fp4_mm` for the kernels. This module imports Triton: impo
 import torch
 
 from ..operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
-from ..route import sm_count
+from ..route import TRITON_DOT, sm_count, tile_config
 from .fp4_gemv import GemvConfig, fp4_gemv
 from .fp4_mm import TileConfig, fp4_dequantize, fp4_grad_input, fp4_linear
 
@@ -33,18 +33,20 @@ def _split_for(tiles: int, k_blocks: int, sms: int) -> int:
 
 
 def pick_config(m: int, n_out: int, k_red: int, sms: int) -> TileConfig:
-    """Tile for an [m, k_red] x [k_red, n_out] product (forward: n_out=N, k_red=K; backward: K, N).
+    """Tile for an [m, k_red] x [k_red, n_out] product (forward: n_out=N, k_red=K; backward: K, N): the row of
+    the `triton_dot` table (kernels/tuning/default.json, `route.tile_config`) that takes m rows.
 
-    Small M is weight-bandwidth bound: the 16-row tensor-core tile, 64 output columns and split-K so
-    that the whole chip streams weights. Large M is compute bound: 128 x 128 tiles, no split.
+    Small M is weight-bandwidth bound: the 16-row tensor-core tile, 64 output columns, 128-column K steps (128
+    divides every Qwen2.5 K, so the K masks go: 16-byte loads) and split-K so that the whole chip streams
+    weights; at M <= 16 Triton's own cp.async pipeline (prefetch off) measured 5-15% faster on H200. Large M is
+    compute bound: 128 x 128 tiles, no split.
     """
-    if m <= 64:
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn, bk = 64, 128  # 128 divides every Qwen2.5 K, so the K masks go (16-byte loads)
-        tiles = -(-n_out // bn) * -(-m // bm)
-        # M <= 16: Triton's own cp.async pipeline (prefetch off) measured 5-15% faster on H200
-        return TileConfig(bm, bn, bk, _split_for(tiles, -(-k_red // bk), sms), warps=4, stages=3, prefetch=m > 16)
-    return TileConfig(128, 128, 64, 1, warps=8, stages=3)
+    t = tile_config(TRITON_DOT, m, n_out, k_red)
+    split = 1
+    if t["split_k"]:
+        tiles = -(-n_out // t["bn"]) * -(-m // t["bm"])
+        split = _split_for(tiles, -(-k_red // t["bk"]), sms)
+    return TileConfig(t["bm"], t["bn"], t["bk"], split, warps=t["warps"], stages=t["stages"], prefetch=t["prefetch"])
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, k: int, fmt: str) -> None:
