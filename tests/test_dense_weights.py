@@ -117,10 +117,10 @@ def test_training_with_dense_weights_equals_training_without(tiny_dir, data_file
 
 def test_a_loss_pass_with_dense_copies_issues_no_more_ops_than_bf16():
     """At small sizes the update is launch-bound: the copies must not add host work over the bf16 policy's
-    linears (benchmarks/loss_pass_ops.py, whose table docs/results.md cites)."""
-    from bench_scripts import load_benchmark
+    linears (experiments/loss_pass_ops.py)."""
+    from bench_scripts import load_experiment
 
-    ops = load_benchmark("loss_pass_ops")
+    ops = load_experiment("loss_pass_ops")
     bf16, dense = ops.count_ops("bf16", 2, 8), ops.count_ops("nvfp4+dense", 2, 8)
     assert 0 < sum(dense.values()) <= sum(bf16.values())
     with pytest.raises(SystemExit, match="unknown variant"):

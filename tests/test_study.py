@@ -1,4 +1,4 @@
-"""The multi-arm, multi-seed study (qerl.bench.study, benchmarks/smollm2_rl.py): arm parsing, aggregation,
+"""The multi-arm, multi-seed study (qerl.bench.study, `qerl bench study`): arm parsing, aggregation,
 skipping finished jobs, the deadline, and one real end-to-end run on a tiny model on the CPU."""
 
 import json
@@ -93,6 +93,15 @@ def test_parse_arms_and_seeds():
     for bad in ("", "a", "0,0", "-1"):
         with pytest.raises(StudyError):
             study.parse_seeds(bad)
+
+
+def test_qerl_bench_study_is_the_study_command(capsys):
+    from qerl.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "study", "--arms", "nvfp4+noise", "--seeds", "0"])
+    assert args.what == "study" and args.func(args) == 2  # refused before any job starts
+    assert "error: arm 'nvfp4+noise'" in capsys.readouterr().err
+    assert study.build_parser(prog="qerl bench study").format_usage().startswith("usage: qerl bench study ")
 
 
 def test_set_may_not_override_what_the_study_sets():
@@ -436,9 +445,9 @@ def _merge_run(arm, seed, after, first=0.3, last=0.6):
 
 
 def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsys):
-    from bench_scripts import load_benchmark
+    from bench_scripts import load_experiment
 
-    merge = load_benchmark("study_merge")
+    merge = load_experiment("study_merge")
     config = Path(__file__).resolve().parents[1] / "configs" / "gsm8k-grpo-1.5b.yaml"
     settings = {"config": str(config), "steps": 100, "set": ["save_every=10"]}
     a = _merge_study(settings, [_merge_run("bf16", s, 0.70 + 0.01 * s) for s in range(3)])
@@ -490,12 +499,12 @@ def test_merged_studies_must_share_settings_and_not_repeat_a_job(tmp_path, capsy
 
 
 def test_study_window_reads_finished_and_unfinished_studies(tmp_path, capsys):
-    """benchmarks/study_window.py: the same window from a results.json and from a study directory whose jobs
+    """experiments/study_window.py: the same window from a results.json and from a study directory whose jobs
     stopped early (job_state.json + metrics.jsonl, no result.json); a run short of the window is named, not
     averaged in."""
-    from bench_scripts import load_benchmark
+    from bench_scripts import load_experiment
 
-    window = load_benchmark("study_window")
+    window = load_experiment("study_window")
     steps = lambda n, r: [{"step": s, "reward": r + 0.01 * s, "entropy": 0.2} for s in range(1, n + 1)]  # noqa: E731
     done = tmp_path / "results.json"
     done.write_text(json.dumps({"runs": [{"arm": "bf16", "seed": 0, "metrics": steps(10, 0.5)}]}))

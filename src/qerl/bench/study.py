@@ -1,7 +1,11 @@
 """The paper-effects study (docs/results.md): several arms x several seeds of RL on one model, held-out
 pass@1 before/after, reward and entropy curves, time split and memory, aggregated as mean and spread over
-seeds. `benchmarks/smollm2_rl.py` is the entry point; this module holds the jobs and the command, with
-arms in `study_arms`, the subprocess runner in `study_jobs`, aggregation and plots in `study_report`.
+seeds. `qerl bench study` (or `python -m qerl.bench.study`) runs it; this module holds the jobs and the command,
+with arms in `study_arms`, the subprocess runner in `study_jobs`, aggregation and plots in `study_report`.
+
+    qerl bench study --model smollm2-135m-instruct --train reasoning-gym:basic_arithmetic \\
+        --test reasoning-gym:basic_arithmetic --arms nvfp4+aqn,nvfp4,bf16,bf16+aqn,nf4 --seeds 0,1,2 \\
+        --steps 30 --parallel 8 --deadline-s 510 --out runs/study
 
 An arm is FORMAT[-METHOD][+aqn][:DECAY][@LR]: FORMAT a weight format (nvfp4, mxfp4, nf4, bf16), METHOD how it is
 quantized (rtn, 4over6, gptq, awq; rtn when omitted), +aqn turns Adaptive Quantization Noise on, DECAY
@@ -359,8 +363,9 @@ def job_env(parallel: int) -> dict:
 # the command --------------------------------------------------------------------------------------
 
 
-def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str = __doc__, prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--config", default="configs/smollm2-demo.yaml")
     p.add_argument("--train", default="reasoning-gym:basic_arithmetic")
@@ -396,10 +401,10 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None, description: str = __doc__, prog: str = "python -m qerl.bench.study") -> int:
+def main(argv=None, description: str = __doc__, prog: str = "qerl bench study") -> int:
     t_start = time.monotonic()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(description).parse_args(argv)
+    args = build_parser(description, prog).parse_args(argv)
     if args.test is None:
         args.test = default_test(args.train)
     try:
@@ -536,4 +541,4 @@ def _check_configs(args, jobs: list[Job]) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="python -m qerl.bench.study"))

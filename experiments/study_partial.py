@@ -3,7 +3,7 @@
 averaged over a window of steps, per seed and as the mean over seeds) and the study's reward / entropy plots.
 For studies whose jobs were killed before result.json (a deadline, a lost machine): OUT is the study's --out.
 
-    python benchmarks/study_partial.py OUT --first 1-5 --last 36-40
+    python experiments/study_partial.py OUT --first 1-5 --last 36-40
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Write the study's data as JSONL for a machine without reasoning-gym (the GPU machine has none).
 
-    python benchmarks/study_data.py --task basic_arithmetic --out .gpu/data
+    python experiments/study_data.py --task basic_arithmetic --out .gpu/data
 
 writes, for task T (reasoning-gym task names, qerl's defaults for them in `qerl.data.datasets.GYM_DEFAULTS`):
 

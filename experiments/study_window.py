@@ -1,6 +1,6 @@
 """Training reward and entropy per arm over a window of steps, from finished studies and from unfinished ones.
 
-`python benchmarks/study_window.py --steps 31-45 RUN/results.json ... PARTIAL_DIR ...`: each argument is a study's
+`python experiments/study_window.py --steps 31-45 RUN/results.json ... PARTIAL_DIR ...`: each argument is a study's
 results.json (its runs' per-step metrics) or a study output directory whose job folders hold `metrics.jsonl` and
 `job_state.json` (a study that stopped before its end, e.g. when its machine went away: no held-out score, no
 result.json). Prints, per source and arm, the mean over the window of each seed's training reward and entropy,

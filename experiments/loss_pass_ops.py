@@ -3,7 +3,7 @@ variant, on a tiny random Qwen2 (CPU, float32; `torch.profiler`). At small model
 launching kernels, so a variant that issues more ops per pass is slower for that reason alone; this tells that
 apart from the kernels' own speed.
 
-    python benchmarks/loss_pass_ops.py --variants bf16,nvfp4+dense
+    python experiments/loss_pass_ops.py --variants bf16,nvfp4+dense
 
 A variant is FORMAT[+dense] (+dense: the 16-bit weight copies of `model.dense_weights`). A 4-bit variant
 without +dense runs the CPU's plain-torch dequantize-per-call path here, not the GPU kernels: its count says

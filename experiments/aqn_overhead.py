@@ -2,7 +2,7 @@
 seconds, generated tokens and decode steps, plus the rollout engine at forced lengths, with and without
 `aqn=NoisyNorms(...)`, and the cost of NoisyNorms itself (this implementation vs the per-norm loop it replaced).
 
-  PYTHONPATH=src python benchmarks/aqn_overhead.py --model /tmp/qm/SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+  PYTHONPATH=src python experiments/aqn_overhead.py --model /tmp/qm/SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
 
 Parts (each prints a table; everything is also written to DIR/aqn_overhead.json):
   A  natural lengths: K steps of the demo config (configs/smollm2-demo.yaml: NVFP4 rtn + LoRA r16, 6 x 8

@@ -3,7 +3,7 @@ their runs pooled, then the study's table, claims, learning-rate table and plots
 differ in any setting are refused, as are two runs of the same arm and seed. Arms without an @LR ran at the
 config's optim.lr; the learning-rate table names that rate so those runs join their format's sweep.
 
-    python benchmarks/study_merge.py OUT STUDY/results.json STUDY2/results.json [--arms a,b,...] [--compare A/B,...]
+    python experiments/study_merge.py OUT STUDY/results.json STUDY2/results.json [--arms a,b,...] [--compare A/B,...]
 
 --compare adds, for each pair of arms, the differences the claims use (held-out pass@1 after, on the 16-bit base
 too where the studies measured it, reward growth, entropy), seed by seed with the same standard error (unpaired,
