@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from qerl.bench.rollout import qwen25_config
+from qerl.bench.shapes import qwen25_config
 from qerl.bench.step_ceiling import ceiling, decode_bytes, kv_cache_bytes, main
 
 
@@ -51,3 +51,18 @@ def test_a_run_too_small_for_the_model_is_refused_and_layers_are_honoured():
     full = ceiling(_row("bf16", 4.0, 6.0, 15.5), _row("nvfp4", 3.0, 6.0, 6.2), 256, 512)
     two = ceiling(_row("bf16", 4.0, 6.0, 15.5), _row("nvfp4", 3.0, 6.0, 6.2), 256, 512, layers=2)
     assert two["kv_gb"] == pytest.approx(full["kv_gb"] * 2 / 28)
+
+
+def test_the_module_runs_as_a_command(tmp_path):
+    # docs/benchmarks.md and `qerl bench step`'s output name `python -m qerl.bench.step_ceiling REPORT.json`
+    import subprocess
+    import sys
+
+    bf16, nvfp4 = _row("bf16", 4.0, 6.0, 15.5), _row("nvfp4", 3.0, 6.0, 6.2)
+    report = dict(device="cpu", date="2026-01-01", args=dict(prompt=256, completion=512, group=8),
+                  results=[bf16, nvfp4])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    out = subprocess.run([sys.executable, "-m", "qerl.bench.step_ceiling", str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert f"**{ceiling(bf16, nvfp4, 256, 512)['ceiling']:.2f}x**" in out

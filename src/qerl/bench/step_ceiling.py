@@ -91,3 +91,7 @@ def main(argv=None) -> int:
             reports.append((path.rsplit("/", 1)[-1], json.load(f)))
     print(table(reports))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
