@@ -14,8 +14,8 @@ from qerl.models import (add_lora, load_adapter, lora_parameters, memory_report,
 from qerl.models.adapter import peft_expert_tensor, peft_name
 from qerl.models.experts import dequantize_experts_into
 from qerl.nn import LoraConfig
+from qerl.nn.quant_base import lora_disabled
 from qerl.nn.quant_experts import QuantExperts, grouped_mm_works, lora_rows_grouped_mm, lora_rows_loop
-from qerl.nn.quant_linear import lora_disabled
 
 from tiny_moe import tiny_moe
 

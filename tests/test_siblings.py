@@ -8,7 +8,7 @@ import torch
 from qerl.models.convert import quantize_model
 from qerl.models.siblings import fuse_sibling_storage, fused_tensors
 from qerl.nn import LoraConfig, QuantLinear
-from qerl.nn.quant_linear import lora_disabled
+from qerl.nn.quant_base import lora_disabled
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.sampling import SamplingParams
 

@@ -18,7 +18,7 @@ from ..formats import get_format
 from ..kernels import quantized_linear, quantized_linear_grad_input
 from ..kernels.route import KernelPolicy, current_policy, kernel_policy
 from .lora import LoraConfig, init_lora_, lora_hidden
-from .quant_base import QuantizedModule, lora_disabled  # noqa: F401 (lora_disabled: imported from here too)
+from .quant_base import QuantizedModule
 
 
 def _routed_by(policy: KernelPolicy):

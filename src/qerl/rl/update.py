@@ -18,7 +18,7 @@ import torch
 from ..choices import OLD_LOGPROBS  # the values of UpdateSettings.old_logprobs (config: algo.old_logprobs)
 from ..kernels import dequantized_weights
 from ..models.router import original_routers
-from ..nn.quant_linear import lora_disabled
+from ..nn.quant_base import lora_disabled
 from .collect import Experience
 from .distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from .logprobs import completion_logprobs
