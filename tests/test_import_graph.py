@@ -58,32 +58,34 @@ def _imports(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
+def module_edges(name: str, is_package: bool, source_text: str, modules) -> set[str]:
+    """The qerl modules (among `modules`) that module `name` imports; is_package: it is a package's __init__."""
+    package = name if is_package else name.rpartition(".")[0]
+    edges = set()
+    for node in _imports(ast.parse(source_text, name)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
+                       for alias in node.names]
+        for target in targets:
+            while target and target not in modules:  # `import qerl.x.y` of a name inside a module
+                target = target.rpartition(".")[0]
+            if target and target.split(".")[0] == PACKAGE and target != name:
+                edges.add(target)
+    return edges
+
+
 def build_graph() -> dict[str, set[str]]:
     """{module: the qerl modules it imports}, over every src/qerl/**/*.py."""
     files = {_module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
-    graph = {}
-    for name, path in files.items():
-        package = name if _is_package(path) else name.rpartition(".")[0]
-        edges = set()
-        for node in _imports(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
-                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in files else source
-                           for alias in node.names]
-            for target in targets:
-                while target and target not in files:  # `import qerl.x.y` of a name inside a module
-                    target = target.rpartition(".")[0]
-                if target and target.split(".")[0] == PACKAGE and target != name:
-                    edges.add(target)
-        graph[name] = edges
-    return graph
+    return {name: module_edges(name, _is_package(path), path.read_text(), files) for name, path in files.items()}
 
 
 def layer_of(module: str) -> tuple[str, int]:
@@ -127,11 +129,29 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_graph_sees_module_and_function_level_imports():
-    graph = build_graph()
-    assert "qerl.models.targets" in graph["qerl.models.convert"]  # module level, relative
-    assert "qerl.kernels.triton.fp4_grouped" in graph["qerl.nn.quant_experts"]  # inside a method
-    assert "qerl.models" in graph["qerl.cli"]  # `from .models import name`: the package's __init__
+def test_the_graph_sees_every_kind_of_import():
+    """On a made-up module: relative and absolute imports, a submodule named in `from pkg import`, a name from
+    a package's __init__, a lazy import in a function; nothing under TYPE_CHECKING, nothing outside qerl."""
+    modules = {"qerl", "qerl.a", "qerl.a.x", "qerl.a.y", "qerl.b", "qerl.b.z", "qerl.c", "qerl.d", "qerl.e", "qerl.f"}
+    text = """
+from typing import TYPE_CHECKING
+import torch
+from . import y
+from .. import b
+from ..b.z import name
+import qerl.c
+from qerl.d import thing
+if TYPE_CHECKING:
+    from qerl.f import never_runs
+
+def later():
+    from ..e import lazily
+"""
+    assert module_edges("qerl.a.x", False, text, modules) == {"qerl.a.y", "qerl.b", "qerl.b.z", "qerl.c", "qerl.d",
+                                                              "qerl.e"}
+    assert module_edges("qerl.a", True, "from .x import f\nfrom . import y\n", modules) == {"qerl.a.x", "qerl.a.y"}
+    assert _cycles({"p": {"q"}, "q": {"r"}, "r": {"p"}, "s": {"p"}}) == [["p", "q", "r"]]
+    assert "qerl.models" in build_graph()["qerl.cli"]  # the real tree: `from .models import name`
 
 
 def test_no_import_cycles():
