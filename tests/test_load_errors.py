@@ -63,23 +63,25 @@ def test_missing_tensor_in_quantized_checkpoint(tmp_path):
         load_causal_lm(tmp_path / "q")
 
 
-def _write_gguf(path):
+def _write_gguf(path, rows: int = 8):
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.add_tensor("token_embd.weight", np.zeros((rows, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def test_truncated_gguf(tmp_path):
+@pytest.mark.parametrize("keep", [40, 0.75])  # cut in the header, cut in the tensor data
+def test_truncated_gguf(tmp_path, keep):
     good = tmp_path / "m.gguf"
-    _write_gguf(good)
-    good.write_bytes(good.read_bytes()[:40])
-    with pytest.raises(ModelLoadError, match=r"m.gguf: not a readable GGUF file"):
+    _write_gguf(good, rows=64)
+    data = good.read_bytes()
+    good.write_bytes(data[:keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(ModelLoadError, match=r"m.gguf: not a readable GGUF file: truncated \(\d+ bytes"):
         load_causal_lm(good)
 
 

@@ -84,6 +84,7 @@ def _quantize(args) -> int:
         console.print(f"quantized to {args.format} with {args.method} on {device} in {time.perf_counter() - t1:.1f}s"
                       + (f" ({cal.numel()} calibration tokens)" if cal is not None else ""))
     report = memory_report(model)
+    model.config.qerl_source_model = str(args.model)  # an adapter trained on that model fits this one
     out = save_quantized(model, tokenizer, out, overwrite=args.overwrite)
     table = Table(title=f"{args.model} -> {args.format} ({args.method})", show_header=False)
     table.add_row("output", str(out))

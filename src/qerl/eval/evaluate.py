@@ -198,6 +198,9 @@ def run_eval(args) -> int:
     """`qerl eval`: evaluate and print a summary; per-problem results to --out. Returns the exit code."""
     from rich.console import Console
 
+    from rich.text import Text
+
+    from ..models.adapter import adapter_base_mismatch
     from ..models.atomic import atomic_file, check_output_file
 
     from ..data import load_problems
@@ -206,6 +209,9 @@ def run_eval(args) -> int:
     # everything that can be refused is refused before the dataset and the model load
     keep_bf16_arg(args)
     out = check_output_file(args.out, args.overwrite, recognise=is_eval_output) if args.out else None
+    mismatch = adapter_base_mismatch(args.adapter, args.model) if args.adapter else None
+    if mismatch:
+        console.print(Text(f"warning: {mismatch}", style="yellow"), soft_wrap=True)
     rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed,
                          max_bad_fraction=args.max_bad_fraction)
     t0 = time.perf_counter()

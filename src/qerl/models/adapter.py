@@ -137,6 +137,44 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
     return Path(out).expanduser().resolve()
 
 
+SOURCE_KEY = "qerl_source_model"  # config.json of a quantized directory: the model it was made from
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model sources name the same model: equal names, or paths that resolve alike (an embedded
+    name counts as its cache directory's name)."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return pa.name.lower() == pb.name.lower()
+
+
+def adapter_base_mismatch(directory, model_source: str) -> str | None:
+    """A warning when the adapter in `directory` names another base model than `model_source` (a quantized
+    directory counts as the model it was quantized from, `qerl_source_model` in its config.json); None when
+    they agree or the adapter names none. The shapes may still fit (same architecture), so the load would
+    succeed silently."""
+    try:
+        base = json.loads((Path(directory) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        return None  # load_adapter reports the broken directory
+    if not base:
+        return None
+    names = [str(model_source)]
+    config = Path(model_source).expanduser() / "config.json"
+    if config.is_file():
+        try:
+            names.append(json.loads(config.read_text()).get(SOURCE_KEY) or "")
+        except ValueError:
+            pass
+    if any(n and _same_model(base, n) for n in names):
+        return None
+    return (f"{directory} was trained on {base!r}, not {model_source!r}: it loads because the shapes fit, but its "
+            "scores there are not the trained policy's")
+
+
 def load_adapter(model: nn.Module, directory, original_base: bool = True) -> LoraConfig:
     """Attach (replacing any present) the PEFT adapter in `directory` to a quantized model. original_base:
     for a model AWQ-folded in this process, the adapter is one of the unfolded model (False: of this one)."""

@@ -27,6 +27,7 @@ def plain_hf_directory(name_or_path) -> Path | None:
     mixtures of experts, unsupported architectures, a hub id that cannot be fetched -- which `load_causal_lm`
     handles or refuses with its own message."""
     source = str(name_or_path)
+    check_near_miss(source)
     if source in registry.EMBEDDED:
         path = registry.embedded_hf_dir(source)
     else:
@@ -41,6 +42,19 @@ def plain_hf_directory(name_or_path) -> Path | None:
     if config.get("quantization_config") or config.get("model_type") not in DENSE_ARCHITECTURES:
         return None  # quantized, MoE (loaded whole: transformers restacks its experts) or unsupported
     return path
+
+
+def check_near_miss(source: str) -> None:
+    """ModelLoadError for a name that is no local path and no org/name hub id but close to an embedded name
+    ("smollm2-135m"): the hub would be asked for it, with retries that cost minutes offline, and then refuse."""
+    import difflib
+
+    if source in registry.EMBEDDED or "/" in source or Path(source).expanduser().exists():
+        return
+    close = difflib.get_close_matches(source.lower(), registry.EMBEDDED, n=1, cutoff=0.6)
+    if close:
+        raise ModelLoadError(f"{source}: no such embedded model, file or directory; did you mean {close[0]!r}? "
+                             f"(embedded: {', '.join(registry.EMBEDDED)}; hub ids are ORG/NAME)")
 
 
 def _looks_like_hub_id(source: str) -> bool:
@@ -86,6 +100,7 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(name_or_path)
+    check_near_miss(source)
     if source in registry.EMBEDDED:
         path = registry.embedded_hf_dir(source)
     else:

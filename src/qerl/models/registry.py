@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from .gguf import load_gguf
+from .sources import ModelLoadError, check_safetensors
 
 WHEEL_DIR_ENV = "QERL_WHEEL_DIR"
 _console = Console(stderr=True)
@@ -244,11 +245,26 @@ def embedded_gguf(name: str) -> Path:
     return cached
 
 
+def _read_config_json(directory: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{directory / 'config.json'}: unreadable ({e})") from None
+
+
 def embedded_hf_dir(name: str) -> Path:
     """A cached bf16 Hugging Face directory (config, safetensors, tokenizer) of an embedded model."""
     target = cache_dir() / "models" / name
-    if (target / "config.json").is_file():
-        return target
+    if target.exists():
+        try:  # the cache is ours: a damaged one (a disk filled mid-copy, a stray edit) is rebuilt, not reported
+            _read_config_json(target)
+            check_safetensors(target)
+            return target
+        except ModelLoadError as e:
+            _say(f"{name}: the cached directory {target} is damaged ({e}); rebuilding it from the GGUF")
+            shutil.rmtree(target)
     gguf = embedded_gguf(name)
     _say(f"{name}: converting the GGUF to a bf16 Hugging Face directory (once)")
     model, tokenizer = load_gguf(gguf)

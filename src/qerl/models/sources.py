@@ -59,6 +59,11 @@ def check_gguf(path: Path) -> None:
         if arch is None or not reader.tensors:
             raise ValueError("no architecture field or no tensors")
     except Exception as e:  # the gguf reader raises many types on bad bytes
+        # it reads by memory map: a file cut short fails as an index past the end or a tensor that cannot take
+        # its shape from the bytes left
+        if isinstance(e, IndexError) or "cannot reshape" in str(e):
+            raise ModelLoadError(f"{path}: not a readable GGUF file: truncated ({path.stat().st_size} bytes; its "
+                                 "header or tensor data go past the end: download or copy it again)") from None
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 

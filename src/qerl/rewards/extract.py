@@ -16,7 +16,7 @@ STYLES = ("gsm8k", "boxed", "answer_tag")
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_HASHES = re.compile(r"####[ \t]*([^\n]*)")
+_HASHES = re.compile(r"####[ \t]*((?:(?!####)[^\n])*)")  # to the line's end or the next marker
 # a number opening the text after `####`: a sign, digits with thousands commas, decimals or a fraction; currency,
 # markdown bold and inline-math openers may come first ("$1,250.50", "**18**", "\\(42\\)")
 _LEADING_NUMBER = re.compile(r"(?:\$|\*\*|\\\(|\s)*(-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)(?![\d.]*[a-zA-Z\\^_{])")
