@@ -185,10 +185,10 @@ def test_a_warp_specialized_backend_that_cannot_run_is_marked_and_routed_around(
 
 
 def test_small_weights_above_64_rows_take_64_row_tiles_x_staged_and_few_k_splits():
-    """The wgmma form above swap_max_m rows at a 1.5B model's shapes (benchmarks/small_weight_tiles.py): x staged
-    for q/k/v and o (pre-permuted from 8M elements: gate/up, down), 64-row activation tiles under big_weight
-    (128 above), and above 32 rows no K split shorter than wide_m_min_k_tiles tiles; the policy restores the
-    earlier rule."""
+    """The wgmma form above swap_max_m rows at a 1.5B model's shapes (docs/benchmarks.md, "Small weights at rollout
+    rows"; `git show 8441d0e:benchmarks/small_weight_tiles.py`): x staged for q/k/v and o (pre-permuted from 8M
+    elements: gate/up, down), 64-row activation tiles under big_weight (128 above), and above 32 rows no K split
+    shorter than wide_m_min_k_tiles tiles; the policy restores the earlier rule."""
     pytest.importorskip("triton")
     from qerl.kernels.gluon import nvfp4 as gk
 

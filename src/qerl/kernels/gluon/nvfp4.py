@@ -150,7 +150,8 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     """(tile, programs per SM) for an [m, k] x [n, k]^T product (k % 128 == 0): the `gluon_mma` table
     (kernels/tuning/default.json, `route.tile_config`). Per row bucket the tile of `qerl bench kernels --swap`'s
     tile sweep (src/qerl/bench/kernels.py, `swap_candidates`) that was fastest most often over the
-    Qwen2.5-7B/32B/72B shapes on an H200; programs per SM from benchmarks/split_sweep.py."""
+    Qwen2.5-7B/32B/72B shapes on an H200; programs per SM from the split sweep (docs/benchmarks.md,
+    "Investigation scripts no longer in the tree": `git show 8441d0e:benchmarks/split_sweep.py`)."""
     return _swap_tile(tile_config(GLUON_MMA, m, n, k), k)
 
 
@@ -161,8 +162,9 @@ def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     packed bytes per step and ~4 programs per SM, above that 64 bytes and ~3; with x pre-permuted 128 bytes per
     step at 17-32 rows for gate/up-like weights (N > 4 K) and ~2 programs per SM at 33-64 rows; above 64 rows 2
     stages and 128 activation rows per tile for big weights, `KernelPolicy.wide_m_tile` (64) for the others. Set
-    from H200 tile sweeps over BN x (BKH, NS) x programs per SM (docs/benchmarks.md; benchmarks/split_sweep.py
-    times the split, benchmarks/small_weight_tiles.py every tile and split at a small model's shapes)."""
+    from H200 tile sweeps over BN x (BKH, NS) x programs per SM (docs/benchmarks.md; split_sweep.py timed the
+    split, small_weight_tiles.py every tile and split at a small model's shapes, "Small weights at rollout rows";
+    both scripts: `git show 8441d0e:benchmarks/NAME.py`)."""
     xp = permute_x_rule(current_policy(), m, n, k)
     return _swap_tile(tile_config(GLUON_WGMMA, m, n, k, x_permuted=xp), k)
 

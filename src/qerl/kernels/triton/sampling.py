@@ -3,7 +3,7 @@
 The eager sampler (`qerl.rollout.sampling.next_token`) is ~12 kernels per step, several of them full
 fp32 passes over the [B, V] logits (the cast, log_softmax, exp, the exponential draws, log, ...), plus ~12
 small launches for the engine's bookkeeping (at V = 152064 a visible part of a 7B decode step; see
-`python benchmarks/decode_profile.py`). This kernel reads the logits
+`python -m qerl.bench.decode_profile`). This kernel reads the logits
 twice (the second time mostly from cache) and writes only the per-row results.
 
 Grid (B, NC): program (b, c) takes the slice [c CHUNK, (c + 1) CHUNK) of row b, z = logits / T in fp32:
