@@ -1,9 +1,10 @@
 """End-to-end RL step: rollout -> reference / old log-probs -> loss + backward -> optimizer, on random-weight
 Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN).
 
-A step is what `qerl train` does per step, with random 0/1 rewards: `prompts` x `group` completions after
-`--prompt`-token prompts (each prompt's G rows share it, as in GRPO), then one policy update (GRPO, KL to the
-LoRA-disabled reference when --kl-beta > 0, gradient checkpointing), then AdamW. Completion lengths (EOS ignored):
+A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step`), with random 0/1 rewards: `prompts` x
+`group` completions after `--prompt`-token prompts (each prompt's G rows share it, as in GRPO), then one policy update
+(GRPO, KL to the LoRA-disabled reference when --kl-beta > 0, gradient checkpointing), then AdamW. Completion lengths
+(EOS ignored):
 
   forced lengths   (--completion N, the default 2048) every row exactly N tokens: the old benchmark.
   --lengths P      a completion-length profile (`qerl.bench.length_profiles`: a name or a file): each step draws
@@ -119,6 +120,7 @@ class StepRunner:
                                     dense_weights=self.dense_store if dense_weights == "all" else None)
         self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
                                                 dist_ctx.world > 1)
+        self.release_always = EngineMemoryPolicy(True, model.device)  # the old mode: free after every rollout
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
@@ -155,7 +157,7 @@ class StepRunner:
         from ..rl.advantages import group_advantages
         from ..rl.collect import Experience
         from ..rl.distributed import all_reduce_sum
-        from ..rl.update import policy_update
+        from ..rl.step import rl_step
         from ..rollout.sampling import SamplingParams
 
         args, G = self.args, self.args.group
@@ -165,49 +167,50 @@ class StepRunner:
         rows = ids.repeat_interleave(G, 0)
         if lengths is not None and len(lengths) != len(rows):
             raise ValueError(f"{len(lengths)} forced lengths for {len(rows)} rows")
-        on_gpu = self.model.device.type == "cuda"
-        sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-        settings = dataclasses.replace(self.settings, packing=packing)
-        times = {}
-        start = time.perf_counter()
-        aqn = NoisyNorms(self.model, self.sigma, generator=self.generator) if self.sigma > 0 else None
-        sp = SamplingParams(temperature=1.0)
-        if lengths is None:
-            r = self.engine.generate(rows, completion, sp, ignore_eos=True, generator=self.generator, aqn=aqn,
-                                     scheduler=scheduler)
-        else:  # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
-            r = self.engine.generate(rows, args.budget, sp, ignore_eos=True, force_lengths=lengths,
-                                     generator=self.generator, aqn=aqn, scheduler=scheduler)
-        if mode == OLD_MODE:  # the reference frees the engine's memory after every rollout, as qerl train did
-            self.engine.release_memory()
-        else:  # as qerl train does (rollout.release_kv_cache); after an old-mode cell the graphs are gone anyway
-            self.engine_memory.after_rollout(self.engine)
-        sync()
-        times["rollout"] = time.perf_counter() - start
-        rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
-        got = r.completion_mask.sum(1)
-        at_budget = got >= (completion if lengths is None else args.budget)
-        exp = Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs, r.entropies,
-                         rewards, group_advantages(rewards, G), got, at_budget)
-        def update():
-            return policy_update(self.model, exp, self.optimizer, self.params, settings, dist_ctx=self.dist,
-                                 timings=times, dense_store=self.dense_store)
 
-        if profile_update:
+        def collect() -> Experience:  # the rollout (forced lengths, EOS ignored) with random 0/1 rewards
+            aqn = NoisyNorms(self.model, self.sigma, generator=self.generator) if self.sigma > 0 else None
+            sp = SamplingParams(temperature=1.0)
+            if lengths is None:
+                r = self.engine.generate(rows, completion, sp, ignore_eos=True, generator=self.generator, aqn=aqn,
+                                         scheduler=scheduler)
+            else:  # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
+                r = self.engine.generate(rows, args.budget, sp, ignore_eos=True, force_lengths=lengths,
+                                         generator=self.generator, aqn=aqn, scheduler=scheduler)
+            rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
+            got = r.completion_mask.sum(1)
+            at_budget = got >= (completion if lengths is None else args.budget)
+            work = {f"rollout_{k}": float(r.stats[k]) for k in ("decoded_row_steps", "prefill_tokens")}
+            return Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
+                              r.entropies, rewards, group_advantages(rewards, G), got, at_budget, stats=work)
+
+        times = {}
+
+        def profiled(update):
             from .update_profile import profile_call
 
             stats, times["update_profile"] = profile_call(update, self.model.device)
-        else:
-            stats = update()
-        if mode != OLD_MODE:
-            self.engine_memory.after_update()
-        sync()
-        times["step"] = time.perf_counter() - start
+            return stats
+
+        on_gpu = self.model.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        # the old mode frees the engine's memory after every rollout, as qerl train did; the others follow
+        # --release-kv-cache as qerl train follows rollout.release_kv_cache (after an old-mode cell the graphs are
+        # gone anyway)
+        step = rl_step(collect, model=self.model, engine=self.engine,
+                       memory=self.release_always if mode == OLD_MODE else self.engine_memory,
+                       optimizer=self.optimizer, params=self.params,
+                       settings=dataclasses.replace(self.settings, packing=packing), dist_ctx=self.dist,
+                       dense_store=self.dense_store, synchronize=True, times=times,
+                       run_update=profiled if profile_update else None)
+        if step.non_finite is not None:
+            raise step.non_finite
+        exp, stats = step.experience, step.update
         times["peak_gb"] = (torch.cuda.max_memory_allocated() - others_bytes) / 1e9 if on_gpu else 0.0
-        counts = torch.tensor([float(x) for x in (got.sum(), r.stats["decoded_row_steps"], r.stats["prefill_tokens"],
-                                                  stats["loss_tokens_computed"], stats["loss_tokens_needed"])],
+        counts = torch.tensor([float(x) for x in (exp.lengths.sum(), exp.stats["rollout_decoded_row_steps"],
+                                                  exp.stats["rollout_prefill_tokens"], stats["loss_tokens_computed"],
+                                                  stats["loss_tokens_needed"])],
                               dtype=torch.float64, device=self.dist.device)
         kept, decoded, prefill, computed, needed = all_reduce_sum(counts, self.dist).tolist()  # per rank -> step
         times.update(tokens=int(kept), decoded_row_steps=int(decoded), prefill_tokens=int(prefill),
