@@ -257,7 +257,7 @@ def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tin
                                                                             capsys):
     """model.calibration.samples: null -> 64 sequences on the CPU (128 on a GPU); a number is kept; 0 is refused."""
     from qerl.config import ConfigError
-    from qerl.models import policy
+    from qerl.models import calibrate
     from qerl.models.calibrate import default_samples
 
     assert (default_samples("cpu"), default_samples("cuda"), default_samples(torch.device("cuda", 1))) == (64, 128, 128)
@@ -270,7 +270,7 @@ def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tin
         seen.append(samples)
         raise Stop
 
-    monkeypatch.setattr(policy, "calibration_ids", record)
+    monkeypatch.setattr(calibrate, "calibration_ids", record)
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+{a}=?", "answer": str(2 * a)}) + "\n" for a in range(9)))
     base = [f"model.name={tiny_dir}", "model.format=nvfp4", "model.quant_method=gptq",
@@ -282,9 +282,10 @@ def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tin
         assert seen[-1] == want
     with pytest.raises(ConfigError, match="model.calibration.samples"):
         load_config(None, base + ["model.calibration.samples=0"])
-    assert main(["quantize", str(tiny_dir), "--method", "gptq", "--calibration-samples", "0",
-                 "--out", str(tmp_path / "q")]) == 2
-    assert "--calibration-samples must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a usage error, before anything loads
+        main(["quantize", str(tiny_dir), "--method", "gptq", "--calibration-samples", "0", "--out", str(tmp_path / "q")])
+    assert e.value.code == 2
+    assert "argument --calibration-samples: must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
 
 

@@ -79,7 +79,7 @@ def test_run_eval_command(tmp_path, monkeypatch, capsys):
         args = add_eval_arguments(argparse.ArgumentParser()).parse_args(
             [str(tmp_path / "m"), "--dataset", str(data), "--n", "2", "--max-new-tokens", "5", "--format", "nf4",
              "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path / "d.jsonl"), "--max-bad-fraction", "0.25",
-             *extra])
+             "--overwrite", *extra])  # the second run replaces the first one's results
         assert run_eval(args) == 0
         outs.append([json.loads(x)["completions"] for x in (tmp_path / "d.jsonl").read_text().splitlines()])
     assert outs[0] == outs[1]

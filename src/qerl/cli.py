@@ -31,58 +31,36 @@ def quiet_libraries() -> None:
 
 def _quantize(args) -> int:
     from .eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
-    from .models import load_causal_lm, memory_report, quantize_model, save_quantized
-    from .models.load import plain_hf_directory
-    from .data.calibration import check_source
-    from .models.calibrate import calibration_ids, default_samples
-    from .models.targets import quant_layers
-    from .models.precision import describe_keep_bf16, parse_keep_bf16
+    from .models import memory_report, save_quantized
     from .models.atomic import check_output_dir
-    from .models.stream import stream_quantized
-    from .quant import CALIBRATED, check_method
+    from .models.load import is_quantized_checkpoint
+    from .models.loader import ModelSpec, check_spec, load_policy
+    from .models.precision import describe_keep_bf16, parse_keep_bf16
+    from .models.targets import quant_layers
 
     t0 = time.perf_counter()
-    out = check_output_dir(args.out, args.overwrite)  # before the model loads
-    targets = args.targets.split(",")
+    out = check_output_dir(args.out, args.overwrite)  # everything that can be refused is, before the model loads
     keep = parse_keep_bf16(args.keep_bf16)
-    calibrated = args.method in CALIBRATED
-    check_method(args.method, args.format)
-    if calibrated:
-        check_source(args.calibration)
     device = quantize_device(args.device)
-    samples = default_samples(device) if args.calibration_samples is None else args.calibration_samples
-    directory = plain_hf_directory(args.model) if args.no_check else None
-    ref = ids = cal = None
-    if directory is not None:  # no reference needed: never hold the 16-bit model
-        if calibrated:
-            from transformers import AutoTokenizer
+    spec = ModelSpec(name=args.model, format=args.format, method=args.method, calibration_source=args.calibration,
+                     calibration_samples=args.calibration_samples, calibration_max_tokens=args.calibration_max_tokens,
+                     keep_bf16=tuple(keep), targets=tuple(args.targets.split(",")), dtype=args.dtype, device=device,
+                     trust_remote_code=args.trust_remote_code)
+    check_spec(spec)
+    if is_quantized_checkpoint(args.model):
+        raise ValueError(f"{args.model} is already quantized; quantize the 16-bit model it was made from")
+    reference = {}
 
-            cal = calibration_ids(args.calibration, AutoTokenizer.from_pretrained(directory), samples,
-                                  args.calibration_max_tokens)
-        model, tokenizer = stream_quantized(directory, args.format, targets=targets, dtype=args.dtype, device=device,
-                                            trust_remote_code=args.trust_remote_code, show_progress=True,
-                                            method=args.method, calibration=cal, keep_bf16=keep)
-        console.print(f"loaded and quantized {args.model} layer by layer ({args.method}) on {device} in "
-                      f"{time.perf_counter() - t0:.1f}s")
-    else:
-        with console.status(f"loading {args.model}"):
-            model, tokenizer = load_causal_lm(args.model, dtype=args.dtype, device=device,
-                                              trust_remote_code=args.trust_remote_code)
+    def keep_reference(model, tokenizer) -> None:  # the 16-bit model's log-probs, for the fidelity check
         console.print(f"loaded {args.model} ({type(model).__name__}) on {device} in {time.perf_counter() - t0:.1f}s")
-        ids = (tokenizer(fidelity_text(), return_tensors="pt").input_ids.to(device)
-               if (tokenizer and not args.no_check) else None)
-        ref = next_token_logprobs(model, ids) if ids is not None else None
-        if calibrated:
-            if tokenizer is None:
-                raise ValueError(f"{args.model}: no tokenizer found; --method {args.method} needs one for calibration")
-            with console.status(f"calibration text ({args.calibration})"):
-                cal = calibration_ids(args.calibration, tokenizer, samples,
-                                      args.calibration_max_tokens, model=model)
-        t1 = time.perf_counter()
-        quantize_model(model, args.format, targets=targets, show_progress=True, method=args.method, calibration=cal,
-                       keep_bf16=keep)
-        console.print(f"quantized to {args.format} with {args.method} on {device} in {time.perf_counter() - t1:.1f}s"
-                      + (f" ({cal.numel()} calibration tokens)" if cal is not None else ""))
+        if tokenizer is not None:
+            ids = tokenizer(fidelity_text(), return_tensors="pt").input_ids.to(device)
+            reference.update(ids=ids, logprobs=next_token_logprobs(model, ids))
+
+    # --no-check: a 16-bit safetensors model streams, quantized layer by layer, never held whole
+    model, tokenizer = load_policy(spec, show_progress=True, before_quantize=None if args.no_check else keep_reference)
+    console.print(f"quantized {args.model} to {args.format} with {args.method} on {device}: "
+                  f"{time.perf_counter() - t0:.1f}s in all")
     report = memory_report(model)
     model.config.qerl_source_model = str(args.model)  # an adapter trained on that model fits this one
     out = save_quantized(model, tokenizer, out, overwrite=args.overwrite)
@@ -94,8 +72,8 @@ def _quantize(args) -> int:
         kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
         table.add_row("kept in bf16", describe_keep_bf16(model, kept, args.format).removeprefix("keep_bf16: "))
     table.add_row("model bytes (all tensors)", f"{report['total_bytes'] / 2**20:.1f} MiB")
-    if ref is not None:
-        fid = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
+    if reference:
+        fid = compare_logprobs(reference["logprobs"], next_token_logprobs(model, reference["ids"]), reference["ids"])
         report.update(fid)
         table.add_row("KL(16-bit || quantized) per token", f"{fid['kl']:.4f} nats")
         table.add_row("top-1 agreement", f"{fid['top1_agreement']:.3f}")

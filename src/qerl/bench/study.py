@@ -303,17 +303,17 @@ def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int
 
     import torch
 
-    from ..eval.evaluate import evaluate, prepare_model
+    from ..eval.evaluate import evaluate
+    from ..models import quant_layers
+    from ..models.loader import ModelSpec, load_policy
     from ..rollout.sampling import SamplingParams
 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    from ..models import quant_layers
-
-    model, tokenizer = prepare_model(argparse.Namespace(
-        model=cfg.model.name, adapter=str(adapter), format=None, keep_bf16="", device=None, dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code))
+    # "bf16": the quantized layer's 16-bit form, which the adapter attaches to (as `qerl eval --adapter` does)
+    model, tokenizer = load_policy(ModelSpec(name=cfg.model.name, format="bf16", adapter=str(adapter),
+                                             dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code))
     formats = {layer.weight_format for layer in quant_layers(model).values()}
     if formats - {"bf16"}:  # main() refuses quantized checkpoints up front; this catches any other way in
         raise StudyError(f"--eval-16bit-base: {cfg.model.name} loaded as {sorted(formats)}, not the 16-bit model")
@@ -325,8 +325,9 @@ def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int
 
 def check_16bit_model(model: str) -> None:
     """StudyError when `model` is a local quantized checkpoint: --eval-16bit-base needs the 16-bit model."""
-    config = Path(model).expanduser() / "config.json"
-    if config.is_file() and "quantization_config" in json.loads(config.read_text()):
+    from ..models.load import is_quantized_checkpoint
+
+    if is_quantized_checkpoint(model):
         raise StudyError(f"--eval-16bit-base: {model} is a quantized checkpoint; give the 16-bit model the arms "
                          "quantize (--model) to score the adapters on it")
 

@@ -17,6 +17,7 @@ from ..argtypes import (checked_by, non_negative_float, non_negative_int, positi
                         unit_interval)
 from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt, resolve_suffix
 from ..formats import FORMATS
+from ..models.loader import ModelSpec, load_policy
 from ..rewards.math import math_reward
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
@@ -139,35 +140,21 @@ def keep_bf16_arg(args) -> list[str]:
     return keep
 
 
+def eval_spec(args) -> ModelSpec:
+    """`qerl eval`'s arguments as the loader's ModelSpec: the base quantized round-to-nearest while it loads
+    when --format names a format; with an adapter and no --format, the 16-bit model ("bf16": the quantized
+    layer's 16-bit form, which an adapter attaches to)."""
+    return ModelSpec(name=args.model, format=args.format or ("bf16" if args.adapter else None),
+                     keep_bf16=tuple(keep_bf16_arg(args)), adapter=args.adapter, dtype=args.dtype,
+                     device=args.device or "auto", trust_remote_code=args.trust_remote_code)
+
+
 def prepare_model(args):
     """Load, quantize when asked, attach the adapter -> (model, tokenizer)."""
-    from ..models import load_adapter, load_causal_lm, quant_layers, quantize_model
-    from ..models.load import plain_hf_directory
-    from ..models.sources import compute_dtype
-    from ..models.stream import stream_quantized
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = compute_dtype(args.dtype, device)
-    keep = keep_bf16_arg(args)
-    # an adapter attaches to QuantLinear layers; "bf16" is the unquantized layer with the same code path
-    fmt = args.format or ("bf16" if args.adapter else None)
-    directory = plain_hf_directory(args.model) if fmt else None
-    if directory is not None:  # quantize while loading: the 16-bit model is never held whole
-        model, tokenizer = stream_quantized(directory, fmt, dtype=dtype, device=device,
-                                            trust_remote_code=args.trust_remote_code, keep_bf16=keep)
-    else:
-        model, tokenizer = load_causal_lm(args.model, dtype=dtype, device=device,
-                                          trust_remote_code=args.trust_remote_code)
-        if quant_layers(model) and keep:
-            raise ValueError(f"--keep-bf16: {args.model} is already quantized; which of its layers are 16-bit was "
-                             "chosen when it was quantized (qerl quantize --keep-bf16)")
-        if not quant_layers(model) and fmt:
-            quantize_model(model, fmt, keep_bf16=keep)
+    model, tokenizer = load_policy(eval_spec(args))
     if tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer found; evaluation needs one")
-    if args.adapter:
-        load_adapter(model, args.adapter)
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 def is_eval_output(path: Path) -> bool:

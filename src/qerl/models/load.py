@@ -57,6 +57,18 @@ def check_near_miss(source: str) -> None:
                              f"(embedded: {', '.join(registry.EMBEDDED)}; hub ids are ORG/NAME)")
 
 
+def is_quantized_checkpoint(name_or_path) -> bool:
+    """Whether `name_or_path` is a local directory holding a quantized checkpoint (its config.json has a
+    quantization_config), read without loading it; False for anything else (embedded names, hub ids, GGUF)."""
+    config = Path(str(name_or_path)).expanduser() / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text()).get("quantization_config"))
+    except ValueError:
+        return False  # the loader reports the broken file
+
+
 def _looks_like_hub_id(source: str) -> bool:
     return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not source.endswith(".gguf")
 

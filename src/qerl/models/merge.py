@@ -28,19 +28,25 @@ def adapter_base(adapter) -> str:
 def merge_adapter(adapter, out, model: str | None = None, dtype: str = "bf16", device: str = "cpu",
                   trust_remote_code: bool = False, overwrite: bool = False) -> Path:
     """Load the 16-bit `model` (default: the adapter's base), merge the adapter in with PEFT, write model and
-    tokenizer to `out` (atomic; FileExistsError unless overwrite). dtype: of the loaded and written weights
-    (bf16, fp16, fp32); the merge adds the adapter's product in that dtype. Returns the written directory."""
+    tokenizer to `out` (atomic; `atomic.check_output_dir`'s rule: FileExistsError unless overwrite, which replaces
+    only a directory qerl wrote). dtype: of the loaded and written weights (bf16, fp16, fp32); the merge adds
+    the adapter's product in that dtype. Returns the written directory."""
     from peft import PeftModel
 
-    from .load import load_causal_lm
+    from .load import is_quantized_checkpoint
+    from .loader import ModelSpec, load_policy
     from .targets import quant_layers
 
     model = model or adapter_base(adapter)
-    out = check_output_dir(out, overwrite)  # before the model loads
-    base, tokenizer = load_causal_lm(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    if quant_layers(base):
-        raise ValueError(f"{model} is a quantized checkpoint: merge into the 16-bit model it was made from "
-                         "(--model), whose weights the adapter's product is added to")
+    out = check_output_dir(out, overwrite)  # everything that can be refused is, before the model loads
+    quantized = (f"{model} is a quantized checkpoint: merge into the 16-bit model it was made from (--model), whose "
+                 "weights the adapter's product is added to")
+    if is_quantized_checkpoint(model):
+        raise ValueError(quantized)
+    base, tokenizer = load_policy(ModelSpec(name=model, dtype=dtype, device=device,
+                                            trust_remote_code=trust_remote_code))
+    if quant_layers(base):  # a source that is quantized without saying so in a local config.json
+        raise ValueError(quantized)
     merged = PeftModel.from_pretrained(base, str(Path(adapter).expanduser())).merge_and_unload()
     with atomic_directory(out, overwrite, kind="merged model") as tmp:
         merged.save_pretrained(tmp)

@@ -5,7 +5,8 @@ sigma, merged into the norm weights) -> rewards -> group advantages -> clipped p
 quantized + LoRA model -> AdamW on the LoRA parameters. The pieces live in their own modules (collect,
 update, losses, logprobs, aqn, run_log, checkpointing; the policy is built by `qerl.models.policy`, the
 rewards named by `qerl.rewards.resolve`) and take settings objects built once from the config
-(`settings`); this file wires them and keeps the state.
+(`settings`); `step` chains them into one step, the same for `qerl bench step`; this file keeps the state,
+the metrics and the run around it.
 """
 
 import contextlib
@@ -13,7 +14,6 @@ import dataclasses
 import os
 import random
 import resource
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +42,10 @@ from .aqn import weak_noise_note
 from .collect import collect_experience, failed_rewards
 from .distributed import barrier, init_distributed, mean_metrics
 from .prompt_stream import PromptStream
+from .step import rl_step
 from .stop import StopRequests, TrainingAborted, TrainingInterrupted  # noqa: F401 (re-exported)
 from .run_log import RunLog, plot_metrics, read_metrics, truncate_metrics
 from .settings import aqn_schedule, collect_settings, entropy_controller, lr_schedule, update_settings
-from .update import NonFiniteError, policy_update
 
 
 def check_new_run_dir(run_dir: Path) -> None:
@@ -198,14 +198,16 @@ class Trainer:
     # one step ---------------------------------------------------------------------------------
 
     def train_step(self) -> dict:
-        cfg, t_start = self.cfg, time.perf_counter()
+        cfg = self.cfg
         sigma = self.aqn.sigma(self.step, cfg.steps) * (self.controller.multiplier if self.controller else 1.0)
-        exp = collect_experience(self.engine, self._my_problems, self.encode, self.rewards, self.collect_settings,
-                                 sigma=sigma, generator=self.generator)
-        self.engine_memory.after_rollout(self.engine)
-        t_rollout = time.perf_counter() - t_start
-        mask = exp.completion_mask
-        gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=mask.device)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        result = rl_step(lambda: collect_experience(self.engine, self._my_problems, self.encode, self.rewards,
+                                                    self.collect_settings, sigma=sigma, generator=self.generator),
+                         model=self.model, engine=self.engine, memory=self.engine_memory, optimizer=self.optimizer,
+                         params=self.params, settings=self.update_settings, dist_ctx=self.dist,
+                         dense_store=self.dense_store, scheduler=self.scheduler)
+        exp, times = result.experience, result.times
+        gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=exp.completion_mask.device)
         metrics = {
             "step": self.step + 1,
             **{k: v for k, v in exp.stats.items() if k not in ("gen_tokens", "gen_seconds")},
@@ -219,35 +221,31 @@ class Trainer:
             "time_generate": exp.stats["gen_seconds"],  # the engine alone (time_rollout adds rewards and selection)
             # work per useful token: decoded row-steps per kept completion token (1 = nothing wasted)
             "rollout_rows_per_kept": exp.stats["rollout_decoded_row_steps"] / max(exp.stats["rollout_kept_tokens"], 1),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
         }
-        if self.controller is not None:
+        if self.controller is not None:  # sets the next step's sigma multiplier
             metrics["aqn_multiplier"] = self.controller.update(metrics["entropy"])
-        t_update = time.perf_counter()
-        try:
-            if mask.any() or self.dist.enabled:  # every rank must join the gradient all-reduce
-                metrics.update(policy_update(self.model, exp, self.optimizer, self.params, self.update_settings,
-                                             dist_ctx=self.dist, dense_store=self.dense_store))
-                # tokens one loss pass computes per token it needs (each prompt once per group + completions)
-                metrics["loss_tokens_per_needed"] = metrics["loss_tokens_computed"] / max(metrics["loss_tokens_needed"], 1)
+        if result.update is not None:
+            metrics.update(result.update)
+            # tokens one loss pass computes per token it needs (each prompt once per group + completions)
+            metrics["loss_tokens_per_needed"] = metrics["loss_tokens_computed"] / max(metrics["loss_tokens_needed"], 1)
+        metrics["skipped"] = int(result.non_finite is not None)
+        if result.non_finite is None:
             self.bad_in_a_row = 0
-            metrics["skipped"] = 0
-        except NonFiniteError as e:
+        else:
             self.bad_in_a_row += 1
             self.bad_total += 1
-            metrics["skipped"] = 1
-            self.console.print(f"[yellow]step {self.step + 1} skipped: {e} ({self.bad_in_a_row} in a row)")
+            self.console.print(f"[yellow]step {self.step + 1} skipped: {result.non_finite} "
+                               f"({self.bad_in_a_row} in a row)")
             if self.bad_in_a_row >= cfg.optim.max_bad_steps:
                 raise TrainingAborted(
                     f"{self.bad_in_a_row} steps in a row had a non-finite loss or gradient; lower optim.lr, "
-                    "raise optim.max_grad_norm's strictness, or check the data and rewards") from None
-        self.engine_memory.after_update()
-        self.scheduler.step()
+                    "raise optim.max_grad_norm's strictness, or check the data and rewards")
         self.step += 1
         metrics["bad_steps_total"] = self.bad_total
-        metrics["time_rollout"] = t_rollout
-        metrics["time_update"] = time.perf_counter() - t_update
-        metrics["time_step"] = time.perf_counter() - t_start
+        metrics["time_rollout"] = times["rollout"]
+        metrics["time_update"] = times["step"] - times["rollout"]
+        metrics["time_step"] = times["step"]
         metrics["memory_gb"] = peak_memory_gb(self.device)
         if self.dense_store is not None:  # model.dense_weights: what the 16-bit copies hold
             metrics["dense_weights_gb"] = dense_weight_bytes(self.dense_store) / 1e9
@@ -408,7 +406,8 @@ class Trainer:
         """Before the model loads: the checkpoint to continue from and its state, checked against the config ->
         (state, checkpoint, accepted config changes), or None when the run starts again from step 0."""
         if resume == "auto" and not self.run_dir.is_dir():
-            raise FileNotFoundError(f"--resume: {self.run_dir} holds no run (output_dir or --output-dir names it)")
+            raise FileNotFoundError(f"--resume: {self.run_dir} holds no run, so no complete checkpoint to resume from "
+                                    "(output_dir or --output-dir names the run's directory)")
         checkpoints = list_checkpoints(self.run_dir) if resume == "auto" else [Path(resume)]
         started = any((self.run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml"))
         if not checkpoints and resume == "auto" and started:

@@ -1,0 +1,146 @@
+"""One way to load a model for any command: load the base, quantize it (while streaming, or whole and
+calibrated), attach LoRA or a trained adapter. `qerl train` (through `models.policy`), `qerl eval`,
+`qerl quantize`, `qerl merge` and the study all describe what they want as a `ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..lora_config import DEFAULT_TARGETS, LoraConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load and how to store its base.
+
+    name: embedded name, HF directory, GGUF file, hub id or quantized directory (`load_causal_lm`).
+    format: the base's weight format (nvfp4 | mxfp4 | nf4 | bf16); None keeps the model as stored (a 16-bit
+      model stays plain, a quantized directory stays quantized). "bf16" is the quantized layer's 16-bit form:
+      the same LoRA code path on unquantized weights.
+    method / calibration_source / calibration_samples / calibration_max_tokens: how codes and scales are chosen
+      (qerl.quant); the calibrated methods (gptq, awq) read calibration text (qerl.data.calibration);
+      calibration_samples None: by device (`calibrate.default_samples`).
+    keep_bf16: module names / patterns / last:N left 16-bit; targets: the linears quantized; embeddings: also
+      store the input embedding in `format`.
+    lora: fresh LoRA adapters to attach (None: none); adapter: a PEFT adapter directory to load on top.
+    dtype: of activations and unquantized tensors (auto: bf16 on a GPU, fp32 on the CPU); device: auto, cpu,
+      cuda, cuda:N.
+    """
+
+    name: str
+    format: str | None = None
+    method: str = "rtn"
+    calibration_source: str = "auto"
+    calibration_samples: int | None = None
+    calibration_max_tokens: int = 256
+    keep_bf16: tuple[str, ...] = ()
+    targets: tuple[str, ...] = tuple(DEFAULT_TARGETS)
+    embeddings: bool = False
+    lora: LoraConfig | None = None
+    adapter: str | None = None
+    dtype: str = "auto"
+    device: str | torch.device = "auto"
+    trust_remote_code: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)  # unused; keeps the type extensible
+
+    @property
+    def torch_device(self) -> torch.device:
+        if str(self.device) == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def check_spec(spec: ModelSpec) -> None:
+    """ValueError for a spec that cannot load, before anything is read: an unknown method or one the format
+    does not take, an unknown calibration source, keep_bf16 without a 4-bit format."""
+    from ..data.calibration import check_source
+    from ..quant import CALIBRATED, check_method
+
+    if spec.format is not None:
+        check_method(spec.method, spec.format)
+    if spec.method in CALIBRATED:
+        check_source(spec.calibration_source)
+    if spec.keep_bf16 and spec.format in (None, "bf16"):
+        raise ValueError("keep_bf16 keeps layers of a quantized base in bf16: it needs a 4-bit format "
+                         "(nvfp4, mxfp4 or nf4)")
+
+
+def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_progress: bool = False,
+                before_quantize: Callable | None = None, console=None):
+    """(model, tokenizer) as `spec` describes, in eval mode.
+
+    A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is quantized
+    while it loads, one decoder layer at a time, so the 16-bit model is never held whole; other sources (GGUF,
+    quantized directories, mixtures of experts) load whole. train_rows: the run's problems (the calibration
+    sources "train" and "auto" read them). before_quantize(model, tokenizer): called on the whole 16-bit model
+    before it is quantized (a reference for a fidelity check); it turns streaming off. console: where to say
+    what took time (quantization with a calibrated method, the layers kept in bf16).
+    """
+    from ..quant import CALIBRATED
+    from .adapter import load_adapter
+    from .calibrate import calibration_ids, default_samples
+    from .convert import quantize_input_embeddings, quantize_model
+    from .load import load_causal_lm, plain_hf_directory
+    from .lora_attach import add_lora
+    from .precision import describe_keep_bf16
+    from .sources import compute_dtype
+    from .stream import stream_quantized
+    from .targets import quant_layers
+
+    check_spec(spec)
+    device = spec.torch_device
+    dtype = compute_dtype(spec.dtype, device)
+    fmt, method, trust = spec.format, spec.method, spec.trust_remote_code
+    lora = LoraConfig(**dataclasses.asdict(spec.lora)) if spec.lora else None  # each layer keeps a reference
+    samples = default_samples(device) if spec.calibration_samples is None else spec.calibration_samples
+
+    def calibration(tokenizer, model=None):
+        if method not in CALIBRATED:
+            return None
+        if tokenizer is None:
+            raise ValueError(f"{spec.name}: no tokenizer found; --method {method} needs one for calibration")
+        return calibration_ids(spec.calibration_source, tokenizer, samples, spec.calibration_max_tokens,
+                               model=model, train_rows=train_rows)
+
+    t0 = time.perf_counter()
+    directory = plain_hf_directory(spec.name) if fmt and before_quantize is None else None
+    if directory is not None:
+        ids = None
+        if method in CALIBRATED:
+            from transformers import AutoTokenizer
+
+            ids = calibration(AutoTokenizer.from_pretrained(directory, trust_remote_code=trust))
+        model, tokenizer = stream_quantized(directory, fmt, lora, targets=spec.targets, dtype=dtype, device=device,
+                                            embeddings=spec.embeddings, trust_remote_code=trust,
+                                            show_progress=show_progress, method=method, calibration=ids,
+                                            keep_bf16=spec.keep_bf16)
+    else:
+        model, tokenizer = load_causal_lm(spec.name, dtype=dtype, device=device, trust_remote_code=trust)
+        if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
+            if method != "rtn" or spec.keep_bf16:
+                raise ValueError(f"{spec.name} is already quantized; the quantization method and the layers kept "
+                                 "in bf16 were chosen when it was quantized (qerl quantize --method, --keep-bf16)")
+            if lora is not None:
+                add_lora(model, lora)
+            if spec.embeddings:
+                quantize_input_embeddings(model, model.config.qerl_weight_format)
+        elif fmt:
+            if before_quantize is not None:
+                before_quantize(model, tokenizer)
+            quantize_model(model, fmt, lora, targets=spec.targets, show_progress=show_progress,
+                           embeddings=spec.embeddings, method=method, calibration=calibration(tokenizer, model),
+                           keep_bf16=spec.keep_bf16)
+    if console is not None and fmt and method != "rtn":
+        console.print(f"quantized to {fmt} with {method} in {time.perf_counter() - t0:.1f} s")
+    if console is not None and spec.keep_bf16:
+        kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
+        console.print(describe_keep_bf16(model, kept, fmt))
+    if spec.adapter:
+        load_adapter(model, spec.adapter)
+    return model.eval(), tokenizer
