@@ -1,9 +1,11 @@
 import os
+import sys
 
 import pytest
 import torch
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+_EXIT_STATUS = pytest.StashKey[int]()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -13,6 +15,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process without the interpreter's teardown, once pytest has reported everything: Triton's
+    nanobind bindings print dozens of "nanobind: leaked ..." lines at teardown after a session that compiled
+    kernels (objects Triton keeps alive, not ours), which buried the summary."""
+    if hasattr(config, "workerinput") or _EXIT_STATUS not in config.stash:
+        return  # an xdist worker (its controller reports), or pytest stopped before the session ran
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(config.stash[_EXIT_STATUS])
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,7 @@ def is_quantized_checkpoint(name_or_path) -> bool:
     if not config.is_file():
         return False
     try:
-        return bool(json.loads(config.read_text()).get("quantization_config"))
+        return json.loads(config.read_text()).get("quantization_config") is not None
     except ValueError:
         return False  # the loader reports the broken file
 
