@@ -84,7 +84,7 @@ def parse_args(argv=None):
     ap.add_argument("--name", default=DEFAULT_NAME, help="the profile's name")
     ap.add_argument("--dataset", default="gsm8k-offline", help="a qerl data source (qerl.data.load_problems)")
     ap.add_argument("--split", default="test", help="split of the source (gsm8k-offline has only test)")
-    ap.add_argument("--suffix", default="gsm8k", help="answer-format suffix: gsm8k, boxed, none or literal text")
+    ap.add_argument("--suffix", default="gsm8k", help="answer-format suffix: gsm8k, boxed, none or text:LITERAL TEXT")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=512)
