@@ -112,6 +112,9 @@ def test_one_step_runs_every_phase_and_moves_the_adapter(apis):
     assert t["decoded_row_steps"] >= t["tokens"] and t["rollout_efficiency"] >= 1.0
     assert t["loss_tokens_computed"] >= t["loss_tokens_needed"] >= t["tokens"]
     assert t["kept_tok_s"] == pytest.approx(t["tokens"] / t["step"])
+    # the update's useful FLOPs (qerl.rl.flops, tested in test_flops) per second of the update
+    assert t["update_flops"] > 0 and "busy" not in t
+    assert t["update_tflops"] == pytest.approx(t["update_flops"] / (t["step"] - t["rollout"]) / 1e12)
     assert any(not torch.equal(a, b) for a, b in zip(before, runner.params))
     assert runner.engine.cache is None  # freed for the backward
 
@@ -185,6 +188,27 @@ def test_table_gives_speedups_vs_the_old_mode_and_bf16_and_the_efficiency_column
     cell = dict(zip(header, _cells(text, f"| 7b | nvfp4 | {old} |")))
     assert cell["vs old"] == "-" and cell["vs bf16"] == "1.20x" and cell["row-steps / kept"] == "2.71"
     assert dict(zip(header, _cells(text, f"| 7b | bf16 | {new} |")))["vs old"] == "1.50x"
+
+
+def test_table_gives_the_update_flops_and_the_busy_shares():
+    """update TFLOP / TFLOP/s from the row's update_flops / update_tflops; the GPU-busy shares of a --busy row per
+    phase ("-" for a phase that did not run, and for a row without them)."""
+    _, args = parse_args(["--variants", "bf16,nvfp4", "--prompts", "2"])
+    busy = {p: dict(wall_ms=100.0, busy_ms=b, share=b / 100.0) for p, b in (("rollout", 34.0), ("loss_backward", 71.5),
+                                                                              ("optimizer", 10.0))}
+    rows = [dict(_OK, variant="bf16", update_flops=1.8432e15, update_tflops=351.6),
+            dict(_OK, variant="nvfp4", update_flops=3.7e14, update_tflops=150.2, busy=busy),
+            dict(model="7b", variant="nf4", prompts=2, world=1, error="OOM")]
+    text = table(rows, "cpu", args)
+    header = _cells(text, "| model |")
+    assert header[-3:] == ["update TFLOP", "update TFLOP/s", "GPU busy rollout / ref / loss"]
+    cell = dict(zip(header, _cells(text, "| 7b | bf16 |")))
+    assert (cell["update TFLOP"], cell["update TFLOP/s"], cell["GPU busy rollout / ref / loss"]) == ("1843.2", "352", "-")
+    cell = dict(zip(header, _cells(text, "| 7b | nvfp4 |")))
+    assert (cell["update TFLOP"], cell["update TFLOP/s"]) == ("370.0", "150")
+    assert cell["GPU busy rollout / ref / loss"] == "34% / - / 72%"
+    assert len(_cells(text, "| 7b | nf4 |")) == len(header)  # the OOM row keeps the columns
+    assert "- | -" in table([dict(_OK, variant="bf16")], "cpu", args)  # a model the count does not know
 
 
 def test_bad_variant_or_size_is_refused():

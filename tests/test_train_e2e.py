@@ -49,8 +49,9 @@ def test_train_runs_and_writes_outputs(tiny_dir, data_file, tmp_path, algo):
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         for key in ("reward", "entropy", "aqn_sigma", "response_length", "tokens_per_s", "time_rollout",
-                    "time_update", "memory_gb", "lr"):
+                    "time_update", "memory_gb", "lr", "update_flops", "update_tflops"):
             assert m[key] is not None, key
+        assert m["update_tflops"] == pytest.approx(m["update_flops"] / m["time_update"] / 1e12)
     assert [m["aqn_sigma"] for m in metrics] == pytest.approx([0.0, 0.05, 0.01])
     assert metrics[0]["entropy"] > 0
     assert (tmp_path / "run" / "config.yaml").is_file()
@@ -141,7 +142,8 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_dir, data_file, 
     assert trainer.step == steps[-1]
 
 
-TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_generate", "time_update", "time_step", "memory_gb", "reward/time_s")
+TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_generate", "time_update", "time_step", "memory_gb", "reward/time_s",
+               "update_tflops")
 
 
 def _deterministic(rows):

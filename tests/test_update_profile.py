@@ -59,6 +59,23 @@ def test_profile_update_adds_one_untimed_step_per_cell_and_a_block_per_row():
     assert "| `aten::" in text
 
 
+def test_busy_adds_one_untimed_step_per_cell_with_each_phase_busy_share():
+    """--busy: one more step per cell, each phase under its own profiler session; the row's "busy" gives every
+    phase that ran its wall and busy milliseconds and their ratio, and the timed steps stay as they were."""
+    _, args = parse_args(["--models", "7b", "--variants", "nvfp4", "--prompts", "2", "--steps", "1",
+                          "--completion", "4", "--warmup-completion", "2", "--prompt", "5", "--group", "2",
+                          "--micro-batch", "2", "--busy"])
+    model = build_random_policy(Qwen2Config(**TINY), "nvfp4", lora_r=4, device=torch.device("cpu"))
+    runners = {"nvfp4": StepRunner(model, args, DistContext(), sigma=0.0)}
+    cells = {"nvfp4": dict(model="7b", variant="nvfp4", world=1, weights_gb=0.0)}
+    (row,) = time_cells(runners, cells, 2, args, DistContext())
+    assert row["steps_timed"] == 1 and "update_profile" not in row
+    assert set(row["busy"]) == {"rollout", "reference", "loss_backward", "optimizer"}
+    for phase in row["busy"].values():
+        assert phase["wall_ms"] > 0 and phase["busy_ms"] > 0
+        assert phase["share"] == pytest.approx(phase["busy_ms"] / phase["wall_ms"])
+
+
 @pytest.mark.gpu
 def test_gpu_profile_names_cuda_kernels_and_busy_time():
     require_cuda()
@@ -66,3 +83,6 @@ def test_gpu_profile_names_cuda_kernels_and_busy_time():
     runner = StepRunner(model, _args("--kl-beta", "0"), DistContext(), sigma=0.0)
     runner.step(prompts=2, completion=6)  # compile outside the profile
     _check(runner.step(prompts=2, completion=6, profile_update=True)["update_profile"], "cuda")
+    busy = runner.step(prompts=2, completion=6, busy=True)["busy"]  # kernels of CUDA graph replays in the rollout
+    assert {"rollout", "loss_backward"} <= set(busy)
+    assert all(0 < p["busy_ms"] <= p["wall_ms"] + 1e-6 for p in busy.values())

@@ -18,7 +18,10 @@ micro-batches of at most --max-tokens-per-micro-batch tokens, or pads micro-batc
 same counterbalanced rounds. Reported per cell: seconds per phase, step seconds, speedup vs the old mode
 (static+padded, same variant) and vs bf16 LoRA (same mode), kept tokens/s (real completion tokens per step
 second), decoded row-steps / kept tokens (rollout efficiency: 1 = no row decoded past its end), loss tokens
-computed / needed (update efficiency), peak GPU memory; "OOM" when it does not fit.
+computed / needed (update efficiency), the update's useful FLOPs and its achieved TFLOP/s per GPU (`qerl.rl.flops`:
+forward and input gradient of the base and LoRA products, attention and LM head, LoRA's weight gradients; no
+recomputation), peak GPU memory; "OOM" when it does not fit. `--busy` adds one untimed step per cell profiled phase
+by phase: the share of each phase's wall time the GPU was busy (rollout, reference, loss + backward).
 `--memory-cap-gib 78` limits this process's GPU memory (the usable memory of an 80 GB H100) to test fit.
 
 Order (`--order`). Which cell runs first changes its times (a process's first loss pass ran up to 40% slower
@@ -141,18 +144,22 @@ class StepRunner:
         return sum(storages.values())
 
     def step(self, prompts: int, completion: int, others_bytes: int = 0, lengths: list[int] | None = None,
-             mode: tuple[str, bool] = ("continuous", True), profile_update: bool = False) -> dict:
+             mode: tuple[str, bool] = ("continuous", True), profile_update: bool = False, busy: bool = False) -> dict:
         """One step on this rank's `prompts` prompts x G rows.
 
         completion: the forced length of every row when `lengths` is None; lengths: this rank's per-row forced
         lengths (prompts x G ints, each prompt's rows adjacent; the rollout's max_new_tokens is then the budget
         args.budget); mode: (engine scheduler, packed update); others_bytes: GPU memory held by other resident
         runners (subtracted from the peak); profile_update: run the policy update under the profiler and add
-        its summary as "update_profile" (`bench.update_profile`; its phase times are then not comparable). Returns
+        its summary as "update_profile" (`bench.update_profile`; its phase times are then not comparable); busy:
+        run each phase under its own profiler session and add "busy", {phase: {"wall_ms", "busy_ms", "share"}}
+        (`update_profile.PhaseBusy`; phase times not comparable either). Returns
         seconds per phase, peak memory (GB) and the whole step's
         (all ranks') token counts: tokens (kept completion tokens), decoded_row_steps, prefill_tokens,
         loss_tokens_computed, loss_tokens_needed, with the ratios kept_tok_s, rollout_efficiency
-        (row-steps / kept) and loss_efficiency (computed / needed)."""
+        (row-steps / kept) and loss_efficiency (computed / needed); update_flops, the update's useful FLOPs (all
+        ranks; `qerl.rl.flops`; absent for a model it does not count), and update_tflops, per GPU per second of
+        the update (step - rollout)."""
         from ..nn.noisy_norm import NoisyNorms
         from ..rl.advantages import group_advantages
         from ..rl.collect import Experience
@@ -192,6 +199,11 @@ class StepRunner:
             stats, times["update_profile"] = profile_call(update, self.model.device)
             return stats
 
+        phases = None
+        if busy:
+            from .update_profile import PhaseBusy
+
+            phases = PhaseBusy(self.model.device)
         on_gpu = self.model.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
@@ -203,20 +215,25 @@ class StepRunner:
                        optimizer=self.optimizer, params=self.params,
                        settings=dataclasses.replace(self.settings, packing=packing), dist_ctx=self.dist,
                        dense_store=self.dense_store, synchronize=True, times=times,
-                       run_update=profiled if profile_update else None)
+                       run_update=profiled if profile_update else None, phase=phases)
         if step.non_finite is not None:
             raise step.non_finite
         exp, stats = step.experience, step.update
         times["peak_gb"] = (torch.cuda.max_memory_allocated() - others_bytes) / 1e9 if on_gpu else 0.0
         counts = torch.tensor([float(x) for x in (exp.lengths.sum(), exp.stats["rollout_decoded_row_steps"],
                                                   exp.stats["rollout_prefill_tokens"], stats["loss_tokens_computed"],
-                                                  stats["loss_tokens_needed"])],
+                                                  stats["loss_tokens_needed"], stats.get("update_flops", -1.0))],
                               dtype=torch.float64, device=self.dist.device)
-        kept, decoded, prefill, computed, needed = all_reduce_sum(counts, self.dist).tolist()  # per rank -> step
+        kept, decoded, prefill, computed, needed, flops = all_reduce_sum(counts, self.dist).tolist()  # per rank -> step
         times.update(tokens=int(kept), decoded_row_steps=int(decoded), prefill_tokens=int(prefill),
                      loss_tokens_computed=int(computed), loss_tokens_needed=int(needed),
                      kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
                      loss_efficiency=computed / max(needed, 1.0))
+        if "update_flops" in stats:  # every rank counts the same model
+            update_s = max(times["step"] - times["rollout"], 1e-9)
+            times.update(update_flops=flops, update_tflops=flops / self.dist.world / update_s / 1e12)
+        if phases is not None:
+            times["busy"] = phases.shares()
         return times
 
 
@@ -398,7 +415,13 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
                                                                 lengths=lengths, mode=m)))
                 except torch.OutOfMemoryError:
                     _oom(runners[v], rows[(v, m)])
-    profiles = {}
+    profiles, busy = {}, {}
+    if args.busy:  # one more step per cell, untimed, each phase under its own profiler session
+        for v, m in alive:
+            if "error" not in rows[(v, m)]:
+                whole = step_lengths(args, prompts, 0)
+                lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
+                busy[(v, m)] = runners[v].step(mine, args.completion, lengths=lengths, mode=m, busy=True)["busy"]
     if args.profile_update:  # one more step per cell, untimed: the profiler's own cost stays out of the medians
         for v, m in alive:
             if "error" not in rows[(v, m)]:
@@ -411,6 +434,8 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
             continue
         if k in profiles:
             rows[k]["update_profile"] = profiles[k]
+        if k in busy:
+            rows[k]["busy"] = busy[k]
         steps = [t for _, t in samples[k]]
         rows[k].update({name: _median([s[name] for s in steps]) for name in steps[0]})
         rows[k]["steps_timed"] = len(steps)
@@ -495,6 +520,21 @@ def _speedup(base: dict | None, r: dict) -> str:
     return f"{base['step'] / r['step']:.2f}x" if base is not None and base is not r else "-"
 
 
+def _flops_cells(r: dict) -> str:
+    """The update TFLOP and update TFLOP/s cells of a timed row ("- | -" for a model qerl.rl.flops does not count)."""
+    if r.get("update_flops") is None:
+        return "- | -"
+    return f"{r['update_flops'] / 1e12:.1f} | {r['update_tflops']:.0f}"
+
+
+def _busy_cell(r: dict) -> str:
+    """The GPU-busy shares of the rollout, reference and loss + backward phases ("-" where not measured)."""
+    busy = r.get("busy")
+    if not busy:
+        return "-"
+    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in ("rollout", "reference", "loss_backward"))
+
+
 def lengths_line(args) -> str:
     """The table's line on completion lengths."""
     if args.profile is None:
@@ -514,12 +554,13 @@ def table(results, device, args) -> str:
              lengths_line(args),
              "| model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s "
              "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept "
-             "| loss tokens computed / needed | peak GB | weights GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| loss tokens computed / needed | peak GB | weights GB | update TFLOP | update TFLOP/s "
+             "| GPU busy rollout / ref / loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         head = f"| {r['model']} | {r['variant']} | {r.get('mode', '-')} | {r.get('prompts', '-')} x {args.group} |"
         if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | | | | | | | | {r.get('weights_gb', 0):.1f} |")
+            lines.append(f"{head} {r['error']} | | | | | | | | | | | | {r.get('weights_gb', 0):.1f} | | | |")
             continue
         same = dict(model=r["model"], prompts=r["prompts"])
         b = _timed(results, variant="bf16", mode=r["mode"], **same)
@@ -527,12 +568,17 @@ def table(results, device, args) -> str:
         lines.append(f"{head} {r['rollout']:.2f} | {r.get('reference', 0):.2f} | {r['loss_backward']:.2f} | "
                      f"{r['optimizer']:.3f} | {r['step']:.2f} | {_speedup(old, r)} | {_speedup(b, r)} | "
                      f"{_by_order(r, b)} | {r['kept_tok_s']:.0f} | {r['rollout_efficiency']:.2f} | "
-                     f"{r['loss_efficiency']:.2f} | {r['peak_gb']:.1f} | {r['weights_gb']:.1f} |")
+                     f"{r['loss_efficiency']:.2f} | {r['peak_gb']:.1f} | {r['weights_gb']:.1f} | "
+                     f"{_flops_cells(r)} | {_busy_cell(r)} |")
     lines.append("\nvs old: step time of the same variant in mode " + mode_label(OLD_MODE) + " / this one; vs bf16: "
                  "bf16's in the same mode / this one; kept tok/s: real completion tokens per step second; row-steps / "
                  "kept: rows the rollout decoded per kept token (1 = none past its end); loss tokens computed / "
                  "needed: tokens one forward pass of the update runs through the model per token it needs (each "
-                 "group's prompt once + the completion tokens)")
+                 "group's prompt once + the completion tokens); update TFLOP: the update's useful FLOPs (every pass: "
+                 "forward and input gradient of the base and LoRA products, attention over the causal pairs and the "
+                 "LM head, LoRA's weight gradients; no recomputation; qerl.rl.flops), update TFLOP/s: per GPU per "
+                 "second of the update; GPU busy: the share of each phase's wall time the GPU ran kernels, from one "
+                 "more step per cell under the profiler (--busy; '-' without it or where the phase did not run)")
     if orders:
         lines.append("\norders (rounds alternate between them): "
                      + "; ".join(f"{i + 1}: {o}" for i, o in enumerate(orders)))
@@ -635,6 +681,10 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke tests)")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="limit this process's GPU memory")
     ap.add_argument("--check-dist", action="store_true", help="under torchrun: check the all-reduced gradient")
+    ap.add_argument("--busy", action="store_true",
+                    help="after the timed steps, one more step per cell with each phase (rollout, reference, loss + "
+                         "backward, optimizer) under its own profiler session: the share of its wall time the GPU "
+                         "was busy (the table's GPU busy column, the rows' \"busy\")")
     ap.add_argument("--profile-update", action="store_true",
                     help="after the timed steps, one more step per cell with its policy update under the "
                          "profiler: the update's device kernels by time and how busy the GPU was")

@@ -3,15 +3,21 @@ how much of its wall time the device was busy (the union of the kernels' interva
 work and synchronisation). `qerl bench step --profile-update` runs one extra, untimed step per cell this way
 around the policy update, to tell a variant whose kernels are slower from one whose GPU waits on the host.
 
+`qerl bench step --busy` profiles one extra step per cell phase by phase instead (`PhaseBusy`: one profiler
+session per phase, each around a span that starts and ends with the device synchronised), for the GPU-busy
+share of the rollout, the reference pass and the loss + backward.
+
 On the CPU (tests) the "kernels" are the aten ops, by self time; busy is their sum.
 
     result, summary = profile_call(fn, device)
     summary: {"wall_ms", "busy_ms", "kernel_ms", "kernels" (launches), "top": [[name, ms, calls], ...]}
+    with profiled(device) as summary: ...   # the same for a block of code; summary filled on exit
     profile_table(rows) -> Markdown, one block per profiled cell
 """
 
 import collections
 import time
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -53,19 +59,49 @@ def summarize_events(events, wall_ms: float, device_type: str, top: int = 12) ->
             "top": [[n, ms, calls[n]] for n, ms in by_name.most_common(top)]}
 
 
-def profile_call(fn, device: torch.device, top: int = 12):
-    """(fn(), summary) with fn run once under the profiler (CUDA kernels on a GPU, aten ops on the CPU)."""
+@contextmanager
+def profiled(device: torch.device, top: int = 12):
+    """The block run under the profiler (CUDA kernels on a GPU, aten ops on the CPU); yields a dict that holds
+    its summary (module docstring) once the block is done."""
     on_gpu = device.type == "cuda"
     # on a GPU the kernels alone: recording every host op too would stretch the wall time being explained
     activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    summary = {}
     sync()
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        out = fn()
+        yield summary
         sync()
         wall_ms = (time.perf_counter() - start) * 1e3
-    return out, summarize_events(prof.events(), wall_ms, device.type, top)
+    summary.update(summarize_events(prof.events(), wall_ms, device.type, top))
+
+
+def profile_call(fn, device: torch.device, top: int = 12):
+    """(fn(), summary) with fn run once under the profiler (`profiled`)."""
+    with profiled(device, top) as summary:
+        out = fn()
+    return out, summary
+
+
+class PhaseBusy:
+    """A `phase` hook for `qerl.rl.step.rl_step`: each phase run under its own profiler session (`profiled`), its
+    wall and device-busy milliseconds summed per phase name (a phase that runs twice, as the loss pass with
+    num_updates > 1, adds up). `shares()`: {phase: {"wall_ms", "busy_ms", "share"}}, share = busy / wall."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.ms = device, {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        with profiled(self.device, top=0) as summary:
+            yield
+        wall, busy = self.ms.get(name, (0.0, 0.0))
+        self.ms[name] = (wall + summary["wall_ms"], busy + summary["busy_ms"])
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        return {name: {"wall_ms": wall, "busy_ms": busy, "share": busy / max(wall, 1e-9)}
+                for name, (wall, busy) in self.ms.items()}
 
 
 def profile_table(rows: list[dict]) -> str:

@@ -30,7 +30,9 @@ class PackedMicroBatch:
     target_index int64 [n]: where that token sits in `completion_ids.flatten()`; out_index int64 [n]: its
     place in the flat [rows, T] log-prob output. computed_tokens: L (each prompt once per micro-batch it
     appears in); needed_tokens: loss tokens + the prompt of each group whose first loss token is here (each
-    distinct prompt once per group), so the sums over a pass compare the two.
+    distinct prompt once per group), so the sums over a pass compare the two. segments: the stream's runs on
+    the host, (prefix, length) each: a prompt (0, its length), a row's loss tokens (the prompt's length, their
+    number), for counting the attention's work (`qerl.rl.flops`).
     """
 
     rows: slice
@@ -42,6 +44,7 @@ class PackedMicroBatch:
     out_index: torch.Tensor
     computed_tokens: int
     needed_tokens: int
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 # token_budget: activation bytes a micro-batch may take with checkpointing (about 4 x layers x hidden bytes a
@@ -170,7 +173,7 @@ class _Rows:
         ids = self.flat[dev(src)] if src else self.flat[:0]
         pred_gather = host_gather(torch.tensor(pred, dtype=torch.long), len(src), self.device)
         return PackedMicroBatch(slice(a, b), ids, dev(pos), packed_layout(segments, self.device), pred_gather,
-                                dev(target), dev(out), len(src), needed)
+                                dev(target), dev(out), len(src), needed, tuple((p, n) for _, p, _, n in segments))
 
 
 def packed_logprobs(model, mb: PackedMicroBatch, completion_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

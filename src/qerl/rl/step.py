@@ -11,6 +11,7 @@ times the phases with the device synchronised (`synchronize=True`).
 """
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,7 +39,8 @@ class StepResult:
 def rl_step(collect: Callable[[], Experience], *, model, engine, memory: EngineMemoryPolicy, optimizer, params,
             settings: UpdateSettings, dist_ctx: DistContext = DistContext(), dense_store: dict | None = None,
             scheduler=None, synchronize: bool = False, times: dict[str, float] | None = None,
-            run_update: Callable[[Callable[[], dict]], dict] | None = None) -> StepResult:
+            run_update: Callable[[Callable[[], dict]], dict] | None = None,
+            phase: Callable[[str], AbstractContextManager] | None = None) -> StepResult:
     """Run one step (module docstring) on `model` (LoRA `params` under `optimizer`) and `engine`.
 
     collect: () -> this rank's Experience (it runs the rollout on `engine`); memory: the engine's memory policy;
@@ -47,21 +49,23 @@ def rl_step(collect: Callable[[], Experience], *, model, engine, memory: EngineM
     and of the step, and time the update's phases (reference, old_logprobs, loss_backward, optimizer; each then
     synchronises): exact per-phase times, at the cost of a few device syncs. times: the dict the times go into
     (a new one when None). run_update: called with a no-argument function that runs the update, returns what it
-    returns (e.g. under a profiler); None calls it directly."""
+    returns (e.g. under a profiler); None calls it directly. phase: called with "rollout" and each of the
+    update's phase names, a context manager entered around that phase (`policy_update`), or None."""
     on_gpu = synchronize and model.device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     times = {} if times is None else times
     start = time.perf_counter()
-    exp = collect()
-    memory.after_rollout(engine)
-    sync()
+    with nullcontext() if phase is None else phase("rollout"):
+        exp = collect()
+        memory.after_rollout(engine)
+        sync()
     times["rollout"] = time.perf_counter() - start
     stats, non_finite = None, None
     if exp.completion_mask.any() or dist_ctx.enabled:  # every rank must join the gradient all-reduce
 
         def update() -> dict:
             return policy_update(model, exp, optimizer, params, settings, dist_ctx=dist_ctx,
-                                 timings=times if synchronize else None, dense_store=dense_store)
+                                 timings=times if synchronize else None, dense_store=dense_store, phase=phase)
 
         try:
             stats = update() if run_update is None else run_update(update)

@@ -245,6 +245,8 @@ class Trainer:
         metrics["bad_steps_total"] = self.bad_total
         metrics["time_rollout"] = times["rollout"]
         metrics["time_update"] = times["step"] - times["rollout"]
+        if "update_flops" in metrics:  # the update's useful FLOPs per second of it (qerl.rl.flops): how near the card
+            metrics["update_tflops"] = metrics["update_flops"] / max(metrics["time_update"], 1e-9) / 1e12
         metrics["time_step"] = times["step"]
         metrics["memory_gb"] = peak_memory_gb(self.device)
         if self.dense_store is not None:  # model.dense_weights: what the 16-bit copies hold
@@ -303,7 +305,8 @@ class Trainer:
                         f"clip {metrics.get('clip_fraction', 0):.3f}  len {metrics['response_length']:.0f}  "
                         f"{metrics['tokens_per_s']:.0f} tok/s  rollout {metrics['time_rollout']:.1f}s "
                         f"(rows/kept {metrics['rollout_rows_per_kept']:.2f})  update {metrics['time_update']:.1f}s "
-                        f"(computed/needed {metrics.get('loss_tokens_per_needed', 0):.2f})  "
+                        f"(computed/needed {metrics.get('loss_tokens_per_needed', 0):.2f}"
+                        + (f", {metrics['update_tflops']:.3g} TFLOP/s" if "update_tflops" in metrics else "") + ")  "
                         + (f"aux {metrics['aux_loss']:.4f}  " if "aux_loss" in metrics else "")
                         + f"mem {metrics['memory_gb']:.2f} GB")
                 progress.console.print(line, highlight=False)

@@ -10,8 +10,9 @@ behaviour-policy ratio) and TIS is not applied.
 
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -21,6 +22,7 @@ from ..models.router import original_routers
 from ..nn.quant_base import lora_disabled
 from .collect import Experience
 from .distributed import DistContext, all_reduce_gradients, all_reduce_sum
+from .flops import PassLayout, lora_of, update_flops
 from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
 from .packing import PackedMicroBatch, needed_tokens, packed_logprobs, plan_micro_batches
@@ -79,6 +81,17 @@ def _token_counts(exp: Experience, batches: list[PackedMicroBatch | slice]) -> t
             needed_tokens(exp.prompt_ids, exp.prompt_mask, exp.completion_mask))
 
 
+def _pass_layout(exp: Experience, batches: list[PackedMicroBatch | slice]) -> PassLayout:
+    """The tokens one pass forwards, for its FLOPs (`qerl.rl.flops`): the packed streams' runs, or each padded row's
+    real prompt and loss tokens as one sequence (its padding left out; a host sync); the LM head takes the loss
+    tokens."""
+    if batches and isinstance(batches[0], PackedMicroBatch):
+        return PassLayout(tuple(seg for mb in batches for seg in mb.segments),
+                          sum(mb.target_index.numel() for mb in batches))
+    prompt, loss = exp.prompt_mask.sum(1).tolist(), exp.completion_mask.sum(1).tolist()
+    return PassLayout(tuple((0, int(p + n)) for p, n in zip(prompt, loss) if n), int(sum(loss)))
+
+
 def _logprobs(model, exp: Experience, mb: PackedMicroBatch | slice, temperature: float) -> torch.Tensor:
     if isinstance(mb, PackedMicroBatch):
         return packed_logprobs(model, mb, exp.completion_ids, temperature)
@@ -108,7 +121,8 @@ def _no_grad_logprobs(model, exp: Experience, batches, temperature: float) -> to
 
 def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSettings, *,
                   dist_ctx: DistContext = DistContext(), timings: dict[str, float] | None = None,
-                  dense_store: dict | None = None) -> dict[str, float]:
+                  dense_store: dict | None = None,
+                  phase: Callable[[str], AbstractContextManager] | None = None) -> dict[str, float]:
     """Run `settings.num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when the
     gradient norm is not finite -- a NaN/Inf loss makes it so -- and the step is skipped: the caller counts it.
 
@@ -118,11 +132,15 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     "loss_backward", "optimizer"; "optimizer" includes the gradient all-reduce); that synchronizes the device
     at phase ends. dense_store: the 16-bit copies of the 4-bit linear weights the passes use (made on first
     use, kept by the caller; `kernels.dequant_cache`, the trainer's model.dense_weights); None: the 4-bit kernels.
+    phase: called with each phase's name, a context manager entered around that phase (inside its timing; e.g.
+    `qerl bench step --busy`'s profiler), or None.
 
     Besides the loss statistics it returns `loss_tokens_computed` and `loss_tokens_needed`: the tokens ONE
     forward pass over the batch runs through the model (the reference, old-log-prob and each policy pass
     all run the same micro-batches) and the tokens it needs (each distinct prompt once per group plus the
-    loss tokens); with packing their ratio is the prompt repetition of groups split over micro-batches.
+    loss tokens); with packing their ratio is the prompt repetition of groups split over micro-batches. And
+    `update_flops`: the useful FLOPs of the whole update (every pass, `qerl.rl.flops`), left out for a model
+    that count does not know.
 
     With `settings.aux_loss_coef` > 0 (MoE models) each micro-batch's forward also gives the routers'
     load-balancing loss over its real tokens (`router_aux`), added to the policy loss times the coefficient and
@@ -132,24 +150,27 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     on_cpu = exp.completion_ids.device.type == "cpu"
     # CPU: dequantize each weight once for the whole update; with a store, once for the run, on any device
     with dequantized_weights(enabled=on_cpu or dense_store is not None, store=dense_store):
-        return _update(model, exp, optimizer, params, settings, dist_ctx, timings)
+        return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase)
 
 
 @contextmanager
-def _phase(timings: dict[str, float] | None, name: str, device: torch.device):
+def _phase(timings: dict[str, float] | None, name: str, device: torch.device, hook=None):
+    inner = nullcontext() if hook is None else hook(name)
     if timings is None:
-        yield
+        with inner:
+            yield
         return
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    yield
-    sync()
+    with inner:
+        yield
+        sync()
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
 def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_ctx: DistContext,
-            timings: dict[str, float] | None) -> dict[str, float]:
+            timings: dict[str, float] | None, hook=None) -> dict[str, float]:
     device = exp.completion_ids.device
     mask = exp.completion_mask
     batches = _micro_batches(exp, s)  # one plan for the reference, old and policy passes
@@ -163,11 +184,12 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
     experts_k = router_top_k(model) if aux else None
     ref = None
     if s.loss.kl_beta > 0:  # adapters off and routers at their base weights; no second copy
-        with _phase(timings, "reference", device), lora_disabled(model), original_routers(model):
+        with _phase(timings, "reference", device, hook), lora_disabled(model), original_routers(model):
             ref = _no_grad_logprobs(model, exp, batches, s.temperature)
     old = exp.sampling_logp if s.old_logprobs == "sampling" else None
-    if old is None and s.num_updates > 1:
-        with _phase(timings, "old_logprobs", device):
+    old_pass = old is None and s.num_updates > 1
+    if old_pass:
+        with _phase(timings, "old_logprobs", device, hook):
             old = _no_grad_logprobs(model, exp, batches, s.temperature)
     use_tis = s.old_logprobs == "recompute" and s.tis_cap is not None
     zero = torch.zeros((), device=mask.device)
@@ -177,7 +199,7 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
     try:
         for _ in range(s.num_updates):
             optimizer.zero_grad(set_to_none=True)
-            with _phase(timings, "loss_backward", device):
+            with _phase(timings, "loss_backward", device, hook):
                 for i, mb in enumerate(batches):
                     sl = _rows(mb)
                     with capture_router_logits(model) if aux else nullcontext([]) as router_logits:
@@ -199,7 +221,7 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
                     totals["loss"] += loss.detach()
                     for k, v in stats.items():
                         totals[k] += v
-            with _phase(timings, "optimizer", device):
+            with _phase(timings, "optimizer", device, hook):
                 for p in params:  # no loss token anywhere: the zero gradient the padded path computes
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
@@ -217,6 +239,12 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
     computed, needed = _token_counts(exp, batches)
     tokens = max(t["tokens"], 1.0)
     extra = {"aux_loss": t["aux"] / max(local_aux_tokens, 1.0) / s.num_updates} if aux else {}
+    config = getattr(model, "config", None)
+    flops = None if config is None else update_flops(config, _pass_layout(exp, batches), lora_of(model),
+                                                     loss_passes=s.num_updates, old_logprob_pass=old_pass,
+                                                     reference_pass=ref is not None)
+    if flops is not None:
+        extra["update_flops"] = float(flops)
     return {
         "loss": t["loss"] / s.num_updates,
         "clip_fraction": t["clipped"] / tokens,
