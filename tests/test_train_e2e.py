@@ -49,8 +49,11 @@ def test_train_runs_and_writes_outputs(tiny_dir, data_file, tmp_path, algo):
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         for key in ("reward", "entropy", "aqn_sigma", "response_length", "tokens_per_s", "time_rollout",
-                    "time_update", "memory_gb", "lr", "update_flops", "update_tflops"):
+                    "time_update", "memory_gb", "lr"):
             assert m[key] is not None, key
+    updated = [m for m in metrics if "loss" in m]  # DAPO's filters may leave a step without an update
+    assert updated and all(m["update_flops"] > 0 for m in updated)
+    for m in updated:
         assert m["update_tflops"] == pytest.approx(m["update_flops"] / m["time_update"] / 1e12)
     assert [m["aqn_sigma"] for m in metrics] == pytest.approx([0.0, 0.05, 0.01])
     assert metrics[0]["entropy"] > 0
