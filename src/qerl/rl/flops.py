@@ -86,7 +86,7 @@ def lora_of(model) -> tuple[int, tuple[str, ...], bool] | None:
     for name, p in model.named_parameters():
         if ".lora_A." not in f".{name}" or not p.requires_grad:
             continue
-        owner, _, rest = name.rpartition("lora_A.")
+        owner = name.rpartition("lora_A.")[0]
         leaf = owner.rstrip(".").rpartition(".")[2]
         if p.ndim == 3:  # an experts stack's [E, r, K]
             experts = True
