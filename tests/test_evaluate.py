@@ -45,6 +45,59 @@ def test_evaluate_greedy_is_one_sample_and_math_reward_scores():
         assert p["rewards"] == math_reward([""], p["completions"], [r["answer"]])
 
 
+class ScriptedEngine:
+    """Stand-in engine that answers with fixed completions, in job order (problem-major, then sample)."""
+
+    def __init__(self, texts):
+        self.texts = list(texts)
+
+    def generate(self, prompts, max_new_tokens, sampling, seed=0):
+        import torch
+        from types import SimpleNamespace
+
+        texts, self.texts = self.texts[:len(prompts)], self.texts[len(prompts):]
+        return SimpleNamespace(texts=texts, lengths=torch.tensor([len(t) for t in texts]),
+                               finish_reason=["stop"] * len(texts))
+
+
+SCRIPT = ["#### 18", "The answer is 18.", "\\boxed{5}", "Let me think about"]
+TWO_ROWS = [{"question": "q1", "answer": "9 * 2 = 18\n#### 18"}, {"question": "q2", "answer": "5"}]
+
+
+@pytest.mark.parametrize("suffix,strict,format_followed", [
+    # gsm8k asks for ####: only "#### 18" is strictly right and in format -> strict (1/2 + 0) / 2
+    ("gsm8k", [[1.0, 0.0], [0.0, 0.0]], 0.25),
+    # boxed asks for \boxed{}: only "\boxed{5}" -> strict (0 + 1/2) / 2
+    ("boxed", [[0.0, 0.0], [1.0, 0.0]], 0.25),
+    # none asks for no style: any marker is strict, any style's format counts
+    ("none", [[1.0, 0.0], [1.0, 0.0]], 0.5),
+])
+def test_evaluate_reports_flexible_and_strict_scores(suffix, strict, format_followed):
+    from qerl.eval.evaluate import summary_table
+
+    out = evaluate(None, tiny_tokenizer(), TWO_ROWS, n_samples=2, sampling=SamplingParams(0.6), suffix=suffix,
+                   engine=ScriptedEngine(SCRIPT), progress=False)
+    assert [p["rewards"] for p in out["per_problem"]] == [[1.0, 1.0], [1.0, 0.0]]
+    assert out["pass@1"] == pytest.approx(0.75)  # flexible: (1 + 1/2) / 2, as before
+    assert [p["strict"] for p in out["per_problem"]] == strict
+    assert out["pass@1_strict"] == pytest.approx(sum(sum(s) / 2 for s in strict) / 2)
+    assert out["no_answer"] == pytest.approx(0.25)  # "Let me think about" holds no number
+    assert out["format_followed"] == pytest.approx(format_followed)
+    from rich.console import Console
+
+    console = Console(record=True, width=120)
+    console.print(summary_table(out, "t"))
+    text = console.export_text()
+    assert "pass@1 strict" in text and "no extractable answer" in text and "25.0%" in text
+
+
+def test_a_custom_reward_gets_no_strict_scores():
+    out = evaluate(None, tiny_tokenizer(), TWO_ROWS, n_samples=2, sampling=SamplingParams(0.6),
+                   engine=ScriptedEngine(SCRIPT), reward=reward_by_length, progress=False)
+    assert not {"pass@1_strict", "no_answer", "format_followed"} & out.keys()
+    assert all("strict" not in p for p in out["per_problem"])
+
+
 def test_run_eval_command(tmp_path, monkeypatch, capsys):
     """qerl eval end to end on a tiny model saved to disk, quantized to NVFP4 on load, JSONL out."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -59,8 +112,9 @@ def test_run_eval_command(tmp_path, monkeypatch, capsys):
     assert run_eval(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["n_problems"] == 3 and summary["n_samples"] == 2 and 0 <= summary["pass@1"] <= 1
+    assert all(0 <= summary[k] <= 1 for k in ("pass@1_strict", "no_answer", "format_followed"))
     lines = [json.loads(x) for x in (tmp_path / "res.jsonl").read_text().splitlines()]
-    assert len(lines) == 3 and all(len(x["completions"]) == 2 for x in lines)
+    assert len(lines) == 3 and all(len(x["completions"]) == len(x["strict"]) == 2 for x in lines)
     # --dense-weights: the same completions from 16-bit copies of the NF4 weights (exact dequantization)
     import importlib
 

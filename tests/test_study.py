@@ -342,13 +342,15 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
         result = json.loads((out / name / "result.json").read_text())
         assert [m["step"] for m in result["metrics"]] == [1, 2]
         assert 0 <= result["pass1_after"] <= 1 and result["seconds"] > 0
+        for when in ("before", "after"):  # the strict score and the two shares next to the flexible one
+            assert all(0 <= result[k] <= 1 for k in (f"pass1_{when}_strict", f"no_answer_{when}", f"format_{when}"))
         assert (out / name / "metrics.jsonl").is_file()
     summary = json.loads((out / "results.json").read_text())
     assert summary["parallel"] == 2 and len(summary["runs"]) == 2
     assert [j["status"] for j in summary["jobs"]] == ["done", "done"]
     assert summary["aggregate"]["bf16"]["pass1_after"]["n"] == 1
     assert all((out / f"study_{k}.png").is_file() for k in ("reward", "entropy", "pass1"))
-    assert "| nvfp4+aqn | 1 |" in printed and "inflated" in printed
+    assert "| nvfp4+aqn | 1 |" in printed and "inflated" in printed and "strict pass@1 after" in printed
     claims_md = (out / "claims.md").read_text()  # arms nvfp4+aqn and bf16, one seed each
     assert "Table 1" in claims_md and "after RL >= 16-bit LoRA" in claims_md and claims_md.strip() in printed
 
@@ -366,10 +368,13 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
         if not checkpoint.name.endswith("1"):
             shutil.rmtree(checkpoint)
     state = json.loads((job / "job_state.json").read_text())
-    study_jobs.write_json_atomic(job / "job_state.json", {**state, "pass1_before": 0.125})
+    # (a job_state.json written before the strict scores existed: only the flexible "before")
+    old_state = {k: v for k, v in state.items() if k not in ("pass1_before_strict", "no_answer_before", "format_before")}
+    study_jobs.write_json_atomic(job / "job_state.json", {**old_state, "pass1_before": 0.125})
     assert study.main(argv) == 0
     resumed = json.loads((job / "result.json").read_text())
     assert resumed["attempts"] == 2 and resumed["pass1_before"] == 0.125
+    assert "pass1_before_strict" not in resumed and 0 <= resumed["pass1_after_strict"] <= 1
     assert [m["step"] for m in resumed["metrics"]] == [1, 2]
     assert resumed["metrics"][0] == finished["metrics"][0]  # step 1 kept, not redone
     assert "resumed from" in (job / "job.log").read_text()
@@ -430,6 +435,16 @@ def test_the_16bit_base_column_shows_only_when_measured():
     table = study_report.markdown_table(study_report.aggregate(runs))
     assert "16-bit base" not in table
     assert table.splitlines()[1].count("---") == len(study_report.AGGREGATED) + 1
+
+
+def test_the_strict_columns_show_only_when_some_run_has_them():
+    """results.json files from before the strict scores lack their keys: no empty columns for them."""
+    old = [{k: v for k, v in _run(arm, 0).items() if not k.endswith("_strict")} for arm in ("nvfp4", "bf16")]
+    table = study_report.markdown_table(study_report.aggregate(old))
+    assert "strict" not in table and "| nvfp4 | 1 |" in table
+    new = study_report.markdown_table(study_report.aggregate([*old, _run("nf4", 0, pass1_after_strict=0.25)]))
+    assert "strict pass@1 before | strict pass@1 after" in new and "| nvfp4 | 1 | " in new
+    assert new.splitlines()[-1].count("0.250") == 1
 
 
 # merging studies ----------------------------------------------------------------------------------

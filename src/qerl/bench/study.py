@@ -257,23 +257,29 @@ def run_job(args, job: Job) -> dict:
         state = {"settings": settings, "attempts": 0}
     sampling = SamplingParams(args.eval_temperature, 0, 0.95)
 
-    def held_out() -> float | None:
-        if test_rows is None:  # --eval-limit 0: a learning-rate sweep leaves the held-out set alone
-            return None
+    def held_out(when: str) -> dict:
+        """{"pass1_<when>": flexible pass@1, "pass1_<when>_strict", "no_answer_<when>", "format_<when>"}; the
+        values are None with --eval-limit 0 (a learning-rate sweep leaves the held-out set alone)."""
+        if test_rows is None:
+            return {f"pass1_{when}": None}
         res = evaluate(trainer.model, trainer.tokenizer, test_rows, n_samples=args.eval_n, sampling=sampling,
                        max_new_tokens=cfg.rollout.max_new_tokens, suffix=cfg.data.suffix, seed=job.seed,
                        engine=trainer.engine, progress=False)
-        return res["pass@1"]
+        return {f"pass1_{when}": res["pass@1"], f"pass1_{when}_strict": res["pass@1_strict"],
+                f"no_answer_{when}": res["no_answer"], f"format_{when}": res["format_followed"]}
 
     if "pass1_before" not in state:
-        state["pass1_before"] = held_out()
+        state.update(held_out("before"))
     state["attempts"] += 1
     write_json_atomic(job.dir / "job_state.json", state)
-    before = state["pass1_before"]
+    # a job_state.json from before the strict scores has only pass1_before
+    before = {k: state[k] for k in ("pass1_before", "pass1_before_strict", "no_answer_before", "format_before")
+              if k in state}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     adapter = trainer.train()
-    after = held_out()
+    after_scores = held_out("after")
+    after = after_scores["pass1_after"]
     after_16bit = None
     if args.eval_16bit_base and test_rows is not None:
         if job.arm.format == "bf16":
@@ -286,7 +292,7 @@ def run_job(args, job: Job) -> dict:
     seconds = sum(m.get("time_step") or 0.0 for m in metrics)
     result = {"arm": job.arm.name, "seed": job.seed, "format": job.arm.format, "method": job.arm.method,
               "aqn": job.arm.aqn,
-              "decay": job.arm.decay if job.arm.aqn else None, "pass1_before": before, "pass1_after": after,
+              "decay": job.arm.decay if job.arm.aqn else None, **before, **after_scores,
               **({"pass1_after_16bit": after_16bit} if after_16bit is not None else {}),
               "seconds": seconds, **summarize(metrics), "job_seconds": time.perf_counter() - t_job,
               "attempts": state["attempts"],

@@ -8,6 +8,7 @@ from .study_arms import DEFAULT_DECAY, parse_arm
 
 # Quantities aggregated over seeds, with their table headers and decimals.
 AGGREGATED = (("pass1_before", "pass@1 before", 3), ("pass1_after", "pass@1 after", 3),
+              ("pass1_before_strict", "strict pass@1 before", 3), ("pass1_after_strict", "strict pass@1 after", 3),
               ("pass1_after_16bit", "pass@1 after, 16-bit base", 3),
               ("reward_first", "reward first", 3), ("reward_last", "reward last", 3),
               ("entropy_first", "entropy first", 3), ("entropy_last", "entropy last", 3),
@@ -15,8 +16,9 @@ AGGREGATED = (("pass1_before", "pass@1 before", 3), ("pass1_after", "pass@1 afte
               ("time_update", "update s/step", 2), ("memory_gb", "peak GB", 2))
 
 
-# Columns shown only when some arm has them (a study run with --eval-16bit-base).
-OPTIONAL = {"pass1_after_16bit"}
+# Columns shown only when some arm has them (a study run with --eval-16bit-base; the strict scores, which
+# results.json files written before they existed lack).
+OPTIONAL = {"pass1_after_16bit", "pass1_before_strict", "pass1_after_strict"}
 
 
 # aggregation --------------------------------------------------------------------------------------

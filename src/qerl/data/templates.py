@@ -29,6 +29,16 @@ def resolve_suffix(suffix: str | None) -> str:
                      f"'{LITERAL_PREFIX}<your text>' for literal prompt text")
 
 
+# The answer format each named suffix asks for (a `qerl.rewards.extract` style); other suffixes ask for none.
+SUFFIX_STYLES = {GSM8K_SUFFIX: "gsm8k", BOXED_SUFFIX: "boxed"}
+
+
+def requested_style(suffix: str | None) -> str | None:
+    """The answer style a prompt suffix asks for: "gsm8k" (`####`), "boxed" (`\\boxed{}`), or None (none,
+    no suffix, or a "text:" suffix other than a named suffix's own words)."""
+    return SUFFIX_STYLES.get(resolve_suffix(suffix))
+
+
 def build_prompt(question: str, tokenizer=None, suffix: str | None = GSM8K_SUFFIX, system: str | None = None) -> str:
     """The text to feed the model for one problem.
 

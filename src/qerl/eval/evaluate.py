@@ -3,6 +3,9 @@ them with a reward (math-verify by default), average. Also the `qerl eval` comma
 
 pass@1 = mean over problems of (mean over that problem's n samples of the reward), the unbiased
 estimate of single-sample accuracy; with greedy decoding n is forced to 1 (the samples would be equal).
+With the default math reward this is the flexible score; the strict one (the answer in the requested
+format's last marker) and the shares of completions with no answer / in the requested format come with it
+(`qerl.rewards.scores`).
 """
 
 import argparse
@@ -15,10 +18,11 @@ import torch
 from ..data.datasets import MAX_BAD_FRACTION
 from ..argtypes import (checked_by, non_negative_float, non_negative_int, positive_int, probability_mass,
                         unit_interval)
-from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt, resolve_suffix
+from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt, requested_style, resolve_suffix
 from ..formats import FORMATS
 from ..models.loader import ModelSpec, load_policy
-from ..rewards.math import math_reward
+from ..rewards.math import MathReward, math_reward
+from ..rewards.scores import score_all
 from ..rollout.engine import RolloutEngine
 from ..rollout.sampling import SamplingParams
 
@@ -36,8 +40,15 @@ def evaluate(model, tokenizer, rows: list[dict], n_samples: int = 1,
              batch_size: int = 64, suffix: str | None = GSM8K_SUFFIX, seed: int = 0, reward=math_reward,
              progress: bool = True, system: str | None = None, engine: RolloutEngine | None = None,
              dense_weights: bool = False) -> dict:
-    """Sample and score; returns {"pass@1", "n_problems", "n_samples", "mean_length", "truncated",
+    """Sample and score; returns {"pass@1", "n_problems", "n_samples", "mean_length", "truncated", "unscored",
     "per_problem": [{question, answer, completions [n], rewards [n], lengths [n]}]}.
+
+    With the default math reward (a `MathReward` without require_marker) "pass@1" is the flexible score and
+    the result also has "pass@1_strict" (the same mean of the strict score: the answer in the last marker of
+    the style `suffix` asks for, `requested_style`; any style's marker when it asks for none), "no_answer"
+    (share of completions with no extractable answer), "format_followed" (share ending with an answer in the
+    requested style, any style when none) and per problem "strict" [n] (1.0 / 0.0 / None like "rewards").
+    A custom reward gets none of these keys: what its score means is its own.
 
     rows: {"question", "answer", ...} (e.g. from `load_problems`); every column is passed to `reward`
     (TRL signature). A reward of None (no reference) counts as 0 and is reported in "unscored".
@@ -59,6 +70,8 @@ def evaluate(model, tokenizer, rows: list[dict], n_samples: int = 1,
     jobs = [(i, s) for i in range(len(rows)) for s in range(n_samples)]  # one sequence per (problem, sample)
     texts, lengths, truncated = [None] * len(jobs), [0] * len(jobs), 0
     rewards: list[float | None] = [None] * len(jobs)
+    scores = [None] * len(jobs) if isinstance(reward, MathReward) and not reward.require_marker else None
+    style = requested_style(suffix)
     columns = {k: [r.get(k) for r in rows] for k in rows[0]}
     with _progress(progress, len(jobs)) as bar:
         task = bar.add_task("eval", total=len(jobs), acc="")
@@ -70,16 +83,26 @@ def evaluate(model, tokenizer, rows: list[dict], n_samples: int = 1,
             for j, (text, n_tok, why, r) in enumerate(zip(out.texts, out.lengths.tolist(), out.finish_reason, scored)):
                 texts[start + j], lengths[start + j], rewards[start + j] = text, n_tok, r
                 truncated += why == "length"
+            if scores is not None:
+                scores[start:start + len(chunk)] = score_all(out.texts, [rows[i]["answer"] for i, _ in chunk], style)
             done = [r or 0.0 for r in rewards[:start + len(chunk)]]
             bar.update(task, advance=len(chunk), acc=f"acc {sum(done) / len(done):.3f}")
-    per_problem = [{"question": r["question"], "answer": r["answer"], "completions": [], "rewards": [], "lengths": []}
-                   for r in rows]
-    for (i, _), text, n_tok, r in zip(jobs, texts, lengths, rewards):
+    per_problem = [{"question": r["question"], "answer": r["answer"], "completions": [], "rewards": [],
+                    **({"strict": []} if scores is not None else {}), "lengths": []} for r in rows]
+    for j, ((i, _), text, n_tok, r) in enumerate(zip(jobs, texts, lengths, rewards)):
         per_problem[i]["completions"].append(text)
         per_problem[i]["rewards"].append(r)
         per_problem[i]["lengths"].append(n_tok)
+        if scores is not None:
+            per_problem[i]["strict"].append(None if scores[j].strict is None else float(scores[j].strict))
     means = [sum(r or 0.0 for r in p["rewards"]) / n_samples for p in per_problem]
-    return {"pass@1": sum(means) / len(means), "n_problems": len(rows), "n_samples": n_samples,
+    result = {"pass@1": sum(means) / len(means)}
+    if scores is not None:
+        strict = [sum(r or 0.0 for r in p["strict"]) / n_samples for p in per_problem]
+        result.update({"pass@1_strict": sum(strict) / len(strict),
+                       "no_answer": sum(not sc.extractable for sc in scores) / len(jobs),
+                       "format_followed": sum(sc.follows_format for sc in scores) / len(jobs)})
+    return {**result, "n_problems": len(rows), "n_samples": n_samples,
             "mean_length": sum(lengths) / len(lengths), "truncated": truncated / len(jobs),
             "unscored": sum(r is None for r in rewards), "per_problem": per_problem}
 
@@ -172,7 +195,12 @@ def summary_table(result: dict, title: str):
     from rich.table import Table
 
     table = Table(title=title, show_header=False)
-    table.add_row("pass@1", f"{result['pass@1']:.4f}")
+    strict = "pass@1_strict" in result
+    table.add_row("pass@1 (flexible)" if strict else "pass@1", f"{result['pass@1']:.4f}")
+    if strict:
+        table.add_row("pass@1 strict (answer in the requested format)", f"{result['pass@1_strict']:.4f}")
+        table.add_row("no extractable answer", f"{result['no_answer']:.1%}")
+        table.add_row("requested format followed", f"{result['format_followed']:.1%}")
     table.add_row("problems x samples", f"{result['n_problems']} x {result['n_samples']}")
     table.add_row("mean completion length", f"{result['mean_length']:.1f} tokens")
     table.add_row("truncated (hit max-new-tokens)", f"{result['truncated']:.1%}")

@@ -14,7 +14,7 @@ it off elsewhere, where the caller bounds the whole call (`RewardRunner` does).
 import logging
 import threading
 
-from .extract import completion_text, final_answer
+from .extract import STYLES, completion_text, final_answer
 
 # math-verify warns once per process that its timeout is off; off-main-thread that is intended (see above)
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -47,9 +47,10 @@ def parse_reference(answer: str) -> list:
     return _parse(f"\\boxed{{{ref}}}") or _parse(ref) or [ref]
 
 
-def parse_prediction(completion: str, require_marker: bool = False) -> list:
-    """Parsed final answer of a completion, [] when there is none."""
-    found = final_answer(completion)
+def parse_prediction(completion: str, require_marker: bool = False, styles=STYLES) -> list:
+    """Parsed final answer of a completion, [] when there is none. styles: the marker styles that count (the
+    last of them is the answer); require_marker=True: none of them -> [] (no last-number fallback)."""
+    found = final_answer(completion, styles)
     if found is None:
         return [] if require_marker else _parse(completion)
     if found.style == "boxed":
