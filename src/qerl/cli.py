@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     """Run one command; every failure a user can cause ends with one line and exit status 2, a stop signal
     (SIGINT / SIGTERM, at any point, imports included) with one line and 128 + its number."""
     quiet_libraries()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     raise_on_stop_signals()
     try:
         args = build_parser().parse_args(argv)
@@ -244,6 +245,10 @@ def main(argv=None) -> int:
         # soft_wrap: keep paths unbroken; Text: a message with [brackets] is not rich markup.
         console.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)
         return 2
+    finally:  # a caller in the same process (a test, a notebook) gets its own handlers back
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -212,13 +212,11 @@ def summary_table(result: dict, title: str):
 def run_eval(args) -> int:
     """`qerl eval`: evaluate and print a summary; per-problem results to --out. Returns the exit code."""
     from rich.console import Console
-
     from rich.text import Text
 
+    from ..data import load_problems
     from ..models.adapter import adapter_base_mismatch
     from ..models.atomic import atomic_file, check_output_file
-
-    from ..data import load_problems
 
     console = Console(stderr=True)
     # everything that can be refused is refused before the dataset and the model load
