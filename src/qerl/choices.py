@@ -25,6 +25,9 @@ SCHEDULES = ("constant", "cosine")
 # rollout.scheduler: the rollout engine's schedulers (`qerl.rollout.scheduler`)
 SCHEDULERS = ("continuous", "static")
 
+# lora.init: how a fresh adapter starts (`qerl.models.lora_init`)
+LORA_INITS = ("zero", "loftq", "eora")
+
 # model.keep_bf16: the prefix of a `last:N` entry (the syntax is described in `qerl.models.precision`)
 KEEP_BF16_LAST = "last:"
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from .choices import (ALGOS, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, METHODS, OLD_LOGPROBS, SCHEDULERS, SCHEDULES,
-                      check_keep_bf16)
+from .choices import (ALGOS, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, LORA_INITS, METHODS, OLD_LOGPROBS, SCHEDULERS,
+                      SCHEDULES, check_keep_bf16)
 from .lora_config import DEFAULT_TARGETS, LoraConfig
 
 
@@ -294,6 +294,7 @@ _CHOICES = {
     "model.format": FORMAT_NAMES,
     "model.quant_method": METHODS,
     "model.dense_weights": DENSE_WEIGHTS,
+    "lora.init": LORA_INITS,
     "aqn.decay": DECAYS,
     "rollout.scheduler": SCHEDULERS,
     "algo.name": ALGOS,
@@ -332,6 +333,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
     if cfg.rollout.group_size < 2:
         raise ConfigError(f"rollout.group_size must be >= 2 (group advantages need a comparison), got {cfg.rollout.group_size}")
+    if cfg.lora.init == "eora" and cfg.model.quant_method == "awq":
+        raise ConfigError("lora.init eora: not with model.quant_method awq (its folded scales change each layer's "
+                          "inputs); use rtn, 4over6 or gptq, or lora.init loftq")
+    if cfg.lora.init != "zero" and cfg.lora.experts:
+        raise ConfigError(f"lora.init {cfg.lora.init}: expert LoRA (lora.experts) starts from zero only so far; "
+                          "use lora.init zero or turn lora.experts off")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.algo.clip_low >= 1:

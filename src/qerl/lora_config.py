@@ -5,6 +5,8 @@ a leaf module. Each field's help is in its metadata (`qerl.config.config_help` p
 import math
 from dataclasses import dataclass, field
 
+from .choices import LORA_INITS
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -22,8 +24,15 @@ class LoraConfig:
         "help": "also LoRA on each 4-bit MoE expert's gate_up and down (`QuantExperts.add_lora`; Qwen3-MoE / "
                 "Qwen2-MoE; same r, alpha, rslora; needs dropout 0); false: the experts stay frozen (memory: "
                 "docs/training.md)"})
+    init: str = field(default="zero", metadata={
+        "help": "how a fresh adapter starts: zero (PEFT's: A random, B zero; the model starts as the quantized base) "
+                "| loftq (B A = the rank-r truncated SVD of the quantization residual W - Q(W), base kept as "
+                "quantized) | eora (the residual's SVD in the eigenspace of each layer's input activations on the "
+                "calibration text, model.calibration; not with awq or lora.experts); qerl.models.lora_init"})
 
     def __post_init__(self):
+        if self.init not in LORA_INITS:
+            raise ValueError(f"LoRA init must be one of {', '.join(LORA_INITS)}, got {self.init!r}")
         if self.r < 1:
             raise ValueError(f"LoRA rank r must be >= 1, got {self.r}")
         if not 0.0 <= self.dropout < 1.0:

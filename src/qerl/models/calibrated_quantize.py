@@ -27,7 +27,8 @@ from .targets import find_targets
 def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tensor, lora: LoraConfig | None = None,
                         targets: Iterable[str] = DEFAULT_TARGETS, device=None, fill=None,
                         show_progress: bool = False, keep: Iterable[str] = ()) -> dict:
-    """Quantize every decoder layer of an HF causal LM with a calibrated method (gptq, awq), in order.
+    """Quantize every decoder layer of an HF causal LM with a calibrated method (gptq, awq), in order; also any
+    method when `lora.init` is eora, whose adapters are fitted on each layer's input covariance (`lora_init`).
 
     ids: int64 [S, T] calibration tokens. Per layer (`qerl.models.calibrate`): its inputs' Hessians and row
     samples from the dense layer; AWQ folds its scales; the layer is quantized; the quantized layer makes
@@ -36,8 +37,12 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
     must be real already). keep: full names of targets left 16-bit (`keep_bf16`); AWQ still folds into them
     (exact), they are just not rounded. Returns {"tokens", "awq_scales": {module path: s fp32 [K]}}."""
     check_method(method, fmt)
-    if method not in CALIBRATED:
+    eora = lora is not None and lora.init == "eora"
+    if method not in CALIBRATED and not eora:
         raise ValueError(f"{method!r} needs no calibration; use quantize_model(method={method!r})")
+    if eora and method == "awq":
+        raise ValueError("lora.init eora: not with awq (its folded scales change each layer's inputs); use rtn, "
+                         "4over6 or gptq, or lora.init loftq")
     targets = list(targets)
     device = torch.device(device or next(p.device for p in model.parameters() if not p.is_meta))
     compute = calibration_compute_dtype(device)
@@ -70,7 +75,8 @@ def _calibrate_layer(layer: nn.Module, prefix: str, fmt: str, method: str, lora:
     names = [n for n in find_targets(layer, targets) if n not in kept_here]
     leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
     # gptq: the Hessians; awq: row samples (it rounds without a Hessian: the folded weights see scaled inputs)
-    hessians, samples = layer_statistics(layer, leaders, batches, ids.numel(), hessians=method == "gptq",
+    eora = lora is not None and lora.init == "eora"
+    hessians, samples = layer_statistics(layer, leaders, batches, ids.numel(), hessians=method == "gptq" or eora,
                                          samples=method == "awq")
     awq_scales = {}
     if method == "awq":
@@ -78,7 +84,9 @@ def _calibrate_layer(layer: nn.Module, prefix: str, fmt: str, method: str, lora:
         for name, s in apply_awq(layer, leaf_samples, awq_fake_quant(fmt)).items():
             awq_scales[prefix + name] = s
     kept = keep_dense_linears(layer, sorted(kept_here))
-    if names:
-        replace_linears(layer, fmt, lora, targets, method_quantizer(layer, fmt, method, targets, hessians))
+    if names:  # rtn (eora only): the default quantizer, as quantize_keeping's
+        quantizer = None if method == "rtn" else method_quantizer(layer, fmt, method, targets, hessians)
+        covariances = {n: hessians[g[0]] for g in sibling_groups(names) for n in g} if eora else None
+        replace_linears(layer, fmt, lora, targets, quantizer, covariances=covariances)
     add_lora_to(kept, lora)
     return awq_scales

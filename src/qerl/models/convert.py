@@ -67,9 +67,11 @@ def quantize_model(
     keep = resolve_keep_bf16(model, keep_bf16, targets, name_prefix) if keep_bf16 else set()
     if embeddings:
         check_input_embeddings_quantizable(model, fmt)
-    if method in CALIBRATED:
+    eora = lora is not None and lora.init == "eora"
+    if method in CALIBRATED or eora:
         if calibration is None:
-            raise ValueError(f"quantization method {method!r} needs calibration token ids [S, T] "
+            what = f"quantization method {method!r}" if method in CALIBRATED else "lora.init eora"
+            raise ValueError(f"{what} needs calibration token ids [S, T] "
                              "(qerl.models.calibrate.calibration_ids)")
         if quantizer is not None:
             raise ValueError(f"a custom quantizer cannot be combined with the calibrated method {method!r}")

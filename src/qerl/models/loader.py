@@ -64,7 +64,7 @@ def check_spec(spec: ModelSpec) -> None:
 
     if spec.format is not None:
         check_method(spec.method, spec.format)
-    if spec.method in CALIBRATED:
+    if spec.method in CALIBRATED or (spec.lora is not None and spec.lora.init == "eora"):
         check_source(spec.calibration_source)
     if spec.keep_bf16 and spec.format in (None, "bf16"):
         raise ValueError("keep_bf16 keeps layers of a quantized base in bf16: it needs a 4-bit format "
@@ -100,11 +100,15 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     lora = LoraConfig(**dataclasses.asdict(spec.lora)) if spec.lora else None  # each layer keeps a reference
     samples = default_samples(device) if spec.calibration_samples is None else spec.calibration_samples
 
+    eora = lora is not None and lora.init == "eora"  # its adapters are fitted on the calibration text's activations
+    calibrated = method in CALIBRATED or eora
+
     def calibration(tokenizer, model=None):
-        if method not in CALIBRATED:
+        if not calibrated:
             return None
         if tokenizer is None:
-            raise ValueError(f"{spec.name}: no tokenizer found; --method {method} needs one for calibration")
+            what = f"--method {method}" if method in CALIBRATED else "lora.init eora"
+            raise ValueError(f"{spec.name}: no tokenizer found; {what} needs one for calibration")
         return calibration_ids(spec.calibration_source, tokenizer, samples, spec.calibration_max_tokens,
                                model=model, train_rows=train_rows)
 
@@ -112,7 +116,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     directory = plain_hf_directory(spec.name) if fmt and before_quantize is None else None
     if directory is not None:
         ids = None
-        if method in CALIBRATED:
+        if calibrated:
             from transformers import AutoTokenizer
 
             ids = calibration(AutoTokenizer.from_pretrained(directory, trust_remote_code=trust))
@@ -127,6 +131,9 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
                 raise ValueError(f"{spec.name} is already quantized; the quantization method and the layers kept "
                                  "in bf16 were chosen when it was quantized (qerl quantize --method, --keep-bf16)")
             if lora is not None:
+                if lora.init != "zero" and not spec.adapter:
+                    raise ValueError(f"{spec.name} is already quantized: lora.init {lora.init} fits the adapter to "
+                                     "the 16-bit weights, which it does not hold; load the 16-bit model instead")
                 add_lora(model, lora)
             if spec.embeddings:
                 quantize_input_embeddings(model, model.config.qerl_weight_format)

@@ -78,8 +78,13 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
     from transformers import AutoModelForCausalLM
 
     check_method(method, fmt)
+    eora = lora is not None and lora.init == "eora"
+    if eora and calibration is None:
+        raise ValueError("lora.init eora needs calibration token ids")
     if method in CALIBRATED and calibration is None:
         raise ValueError(f"quantization method {method!r} needs calibration token ids")
+    if eora and config.model_type in MOE_ARCHITECTURES:
+        raise ValueError("lora.init eora does not handle mixture-of-experts models yet; use lora.init loftq")
     if method in CALIBRATED and config.model_type in MOE_ARCHITECTURES:
         raise ValueError(f"quantization method {method!r} does not handle mixture-of-experts layers yet; "
                          "use rtn or 4over6")
@@ -96,7 +101,7 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
     # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
     with torch.device(device):
         body.rotary_emb = type(body.rotary_emb)(config=config)
-    if method in CALIBRATED:
+    if method in CALIBRATED or eora:
         calibrated_quantize(model, fmt, method, calibration, lora, targets=targets, device=device, fill=fill, keep=keep,
                             show_progress=show_progress)
     else:

@@ -15,6 +15,7 @@ from torch import nn
 from ..formats import get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantLinear
 from .calibrate import method_quantizer
+from .lora_init import init_linear_lora_
 from .targets import FUSED_GROUPS, find_targets, set_module
 
 
@@ -39,9 +40,12 @@ def shared_global_scales(linears: dict[str, nn.Linear], fmt: str) -> dict[str, t
 
 
 def replace_linears(model: nn.Module, fmt: str, lora: LoraConfig | None = None, targets: Iterable[str] = DEFAULT_TARGETS,
-                    quantizer: WeightQuantizer | None = None, show_progress: bool = False) -> None:
+                    quantizer: WeightQuantizer | None = None, show_progress: bool = False,
+                    covariances: dict[str, torch.Tensor] | None = None) -> None:
     """The surgery itself: every target linear of `model` (a whole model or one block) becomes a QuantLinear
-    whose tensors come from `quantizer` (default: the format's round-to-nearest with shared global scales)."""
+    whose tensors come from `quantizer` (default: the format's round-to-nearest with shared global scales).
+    With `lora.init` loftq / eora the adapter is fitted to the residual while the 16-bit weight is still at hand
+    (`lora_init`); eora reads `covariances` {name: input covariance fp32 [K, K]} (`calibrated_quantize`)."""
     spec = get_format(fmt)
     linears = find_targets(model, targets)
     for name, lin in linears.items():
@@ -62,6 +66,11 @@ def replace_linears(model: nn.Module, fmt: str, lora: LoraConfig | None = None, 
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
             layer = QuantLinear(lin.in_features, lin.out_features, fmt, tensors, lin.bias, lora)
+            if lora is not None and lora.init != "zero":
+                if lora.init == "eora" and (covariances is None or name not in covariances):
+                    raise ValueError(f"{name}: lora.init eora needs calibration text (the layer's input covariance); "
+                                     "quantize through calibrated_quantize")
+                init_linear_lora_(layer, lin.weight, None if covariances is None else covariances.get(name))
             set_module(model, name, layer)
             progress.advance(task)
 

@@ -62,12 +62,13 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 # Settings a resumed run must share with its checkpoint: they define the model and the adapter's shape.
 RESUME_KEYS = (("model", "name"), ("model", "format"), ("model", "quant_method"), ("model", "keep_bf16"),
                ("model", "calibration"), ("model", "quantize_embeddings"), ("lora", "r"), ("lora", "alpha"),
-               ("lora", "targets"), ("lora", "use_rslora"), ("data", "train"),
+               ("lora", "targets"), ("lora", "use_rslora"), ("lora", "init"),
+               ("data", "train"),
                ("moe", "train_router"))  # a trained router is in the adapter and the optimizer state
 # What a checkpoint written before a key existed meant by leaving it out (fixed: later defaults may differ).
 _ADDED_LATER = {("model", "quantize_embeddings"): False, ("model", "quant_method"): "rtn", ("model", "keep_bf16"): [],
                 ("model", "calibration"): {"source": "auto", "samples": 128, "max_tokens": 256},
-                ("moe", "train_router"): False}
+                ("moe", "train_router"): False, ("lora", "init"): "zero"}
 
 
 def check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:

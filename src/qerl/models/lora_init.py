@@ -1,0 +1,92 @@
+"""Error-compensating LoRA initialisation (`lora.init`): the adapter starts as a rank-r fit of the quantization
+residual instead of zero, so the policy before any RL step is closer to the 16-bit model.
+
+A layer's effective weight is W_q + s * B @ A (W_q the dequantized 4-bit base, s the LoRA scaling: alpha / r, or
+alpha / sqrt(r) with rslora). With the residual R = W - W_q [N, K]:
+
+- zero: PEFT's default (A Kaiming-uniform, B = 0); the model starts as the quantized base.
+- loftq: s * B @ A = R_r, the rank-r truncated SVD of R (Eckart-Young: the best rank-r fit in the Frobenius
+  norm, so ||W - W_q - s B A||_F <= ||R||_F, strictly unless R's top r singular values are all zero). The base
+  stays the quantization qerl made (round-to-nearest, 4over6, GPTQ, AWQ), not re-quantized from W - s B A as
+  LoftQ's alternation does: one SVD, and the 4-bit weights stay exactly those every other part of qerl
+  (checkpoints, merge, the rollout engine) assumes.
+- eora: the fit that minimises the layer's output error on its inputs, ||X (R - s B A)^T||_F for the
+  calibration activations X [n, K]. With C = X^T X / n = Q diag(lam) Q^T (eigendecomposition) and
+  P = Q diag(sqrt(lam)): ||X D^T||_F^2 = n ||D P||_F^2, so the optimum is s B A = (R P)_r P^-1, the truncated
+  SVD taken in the activations' eigenspace (directions with large input variance get the rank budget).
+  Eigenvalues are floored at `EORA_DAMP` times their mean so P is invertible (directions the text never
+  excites get a finite weight).
+
+Either split is balanced: with U S V^T the truncated SVD, B = U sqrt(S) / sqrt(s) and A = sqrt(S) V^T / sqrt(s)
+(for eora V^T P^-1 in place of V^T). Bases kept 16-bit (format bf16) keep the zero init.
+"""
+
+import torch
+
+from ..nn import QuantExperts, QuantLinear
+
+EORA_DAMP = 1e-2  # eigenvalue floor, relative to their mean
+
+
+def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance: torch.Tensor | None = None,
+                     damp: float = EORA_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A fp32 [r, K], B fp32 [N, r]) with scaling * B @ A the best rank-r fit of `residual` [N, K]: in the Frobenius
+    norm (loftq), or with `covariance` C [K, K] (the inputs' E[x x^T]) in the activation-weighted norm
+    ||(R - s B A) C^(1/2)||_F (eora). Ranks beyond min(N, K) are zero rows / columns."""
+    res = residual.detach().float()
+    n, k = res.shape
+    if covariance is not None:
+        lam, q = torch.linalg.eigh(covariance.detach().float().to(res.device))
+        lam = lam.clamp(min=0)
+        lam = lam.clamp(min=damp * float(lam.mean()) if float(lam.mean()) > 0 else 1.0)
+        root = lam.sqrt()
+        res = (res @ q) * root  # R P, P = Q diag(sqrt lam)
+    u, sv, vh = torch.linalg.svd(res, full_matrices=False)
+    keep = min(r, sv.numel())
+    half = sv[:keep].sqrt() / scaling ** 0.5
+    b = res.new_zeros(n, r)
+    a = res.new_zeros(r, k)
+    b[:, :keep] = u[:, :keep] * half
+    a_rows = half[:, None] * vh[:keep]
+    if covariance is not None:  # V^T P^-1 = V^T diag(1 / sqrt lam) Q^T
+        a_rows = (a_rows / root) @ q.t()
+    a[:keep] = a_rows
+    return a, b
+
+
+@torch.no_grad()
+def init_linear_lora_(layer: QuantLinear, weight: torch.Tensor, covariance: torch.Tensor | None = None) -> None:
+    """Set `layer`'s adapter (attached, `layer.lora_config.init` loftq or eora) from its 16-bit weight [N, K]:
+    the residual against the layer's own dequantized base. eora needs `covariance` [K, K] of the layer's inputs."""
+    init = layer.lora_config.init
+    if init == "zero" or layer.weight_format == "bf16":
+        return
+    if init == "eora" and covariance is None:
+        raise ValueError("lora.init eora needs the layer's input covariance (calibration text)")
+    residual = weight.detach().float() - layer.dequantized_weight(torch.float32).to(weight.device)
+    a, b = residual_factors(residual, layer.lora_A.out_features, layer.scaling,
+                            covariance if init == "eora" else None)
+    layer.lora_A.weight.copy_(a)
+    layer.lora_B.weight.copy_(b)
+
+
+@torch.no_grad()
+def init_expert_lora_(experts: QuantExperts, dense: dict[str, torch.Tensor], init: str,
+                      covariances: dict[str, torch.Tensor] | None = None) -> None:
+    """Set the expert LoRA of `experts` (attached) from the 16-bit stacks `dense` {gate_up_proj: [E, 2I, H],
+    down_proj: [E, H, I]}, one residual fit per expert and weight. eora: `covariances` {weight: [E, K, K]}, each
+    expert's own inputs (the tokens routed to it)."""
+    if init == "zero":
+        return
+    r = experts.lora_A[next(iter(experts.lora_A))].shape[1]
+    for weight, w in dense.items():
+        for e in range(experts.num_experts):
+            residual = w[e].float() - experts.dequantized_expert(weight, e, torch.float32).to(w.device)
+            cov = None
+            if init == "eora":
+                if covariances is None:
+                    raise ValueError("lora.init eora needs each expert's input covariance (calibration text)")
+                cov = covariances[weight][e]
+            a, b = residual_factors(residual, r, experts.scaling, cov)
+            experts.lora_A[weight][e].copy_(a)
+            experts.lora_B[weight][e].copy_(b)

@@ -1,0 +1,180 @@
+"""lora.init: loftq / eora adapters fitted to the quantization residual (qerl.models.lora_init)."""
+
+import pytest
+import torch
+from peft import PeftModel
+from tiny import tiny_model
+from tiny_moe import tiny_moe
+
+from qerl.config import ConfigError, TrainConfig, validate
+from qerl.models import dequantize_model, quant_experts, quant_layers, quantize_model, save_adapter
+from qerl.models.lora_init import init_expert_lora_, init_linear_lora_, residual_factors
+from qerl.nn import LoraConfig, QuantLinear
+from qerl.rl.checkpointing import check_same_run
+
+FORMATS = ("nvfp4", "mxfp4", "nf4")
+
+
+def _delta(layer: QuantLinear) -> torch.Tensor:
+    return layer.scaling * layer.lora_B.weight @ layer.lora_A.weight
+
+
+def _inputs(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Activations with a few dominant directions and outlier channels, as LLM inputs have."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(1, -2, k)
+    x = torch.randn(n, k, generator=g) * scales
+    q, _ = torch.linalg.qr(torch.randn(k, k, generator=g))
+    return x @ q.t()
+
+
+def test_residual_factors_are_the_truncated_svd():
+    g = torch.Generator().manual_seed(0)
+    res = torch.randn(24, 40, generator=g)
+    a, b = residual_factors(res, 5, scaling=2.0)
+    assert a.shape == (5, 40) and b.shape == (24, 5)
+    u, s, vh = torch.linalg.svd(res, full_matrices=False)
+    torch.testing.assert_close(2.0 * b @ a, (u[:, :5] * s[:5]) @ vh[:5], rtol=1e-4, atol=1e-4)
+    a, b = residual_factors(res, 64, scaling=0.5)  # rank above min(N, K): exact, zero padding
+    torch.testing.assert_close(0.5 * b @ a, res, rtol=1e-4, atol=1e-4)
+    assert a[24:].abs().sum() == 0 and b[:, 24:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loftq_reduces_the_weight_residual(fmt):
+    dense = tiny_model("llama")
+    weights = {n: m.weight.detach().clone() for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear)}
+    model = quantize_model(tiny_model("llama"), fmt, LoraConfig(r=8, alpha=16, init="loftq"))
+    layers = quant_layers(model)
+    assert layers
+    for name, layer in layers.items():
+        w, wq = weights[name], layer.dequantized_weight()
+        before = (w - wq).norm()
+        after = (w - wq - _delta(layer)).norm()
+        assert after < 0.95 * before, (name, float(after), float(before))
+        assert layer.lora_A.weight.requires_grad and layer.lora_B.weight.requires_grad
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_eora_reduces_the_activation_weighted_residual_more_than_loftq(fmt):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 48, bias=False)
+    x = _inputs(512, 128)
+    cov = x.t() @ x / x.shape[0]
+    errors = {}
+    for init in ("zero", "loftq", "eora"):
+        torch.manual_seed(1)
+        layer = QuantLinear.from_linear(lin, fmt, LoraConfig(r=8, alpha=16, init=init))
+        init_linear_lora_(layer, lin.weight, cov)
+        d = (lin.weight - layer.dequantized_weight() - _delta(layer)).detach()
+        errors[init] = float((x @ d.t()).norm())
+        with torch.no_grad():  # the layer computes it: its output is nearer the 16-bit layer's
+            out_err = float((layer(x) - lin(x)).norm())
+        assert out_err == pytest.approx(errors[init], rel=1e-3)
+    assert errors["eora"] < errors["loftq"] < errors["zero"], errors
+    assert errors["eora"] < 0.9 * errors["loftq"], errors
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_eora_through_calibrated_quantization_brings_logits_nearer(fmt):
+    ids = torch.randint(3, 160, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_model("qwen3")(input_ids=ids).logits, -1)
+    kl = {}
+    for init in ("zero", "loftq", "eora"):
+        model = quantize_model(tiny_model("qwen3"), fmt, LoraConfig(r=8, alpha=16, init=init), calibration=ids
+                               if init == "eora" else None)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits, -1)
+        kl[init] = float((ref.exp() * (ref - logp)).sum(-1).mean())
+    assert kl["eora"] < kl["zero"] and kl["loftq"] < kl["zero"], kl
+
+
+def test_eora_needs_calibration_and_refuses_awq():
+    with pytest.raises(ValueError, match="eora needs calibration"):
+        quantize_model(tiny_model("llama"), "nvfp4", LoraConfig(r=4, init="eora"))
+    ids = torch.randint(3, 160, (2, 16))
+    with pytest.raises(ValueError, match="not with awq"):
+        quantize_model(tiny_model("llama"), "nvfp4", LoraConfig(r=4, init="eora"), method="awq", calibration=ids)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("init", ["loftq", "eora"])
+def test_expert_stacks(fmt, init):
+    dense = tiny_moe("qwen3_moe")
+    stacks = {n: {"gate_up_proj": m.gate_up_proj.detach().clone(), "down_proj": m.down_proj.detach().clone()}
+              for n, m in dense.named_modules() if hasattr(m, "gate_up_proj")}
+    model = quantize_model(tiny_moe("qwen3_moe"), fmt, LoraConfig(r=4, alpha=8, experts=True))
+    experts = quant_experts(model)
+    assert experts.keys() == stacks.keys()
+    for name, m in experts.items():
+        covs = None
+        if init == "eora":
+            covs = {}
+            for w in ("gate_up_proj", "down_proj"):
+                k = stacks[name][w].shape[2]
+                xs = [_inputs(128, k, seed=e) for e in range(m.num_experts)]
+                covs[w] = torch.stack([x.t() @ x / x.shape[0] for x in xs])
+        init_expert_lora_(m, stacks[name], init, covs)
+        delta = {w: m.lora_delta(w) for w in ("gate_up_proj", "down_proj")}
+        for w, stack in stacks[name].items():
+            for e in range(m.num_experts):
+                res = stack[e] - m.dequantized_expert(w, e, torch.float32)
+                if init == "loftq":
+                    assert (res - delta[w][e]).norm() < 0.95 * res.norm()
+                else:
+                    x = _inputs(128, stack.shape[2], seed=e)
+                    assert (x @ (res - delta[w][e]).t()).norm() < 0.95 * (x @ res.t()).norm()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loftq_adapter_reloads_through_peft_with_equal_logits(tmp_path, fmt):
+    model = quantize_model(tiny_model("llama"), fmt, LoraConfig(r=4, alpha=8, init="loftq"))
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny")
+    ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        plain = quantize_model(tiny_model("llama"), fmt)(input_ids=ids).logits
+    assert (ours - plain).abs().max() > 1e-4, "the adapter is not zero"
+    base = dequantize_model(quantize_model(tiny_model("llama"), fmt))
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_eora_adapter_reloads_through_peft_with_equal_logits(tmp_path):
+    ids = torch.randint(3, 160, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = quantize_model(tiny_model("qwen2"), "nvfp4", LoraConfig(r=4, alpha=8, init="eora"), calibration=ids)
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny")
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+    base = dequantize_model(quantize_model(tiny_model("qwen2"), "nvfp4"))
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_config_choices_and_resume():
+    with pytest.raises(ValueError, match="LoRA init"):
+        LoraConfig(init="pissa")
+    cfg = TrainConfig()
+    assert cfg.lora.init == "zero"
+    cfg.lora.init = "eora"
+    cfg.model.quant_method = "awq"
+    with pytest.raises(ConfigError, match="eora"):
+        validate(cfg)
+    cfg = TrainConfig()
+    cfg.lora.init, cfg.lora.experts = "loftq", True
+    with pytest.raises(ConfigError, match="experts"):
+        validate(cfg)
+    from qerl.config import to_dict
+
+    saved = to_dict(TrainConfig())
+    saved["lora"].pop("init")  # a checkpoint from before the key: zero
+    check_same_run(saved, to_dict(TrainConfig()), "ckpt")
+    cfg = TrainConfig()
+    cfg.lora.init = "loftq"
+    with pytest.raises(ValueError, match="lora.init"):
+        check_same_run(saved, to_dict(cfg), "ckpt")
