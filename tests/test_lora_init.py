@@ -178,3 +178,8 @@ def test_config_choices_and_resume():
     cfg.lora.init = "loftq"
     with pytest.raises(ValueError, match="lora.init"):
         check_same_run(saved, to_dict(cfg), "ckpt")
+
+
+def test_expert_lora_with_a_fitted_init_is_refused_in_the_pipeline():
+    with pytest.raises(ValueError, match="starts from zero only"):
+        quantize_model(tiny_moe("qwen3_moe"), "nvfp4", LoraConfig(r=4, alpha=8, experts=True, init="loftq"))

@@ -54,6 +54,9 @@ def add_expert_lora(model: nn.Module, lora: LoraConfig) -> dict[str, QuantExpert
     """Attach fresh trainable expert LoRA (`QuantExperts.add_lora`: A [E, r, K], B [E, N, r] for gate_up and
     down) to every 4-bit experts stack of `model`, in module order; returns them. Checked first
     (`check_expert_lora`), so a model it does not fit is refused before any stack changes."""
+    if lora.init != "zero":  # the 16-bit expert weights are gone by the time expert LoRA is attached
+        raise ValueError(f"lora.init {lora.init}: expert LoRA (lora.experts) starts from zero only so far "
+                         "(qerl.models.lora_init.init_expert_lora_ fits a stack given its 16-bit weights)")
     experts = check_expert_lora(model)
     for m in experts.values():
         m.add_lora(lora)
