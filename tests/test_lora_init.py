@@ -166,7 +166,7 @@ def test_config_choices_and_resume():
     with pytest.raises(ConfigError, match="eora"):
         validate(cfg)
     cfg = TrainConfig()
-    cfg.lora.init, cfg.lora.experts = "loftq", True
+    cfg.lora.init, cfg.lora.experts = "eora", True
     with pytest.raises(ConfigError, match="experts"):
         validate(cfg)
     from qerl.config import to_dict
@@ -180,6 +180,21 @@ def test_config_choices_and_resume():
         check_same_run(saved, to_dict(cfg), "ckpt")
 
 
-def test_expert_lora_with_a_fitted_init_is_refused_in_the_pipeline():
-    with pytest.raises(ValueError, match="starts from zero only"):
-        quantize_model(tiny_moe("qwen3_moe"), "nvfp4", LoraConfig(r=4, alpha=8, experts=True, init="loftq"))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loftq_on_expert_lora_through_quantize_model(fmt):
+    dense = tiny_moe("qwen3_moe")
+    stacks = {n: {"gate_up_proj": m.gate_up_proj.detach().clone(), "down_proj": m.down_proj.detach().clone()}
+              for n, m in dense.named_modules() if hasattr(m, "gate_up_proj")}
+    model = quantize_model(tiny_moe("qwen3_moe"), fmt, LoraConfig(r=4, alpha=8, experts=True, init="loftq"))
+    for name, m in quant_experts(model).items():
+        assert not hasattr(m, "_lora_init_factors")
+        for w, stack in stacks[name].items():
+            assert m.lora_A[w].requires_grad
+            delta = m.lora_delta(w)
+            for e in range(m.num_experts):
+                res = stack[e] - m.dequantized_expert(w, e, torch.float32)
+                assert (res - delta[e]).norm() < 0.95 * res.norm()
+    ids = torch.randint(3, 160, (2, 8))
+    with pytest.raises(ValueError, match="eora"):
+        quantize_model(tiny_moe("qwen3_moe"), "nvfp4", LoraConfig(r=4, alpha=8, experts=True, init="eora"),
+                       calibration=ids)

@@ -336,9 +336,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.lora.init == "eora" and cfg.model.quant_method == "awq":
         raise ConfigError("lora.init eora: not with model.quant_method awq (its folded scales change each layer's "
                           "inputs); use rtn, 4over6 or gptq, or lora.init loftq")
-    if cfg.lora.init != "zero" and cfg.lora.experts:
-        raise ConfigError(f"lora.init {cfg.lora.init}: expert LoRA (lora.experts) starts from zero only so far; "
-                          "use lora.init zero or turn lora.experts off")
+    if cfg.lora.init == "eora" and cfg.lora.experts:
+        raise ConfigError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs are "
+                          "not collected); use lora.init loftq or turn lora.experts off")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.algo.clip_low >= 1:

@@ -64,6 +64,9 @@ def quantize_model(
     with_experts = experts and _check_experts_quantizable(model, fmt, method, keep_bf16, name_prefix)
     if lora is not None and lora.experts:
         check_expert_lora_possible(model, with_experts)
+        if lora.init == "eora":
+            raise ValueError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs "
+                             "are not collected); use lora.init loftq")
     keep = resolve_keep_bf16(model, keep_bf16, targets, name_prefix) if keep_bf16 else set()
     if embeddings:
         check_input_embeddings_quantizable(model, fmt)
@@ -82,7 +85,7 @@ def quantize_model(
                                 show_progress)
         add_lora_to(kept, lora)
     if with_experts:
-        quantize_experts(model, fmt, method)
+        quantize_experts(model, fmt, method, fit=lora)
         if lora is not None and lora.experts:
             add_expert_lora(model, lora)
     if embeddings:

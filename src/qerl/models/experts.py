@@ -21,7 +21,9 @@ from torch import nn
 from ..formats import get_format
 from ..nn.quant_experts import QuantExperts
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
+from ..nn import LoraConfig
 from ..quant import check_method, quantize_group
+from .lora_init import PENDING_FACTORS, expert_residual_factors
 from .targets import set_module
 
 
@@ -135,7 +137,8 @@ def _with_method(quant_cls: type, module: nn.Module, fmt: str, method: str) -> Q
                         _stack_method(fmt, method, module.down_proj))
 
 
-def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn") -> dict[str, QuantExperts]:
+def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn",
+                     fit: LoraConfig | None = None) -> dict[str, QuantExperts]:
     """Replace every experts stack of `model` in place by a frozen `QuantExperts` in `fmt`; returns them by name.
 
     Every `...Experts` module is checked first (`check_experts`: `check_experts_layout`, and both input dims
@@ -144,7 +147,9 @@ def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn") 
     calibration-free scale search ("4over6"; each expert's fused gate_up and its down matrix each quantized
     as one group by `qerl.quant.quantize_group`); the calibrated methods do not handle experts yet. Each dense
     gate_up_proj / down_proj is dropped right after, so peak memory stays near one model copy. The result
-    holds no parameters (no LoRA on experts yet). `quantize_model` calls this for models holding experts."""
+    holds no parameters (no LoRA on experts yet). `quantize_model` calls this for models holding experts.
+    fit: a LoraConfig with experts and init loftq: each stack's residual factors are computed before its 16-bit
+    weights go and kept on it until `add_expert_lora` (`lora_init.PENDING_FACTORS`)."""
     found = check_experts(model, fmt, method)
     replaced = {}
     for name, module in found:
@@ -154,6 +159,9 @@ def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn") 
         else:
             with torch.no_grad():
                 quant = _with_method(quant_cls, module, fmt, method)
+        if fit is not None and fit.experts and fit.init == "loftq" and type(quant) is QuantExperts:
+            dense = {"gate_up_proj": module.gate_up_proj, "down_proj": module.down_proj}
+            setattr(quant, PENDING_FACTORS, expert_residual_factors(quant, dense, fit.r, fit.scaling))
         set_module(model, name, quant)
         module.gate_up_proj = None  # free the 16-bit weights even where the caller still holds the old module
         module.down_proj = None

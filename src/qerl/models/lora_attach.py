@@ -9,6 +9,7 @@ from torch import nn
 
 from ..nn import LoraConfig, QuantExperts, QuantLinear
 from .experts import LAYOUTS, experts_modules
+from .lora_init import PENDING_FACTORS, set_expert_factors_
 from .targets import quant_experts, quant_layers
 
 
@@ -54,12 +55,20 @@ def add_expert_lora(model: nn.Module, lora: LoraConfig) -> dict[str, QuantExpert
     """Attach fresh trainable expert LoRA (`QuantExperts.add_lora`: A [E, r, K], B [E, N, r] for gate_up and
     down) to every 4-bit experts stack of `model`, in module order; returns them. Checked first
     (`check_expert_lora`), so a model it does not fit is refused before any stack changes."""
-    if lora.init != "zero":  # the 16-bit expert weights are gone by the time expert LoRA is attached
-        raise ValueError(f"lora.init {lora.init}: expert LoRA (lora.experts) starts from zero only so far "
-                         "(qerl.models.lora_init.init_expert_lora_ fits a stack given its 16-bit weights)")
     experts = check_expert_lora(model)
+    if lora.init != "zero":  # loftq: the factors `quantize_experts(fit=lora)` left on each stack
+        missing = [n for n, m in experts.items() if getattr(m, PENDING_FACTORS, None) is None]
+        if lora.init == "eora" or missing:
+            raise ValueError(f"lora.init {lora.init}: expert LoRA starts from the residual fit only with loftq, "
+                             "computed while quantizing (quantize_experts(fit=lora)); "
+                             f"{'eora on experts is not supported yet' if lora.init == 'eora' else missing[0]}")
     for m in experts.values():
         m.add_lora(lora)
+        factors = getattr(m, PENDING_FACTORS, None)
+        if factors is not None:
+            if lora.init == "loftq":
+                set_expert_factors_(m, factors)
+            delattr(m, PENDING_FACTORS)
     return experts
 
 

@@ -19,6 +19,12 @@ alpha / sqrt(r) with rslora). With the residual R = W - W_q [N, K]:
 
 Either split is balanced: with U S V^T the truncated SVD, B = U sqrt(S) / sqrt(s) and A = sqrt(S) V^T / sqrt(s)
 (for eora V^T P^-1 in place of V^T). Bases kept 16-bit (format bf16) keep the zero init.
+
+MoE expert stacks (`lora.experts`, loftq only in the pipeline): each expert's gate_up and down matrix gets its own
+fit; `quantize_experts(fit=lora)` computes the factors while the 16-bit stack is at hand and leaves them on the
+module (`PENDING_FACTORS`, a few MB) until `add_expert_lora` attaches the adapter and copies them in. eora on
+experts needs each expert's own routed inputs (`init_expert_lora_` takes them), which the calibration pass does
+not collect yet.
 """
 
 import torch
@@ -70,6 +76,35 @@ def init_linear_lora_(layer: QuantLinear, weight: torch.Tensor, covariance: torc
     layer.lora_B.weight.copy_(b)
 
 
+# the attribute on a QuantExperts holding its fitted factors until expert LoRA is attached (`add_expert_lora`)
+PENDING_FACTORS = "_lora_init_factors"
+
+
+@torch.no_grad()
+def expert_residual_factors(experts: QuantExperts, dense: dict[str, torch.Tensor], r: int, scaling: float,
+                            covariances: dict[str, torch.Tensor] | None = None) -> dict[str, tuple]:
+    """{weight: (A fp32 [E, r, K], B fp32 [E, N, r])}: per expert, the residual fit of `residual_factors` against
+    the 16-bit stacks `dense` {gate_up_proj: [E, 2I, H], down_proj: [E, H, I]} (QuantExperts' [N, K] layout);
+    covariances {weight: [E, K, K]} for eora."""
+    out = {}
+    for weight, w in dense.items():
+        pairs = []
+        for e in range(experts.num_experts):
+            residual = w[e].float() - experts.dequantized_expert(weight, e, torch.float32).to(w.device)
+            cov = None if covariances is None else covariances[weight][e]
+            pairs.append(residual_factors(residual, r, scaling, cov))
+        out[weight] = (torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs]))
+    return out
+
+
+@torch.no_grad()
+def set_expert_factors_(experts: QuantExperts, factors: dict[str, tuple]) -> None:
+    """Copy {weight: (A [E, r, K], B [E, N, r])} into the attached expert LoRA of `experts`."""
+    for weight, (a, b) in factors.items():
+        experts.lora_A[weight].copy_(a)
+        experts.lora_B[weight].copy_(b)
+
+
 @torch.no_grad()
 def init_expert_lora_(experts: QuantExperts, dense: dict[str, torch.Tensor], init: str,
                       covariances: dict[str, torch.Tensor] | None = None) -> None:
@@ -78,15 +113,8 @@ def init_expert_lora_(experts: QuantExperts, dense: dict[str, torch.Tensor], ini
     expert's own inputs (the tokens routed to it)."""
     if init == "zero":
         return
+    if init == "eora" and covariances is None:
+        raise ValueError("lora.init eora needs each expert's input covariance (calibration text)")
     r = experts.lora_A[next(iter(experts.lora_A))].shape[1]
-    for weight, w in dense.items():
-        for e in range(experts.num_experts):
-            residual = w[e].float() - experts.dequantized_expert(weight, e, torch.float32).to(w.device)
-            cov = None
-            if init == "eora":
-                if covariances is None:
-                    raise ValueError("lora.init eora needs each expert's input covariance (calibration text)")
-                cov = covariances[weight][e]
-            a, b = residual_factors(residual, r, experts.scaling, cov)
-            experts.lora_A[weight][e].copy_(a)
-            experts.lora_B[weight][e].copy_(b)
+    set_expert_factors_(experts, expert_residual_factors(experts, dense, r, experts.scaling,
+                                                         covariances if init == "eora" else None))

@@ -113,7 +113,7 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
                 fill(layer, prefix)
                 layer_kept = quantize_keeping(layer, fmt, lora, targets, names_under(keep, prefix), method=method)
                 if fmt != "bf16":  # a mixture of experts: its 3-D expert stacks too (a no-op in dense layers)
-                    quantize_experts(layer, fmt, method)
+                    quantize_experts(layer, fmt, method, fit=lora)
                 kept.update({prefix + n: m for n, m in layer_kept.items()})
                 progress.advance(task)
             add_lora_to(kept, lora)  # after every quantized layer's, as quantize_model does
