@@ -198,3 +198,27 @@ def test_loftq_on_expert_lora_through_quantize_model(fmt):
     with pytest.raises(ValueError, match="eora"):
         quantize_model(tiny_moe("qwen3_moe"), "nvfp4", LoraConfig(r=4, alpha=8, experts=True, init="eora"),
                        calibration=ids)
+
+
+@pytest.mark.parametrize("init", ["loftq", "eora"])
+def test_streamed_equals_load_then_quantize(tmp_path, init):
+    from tiny import tiny_tokenizer
+
+    from qerl.models import load_causal_lm
+    from qerl.models.stream import stream_quantized
+
+    tiny_model("qwen2", tie_word_embeddings=True).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    lora = LoraConfig(r=4, alpha=8, init=init)
+    ids = torch.randint(3, 150, (2, 16), generator=torch.Generator().manual_seed(0))
+    cal = ids if init == "eora" else None
+    torch.manual_seed(3)
+    expected, _ = load_causal_lm(tmp_path, dtype=torch.float32, device="cpu")
+    quantize_model(expected, "nvfp4", lora, calibration=cal)
+    torch.manual_seed(3)
+    got, _ = stream_quantized(tmp_path, "nvfp4", lora, dtype=torch.float32, device="cpu", calibration=cal)
+    a, b = expected.state_dict(), got.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+    assert any(".lora_B" in k and a[k].abs().sum() > 0 for k in a)
