@@ -40,6 +40,21 @@ def test_residual_factors_are_the_truncated_svd():
     assert a[24:].abs().sum() == 0 and b[:, 24:].abs().sum() == 0
 
 
+def test_eora_equals_the_svd_in_the_eigenspace_of_the_inputs():
+    """The Cholesky square root gives the optimum the symmetric one (eigenvectors, sqrt eigenvalues) gives."""
+    g = torch.Generator().manual_seed(0)
+    res = torch.randn(24, 40, generator=g, dtype=torch.float64).float()
+    x = _inputs(200, 40)
+    cov = x.t() @ x / 200
+    a, b = residual_factors(res, 5, scaling=2.0, covariance=cov, damp=1e-2)
+    damped = (cov + 1e-2 * torch.diagonal(cov).mean() * torch.eye(40)).double()
+    lam, q = torch.linalg.eigh(damped)
+    root = q * lam.sqrt() @ q.t()
+    u, s, vh = torch.linalg.svd(res.double() @ root, full_matrices=False)
+    best = (u[:, :5] * s[:5]) @ vh[:5] @ torch.linalg.inv(root)
+    torch.testing.assert_close((2.0 * b @ a).double(), best, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_loftq_reduces_the_weight_residual(fmt):
     dense = tiny_model("llama")

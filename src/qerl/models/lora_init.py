@@ -11,14 +11,17 @@ alpha / sqrt(r) with rslora). With the residual R = W - W_q [N, K]:
   LoftQ's alternation does: one SVD, and the 4-bit weights stay exactly those every other part of qerl
   (checkpoints, merge, the rollout engine) assumes.
 - eora: the fit that minimises the layer's output error on its inputs, ||X (R - s B A)^T||_F for the
-  calibration activations X [n, K]. With C = X^T X / n = Q diag(lam) Q^T (eigendecomposition) and
-  P = Q diag(sqrt(lam)): ||X D^T||_F^2 = n ||D P||_F^2, so the optimum is s B A = (R P)_r P^-1, the truncated
-  SVD taken in the activations' eigenspace (directions with large input variance get the rank budget).
-  Eigenvalues are floored at `EORA_DAMP` times their mean so P is invertible (directions the text never
-  excites get a finite weight).
+  calibration activations X [n, K] (EoRA: the residual seen in the eigenspace of the inputs). With
+  C = X^T X / n: ||X D^T||_F^2 = n ||D C^(1/2)||_F^2, so the optimum is s B A = (R C^(1/2))_r C^(-1/2), the
+  truncated SVD taken where the inputs are (directions with large input variance get the rank budget). Any
+  square root S with S S^T = C gives the same optimum (S = C^(1/2) U, U orthogonal, and the truncated SVD is
+  equivariant under U), so the Cholesky factor L of C serves: s B A = (R L)_r L^-1, one Cholesky and one
+  triangular solve instead of an eigendecomposition (K = 8960: 1.4 s against 43 s on two CPU cores). C is
+  damped by `EORA_DAMP` times its mean eigenvalue (trace / K) on the diagonal, so L is invertible (directions
+  the text never excites keep a finite weight).
 
 Either split is balanced: with U S V^T the truncated SVD, B = U sqrt(S) / sqrt(s) and A = sqrt(S) V^T / sqrt(s)
-(for eora V^T P^-1 in place of V^T). Bases kept 16-bit (format bf16) keep the zero init.
+(for eora V^T L^-1 in place of V^T). Bases kept 16-bit (format bf16) keep the zero init.
 
 MoE expert stacks (`lora.experts`, loftq only in the pipeline): each expert's gate_up and down matrix gets its own
 fit; `quantize_experts(fit=lora)` computes the factors while the 16-bit stack is at hand and leaves them on the
@@ -31,7 +34,7 @@ import torch
 
 from ..nn import QuantExperts, QuantLinear
 
-EORA_DAMP = 1e-2  # eigenvalue floor, relative to their mean
+EORA_DAMP = 1e-2  # added to the covariance's diagonal, relative to its mean eigenvalue
 
 
 def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance: torch.Tensor | None = None,
@@ -41,12 +44,19 @@ def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance:
     ||(R - s B A) C^(1/2)||_F (eora). Ranks beyond min(N, K) are zero rows / columns."""
     res = residual.detach().float()
     n, k = res.shape
+    chol = None
     if covariance is not None:
-        lam, q = torch.linalg.eigh(covariance.detach().float().to(res.device))
-        lam = lam.clamp(min=0)
-        lam = lam.clamp(min=damp * float(lam.mean()) if float(lam.mean()) > 0 else 1.0)
-        root = lam.sqrt()
-        res = (res @ q) * root  # R P, P = Q diag(sqrt lam)
+        cov = covariance.detach().float().to(res.device)
+        cov = (cov + cov.t()) / 2
+        floor = float(torch.diagonal(cov).mean()) if float(torch.diagonal(cov).mean()) > 0 else 1.0
+        eye = torch.eye(k, device=res.device)
+        for scale in (damp, 10 * damp, 100 * damp):  # more damping only where rounding broke positive-definiteness
+            chol, info = torch.linalg.cholesky_ex(cov + scale * floor * eye)
+            if int(info) == 0:
+                break
+        else:
+            raise ValueError("lora.init eora: the input covariance is not positive definite even damped")
+        res = res @ chol  # R L, C = L L^T
     u, sv, vh = torch.linalg.svd(res, full_matrices=False)
     keep = min(r, sv.numel())
     half = sv[:keep].sqrt() / scaling ** 0.5
@@ -54,8 +64,8 @@ def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance:
     a = res.new_zeros(r, k)
     b[:, :keep] = u[:, :keep] * half
     a_rows = half[:, None] * vh[:keep]
-    if covariance is not None:  # V^T P^-1 = V^T diag(1 / sqrt lam) Q^T
-        a_rows = (a_rows / root) @ q.t()
+    if chol is not None:  # a_rows L^-1: solve X L = a_rows (L lower triangular)
+        a_rows = torch.linalg.solve_triangular(chol, a_rows, upper=False, left=False)
     a[:keep] = a_rows
     return a, b
 

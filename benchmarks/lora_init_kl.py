@@ -1,0 +1,65 @@
+"""KL(16-bit || quantized + initial adapter) per token on held-out text, for each `lora.init` (zero, loftq, eora):
+how much of the quantization error the adapter removes before any RL step.
+
+The held-out text is `qerl.eval.fidelity.fidelity_text` (GSM8K test problems with solutions); eora's calibration
+text is `--calibration` (default reasoning-gym, never GSM8K test).
+
+    python benchmarks/lora_init_kl.py --model smollm2-135m-instruct --formats nvfp4,mxfp4,nf4 --r 32
+    python benchmarks/lora_init_kl.py --model qwen2.5-coder-1.5b-instruct --formats nvfp4 --samples 32 --reload
+"""
+
+import argparse
+import copy
+import time
+
+import torch
+
+
+def main():
+    from qerl.eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
+    from qerl.models import load_causal_lm, quantize_model
+    from qerl.models.calibrate import calibration_ids
+    from qerl.nn import LoraConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--formats", default="nvfp4,mxfp4,nf4")
+    ap.add_argument("--inits", default="zero,loftq,eora")
+    ap.add_argument("--r", type=int, default=32)
+    ap.add_argument("--alpha", type=float, default=64.0)
+    ap.add_argument("--calibration", default="reasoning-gym")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--problems", type=int, default=8, help="held-out GSM8K test problems")
+    ap.add_argument("--reload", action="store_true",
+                    help="load the model afresh for each row instead of copying it (one 16-bit copy in memory)")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+
+    base, tok = load_causal_lm(args.model, dtype=torch.float32, device="cpu")
+    ids = tok(fidelity_text(args.problems), return_tensors="pt").input_ids
+    ref = next_token_logprobs(base, ids)
+    if args.reload:
+        del base
+    cal = calibration_ids(args.calibration, tok, args.samples, args.max_tokens)
+    print(f"{args.model}: {ids.shape[1]} held-out tokens, calibration {tuple(cal.shape)} ({args.calibration}), "
+          f"r={args.r} alpha={args.alpha}")
+    print(f"| format | init | KL (nats/token) | x zero | top-1 agree | seconds |")
+    print(f"|---|---|---|---|---|---|")
+    for fmt in args.formats.split(","):
+        zero_kl = None
+        for init in args.inits.split(","):
+            t0 = time.perf_counter()
+            lora = LoraConfig(r=args.r, alpha=args.alpha, init=init)
+            fresh = load_causal_lm(args.model, dtype=torch.float32, device="cpu")[0] if args.reload else copy.deepcopy(base)
+            model = quantize_model(fresh, fmt, lora, calibration=cal if init == "eora" else None)
+            secs = time.perf_counter() - t0
+            m = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
+            zero_kl = m["kl"] if init == "zero" else zero_kl
+            ratio = f"{m['kl'] / zero_kl:.2f}" if zero_kl else "-"
+            print(f"| {fmt} | {init} | {m['kl']:.4f} | {ratio} | {m['top1_agreement']:.3f} | {secs:.0f} |", flush=True)
+            del model
+
+
+if __name__ == "__main__":
+    main()
