@@ -237,3 +237,20 @@ def test_streamed_equals_load_then_quantize(tmp_path, init):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
     assert any(".lora_B" in k and a[k].abs().sum() > 0 for k in a)
+
+
+@pytest.mark.parametrize("method", ["rtn", "4over6", "gptq"])
+def test_eora_keeps_the_base_of_its_method(method):
+    """eora runs the calibrated pass, but the 4-bit base is what the method alone gives (gptq: its first layer; the
+    later layers' Hessians come from inputs that the earlier layers' fitted adapters already correct)."""
+    ids = torch.randint(3, 160, (2, 16), generator=torch.Generator().manual_seed(0))
+    cal = ids if method == "gptq" else None
+    plain = quantize_model(tiny_model("llama"), "nvfp4", LoraConfig(r=4, alpha=8), method=method, calibration=cal)
+    fitted = quantize_model(tiny_model("llama"), "nvfp4", LoraConfig(r=4, alpha=8, init="eora"), method=method,
+                            calibration=ids)
+    a = {k: v for k, v in plain.state_dict().items() if ".lora_" not in k}
+    b = {k: v for k, v in fitted.state_dict().items() if ".lora_" not in k}
+    assert a.keys() == b.keys()
+    for k in a:
+        if method != "gptq" or k.startswith("model.layers.0."):
+            assert torch.equal(a[k], b[k]), k

@@ -28,7 +28,9 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
                         targets: Iterable[str] = DEFAULT_TARGETS, device=None, fill=None,
                         show_progress: bool = False, keep: Iterable[str] = ()) -> dict:
     """Quantize every decoder layer of an HF causal LM with a calibrated method (gptq, awq), in order; also any
-    method when `lora.init` is eora, whose adapters are fitted on each layer's input covariance (`lora_init`).
+    method when `lora.init` is eora, whose adapters are fitted on each layer's input covariance (`lora_init`). The
+    next layer's inputs then come from the quantized layer with its fitted adapter (the model RL starts from), so
+    with gptq the later layers' Hessians, and so their codes, differ from gptq with a zero-init adapter.
 
     ids: int64 [S, T] calibration tokens. Per layer (`qerl.models.calibrate`): its inputs' Hessians and row
     samples from the dense layer; AWQ folds its scales; the layer is quantized; the quantized layer makes
