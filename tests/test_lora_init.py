@@ -254,3 +254,25 @@ def test_eora_keeps_the_base_of_its_method(method):
     for k in a:
         if method != "gptq" or k.startswith("model.layers.0."):
             assert torch.equal(a[k], b[k]), k
+
+
+def test_loftq_expert_adapter_reloads_through_peft_with_equal_logits(tmp_path):
+    import copy
+
+    from qerl.models.experts import dequantize_experts_into
+
+    dense = tiny_moe("qwen3_moe", experts_implementation="eager")
+    reference = copy.deepcopy(dense)
+    model = quantize_model(dense, "nvfp4", LoraConfig(r=4, alpha=8, experts=True, init="loftq"))
+    with torch.no_grad():
+        for name, layer in quant_layers(model).items():
+            reference.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.float32))
+        for layer_r, layer_q in zip(reference.model.layers, model.model.layers):
+            dequantize_experts_into(layer_r.mlp.experts, layer_q.mlp.experts)
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny")
+    peft_model = PeftModel.from_pretrained(reference, adapter).eval()
+    ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = torch.log_softmax(model(ids).logits, -1)
+        theirs = torch.log_softmax(peft_model(ids).logits, -1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
