@@ -276,3 +276,18 @@ def test_loftq_expert_adapter_reloads_through_peft_with_equal_logits(tmp_path):
         ours = torch.log_softmax(model(ids).logits, -1)
         theirs = torch.log_softmax(peft_model(ids).logits, -1)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("init", ["loftq", "eora"])
+def test_load_policy_fits_the_adapter(tiny_dir, tmp_path, init):
+    """The one loader every command uses: a streamed 16-bit directory gets fitted adapters (eora reads the
+    calibration text)."""
+    from qerl.models.loader import ModelSpec, load_policy
+
+    text = tmp_path / "cal.txt"
+    text.write_text("\n".join(f"{a} plus {b} is {a + b}." for a in range(40) for b in range(10)))
+    spec = ModelSpec(name=str(tiny_dir), format="nvfp4", lora=LoraConfig(r=4, alpha=8, init=init),
+                     calibration_source=str(text), calibration_samples=4, calibration_max_tokens=256, device="cpu")
+    model, _ = load_policy(spec)
+    b = [p for n, p in model.named_parameters() if ".lora_B" in n]
+    assert b and all(p.abs().sum() > 0 for p in b) and all(p.requires_grad for p in b)
