@@ -15,41 +15,21 @@ def _number(kind, text: str):
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _number(int, text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _ranged(kind, within, requirement: str):
+    """An argparse type: `kind` (int or float) parsed, then `within(value)` or "must be <requirement>"."""
+    def parse(text: str):
+        value = _number(kind, text)
+        if not within(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    value = _number(int, text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(float, text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def unit_interval(text: str) -> float:
-    """A fraction in [0, 1]."""
-    value = _number(float, text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def probability_mass(text: str) -> float:
-    """A nucleus-sampling mass in (0, 1]."""
-    value = _number(float, text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+positive_int = _ranged(int, lambda v: v >= 1, ">= 1")
+non_negative_int = _ranged(int, lambda v: v >= 0, ">= 0")
+non_negative_float = _ranged(float, lambda v: v >= 0, ">= 0")
+unit_interval = _ranged(float, lambda v: 0 <= v <= 1, "in [0, 1]")  # a fraction
+probability_mass = _ranged(float, lambda v: 0 < v <= 1, "in (0, 1]")  # a nucleus-sampling mass
 
 
 def checked_by(check):

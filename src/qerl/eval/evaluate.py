@@ -78,13 +78,16 @@ def evaluate(model, tokenizer, rows: list[dict], n_samples: int = 1,
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start:start + batch_size]
             out = engine.generate([ids[i] for i, _ in chunk], max_new_tokens, sampling, seed=seed + start)
-            scored = reward([prompts[i] for i, _ in chunk], out.texts,
-                            **{k: [col[i] for i, _ in chunk] for k, col in columns.items()})
+            if scores is not None:  # the flexible score is the math reward: parse each completion once
+                chunk_scores = score_all(out.texts, [rows[i]["answer"] for i, _ in chunk], style)
+                scores[start:start + len(chunk)] = chunk_scores
+                scored = [None if sc.flexible is None else float(sc.flexible) for sc in chunk_scores]
+            else:
+                scored = reward([prompts[i] for i, _ in chunk], out.texts,
+                                **{k: [col[i] for i, _ in chunk] for k, col in columns.items()})
             for j, (text, n_tok, why, r) in enumerate(zip(out.texts, out.lengths.tolist(), out.finish_reason, scored)):
                 texts[start + j], lengths[start + j], rewards[start + j] = text, n_tok, r
                 truncated += why == "length"
-            if scores is not None:
-                scores[start:start + len(chunk)] = score_all(out.texts, [rows[i]["answer"] for i, _ in chunk], style)
             done = [r or 0.0 for r in rewards[:start + len(chunk)]]
             bar.update(task, advance=len(chunk), acc=f"acc {sum(done) / len(done):.3f}")
     per_problem = [{"question": r["question"], "answer": r["answer"], "completions": [], "rewards": [],

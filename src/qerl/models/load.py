@@ -14,7 +14,7 @@ from .checkpoint import load_quantized
 from .gguf import load_gguf, to_device
 from .gpt_oss import is_gpt_oss_mxfp4, load_gpt_oss_mxfp4
 from .sources import (DENSE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelLoadError, check_architecture,
-                      check_safetensors, resolve_dtype)
+                      check_safetensors, read_config, resolve_dtype)
 
 # what a hub snapshot needs for streaming: weights, config, generation config and tokenizer files
 HUB_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken")
@@ -38,7 +38,7 @@ def plain_hf_directory(name_or_path) -> Path | None:
                 return None
     if not (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))):
         return None
-    config = _read_config(path)
+    config = read_config(path)
     if config.get("quantization_config") or config.get("model_type") not in DENSE_ARCHITECTURES:
         return None  # quantized, MoE (loaded whole: transformers restacks its experts) or unsupported
     return path
@@ -96,13 +96,6 @@ def _gpt_oss_mxfp4_snapshot(repo_id: str) -> Path | None:
     return _hub_snapshot(repo_id) if is_gpt_oss_mxfp4(config) else None
 
 
-def _read_config(directory: Path) -> dict:
-    try:
-        return json.loads((directory / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{directory / 'config.json'}: invalid JSON ({e})") from None
-
-
 def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: bool = False):
     """Resolve a model source and return (model, tokenizer); quantized directories come back quantized.
 
@@ -129,7 +122,7 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
             raise ModelLoadError(
                 f"{path}: neither a Hugging Face model directory (no config.json) nor a directory with one .gguf file"
             )
-        config = _read_config(path)
+        config = read_config(path)
         if config.get("model_type") not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{path}: unknown architecture {config.get('model_type')!r}; "

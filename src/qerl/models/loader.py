@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +47,6 @@ class ModelSpec:
     dtype: str = "auto"
     device: str | torch.device = "auto"
     trust_remote_code: bool = False
-    extra: dict = field(default_factory=dict, compare=False, hash=False)  # unused; keeps the type extensible
 
     @property
     def torch_device(self) -> torch.device:

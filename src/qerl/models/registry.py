@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from .gguf import load_gguf
-from .sources import ModelLoadError, check_safetensors
+from .sources import ModelLoadError, check_safetensors, read_config
 
 WHEEL_DIR_ENV = "QERL_WHEEL_DIR"
 _console = Console(stderr=True)
@@ -245,21 +245,12 @@ def embedded_gguf(name: str) -> Path:
     return cached
 
 
-def _read_config_json(directory: Path) -> dict:
-    import json
-
-    try:
-        return json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{directory / 'config.json'}: unreadable ({e})") from None
-
-
 def embedded_hf_dir(name: str) -> Path:
     """A cached bf16 Hugging Face directory (config, safetensors, tokenizer) of an embedded model."""
     target = cache_dir() / "models" / name
     if target.exists():
         try:  # the cache is ours: a damaged one (a disk filled mid-copy, a stray edit) is rebuilt, not reported
-            _read_config_json(target)
+            read_config(target)
             check_safetensors(target)
             return target
         except ModelLoadError as e:

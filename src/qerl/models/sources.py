@@ -3,6 +3,7 @@ architectures, the error every loader raises, bounds-checked safetensors and GGU
 Loads nothing itself, so every loader (`load`, `gguf`, `checkpoint`, `stream`) can import it.
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -65,6 +66,17 @@ def check_gguf(path: Path) -> None:
             raise ModelLoadError(f"{path}: not a readable GGUF file: truncated ({path.stat().st_size} bytes; its "
                                  "header or tensor data go past the end: download or copy it again)") from None
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def read_config(directory: Path) -> dict:
+    """A model directory's config.json; ModelLoadError naming the file when it is missing, unreadable or not
+    valid JSON."""
+    try:
+        return json.loads((directory / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{directory / 'config.json'}: invalid JSON ({e})") from None
+    except OSError as e:
+        raise ModelLoadError(f"{directory / 'config.json'}: unreadable ({e})") from None
 
 
 def check_safetensors(directory: Path) -> list[Path]:

@@ -4,6 +4,7 @@
 step, data position, every RNG, and the resolved config); written atomically, the last `keep_last` kept.
 """
 
+import json
 import random
 import re
 import shutil
@@ -146,8 +147,6 @@ def record_config_changes(run_dir: Path, step: int, changes, overrides=()) -> No
     """Append the accepted changes to <run>/config_changes.jsonl: {step, key, from, to, override}."""
     if not changes:
         return
-    import json
-
     with open(Path(run_dir) / CONFIG_CHANGES_FILE, "a", encoding="utf-8") as f:
         for key, old, new in changes:
             f.write(json.dumps({"step": step, "key": key, "from": old, "to": new, "override": key in overrides}) + "\n")
