@@ -2,6 +2,7 @@
 data source is reported before the model loads, and the GPU's first-step compilation is announced."""
 
 import json
+import os
 import textwrap
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from qerl.cli import main
 from qerl.config import ConfigError, load_config
+from qerl.models.registry import persist_compiled_kernels
 from qerl.rl.run_log import read_metrics
 from qerl.rl.trainer import Trainer, compile_notice
 
@@ -133,7 +135,10 @@ def test_max_reward_failure_steps_must_be_at_least_one():
 def test_the_compilation_notice_is_for_gpus_only(monkeypatch):
     assert compile_notice(torch.device("cpu")) is None
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("QERL_CACHE", "/data/qerl-cache")
     assert "compiles" in compile_notice(torch.device("cuda"))
-    assert "~/.triton/cache" in compile_notice(torch.device("cuda", 0))
+    assert "/data/qerl-cache/triton" in compile_notice(torch.device("cuda", 0))
+    persist_compiled_kernels()  # what the CLI does first: Triton then compiles into qerl's cache
+    assert os.environ["TRITON_CACHE_DIR"] == "/data/qerl-cache/triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", "/scratch/triton")
     assert "/scratch/triton" in compile_notice(torch.device("cuda"))

@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     """Run one command; every failure a user can cause ends with one line and exit status 2, a stop signal
     (SIGINT / SIGTERM, at any point, imports included) with one line and 128 + its number."""
     quiet_libraries()
+    from .models.registry import persist_compiled_kernels
+
+    persist_compiled_kernels()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     raise_on_stop_signals()
     try:

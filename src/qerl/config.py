@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from .choices import (ALGOS, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, LORA_INITS, METHODS, OLD_LOGPROBS, SCHEDULERS,
-                      SCHEDULES, check_keep_bf16)
+from .choices import (ALGOS, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, GRADIENT_CHECKPOINTING, LORA_INITS, METHODS,
+                      OLD_LOGPROBS, SCHEDULERS, SCHEDULES, check_keep_bf16)
 from .lora_config import DEFAULT_TARGETS, LoraConfig
 
 
@@ -224,8 +224,10 @@ class OptimSection:
                 "~1.5B, 15360 at 7B, 8192 from 14B up"})
     micro_batch_size: int = field(default=8, metadata={
         "help": "packing off: padded sequences per forward / backward (memory vs speed)"})
-    gradient_checkpointing: bool = field(default=True, metadata={
-        "help": "recompute each decoder layer in the backward (memory for time)"})
+    gradient_checkpointing: bool | str = field(default="auto", metadata={
+        "help": "recompute decoder layers in the backward (memory for time): true every layer, false none, "
+                "auto as few as the GPU's memory allows after the rollout engine's and the micro-batch's "
+                "(every layer off CUDA; `qerl.rl.recompute`, docs/training.md)"})
     grad_input_no_temporary: bool = field(default=False, metadata={
         "help": "the backward through NVFP4 weights never dequantizes a whole weight into a 16-bit temporary "
                 "(its largest N x K copy: 0.27 GB at 7B, 0.97 GB at 72B); sm_90 only, slower from ~512 rows a "
@@ -299,6 +301,7 @@ _CHOICES = {
     "rollout.scheduler": SCHEDULERS,
     "algo.name": ALGOS,
     "algo.old_logprobs": OLD_LOGPROBS,
+    "optim.gradient_checkpointing": GRADIENT_CHECKPOINTING,
     "optim.schedule": SCHEDULES,
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_updates",
@@ -373,7 +376,12 @@ def _coerce(value, tp, key: str):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
+        for tp_inner in inner[:-1]:  # the first type the value converts to (`bool | str`: true/false, else text)
+            try:
+                return _coerce(value, tp_inner, key)
+            except ConfigError:
+                pass
+        return _coerce(value, inner[-1], key)
     if origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -505,7 +513,7 @@ def _section_order(sections):
 def _help_text(entry: dict) -> str:
     text = entry["help"]
     if entry["choices"]:
-        text += ("" if text.endswith(".") else ".") + f" One of: {', '.join(entry['choices'])}."
+        text += ("" if text.endswith(".") else ".") + f" One of: {', '.join(map(_default_text, entry['choices']))}."
     return text
 
 

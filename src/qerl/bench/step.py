@@ -112,6 +112,7 @@ class StepRunner:
     def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off"):
         from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
+        from ..rl.recompute import RecomputePlan
         from ..rl.update import UpdateSettings
         from ..rollout.engine import RolloutEngine
 
@@ -124,6 +125,8 @@ class StepRunner:
         self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
                                                 dist_ctx.world > 1)
         self.release_always = EngineMemoryPolicy(True, model.device)  # the old mode: free after every rollout
+        # optim.gradient_checkpointing; auto plans against the engine memory policy of the new modes
+        self.recompute = RecomputePlan(model, CHECKPOINTING_SETTINGS[args.gradient_checkpointing], self.engine_memory)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
@@ -215,7 +218,7 @@ class StepRunner:
                        optimizer=self.optimizer, params=self.params,
                        settings=dataclasses.replace(self.settings, packing=packing), dist_ctx=self.dist,
                        dense_store=self.dense_store, synchronize=True, times=times,
-                       run_update=profiled if profile_update else None, phase=phases)
+                       run_update=profiled if profile_update else None, phase=phases, recompute=self.recompute)
         if step.non_finite is not None:
             raise step.non_finite
         exp, stats = step.experience, step.update
@@ -228,7 +231,8 @@ class StepRunner:
         times.update(tokens=int(kept), decoded_row_steps=int(decoded), prefill_tokens=int(prefill),
                      loss_tokens_computed=int(computed), loss_tokens_needed=int(needed),
                      kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
-                     loss_efficiency=computed / max(needed, 1.0))
+                     loss_efficiency=computed / max(needed, 1.0), recomputed_layers=stats["recomputed_layers"],
+                     checkpointable_layers=len(self.recompute.layers))
         if "update_flops" in stats:  # every rank counts the same model
             update_s = max(times["step"] - times["rollout"], 1e-9)
             times.update(update_flops=flops, update_tflops=flops / self.dist.world / update_s / 1e12)
@@ -339,6 +343,7 @@ OLD_MODE = ("static", False)  # the reference: static batches, padded micro-batc
 MODES = {"new": ("continuous", True), "old": OLD_MODE}  # --modes names -> (engine scheduler, packed update)
 PACKING = {"on": True, "off": False}
 RELEASE_SETTINGS = {"auto": None, "always": True}  # --release-kv-cache -> rollout.release_kv_cache
+CHECKPOINTING_SETTINGS = {"auto": "auto", "true": True, "false": False}  # -> optim.gradient_checkpointing
 
 
 def mode_label(mode: tuple[str, bool]) -> str:
@@ -527,6 +532,13 @@ def _flops_cells(r: dict) -> str:
     return f"{r['update_flops'] / 1e12:.1f} | {r['update_tflops']:.0f}"
 
 
+def _recomputed_cell(r: dict) -> str:
+    """'recomputed of layers', or '-' for a row without the count (results written before it existed)."""
+    if "recomputed_layers" not in r:
+        return "-"
+    return f"{r['recomputed_layers']:.0f} of {r['checkpointable_layers']:.0f}"
+
+
 def _busy_cell(r: dict) -> str:
     """The GPU-busy shares of the rollout, reference and loss + backward phases ("-" where not measured)."""
     busy = r.get("busy")
@@ -548,19 +560,19 @@ def table(results, device, args) -> str:
     lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, LoRA r {args.lora_r}, "
              f"micro-batch {args.micro_batch} rows (padded) / "
              f"{args.max_tokens_per_micro_batch or 'by model size (token_budget)'} tokens (packed), "
-             f"KL beta {args.kl_beta}, GPUs {results[0]['world'] if results else 1}, order {args.order}, "
+             f"KL beta {args.kl_beta}, gradient checkpointing {args.gradient_checkpointing}, GPUs {results[0]['world'] if results else 1}, order {args.order}, "
              f"{args.steps} step(s) per rotation"
              + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
              lengths_line(args),
              "| model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s "
-             "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept "
+             "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept | recomputed layers "
              "| loss tokens computed / needed | peak GB | weights GB | update TFLOP | update TFLOP/s "
              "| GPU busy rollout / ref / loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         head = f"| {r['model']} | {r['variant']} | {r.get('mode', '-')} | {r.get('prompts', '-')} x {args.group} |"
         if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | | | | | | | | {r.get('weights_gb', 0):.1f} | | | |")
+            lines.append(f"{head} {r['error']} | | | | | | | | | | | | | {r.get('weights_gb', 0):.1f} | | | |")
             continue
         same = dict(model=r["model"], prompts=r["prompts"])
         b = _timed(results, variant="bf16", mode=r["mode"], **same)
@@ -568,11 +580,13 @@ def table(results, device, args) -> str:
         lines.append(f"{head} {r['rollout']:.2f} | {r.get('reference', 0):.2f} | {r['loss_backward']:.2f} | "
                      f"{r['optimizer']:.3f} | {r['step']:.2f} | {_speedup(old, r)} | {_speedup(b, r)} | "
                      f"{_by_order(r, b)} | {r['kept_tok_s']:.0f} | {r['rollout_efficiency']:.2f} | "
+                     f"{_recomputed_cell(r)} | "
                      f"{r['loss_efficiency']:.2f} | {r['peak_gb']:.1f} | {r['weights_gb']:.1f} | "
                      f"{_flops_cells(r)} | {_busy_cell(r)} |")
     lines.append("\nvs old: step time of the same variant in mode " + mode_label(OLD_MODE) + " / this one; vs bf16: "
                  "bf16's in the same mode / this one; kept tok/s: real completion tokens per step second; row-steps / "
-                 "kept: rows the rollout decoded per kept token (1 = none past its end); loss tokens computed / "
+                 "kept: rows the rollout decoded per kept token (1 = none past its end); recomputed layers: decoder layers the "
+                 "backward ran forward again (median over the timed steps); loss tokens computed / "
                  "needed: tokens one forward pass of the update runs through the model per token it needs (each "
                  "group's prompt once + the completion tokens); update TFLOP: the update's useful FLOPs (every pass: "
                  "forward and input gradient of the base and LoRA products, attention over the causal pairs and the "
@@ -672,6 +686,10 @@ def parse_args(argv=None):
                          "(always), or keep them from the second step on when they fit (auto, qerl train's "
                          "default: rollout.release_kv_cache). The old mode always frees them, so a cell after "
                          "an old-mode cell captures its graphs again: --modes new alone times the kept engine")
+    ap.add_argument("--gradient-checkpointing", choices=tuple(CHECKPOINTING_SETTINGS), default="auto",
+                    help="which decoder layers recompute in the backward, as optim.gradient_checkpointing (auto plans "
+                         "from the free memory: run one variant per process to compare, a resident runner's "
+                         "weights count against the others' budget)")
     ap.add_argument("--moe-reference", action="store_true",
                     help="MoE models: run the 4-bit experts through the per-expert reference loop (each hit "
                          "expert dequantized per call, eager decode) instead of the grouped kernel")

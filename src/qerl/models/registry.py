@@ -96,6 +96,18 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def kernel_cache_dir() -> Path:
+    """Where Triton keeps compiled kernels for later processes: $TRITON_CACHE_DIR, else `cache_dir()`/triton once
+    `persist_compiled_kernels` ran (the qerl CLI runs it first)."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or cache_dir() / "triton")
+
+
+def persist_compiled_kernels() -> None:
+    """Point Triton's on-disk kernel cache into qerl's cache unless $TRITON_CACHE_DIR names one: a second run loads
+    the kernels the first compiled (Triton reads the variable when it compiles, so this must run before)."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(kernel_cache_dir()))
+
+
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

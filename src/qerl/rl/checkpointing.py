@@ -92,7 +92,8 @@ def check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
 # them, and the change is recorded with the step it took effect at. Any other setting shaped the earlier
 # steps; changing it on --resume needs --override (`config_changes`).
 FUTURE_ONLY_KEYS = frozenset({"steps", "save_every", "keep_last", "keep_best", "tensorboard", "plots",
-                              "output_dir", "max_reward_failure_steps", "optim.max_bad_steps"})
+                              "output_dir", "max_reward_failure_steps", "optim.max_bad_steps",
+                              "optim.gradient_checkpointing"})
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
 
 

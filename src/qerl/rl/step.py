@@ -20,6 +20,7 @@ import torch
 from ..rollout.memory import EngineMemoryPolicy
 from .collect import Experience
 from .distributed import DistContext
+from .recompute import RecomputePlan
 from .update import NonFiniteError, UpdateSettings, policy_update
 
 
@@ -40,7 +41,8 @@ def rl_step(collect: Callable[[], Experience], *, model, engine, memory: EngineM
             settings: UpdateSettings, dist_ctx: DistContext = DistContext(), dense_store: dict | None = None,
             scheduler=None, synchronize: bool = False, times: dict[str, float] | None = None,
             run_update: Callable[[Callable[[], dict]], dict] | None = None,
-            phase: Callable[[str], AbstractContextManager] | None = None) -> StepResult:
+            phase: Callable[[str], AbstractContextManager] | None = None,
+            recompute: RecomputePlan | None = None) -> StepResult:
     """Run one step (module docstring) on `model` (LoRA `params` under `optimizer`) and `engine`.
 
     collect: () -> this rank's Experience (it runs the rollout on `engine`); memory: the engine's memory policy;
@@ -50,7 +52,8 @@ def rl_step(collect: Callable[[], Experience], *, model, engine, memory: EngineM
     synchronises): exact per-phase times, at the cost of a few device syncs. times: the dict the times go into
     (a new one when None). run_update: called with a no-argument function that runs the update, returns what it
     returns (e.g. under a profiler); None calls it directly. phase: called with "rollout" and each of the
-    update's phase names, a context manager entered around that phase (`policy_update`), or None."""
+    update's phase names, a context manager entered around that phase (`policy_update`), or None. recompute:
+    which decoder layers recompute in the backward, planned per update (`policy_update`), or None."""
     on_gpu = synchronize and model.device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     times = {} if times is None else times
@@ -65,7 +68,8 @@ def rl_step(collect: Callable[[], Experience], *, model, engine, memory: EngineM
 
         def update() -> dict:
             return policy_update(model, exp, optimizer, params, settings, dist_ctx=dist_ctx,
-                                 timings=times if synchronize else None, dense_store=dense_store, phase=phase)
+                                 timings=times if synchronize else None, dense_store=dense_store, phase=phase,
+                                 recompute=recompute)
 
         try:
             stats = update() if run_update is None else run_update(update)

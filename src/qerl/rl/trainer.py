@@ -14,6 +14,7 @@ import dataclasses
 import os
 import random
 import resource
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..models.atomic import check_output_dir
 from ..models.calibrate import default_samples
 from ..models.policy import build_policy
 from ..models.router import router_parameters
+from ..models.registry import kernel_cache_dir
 from ..nn.noisy_norm import median_abs_norm_weight
 from ..nn.quant_linear import set_routing_policy
 from ..rewards import RewardRunner
@@ -42,6 +44,7 @@ from .aqn import weak_noise_note
 from .collect import collect_experience, failed_rewards
 from .distributed import barrier, init_distributed, mean_metrics
 from .prompt_stream import PromptStream
+from .recompute import RecomputePlan
 from .step import rl_step
 from .stop import StopRequests, TrainingAborted, TrainingInterrupted  # noqa: F401 (re-exported)
 from .run_log import RunLog, plot_metrics, read_metrics, truncate_metrics
@@ -76,12 +79,11 @@ def resolve_device(name: str) -> torch.device:
 
 def compile_notice(device: torch.device) -> str | None:
     """What to say before the first step on `device`: on a GPU it compiles the Triton kernels (on a CPU nothing
-    compiles, so None). Triton keeps compiled kernels on disk ($TRITON_CACHE_DIR, default ~/.triton/cache), so
-    later runs with the same shapes skip most of it."""
+    compiles, so None). Compiled kernels stay on disk (`kernel_cache_dir`), so later runs with the same shapes skip
+    most of it."""
     if device.type != "cuda":
         return None
-    cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
-    return f"the first step compiles the GPU kernels (tens of seconds; cached in {cache} for later runs)"
+    return f"the first step compiles the GPU kernels (tens of seconds; cached in {kernel_cache_dir()} for later runs)"
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -96,6 +98,7 @@ class Trainer:
         """resume: "auto" (the run's newest readable checkpoint) or a checkpoint directory; override: config keys
         a resumed run may change beyond FUTURE_ONLY_KEYS (`--resume --override KEY ...`)."""
         self.cfg, self.console = cfg, console or Console(stderr=True)
+        self._created, self._steps_run = time.perf_counter(), 0  # for time_to_first_step (this process's first)
         if override and not resume:
             raise ValueError("--override names config keys a resumed run may change: it needs --resume")
         self.device = resolve_device(cfg.model.device)
@@ -150,6 +153,7 @@ class Trainer:
                                     scheduler=cfg.rollout.scheduler,
                                     dense_weights=self.dense_store if cfg.model.dense_weights == "all" else None)
         self.engine_memory = EngineMemoryPolicy(cfg.rollout.release_kv_cache, self.device, self.dist.enabled)
+        self.recompute = RecomputePlan(self.model, cfg.optim.gradient_checkpointing, self.engine_memory)
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)
@@ -205,7 +209,7 @@ class Trainer:
                                                     self.collect_settings, sigma=sigma, generator=self.generator),
                          model=self.model, engine=self.engine, memory=self.engine_memory, optimizer=self.optimizer,
                          params=self.params, settings=self.update_settings, dist_ctx=self.dist,
-                         dense_store=self.dense_store, scheduler=self.scheduler)
+                         dense_store=self.dense_store, scheduler=self.scheduler, recompute=self.recompute)
         exp, times = result.experience, result.times
         gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=exp.completion_mask.device)
         metrics = {
@@ -249,6 +253,9 @@ class Trainer:
             metrics["update_tflops"] = metrics["update_flops"] / max(metrics["time_update"], 1e-9) / 1e12
         metrics["time_step"] = times["step"]
         metrics["memory_gb"] = peak_memory_gb(self.device)
+        self._steps_run += 1
+        if self._steps_run == 1:  # model loading, quantization, kernel compilation and graph capture included
+            metrics["time_to_first_step"] = time.perf_counter() - self._created
         if self.dense_store is not None:  # model.dense_weights: what the 16-bit copies hold
             metrics["dense_weights_gb"] = dense_weight_bytes(self.dense_store) / 1e9
         metrics = mean_metrics(metrics, self.dist)
@@ -306,10 +313,16 @@ class Trainer:
                         f"{metrics['tokens_per_s']:.0f} tok/s  rollout {metrics['time_rollout']:.1f}s "
                         f"(rows/kept {metrics['rollout_rows_per_kept']:.2f})  update {metrics['time_update']:.1f}s "
                         f"(computed/needed {metrics.get('loss_tokens_per_needed', 0):.2f}"
-                        + (f", {metrics['update_tflops']:.3g} TFLOP/s" if "update_tflops" in metrics else "") + ")  "
+                        + (f", {metrics['update_tflops']:.3g} TFLOP/s" if "update_tflops" in metrics else "")
+                        + (f", recompute {metrics['recomputed_layers']:.0f}/{len(self.recompute.layers)} layers"
+                           if self.recompute.mode == "auto" and "recomputed_layers" in metrics else "") + ")  "
                         + (f"aux {metrics['aux_loss']:.4f}  " if "aux_loss" in metrics else "")
                         + f"mem {metrics['memory_gb']:.2f} GB")
                 progress.console.print(line, highlight=False)
+                if "time_to_first_step" in metrics:
+                    progress.console.print(f"first step finished {metrics['time_to_first_step']:.1f} s after the "
+                                           "trainer started (loading, quantizing and compiling included)",
+                                           highlight=False)
                 if "dense_weights_gb" in metrics and metrics["step"] == 1:
                     progress.console.print(f"model.dense_weights: {metrics['dense_weights_gb']:.2f} GB of 16-bit "
                                            "weight copies kept for the run", highlight=False)

@@ -9,6 +9,7 @@ behaviour-policy ratio) and TIS is not applied.
 """
 
 import math
+import sys
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from .flops import PassLayout, lora_of, update_flops
 from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
 from .packing import PackedMicroBatch, needed_tokens, packed_logprobs, plan_micro_batches
+from .recompute import RecomputePlan
 from .router_aux import capture_router_logits, load_balancing_loss, router_top_k
 
 
@@ -114,6 +116,36 @@ def _aux_token_count(exp: Experience, mb: PackedMicroBatch | slice) -> torch.Ten
     return _forward_tokens(exp, mb).sum().float()
 
 
+def _forward_tokens_max(exp: Experience, batches: list[PackedMicroBatch | slice]) -> int:
+    """Tokens the largest micro-batch forwards (padded rows count their full [P + T] width)."""
+    if batches and isinstance(batches[0], PackedMicroBatch):
+        return max(mb.computed_tokens for mb in batches)
+    width = exp.prompt_ids.shape[1] + exp.completion_ids.shape[1]
+    return max(((mb.stop - mb.start) * width for mb in batches), default=0)
+
+
+PROBE_PROMPT_TOKENS = 16
+
+
+def _probe_forward(model, exp: Experience, s: UpdateSettings) -> Callable[[int], torch.Tensor]:
+    """forward(n): the loss pass's log-probs (grad enabled by the caller) of one synthetic row of n tokens, a
+    16-token prompt and its completion, through the same path as the update's micro-batches (`qerl.rl.recompute`'s
+    probe)."""
+    device = exp.completion_ids.device
+    vocab = min(int(getattr(model.config, "vocab_size", 1000)), 1000)
+
+    def forward(n: int) -> torch.Tensor:
+        ids = (torch.arange(n, device=device) * 7 % vocab)[None].to(exp.prompt_ids.dtype)
+        prompt, completion = ids[:, :PROBE_PROMPT_TOKENS], ids[:, PROBE_PROMPT_TOKENS:]
+        pmask, cmask = torch.ones_like(prompt, dtype=torch.bool), torch.ones_like(completion, dtype=torch.bool)
+        if s.packing:
+            mb = plan_micro_batches(prompt, pmask, completion, cmask, n)[0]
+            return packed_logprobs(model, mb, completion, s.temperature)
+        return completion_logprobs(model, prompt, pmask, completion, cmask, s.temperature)
+
+    return forward
+
+
 @torch.no_grad()
 def _no_grad_logprobs(model, exp: Experience, batches, temperature: float) -> torch.Tensor:
     return torch.cat([_logprobs(model, exp, mb, temperature) for mb in batches])
@@ -122,7 +154,8 @@ def _no_grad_logprobs(model, exp: Experience, batches, temperature: float) -> to
 def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSettings, *,
                   dist_ctx: DistContext = DistContext(), timings: dict[str, float] | None = None,
                   dense_store: dict | None = None,
-                  phase: Callable[[str], AbstractContextManager] | None = None) -> dict[str, float]:
+                  phase: Callable[[str], AbstractContextManager] | None = None,
+                  recompute: RecomputePlan | None = None) -> dict[str, float]:
     """Run `settings.num_updates` optimizer steps on `exp`. Raises NonFiniteError (after zeroing grads) when the
     gradient norm is not finite -- a NaN/Inf loss makes it so -- and the step is skipped: the caller counts it.
 
@@ -146,11 +179,27 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     load-balancing loss over its real tokens (`router_aux`), added to the policy loss times the coefficient and
     the micro-batch's share of the whole (all-rank) batch's forward tokens; `aux_loss` is then returned too:
     this rank's token-weighted mean of the micro-batch values.
+
+    recompute: which decoder layers recompute in the backward (`optim.gradient_checkpointing`), planned for this
+    update's largest micro-batch; `recomputed_layers` is then returned too. If an update planned with plain
+    layers runs out of memory before its first optimizer step, it runs again with every layer checkpointed, and
+    so do all later ones (`RecomputePlan.fall_back`; one line on stderr says so). None: the layers as they are.
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
     # CPU: dequantize each weight once for the whole update; with a store, once for the run, on any device
     with dequantized_weights(enabled=on_cpu or dense_store is not None, store=dense_store):
-        return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase)
+        progress = {"stepped": False}
+        try:
+            return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase, recompute, progress)
+        except torch.OutOfMemoryError:
+            if recompute is None or progress["stepped"] or not recompute.fall_back():
+                raise
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        print(f"qerl: out of GPU memory with {len(recompute.layers) - recompute.recomputed} plain layers in the "
+              "backward (optim.gradient_checkpointing auto); the update runs again, and all later ones, with every "
+              "layer recomputed", file=sys.stderr)
+        return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase, recompute, progress)
 
 
 @contextmanager
@@ -170,7 +219,7 @@ def _phase(timings: dict[str, float] | None, name: str, device: torch.device, ho
 
 
 def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_ctx: DistContext,
-            timings: dict[str, float] | None, hook=None) -> dict[str, float]:
+            timings: dict[str, float] | None, hook, recompute: RecomputePlan | None, progress: dict) -> dict[str, float]:
     device = exp.completion_ids.device
     mask = exp.completion_mask
     batches = _micro_batches(exp, s)  # one plan for the reference, old and policy passes
@@ -197,6 +246,8 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
     grad_norm = 0.0
     model.train()
     try:
+        if recompute is not None:  # in train mode: the probe's forward then saves what the loss pass's does
+            recompute.plan(_forward_tokens_max(exp, batches), _probe_forward(model, exp, s))
         for _ in range(s.num_updates):
             optimizer.zero_grad(set_to_none=True)
             with _phase(timings, "loss_backward", device, hook):
@@ -229,6 +280,7 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm))
                 if not math.isfinite(grad_norm):
                     raise NonFiniteError(f"non-finite gradient norm {grad_norm} (loss {totals['loss'].item()})")
+                progress["stepped"] = True
                 optimizer.step()
     except NonFiniteError:
         optimizer.zero_grad(set_to_none=True)
@@ -245,6 +297,8 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
                                                      reference_pass=ref is not None)
     if flops is not None:
         extra["update_flops"] = float(flops)
+    if recompute is not None:
+        extra["recomputed_layers"] = float(recompute.recomputed)
     return {
         "loss": t["loss"] / s.num_updates,
         "clip_fraction": t["clipped"] / tokens,
