@@ -397,7 +397,9 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
     alive = []
     for v, m in keys:  # compile, capture, autotune: every mode runs its own code
         try:
+            started = time.perf_counter()
             runners[v].step(mine, warm if warm_lengths is None else args.budget, lengths=warm_lengths, mode=m)
+            rows[(v, m)]["first_step_s"] = time.perf_counter() - started  # compilation and graph capture included
             if m != OLD_MODE and runners[v].engine_memory.keep:  # auto decided to keep the engine's memory:
                 # a second step reaches the steady state of a run (the first kept rollout captures again)
                 runners[v].step(mine, warm if warm_lengths is None else args.budget, lengths=warm_lengths, mode=m)
@@ -593,6 +595,9 @@ def table(results, device, args) -> str:
                  "LM head, LoRA's weight gradients; no recomputation; qerl.rl.flops), update TFLOP/s: per GPU per "
                  "second of the update; GPU busy: the share of each phase's wall time the GPU ran kernels, from one "
                  "more step per cell under the profiler (--busy; '-' without it or where the phase did not run)")
+    firsts = [f"{r['variant']} {r.get('mode', '-')} {r['first_step_s']:.1f} s" for r in results if "first_step_s" in r]
+    if firsts:
+        lines.append("\nfirst (warm-up) step, kernel compilation and graph capture included: " + ", ".join(firsts))
     if orders:
         lines.append("\norders (rounds alternate between them): "
                      + "; ".join(f"{i + 1}: {o}" for i, o in enumerate(orders)))
