@@ -233,6 +233,9 @@ class StepRunner:
                      kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
                      loss_efficiency=computed / max(needed, 1.0), recomputed_layers=stats["recomputed_layers"],
                      checkpointable_layers=len(self.recompute.layers))
+        if self.recompute.saved is not None:  # auto's probe: bytes a decoder layer keeps per token
+            times.update(saved_bytes_plain=self.recompute.saved.plain,
+                         saved_bytes_checkpointed=self.recompute.saved.checkpointed)
         if "update_flops" in stats:  # every rank counts the same model
             update_s = max(times["step"] - times["rollout"], 1e-9)
             times.update(update_flops=flops, update_tflops=flops / self.dist.world / update_s / 1e12)
