@@ -32,6 +32,10 @@ CAP = 0.9
 # kept back from the budget for what the probe does not count: the log-prob chunks in the backward, the gradient
 # flowing between layers, the attention's per-bucket masks
 MARGIN_BYTES = 2 * 2**30
+# while the engine memory policy has yet to decide to keep the engine (it compares the allocator's reserved peak,
+# which runs above the allocated one), this share of the card more stays free: without it the reserved peak
+# crossed the policy's line (H100, 1.5B, 2026-11-28) and every rollout then re-captured its graphs (+0.8 s a step)
+KEEP_SLACK = 0.08
 PROBE_TOKENS = (64, 128)  # the probe's two stream lengths (a prompt of 16 tokens + a completion)
 
 
@@ -184,7 +188,7 @@ class RecomputePlan:
         memory = self.memory
         engine_kept_later = memory is not None and memory.auto and not memory.keep and memory.engine_bytes is not None
         if engine_kept_later:  # leave the engine room to be kept through the next updates (its policy's test)
-            return update_budget(self.model.device, memory.fraction, memory.engine_bytes)
+            return update_budget(self.model.device, memory.fraction - KEEP_SLACK, memory.engine_bytes)
         return update_budget(self.model.device, CAP, 0)
 
     def fall_back(self) -> bool:
