@@ -8,8 +8,9 @@ checkpointed and 2 with none. `true` checkpoints every layer, `false` none, `aut
     per token, what a plain and a checkpointed layer keep: measured once on the model itself (`probe_saved_bytes`:
         forwards of two short streams under autograd's saved-tensor hooks; the slope over the length, so frozen
         weights and other fixed bytes drop out)
-    the budget, before each update: what the update may still allocate, below `cap` of the card, after the
-        rollout engine's memory when its policy (`rollout.release_kv_cache`) will keep it
+    the budget, before each update: what the update may still allocate, below `CAP` of the card, after what is
+        allocated then (the rollout engine's cache when its policy, `rollout.release_kv_cache`, keeps it; with
+        auto the first update recomputes every layer, so that policy decides on the least memory an update needs)
     the plan: as many plain layers as the step's largest micro-batch fits, the rest checkpointed
 
 The budget comes after the engine's memory and the token budget (`optim.max_tokens_per_micro_batch`), so the bytes
@@ -26,16 +27,12 @@ import torch
 
 from ..choices import GRADIENT_CHECKPOINTING
 
-# share of the card an update may fill when the engine's memory is not kept through it (the rest: allocator
-# fragmentation, the optimizer step's temporaries, kernels' workspaces)
+# share of the card an update may fill, a kept engine's cache included (the rest: allocator fragmentation, the
+# optimizer step's temporaries, kernels' workspaces)
 CAP = 0.9
 # kept back from the budget for what the probe does not count: the log-prob chunks in the backward, the gradient
 # flowing between layers, the attention's per-bucket masks
 MARGIN_BYTES = 2 * 2**30
-# while the engine memory policy has yet to decide to keep the engine (it compares the allocator's reserved peak,
-# which runs above the allocated one), this share of the card more stays free: without it the reserved peak
-# crossed the policy's line (H100, 1.5B, 2026-11-28) and every rollout then re-captured its graphs (+0.8 s a step)
-KEEP_SLACK = 0.08
 PROBE_TOKENS = (64, 128)  # the probe's two stream lengths (a prompt of 16 tokens + a completion)
 
 
@@ -135,7 +132,7 @@ def plain_layers(n_layers: int, tokens: int, saved: SavedBytes, budget: int) -> 
     return max(0, min(n_layers, int((budget - base) // (tokens * extra))))
 
 
-def update_budget(device: torch.device, cap: float, reserve: int) -> int:
+def update_budget(device: torch.device, cap: float, reserve: int = 0) -> int:
     """Bytes the update may still allocate on CUDA `device`: below `cap` of the card and within what is free to this
     process (the device's free bytes and its allocator's cached ones), less `reserve` and `MARGIN_BYTES`."""
     total = torch.cuda.get_device_properties(device).total_memory
@@ -162,6 +159,7 @@ class RecomputePlan:
                              "layers (enable_gradient_checkpointing first)")
         self.saved: SavedBytes | None = None
         self.fell_back = False  # an auto plan ran out of memory: every layer checkpointed from then on
+        self.updates_planned = 0
         self.recomputed = len(self.layers) if mode is not False else 0
 
     @property
@@ -179,16 +177,21 @@ class RecomputePlan:
         else:
             if self.saved is None:
                 self.saved = probe_saved_bytes(self.model, forward)
-            plain = plain_layers(len(self.layers), tokens, self.saved, self._budget())
+            budget = self._budget()
+            plain = 0 if budget is None else plain_layers(len(self.layers), tokens, self.saved, budget)
         set_checkpointed(self.layers, plain)
         self.recomputed = len(self.layers) - plain
+        self.updates_planned += 1
         return self.recomputed
 
-    def _budget(self) -> int:
-        memory = self.memory
-        engine_kept_later = memory is not None and memory.auto and not memory.keep and memory.engine_bytes is not None
-        if engine_kept_later:  # leave the engine room to be kept through the next updates (its policy's test)
-            return update_budget(self.model.device, memory.fraction - KEEP_SLACK, memory.engine_bytes)
+    def _budget(self) -> int | None:
+        """Bytes this update may add, or None: recompute every layer. The first update of a run whose engine memory
+        policy is auto runs fully checkpointed, so the policy's keep test (its reserved peak plus the engine's bytes,
+        `EngineMemoryPolicy.after_update`) sees the update's least memory; the plans after it fill the card
+        around whatever the policy chose (a kept engine's cache is allocated, a freed one is not)."""
+        memory, first = self.memory, self.updates_planned == 0
+        if first and memory is not None and memory.auto and not memory.keep:
+            return None
         return update_budget(self.model.device, CAP, 0)
 
     def fall_back(self) -> bool:
