@@ -90,14 +90,20 @@ def test_auto_keeps_every_layer_plain_when_it_fits_and_the_update_is_the_same(fm
     assert stats["recomputed_layers"] == LAYERS
 
 
-def test_a_plan_with_plain_layers_falls_back_after_running_out_of_memory():
-    """Only an adaptive plan with plain layers falls back; afterwards every layer recomputes for good."""
+def test_running_out_of_memory_halves_the_plain_layers_for_good():
+    """A fallback halves the plain layers of the failed plan and caps every later plan; with none plain there is
+    nothing to fall back from."""
     require_cuda()
-    model = _policy("bf16")
+    model, exp = _policy("bf16"), _experience()
     plan = RecomputePlan(model, "auto")
     layers = checkpointable_layers(model)
-    set_checkpointed(layers, 2)
-    plan.recomputed = LAYERS - 2
+    set_checkpointed(layers, LAYERS)
+    plan.recomputed = 0
     assert plan.fall_back()
-    assert plan.recomputed == LAYERS and all(m.gradient_checkpointing for m in layers)
-    assert not plan.adaptive and not plan.fall_back()
+    assert plan.max_plain == LAYERS // 2 and plan.recomputed == LAYERS - LAYERS // 2
+    assert sum(m.gradient_checkpointing for m in layers) == LAYERS - LAYERS // 2
+    stats, _, _ = _update(model, exp, plan)  # memory for all, the cap holds
+    assert stats["recomputed_layers"] == LAYERS - LAYERS // 2
+    set_checkpointed(layers, 0)
+    plan.recomputed = LAYERS
+    assert not plan.fall_back()

@@ -29,7 +29,7 @@ from ..choices import GRADIENT_CHECKPOINTING
 
 # share of the card an update may fill, a kept engine's cache included (the rest: allocator fragmentation, the
 # optimizer step's temporaries, kernels' workspaces)
-CAP = 0.9
+CAP = 0.85
 # kept back from the budget for what the probe does not count: the log-prob chunks in the backward, the gradient
 # flowing between layers, the attention's per-bucket masks
 MARGIN_BYTES = 2 * 2**30
@@ -158,14 +158,14 @@ class RecomputePlan:
             raise ValueError(f"gradient_checkpointing {mode!r}: {type(model).__name__} has no checkpointable decoder "
                              "layers (enable_gradient_checkpointing first)")
         self.saved: SavedBytes | None = None
-        self.fell_back = False  # an auto plan ran out of memory: every layer checkpointed from then on
+        self.max_plain = len(self.layers)  # halved by each out-of-memory fallback (`fall_back`)
         self.updates_planned = 0
         self.recomputed = len(self.layers) if mode is not False else 0
 
     @property
     def adaptive(self) -> bool:
-        """Whether the plan depends on memory (auto on CUDA, before any out-of-memory fallback)."""
-        return self.mode == "auto" and self.model.device.type == "cuda" and not self.fell_back
+        """Whether the plan depends on memory (auto on CUDA)."""
+        return self.mode == "auto" and self.model.device.type == "cuda"
 
     def plan(self, tokens: int, forward: Callable[[int], torch.Tensor]) -> int:
         """Set the layers' flags for an update whose largest micro-batch forwards `tokens` tokens; returns how many
@@ -178,7 +178,8 @@ class RecomputePlan:
             if self.saved is None:
                 self.saved = probe_saved_bytes(self.model, forward)
             budget = self._budget()
-            plain = 0 if budget is None else plain_layers(len(self.layers), tokens, self.saved, budget)
+            plain = 0 if budget is None else min(plain_layers(len(self.layers), tokens, self.saved, budget),
+                                                 self.max_plain)
         set_checkpointed(self.layers, plain)
         self.recomputed = len(self.layers) - plain
         self.updates_planned += 1
@@ -195,11 +196,13 @@ class RecomputePlan:
         return update_budget(self.model.device, CAP, 0)
 
     def fall_back(self) -> bool:
-        """After an out-of-memory error in an update planned with plain layers: checkpoint every layer from now on.
-        Returns whether that changed anything (False: the update cannot be retried with less memory)."""
-        if not self.adaptive or self.recomputed == len(self.layers):
+        """After an out-of-memory error in an update planned with plain layers: halve the plain layers, for this
+        update's retry and every later plan (the probe and the margin missed something: allocator fragmentation,
+        an attention workspace). Returns whether that changed anything (False: nothing left to recompute more)."""
+        plain = len(self.layers) - self.recomputed
+        if not self.adaptive or plain == 0:
             return False
-        self.fell_back = True
-        set_checkpointed(self.layers, 0)
-        self.recomputed = len(self.layers)
+        self.max_plain = plain // 2
+        set_checkpointed(self.layers, self.max_plain)
+        self.recomputed = len(self.layers) - self.max_plain
         return True

@@ -182,24 +182,25 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
 
     recompute: which decoder layers recompute in the backward (`optim.gradient_checkpointing`), planned for this
     update's largest micro-batch; `recomputed_layers` is then returned too. If an update planned with plain
-    layers runs out of memory before its first optimizer step, it runs again with every layer checkpointed, and
-    so do all later ones (`RecomputePlan.fall_back`; one line on stderr says so). None: the layers as they are.
+    layers runs out of memory before its first optimizer step, it runs again with half as many, and later plans
+    keep at most that many (`RecomputePlan.fall_back`; a line on stderr says so). None: the layers as they are.
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
     # CPU: dequantize each weight once for the whole update; with a store, once for the run, on any device
     with dequantized_weights(enabled=on_cpu or dense_store is not None, store=dense_store):
         progress = {"stepped": False}
-        try:
-            return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase, recompute, progress)
-        except torch.OutOfMemoryError:
-            if recompute is None or progress["stepped"] or not recompute.fall_back():
-                raise
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        print(f"qerl: out of GPU memory with {len(recompute.layers) - recompute.recomputed} plain layers in the "
-              "backward (optim.gradient_checkpointing auto); the update runs again, and all later ones, with every "
-              "layer recomputed", file=sys.stderr)
-        return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase, recompute, progress)
+        while True:
+            try:
+                return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase, recompute, progress)
+            except torch.OutOfMemoryError:
+                plain = 0 if recompute is None else len(recompute.layers) - recompute.recomputed
+                if recompute is None or progress["stepped"] or not recompute.fall_back():
+                    raise
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            print(f"qerl: out of GPU memory with {plain} plain layers in the backward (optim.gradient_checkpointing "
+                  f"auto); the update runs again with {recompute.max_plain}, and later ones with at most that many",
+                  file=sys.stderr)
 
 
 @contextmanager
