@@ -183,7 +183,8 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     recompute: which decoder layers recompute in the backward (`optim.gradient_checkpointing`), planned for this
     update's largest micro-batch; `recomputed_layers` is then returned too. If an update planned with plain
     layers runs out of memory before its first optimizer step, it runs again with half as many, and later plans
-    keep at most that many (`RecomputePlan.fall_back`; a line on stderr says so). None: the layers as they are.
+    keep at most that many (`RecomputePlan.fall_back`; a line on stderr says so); under data parallel the error
+    is raised instead (a retry on one rank would desynchronise the all-reduces). None: the layers as they are.
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
     # CPU: dequantize each weight once for the whole update; with a store, once for the run, on any device
@@ -194,7 +195,8 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
                 return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase, recompute, progress)
             except torch.OutOfMemoryError:
                 plain = 0 if recompute is None else len(recompute.layers) - recompute.recomputed
-                if recompute is None or progress["stepped"] or not recompute.fall_back():
+                # data parallel: a retry would call the collectives again while the other ranks wait in theirs
+                if recompute is None or progress["stepped"] or dist_ctx.enabled or not recompute.fall_back():
                     raise
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
