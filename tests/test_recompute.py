@@ -116,12 +116,16 @@ def test_the_plan_sets_the_layers_and_reports_them(mode, recomputed):
     assert not plan.fall_back()  # nothing to fall back from
 
 
-def test_the_plan_refuses_bad_modes_and_models_without_checkpointable_layers():
+def test_the_plan_refuses_bad_modes_and_leaves_models_without_checkpointable_layers_alone():
     with pytest.raises(ValueError, match="one of"):
         RecomputePlan(policy(), "sometimes")
-    with pytest.raises(ValueError, match="no checkpointable decoder layers"):
-        RecomputePlan(policy(checkpointable=False), "auto")
-    RecomputePlan(policy(checkpointable=False), False)
+    exp = _experience(make_batch(seed=1))
+    model = policy(checkpointable=False)
+    plan = RecomputePlan(model, "auto")
+    params = lora_parameters(model)
+    stats = policy_update(model, exp, torch.optim.SGD(params.values(), lr=0.1), list(params.values()),
+                          UpdateSettings(LossSettings("grpo")), recompute=plan)
+    assert plan.recomputed is None and "recomputed_layers" not in stats and not plan.fall_back()
 
 
 def test_the_config_takes_auto_true_and_false():

@@ -231,7 +231,7 @@ class StepRunner:
         times.update(tokens=int(kept), decoded_row_steps=int(decoded), prefill_tokens=int(prefill),
                      loss_tokens_computed=int(computed), loss_tokens_needed=int(needed),
                      kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
-                     loss_efficiency=computed / max(needed, 1.0), recomputed_layers=stats["recomputed_layers"],
+                     loss_efficiency=computed / max(needed, 1.0), recomputed_layers=stats.get("recomputed_layers", -1.0),
                      checkpointable_layers=len(self.recompute.layers))
         if self.recompute.saved is not None:  # auto's probe: bytes a decoder layer keeps per token
             times.update(saved_bytes_plain=self.recompute.saved.plain,
@@ -538,8 +538,9 @@ def _flops_cells(r: dict) -> str:
 
 
 def _recomputed_cell(r: dict) -> str:
-    """'recomputed of layers', or '-' for a row without the count (results written before it existed)."""
-    if "recomputed_layers" not in r:
+    """'recomputed of layers', or '-' for a row without the count (results written before it existed, a model
+    without checkpointable layers)."""
+    if r.get("recomputed_layers", -1) < 0:  # absent, or a model without checkpointable layers
         return "-"
     return f"{r['recomputed_layers']:.0f} of {r['checkpointable_layers']:.0f}"
 

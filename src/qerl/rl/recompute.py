@@ -132,44 +132,45 @@ def plain_layers(n_layers: int, tokens: int, saved: SavedBytes, budget: int) -> 
     return max(0, min(n_layers, int((budget - base) // (tokens * extra))))
 
 
-def update_budget(device: torch.device, cap: float, reserve: int = 0) -> int:
+def update_budget(device: torch.device, cap: float) -> int:
     """Bytes the update may still allocate on CUDA `device`: below `cap` of the card and within what is free to this
-    process (the device's free bytes and its allocator's cached ones), less `reserve` and `MARGIN_BYTES`."""
+    process (the device's free bytes and its allocator's cached ones), less `MARGIN_BYTES`."""
     total = torch.cuda.get_device_properties(device).total_memory
     free, _ = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     available = free + torch.cuda.memory_reserved(device) - allocated
-    return min(available, int(cap * total) - allocated) - reserve - MARGIN_BYTES
+    return min(available, int(cap * total) - allocated) - MARGIN_BYTES
 
 
 class RecomputePlan:
     """`optim.gradient_checkpointing` for one model: `plan(tokens)` before each update sets which layers recompute.
 
-    mode: True, False or "auto" (module docstring); memory: the run's `EngineMemoryPolicy`, or None (its engine
-    memory is then not reserved). The model's layers must have been made checkpointable
-    (`qerl.models.policy.enable_gradient_checkpointing`) for anything but False."""
+    mode: True, False or "auto" (module docstring); memory: the run's `EngineMemoryPolicy`, or None (its first-update
+    rule then does not apply). For True and "auto" the model's layers must have been made checkpointable
+    (`qerl.models.policy.enable_gradient_checkpointing`); a model without transformers' checkpointable layers keeps
+    whatever checkpointing it has, and `recomputed` is then None (0 for False)."""
 
     def __init__(self, model, mode: bool | str, memory=None):
         if mode not in GRADIENT_CHECKPOINTING:
             raise ValueError(f"gradient_checkpointing must be one of {GRADIENT_CHECKPOINTING}, got {mode!r}")
         self.model, self.mode, self.memory = model, mode, memory
         self.layers = checkpointable_layers(model)
-        if mode is not False and not self.layers:
-            raise ValueError(f"gradient_checkpointing {mode!r}: {type(model).__name__} has no checkpointable decoder "
-                             "layers (enable_gradient_checkpointing first)")
         self.saved: SavedBytes | None = None
         self.max_plain = len(self.layers)  # halved by each out-of-memory fallback (`fall_back`)
         self.updates_planned = 0
-        self.recomputed = len(self.layers) if mode is not False else 0
+        self.recomputed: int | None = 0 if mode is False else len(self.layers) if self.layers else None
 
     @property
     def adaptive(self) -> bool:
         """Whether the plan depends on memory (auto on CUDA)."""
         return self.mode == "auto" and self.model.device.type == "cuda"
 
-    def plan(self, tokens: int, forward: Callable[[int], torch.Tensor]) -> int:
+    def plan(self, tokens: int, forward: Callable[[int], torch.Tensor]) -> int | None:
         """Set the layers' flags for an update whose largest micro-batch forwards `tokens` tokens; returns how many
-        layers recompute. forward: the probe's forward (`probe_saved_bytes`), called on the first auto plan only."""
+        layers recompute (None: True or auto on a model without checkpointable layers). forward: the probe's
+        forward (`probe_saved_bytes`), called on the first auto plan only."""
+        if not self.layers:
+            return self.recomputed  # False: none recompute; else the model's own checkpointing, unknown here
         if self.mode is False:
             plain = len(self.layers)
         elif not self.adaptive:
@@ -193,14 +194,14 @@ class RecomputePlan:
         memory, first = self.memory, self.updates_planned == 0
         if first and memory is not None and memory.auto and not memory.keep:
             return None
-        return update_budget(self.model.device, CAP, 0)
+        return update_budget(self.model.device, CAP)
 
     def fall_back(self) -> bool:
         """After an out-of-memory error in an update planned with plain layers: halve the plain layers, for this
         update's retry and every later plan (the probe and the margin missed something: allocator fragmentation,
         an attention workspace). Returns whether that changed anything (False: nothing left to recompute more)."""
-        plain = len(self.layers) - self.recomputed
-        if not self.adaptive or plain == 0:
+        plain = len(self.layers) - (self.recomputed or 0)
+        if not self.adaptive or not self.layers or plain == 0:
             return False
         self.max_plain = plain // 2
         set_checkpointed(self.layers, self.max_plain)

@@ -194,7 +194,7 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
             try:
                 return _update(model, exp, optimizer, params, settings, dist_ctx, timings, phase, recompute, progress)
             except torch.OutOfMemoryError:
-                plain = 0 if recompute is None else len(recompute.layers) - recompute.recomputed
+                plain = 0 if recompute is None else len(recompute.layers) - (recompute.recomputed or 0)
                 # data parallel: a retry would call the collectives again while the other ranks wait in theirs
                 if recompute is None or progress["stepped"] or dist_ctx.enabled or not recompute.fall_back():
                     raise
@@ -300,7 +300,7 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
                                                      reference_pass=ref is not None)
     if flops is not None:
         extra["update_flops"] = float(flops)
-    if recompute is not None:
+    if recompute is not None and recompute.recomputed is not None:
         extra["recomputed_layers"] = float(recompute.recomputed)
     return {
         "loss": t["loss"] / s.num_updates,
