@@ -145,8 +145,9 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_dir, data_file, 
     assert trainer.step == steps[-1]
 
 
+# wall-clock metrics, and time_to_first_step: on the first step of each process (a resumed run has it again)
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_generate", "time_update", "time_step", "memory_gb", "reward/time_s",
-               "update_tflops")
+               "update_tflops", "time_to_first_step")
 
 
 def _deterministic(rows):

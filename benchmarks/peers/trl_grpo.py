@@ -1,0 +1,195 @@
+"""TRL's GRPOTrainer on the job a qerl config describes: the same model (16-bit), problems, prompts, reward and
+settings, timed per step, for the side-by-side in docs/peers.md.
+
+    python benchmarks/peers/trl_grpo.py --config configs/gsm8k-grpo-1.5b.yaml --steps 20 --out runs/peers/trl
+    python benchmarks/peers/trl_grpo.py ... --liger --sleep --gpu-memory-utilization 0.5   # TRL's speed options
+    python benchmarks/peers/trl_grpo.py --config configs/smollm2-demo.yaml --generation transformers \\
+        --steps 2 --set rollout.prompts_per_step=2 rollout.max_new_tokens=16                 # a check, CPU too
+
+Installs nothing: it needs trl (1.16), peft, datasets, and vllm for `--generation vllm` (the default: TRL's
+colocated engine, its recommended setup for speed), beside qerl.
+
+Taken from the qerl config, so both sides run one job: `model.name` (an embedded name becomes the 16-bit directory
+`qerl train` builds from it), `lora` r / alpha / targets / dropout / rsLoRA, `data` (problems, suffix, system,
+max_prompt_tokens: the same prompts, built by qerl's template and filtered by length as qerl does), `rollout`
+prompts_per_step x group_size, max_new_tokens, temperature, top_p / top_k, `algo` name (TRL's loss_type of the same
+name), kl_beta, clip_low / clip_high, scale_rewards, overlong_filter, tis_cap (TRL's token-level truncated importance
+sampling at the same cap), `optim` lr / schedule / warmup / weight decay / max_grad_norm, `rewards` (qerl's reward
+functions, which have TRL's signature) and their weights, `seed`. Not the same: the base stays 16-bit (TRL has no
+4-bit RL path), no AQN, and TRL's own defaults elsewhere (gradient checkpointing on, its fused LM head).
+
+Writes OUT/trl.json: seconds per step (the device synchronised at both ends of each optimizer step: generation,
+loss passes, optimizer), the median over steps 3..N, the time from the script's start to the end of step 1, peak
+memory (torch's allocator, and the device's used memory sampled at step ends, which also counts vLLM's own pools),
+the mean reward per step; and OUT/adapter, for the held-out score with the scorer qerl's runs use:
+    qerl eval MODEL --adapter OUT/adapter --dataset gsm8k-offline:heldout --greedy
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+
+LOSS_TYPES = {"grpo": "grpo", "dapo": "dapo", "dr_grpo": "dr_grpo"}  # qerl algo.name -> TRL loss_type
+
+
+def model_directory(name: str) -> str:
+    """What TRL (and its vLLM engine) load: an embedded qerl model as its cached 16-bit directory, else the name."""
+    from qerl.models.registry import EMBEDDED, embedded_hf_dir
+
+    return str(embedded_hf_dir(name)) if name in EMBEDDED else name
+
+
+def problems(cfg, tokenizer):
+    """The run's problems as TRL's dataset: `prompt` (qerl's built prompt text) and `answer`."""
+    from datasets import Dataset
+
+    from qerl.data.datasets import filter_by_length, load_problems
+    from qerl.data.templates import build_prompt
+
+    d = cfg.data
+    rows = load_problems(d.train, split="train", limit=d.limit, seed=cfg.seed, question_key=d.question_key,
+                         answer_key=d.answer_key, max_bad_fraction=d.max_bad_fraction)
+    rows = filter_by_length(rows, tokenizer, d.max_prompt_tokens, suffix=d.suffix, system=d.system)
+    return Dataset.from_list([{"prompt": build_prompt(r["question"], tokenizer, suffix=d.suffix, system=d.system),
+                               "answer": r["answer"]} for r in rows])
+
+
+def grpo_config(cfg, args, out: Path):
+    """TRL's GRPOConfig for the qerl config `cfg` (module docstring): one optimizer step per generation batch of
+    prompts_per_step x group_size completions, run in micro-batches of args.micro_batch completions."""
+    import torch
+    from trl import GRPOConfig
+
+    r, a, o = cfg.rollout, cfg.algo, cfg.optim
+    if a.name not in LOSS_TYPES:
+        raise SystemExit(f"algo.name {a.name!r}: no TRL loss of that name")
+    if a.num_updates != 1 or a.dynamic_sampling or a.overlong_buffer:
+        raise SystemExit("algo.num_updates > 1, dynamic_sampling and overlong_buffer are not mapped to TRL here")
+    completions = r.prompts_per_step * r.group_size
+    if completions % args.micro_batch:
+        raise SystemExit(f"--micro-batch {args.micro_batch} must divide prompts_per_step x group_size = {completions}")
+    accumulation = completions // args.micro_batch
+    vllm = args.generation == "vllm"
+    return GRPOConfig(
+        output_dir=str(out / "trainer"), max_steps=args.steps, seed=cfg.seed, report_to="none", save_strategy="no",
+        logging_steps=1, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
+        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_generations=r.group_size, num_iterations=1,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+        top_k=r.top_k or None, loss_type=LOSS_TYPES[a.name], beta=a.kl_beta, epsilon=a.clip_low,
+        epsilon_high=a.clip_high, scale_rewards="group" if a.scale_rewards and a.name != "dr_grpo" else "none",
+        mask_truncated_completions=a.overlong_filter, reward_weights=cfg.reward_weights,
+        learning_rate=o.lr, lr_scheduler_type=o.schedule, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm, optim="adamw_torch", gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, use_liger_kernel=args.liger,
+        use_vllm=vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.gpu_memory_utilization,
+        vllm_enable_sleep_mode=args.sleep, vllm_importance_sampling_correction=vllm and a.tis_cap is not None,
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=a.tis_cap or 3.0)
+
+
+def step_timer(record: dict, started: float = START):
+    """A TrainerCallback filling record: step seconds (device synchronised), device memory used at step ends, and
+    time_to_first_step_s, counted from `started` (a perf_counter value; default: this module's import)."""
+    import torch
+    from transformers import TrainerCallback
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            record["step_s"].append(time.perf_counter() - self.started)
+            if len(record["step_s"]) == 1:
+                record["time_to_first_step_s"] = time.perf_counter() - started
+            if torch.cuda.is_available():
+                free, total = torch.cuda.mem_get_info()
+                record["device_used_gb"] = max(record.get("device_used_gb", 0.0), (total - free) / 1e9)
+
+    return StepTimer()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/gsm8k-grpo-1.5b.yaml", help="the qerl config of the job")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="qerl config overrides")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", required=True, help="directory for trl.json and the adapter")
+    ap.add_argument("--generation", choices=("vllm", "transformers"), default="vllm",
+                    help="vllm: TRL's colocated vLLM engine; transformers: HF generate (slow; for checks)")
+    ap.add_argument("--micro-batch", type=int, default=16, help="completions per loss forward/backward")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (TRL: 0.3)")
+    ap.add_argument("--sleep", action="store_true", help="vLLM sleep mode: free its memory during the update")
+    ap.add_argument("--liger", action="store_true", help="Liger kernels in the model's layers")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"--out {out}: not empty; choose a new directory")
+
+    import peft
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    from qerl.config import load_config
+    from qerl.rewards.resolve import resolve_reward
+
+    cfg = load_config(args.config, args.set)
+    model = model_directory(cfg.model.name)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lora = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                           target_modules=list(cfg.lora.targets), use_rslora=cfg.lora.use_rslora,
+                           task_type="CAUSAL_LM")
+    record = {"step_s": []}
+    trainer = GRPOTrainer(model=model, reward_funcs=[resolve_reward(name) for name in cfg.rewards],
+                          args=grpo_config(cfg, args, out), train_dataset=problems(cfg, tokenizer),
+                          processing_class=tokenizer, peft_config=lora, callbacks=[step_timer(record)])
+    trainer.train()
+    trainer.save_model(str(out / "adapter"))
+
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    timed = record["step_s"][2:] or record["step_s"]
+    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                "torch": torch.__version__}
+    if args.generation == "vllm":
+        import vllm
+
+        versions["vllm"] = vllm.__version__
+    result = {
+        "peer": "trl", "date": str(datetime.date.today()),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "versions": versions,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
+        "config": args.config, "overrides": args.set, "model": model, "generation": args.generation,
+        "micro_batch": args.micro_batch, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "sleep": args.sleep, "liger": args.liger,
+        "step_s": record["step_s"], "median_step_s": statistics.median(timed),
+        "median_over": f"steps {3 if len(record['step_s']) > 2 else 1}-{len(record['step_s'])}",
+        "time_to_first_step_s": record.get("time_to_first_step_s"),
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        "peak_device_used_gb": record.get("device_used_gb"), "reward": rewards,
+        "adapter": str(out / "adapter"),
+    }
+    (out / "trl.json").write_text(json.dumps(result, indent=1))
+    print(f"| TRL {trl.__version__} ({args.generation}{', liger' if args.liger else ''}"
+          f"{', sleep' if args.sleep else ''}) | {result['median_step_s']:.2f} s ({result['median_over']}) | "
+          f"first step {result['time_to_first_step_s']:.1f} s | peak {result['peak_allocated_gb'] or 0:.1f} GB "
+          f"allocated, {result['peak_device_used_gb'] or 0:.1f} GB used | reward {rewards[0]:.3f} -> "
+          f"{rewards[-1]:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

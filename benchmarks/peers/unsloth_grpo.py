@@ -1,0 +1,100 @@
+"""Unsloth's GRPO (its patched TRL GRPOTrainer, vLLM generation through `fast_inference`) on the job a qerl config
+describes: the same model, problems, prompts, reward and settings as `trl_grpo.py`, for docs/peers.md.
+
+    python benchmarks/peers/unsloth_grpo.py --config configs/gsm8k-grpo-1.5b.yaml --steps 20 --weights 16bit \\
+        --out runs/peers/unsloth-16bit
+    python benchmarks/peers/unsloth_grpo.py ... --weights 4bit    # its QLoRA (bitsandbytes NF4 base)
+    python benchmarks/peers/unsloth_grpo.py ... --weights fp8     # its FP8 RL (Hopper and newer)
+
+Installs nothing: it needs unsloth (and the unsloth_zoo, vllm, trl, peft, datasets it pins) beside qerl, and a
+CUDA GPU (Unsloth refuses to import without one). It writes OUT/unsloth.json and OUT/adapter as `trl_grpo.py`
+writes trl.json: the same fields, measured the same way (`trl_grpo.step_timer`), with TRL's settings from the same
+qerl config (`trl_grpo.grpo_config`) and Unsloth's own recommended ones where it has them: its gradient
+checkpointing ("unsloth") and vLLM sharing the policy's weights (`--gpu-memory-utilization`, default its 0.6).
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+START = time.perf_counter()  # before Unsloth's import and patching: they count in the time to the first step
+
+import unsloth  # noqa: E402, F401  (first among the ML imports: it patches transformers, peft and trl as they import)
+from unsloth import FastLanguageModel  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trl_grpo import grpo_config, model_directory, problems, step_timer  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/gsm8k-grpo-1.5b.yaml", help="the qerl config of the job")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="qerl config overrides")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", required=True, help="directory for unsloth.json and the adapter")
+    ap.add_argument("--weights", choices=("16bit", "4bit", "fp8"), default="16bit",
+                    help="the frozen base: bf16 (16-bit LoRA), bitsandbytes 4-bit (QLoRA) or FP8")
+    ap.add_argument("--micro-batch", type=int, default=16, help="completions per loss forward/backward")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="vLLM's share (Unsloth's GRPO default)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"--out {out}: not empty; choose a new directory")
+
+    import torch
+    import trl
+    from trl import GRPOTrainer
+
+    from qerl.config import load_config
+    from qerl.rewards.resolve import resolve_reward
+
+    cfg = load_config(args.config, args.set)
+    model_dir = model_directory(cfg.model.name)
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=model_dir, max_seq_length=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        load_in_4bit=args.weights == "4bit", load_in_fp8=args.weights == "fp8", fast_inference=True,
+        max_lora_rank=cfg.lora.r, gpu_memory_utilization=args.gpu_memory_utilization, random_state=cfg.seed)
+    model = FastLanguageModel.get_peft_model(
+        model, r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.targets), use_rslora=cfg.lora.use_rslora,
+        use_gradient_checkpointing="unsloth", random_state=cfg.seed)
+    # generation: Unsloth's own vLLM engine (fast_inference), which its patched trainer drives; TRL's is off
+    settings = grpo_config(cfg, argparse.Namespace(**{**vars(args), "generation": "transformers", "sleep": False,
+                                                     "liger": False}), out)
+    record = {"step_s": []}
+    trainer = GRPOTrainer(model=model, reward_funcs=[resolve_reward(name) for name in cfg.rewards], args=settings,
+                          train_dataset=problems(cfg, tokenizer), processing_class=tokenizer,
+                          callbacks=[step_timer(record, START)])
+    trainer.train()
+    model.save_pretrained(str(out / "adapter"))
+    tokenizer.save_pretrained(str(out / "adapter"))
+
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    timed = record["step_s"][2:] or record["step_s"]
+    result = {
+        "peer": "unsloth", "weights": args.weights, "date": str(datetime.date.today()),
+        "device": torch.cuda.get_device_name(),
+        "versions": {"unsloth": unsloth.__version__, "trl": trl.__version__, "torch": torch.__version__},
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
+        "config": args.config, "overrides": args.set, "model": model_dir, "micro_batch": args.micro_batch,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "step_s": record["step_s"], "median_step_s": statistics.median(timed),
+        "median_over": f"steps {3 if len(record['step_s']) > 2 else 1}-{len(record['step_s'])}",
+        "time_to_first_step_s": record.get("time_to_first_step_s"),
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_device_used_gb": record.get("device_used_gb"), "reward": rewards, "adapter": str(out / "adapter"),
+    }
+    (out / "unsloth.json").write_text(json.dumps(result, indent=1))
+    print(f"| Unsloth {unsloth.__version__} ({args.weights}) | {result['median_step_s']:.2f} s ({result['median_over']})"
+          f" | first step {result['time_to_first_step_s']:.1f} s | peak {result['peak_allocated_gb']:.1f} GB "
+          f"allocated, {result['peak_device_used_gb'] or 0:.1f} GB used | reward {rewards[0]:.3f} -> "
+          f"{rewards[-1]:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
