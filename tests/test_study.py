@@ -422,8 +422,10 @@ def test_eval_16bit_base_scores_4bit_adapters_on_the_unquantized_model(tmp_path,
     logs = {p.name: p.read_text()[-3000:] for p in out.glob("*/job.log")}
     assert code == 0, (printed, logs)
     runs = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
-    assert 0 <= runs["nvfp4+aqn"]["pass1_after_16bit"] <= 1
-    assert runs["bf16"]["pass1_after_16bit"] == runs["bf16"]["pass1_after"]
+    for score in ("pass1_after_16bit", "pass1_after_16bit_strict", "no_answer_after_16bit", "format_after_16bit"):
+        assert 0 <= runs["nvfp4+aqn"][score] <= 1, score
+        assert runs["bf16"][score] == runs["bf16"][score.replace("_after_16bit", "_after")], score
+    assert runs["nvfp4+aqn"]["pass1_after_16bit_strict"] <= runs["nvfp4+aqn"]["pass1_after_16bit"]
     assert "pass@1 after, 16-bit base" in printed
     assert "adapter on the 16-bit base after RL >= 16-bit LoRA" in (out / "claims.md").read_text()
     assert "--eval-16bit-base" in study.job_command(study.build_parser().parse_args(argv), study.make_jobs(

@@ -23,7 +23,7 @@ the same settings) and runs only the missing ones; a job killed mid-run (the --d
 continues from its last checkpoint (`save_every`) with its held-out "before" score kept, unless --no-resume.
 To redo a job, delete its directory. On a machine with several GPUs the jobs are spread over them (--gpus),
 each job on one GPU. --eval-16bit-base also scores each 4-bit arm's trained adapter on the 16-bit model
-(`pass1_after_16bit`; a bf16 arm's is its `pass1_after`): the after-RL score split into what the adapter learned
+(`pass1_after_16bit` and its strict score `pass1_after_16bit_strict`; a bf16 arm's are its own after-RL scores): the after-RL score split into what the adapter learned
 and what the 4-bit base costs it (docs/results.md, "The gap is in the base").
 """
 
@@ -280,10 +280,10 @@ def run_job(args, job: Job) -> dict:
     adapter = trainer.train()
     after_scores = held_out("after")
     after = after_scores["pass1_after"]
-    after_16bit = None
+    after_16bit = {}
     if args.eval_16bit_base and test_rows is not None:
-        if job.arm.format == "bf16":
-            after_16bit = after  # its base is the 16-bit model
+        if job.arm.format == "bf16":  # its base is the 16-bit model
+            after_16bit = {k.replace("_after", "_after_16bit"): v for k, v in after_scores.items()}
         else:
             del trainer  # its 4-bit model and optimizer state make room for the 16-bit model
             after_16bit = held_out_on_16bit_base(cfg, adapter, test_rows, args, job.seed)
@@ -293,7 +293,7 @@ def run_job(args, job: Job) -> dict:
     result = {"arm": job.arm.name, "seed": job.seed, "format": job.arm.format, "method": job.arm.method,
               "aqn": job.arm.aqn,
               "decay": job.arm.decay if job.arm.aqn else None, **before, **after_scores,
-              **({"pass1_after_16bit": after_16bit} if after_16bit is not None else {}),
+              **after_16bit,
               "seconds": seconds, **summarize(metrics), "job_seconds": time.perf_counter() - t_job,
               "attempts": state["attempts"],
               "device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -302,9 +302,11 @@ def run_job(args, job: Job) -> dict:
     return result
 
 
-def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int) -> float:
-    """Held-out pass@1 of a trained adapter on the unquantized model (as `qerl eval MODEL --adapter DIR` scores
-    it): the same problems, sampling, token limit, prompt suffix and seed as the job's own evaluations."""
+def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int) -> dict:
+    """Held-out scores of a trained adapter on the unquantized model (as `qerl eval MODEL --adapter DIR` scores
+    it): the same problems, sampling, token limit, prompt suffix and seed as the job's own evaluations.
+    {"pass1_after_16bit": flexible pass@1, "pass1_after_16bit_strict", "no_answer_after_16bit",
+    "format_after_16bit"}, as the job's own "after" scores."""
     import gc
 
     import torch
@@ -326,7 +328,8 @@ def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int
     sampling = SamplingParams(args.eval_temperature, 0, 0.95)
     res = evaluate(model, tokenizer, rows, n_samples=args.eval_n, sampling=sampling,
                    max_new_tokens=cfg.rollout.max_new_tokens, suffix=cfg.data.suffix, seed=seed, progress=False)
-    return res["pass@1"]
+    return {"pass1_after_16bit": res["pass@1"], "pass1_after_16bit_strict": res["pass@1_strict"],
+            "no_answer_after_16bit": res["no_answer"], "format_after_16bit": res["format_followed"]}
 
 
 def check_16bit_model(model: str) -> None:

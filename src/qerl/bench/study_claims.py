@@ -194,12 +194,18 @@ def claims(runs: list[dict]) -> list[Claim]:
             d = compare(runs, best, other, "pass1_after") if best and other else None
             out.append(Claim(name, _at_least(d), "needs both arms" if d is None
                              else diff_text(d, best, other, "pass@1 after")))
+            d = compare(runs, best, other, "pass1_after_strict") if best and other else None
+            if d is not None:  # the answer in the requested format only (runs scored before it lack it)
+                out.append(Claim(name.replace("held-out pass@1", "held-out strict pass@1"), _at_least(d),
+                                 diff_text(d, best, other, "strict pass@1 after")))
             # the same adapters served on the 16-bit model (--eval-16bit-base): what was learned, without the
             # 4-bit base's cost at inference
-            d = compare(runs, best, other, "pass1_after_16bit") if best and other else None
-            if d is not None:
-                out.append(Claim(name.replace("after RL", "adapter on the 16-bit base after RL"), _at_least(d),
-                                 diff_text(d, best, other, "pass@1 after, 16-bit base")))
+            for key, what in (("pass1_after_16bit", "pass@1 after, 16-bit base"),
+                              ("pass1_after_16bit_strict", "strict pass@1 after, 16-bit base")):
+                d = compare(runs, best, other, key) if best and other else None
+                if d is not None:
+                    where = "adapter on the 16-bit base after RL" + (", strict" if key.endswith("_strict") else "")
+                    out.append(Claim(name.replace("after RL", where), _at_least(d), diff_text(d, best, other, what)))
 
     # AQN: more entropy (exploration), faster reward growth, a better final score, per format and method
     for name, arm in arms.items():

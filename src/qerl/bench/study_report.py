@@ -10,6 +10,7 @@ from .study_arms import DEFAULT_DECAY, parse_arm
 AGGREGATED = (("pass1_before", "pass@1 before", 3), ("pass1_after", "pass@1 after", 3),
               ("pass1_before_strict", "strict pass@1 before", 3), ("pass1_after_strict", "strict pass@1 after", 3),
               ("pass1_after_16bit", "pass@1 after, 16-bit base", 3),
+              ("pass1_after_16bit_strict", "strict pass@1 after, 16-bit base", 3),
               ("reward_first", "reward first", 3), ("reward_last", "reward last", 3),
               ("entropy_first", "entropy first", 3), ("entropy_last", "entropy last", 3),
               ("seconds", "train s", 1), ("time_rollout", "rollout s/step", 2),
@@ -18,7 +19,7 @@ AGGREGATED = (("pass1_before", "pass@1 before", 3), ("pass1_after", "pass@1 afte
 
 # Columns shown only when some arm has them (a study run with --eval-16bit-base; the strict scores, which
 # results.json files written before they existed lack).
-OPTIONAL = {"pass1_after_16bit", "pass1_before_strict", "pass1_after_strict"}
+OPTIONAL = {"pass1_after_16bit", "pass1_after_16bit_strict", "pass1_before_strict", "pass1_after_strict"}
 
 
 # aggregation --------------------------------------------------------------------------------------
