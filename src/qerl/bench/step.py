@@ -235,7 +235,8 @@ class StepRunner:
                      checkpointable_layers=len(self.recompute.layers))
         if self.recompute.saved is not None:  # auto's probe: bytes a decoder layer keeps per token
             times.update(saved_bytes_plain=self.recompute.saved.plain,
-                         saved_bytes_checkpointed=self.recompute.saved.checkpointed)
+                         saved_bytes_checkpointed=self.recompute.saved.checkpointed,
+                         recompute_fallbacks=self.recompute.fallbacks)
         if "update_flops" in stats:  # every rank counts the same model
             update_s = max(times["step"] - times["rollout"], 1e-9)
             times.update(update_flops=flops, update_tflops=flops / self.dist.world / update_s / 1e12)

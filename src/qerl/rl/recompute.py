@@ -157,6 +157,7 @@ class RecomputePlan:
         self.layers = checkpointable_layers(model)
         self.saved: SavedBytes | None = None
         self.max_plain = len(self.layers)  # halved by each out-of-memory fallback (`fall_back`)
+        self.fallbacks = 0  # how many there were
         self.updates_planned = 0
         self.recomputed: int | None = 0 if mode is False else len(self.layers) if self.layers else None
 
@@ -204,6 +205,7 @@ class RecomputePlan:
         if not self.adaptive or not self.layers or plain == 0:
             return False
         self.max_plain = plain // 2
+        self.fallbacks += 1
         set_checkpointed(self.layers, self.max_plain)
         self.recomputed = len(self.layers) - self.max_plain
         return True

@@ -181,7 +181,8 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     this rank's token-weighted mean of the micro-batch values.
 
     recompute: which decoder layers recompute in the backward (`optim.gradient_checkpointing`), planned for this
-    update's largest micro-batch; `recomputed_layers` is then returned too. If an update planned with plain
+    update's largest micro-batch; `recomputed_layers` is then returned too (and, for auto on CUDA,
+    `recompute_fallbacks`: the run's fallbacks so far). If an update planned with plain
     layers runs out of memory before its first optimizer step, it runs again with half as many, and later plans
     keep at most that many (`RecomputePlan.fall_back`; a line on stderr says so); under data parallel the error
     is raised instead (a retry on one rank would desynchronise the all-reduces). None: the layers as they are.
@@ -302,6 +303,8 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
         extra["update_flops"] = float(flops)
     if recompute is not None and recompute.recomputed is not None:
         extra["recomputed_layers"] = float(recompute.recomputed)
+        if recompute.adaptive:  # the run's out-of-memory fallbacks so far
+            extra["recompute_fallbacks"] = float(recompute.fallbacks)
     return {
         "loss": t["loss"] / s.num_updates,
         "clip_fraction": t["clipped"] / tokens,
