@@ -17,7 +17,7 @@ def _logits(model):
         return model(input_ids=IDS).logits
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "fp8"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_round_trip_is_exact(tmp_path, arch, fmt):
     model = quantize_model(tiny_model(arch, dtype=torch.bfloat16), fmt)
@@ -60,7 +60,7 @@ def test_layout_on_disk(tmp_path):
     assert "qerl_weight_format" not in config
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
 def test_compressed_tensors_parses_and_decompresses_our_checkpoint(tmp_path, fmt):
     """transformers + compressed-tensors (the stack vLLM's loader mirrors) load qerl's directory."""
     from compressed_tensors.quantization import QuantizationConfig

@@ -9,7 +9,7 @@ never imports torch, the kernels or the training loop.
 from typing import Iterable
 
 # model.format: the weight formats (the keys of `qerl.formats.FORMATS`, in that order)
-FORMAT_NAMES = ("nvfp4", "mxfp4", "nf4", "bf16")
+FORMAT_NAMES = ("nvfp4", "mxfp4", "nf4", "fp8", "bf16")
 # model.quant_method: the quantization methods (`qerl.quant`)
 METHODS = ("rtn", "4over6", "gptq", "awq")
 # model.dense_weights: where 16-bit copies of the 4-bit weights are used

@@ -59,7 +59,8 @@ class ModelSection:
         "help": "let transformers run the model repository's own code"})
     # how the frozen base is stored
     format: str = field(default="nvfp4", metadata={
-        "help": "weight format (qerl.formats); bf16 = 16-bit LoRA; paper: nvfp4"})
+        "help": "weight format (qerl.formats); bf16 = 16-bit LoRA; fp8 = e4m3 with per-channel scales, W8A8 on "
+                "FP8 tensor cores (sm_89+), else dequantized (docs/formats.md); paper: nvfp4"})
     quant_method: str = field(default="rtn", metadata={
         "help": "how codes and scales are chosen (qerl.quant)"})
     calibration: CalibrationSection = field(default_factory=CalibrationSection, metadata={
@@ -362,6 +363,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"model.keep_bf16: {e}") from None
     if cfg.model.keep_bf16 and cfg.model.format == "bf16":
         raise ConfigError("model.keep_bf16 only makes sense with a 4-bit model.format")
+    if cfg.model.format == "fp8" and cfg.model.quant_method != "rtn":
+        raise ConfigError(f"model.format fp8: model.quant_method {cfg.model.quant_method} is not built for it; use rtn")
+    if cfg.model.format in ("fp8", "bf16") and cfg.model.quantize_embeddings:
+        raise ConfigError(f"model.quantize_embeddings needs a 4-bit model.format (nvfp4, mxfp4, nf4), not "
+                          f"{cfg.model.format}")
     if cfg.model.dense_weights != "off" and cfg.model.format == "bf16":
         raise ConfigError("model.dense_weights only makes sense with a 4-bit model.format (bf16 weights are dense)")
     if not cfg.moe.aux_loss_coef < float("inf"):  # nan / inf: the >= 0 check above lets inf through

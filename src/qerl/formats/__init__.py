@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from . import mxfp4, nf4, nvfp4
+from . import fp8, mxfp4, nf4, nvfp4
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ FORMATS: dict[str, WeightFormat] = {
     # NF4 blocks run over the flattened tensor (only K even and N*K % 64 == 0 are needed); block=64 is
     # the conservative per-row rule for callers that check K % block, and holds for every LLM layer.
     "nf4": WeightFormat("nf4", nf4.BLOCK, nf4.TENSOR_NAMES, nf4.quantize_nf4, nf4.dequantize_nf4),
+    # 8-bit base: e4m3 codes, one fp32 scale per output channel (the FP8 RL peers use; any K)
+    "fp8": WeightFormat("fp8", fp8.BLOCK, fp8.TENSOR_NAMES, fp8.quantize_fp8, fp8.dequantize_fp8),
     # 16-bit base: the ablation baseline (bf16 LoRA), same layer and code paths, no quantization.
     "bf16": WeightFormat("bf16", 1, ("weight",), _quantize_dense, _dequantize_dense),
 }

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from ..formats import get_format
 from .dequant_cache import cached_dense_weight
+from .fp8_matmul import fp8_linear
 from .bf16_matmul import bf16_linear
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
@@ -35,6 +36,8 @@ def quantized_linear(
         return bf16_linear(x, tensors["weight"], bias, lora)
     if fmt == "mxfp4":
         return add_lora(mxfp4_linear(x, **tensors, bias=bias), lora)
+    if fmt == "fp8":
+        return add_lora(fp8_linear(x, **tensors, bias=bias), lora)
     return add_lora(_dequantize_linear(fmt, x, tensors, bias), lora)
 
 

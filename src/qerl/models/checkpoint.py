@@ -41,13 +41,18 @@ from .precision import partial_sibling_groups
 from .targets import quant_experts, quant_layers, set_module
 
 MAX_SHARD_BYTES = 5 * 1024**3
-CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "fp8": "float-quantized"}
 _CT_WEIGHTS = {
     "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
               "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},
     "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
               "dynamic": False, "scale_dtype": "torch.uint8"},
+    "fp8": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
+            "dynamic": False},
 }
+# fp8: activations quantized per token at run time (W8A8 where FP8 tensor cores run it; qerl.kernels.fp8_matmul)
+_CT_INPUTS = {"fp8": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "token",
+                      "dynamic": True}}
 _BNB_STATE = "quant_state.bitsandbytes__nf4"
 KEEP_KEY = "qerl_keep_bf16"  # config.json: the linears qerl kept in bf16 (all also in the ignore list)
 
@@ -55,7 +60,7 @@ KEEP_KEY = "qerl_keep_bf16"  # config.json: the linears qerl kept in bf16 (all a
 def quantization_config(fmt: str, ignore: list[str]) -> dict:
     """config.json's `quantization_config` for a weight-only checkpoint (compressed-tensors or bitsandbytes)."""
     if fmt in CT_FORMATS:
-        group = {"targets": ["Linear"], "weights": dict(_CT_WEIGHTS[fmt]), "input_activations": None,
+        group = {"targets": ["Linear"], "weights": dict(_CT_WEIGHTS[fmt]), "input_activations": _CT_INPUTS.get(fmt),
                  "output_activations": None, "format": CT_FORMATS[fmt]}
         return {"config_groups": {"group_0": group}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
                 "format": CT_FORMATS[fmt], "quantization_status": "compressed", "global_compression_ratio": None,
@@ -232,7 +237,7 @@ def _take_layer_tensors(state: dict, name: str, fmt: str) -> dict[str, torch.Ten
         state.pop(f"{name}.weight.quant_map", None)
         n, k = meta["shape"]
         return {"weight_packed": packed.reshape(n, k // 2), "weight_absmax": absmax.float()}
-    if f"{name}.weight_packed" not in state:
+    if f"{name}.{'weight_scale' if fmt == 'fp8' else 'weight_packed'}" not in state:  # else a layer kept 16-bit
         return None
     tensors = {t: state.pop(f"{name}.{t}") for t in get_format(fmt).tensor_names if f"{name}.{t}" in state}
     missing = set(get_format(fmt).tensor_names) - set(tensors)

@@ -32,8 +32,8 @@ class QuantEmbedding(QuantizedModule):
                  dtype: torch.dtype = torch.bfloat16, padding_idx: int | None = None):
         super().__init__()
         spec = get_format(fmt)
-        if spec.name == "bf16":
-            raise ValueError("QuantEmbedding needs a 4-bit format (nvfp4, mxfp4, nf4), not bf16")
+        if spec.name in ("bf16", "fp8"):
+            raise ValueError(f"QuantEmbedding needs a 4-bit format (nvfp4, mxfp4, nf4), not {spec.name}")
         check_embedding_shape(num_embeddings, embedding_dim, spec.name)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight_format = spec.name

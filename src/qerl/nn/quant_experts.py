@@ -141,6 +141,9 @@ def _try_grouped_mm(device: torch.device, dtype: torch.dtype, r: int, k: int, n:
         return False
 
 
+EXPERT_FORMATS = ("nvfp4", "mxfp4", "nf4")  # the grouped kernels' formats (fp8 experts: not built)
+
+
 class QuantExperts(QuantizedModule):
     """Frozen 4-bit experts. Build with `QuantExperts.from_experts(experts_module, fmt)`."""
 
@@ -151,8 +154,9 @@ class QuantExperts(QuantizedModule):
                  gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor]):
         super().__init__()
         fmt = get_format(fmt).name
-        if fmt == "bf16":
-            raise ValueError("QuantExperts holds a 4-bit format (nvfp4, mxfp4, nf4); bf16 experts need no surgery")
+        if fmt not in EXPERT_FORMATS:
+            raise ValueError(f"QuantExperts holds a 4-bit format ({', '.join(EXPERT_FORMATS)}), not {fmt}"
+                             + ("; bf16 experts need no surgery" if fmt == "bf16" else ""))
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.weight_format = fmt
         self.act_fn = act_fn

@@ -1,0 +1,39 @@
+"""FP8 weights (`qerl.formats.fp8`) times 16-bit activations.
+
+On FP8 tensor cores (CUDA compute capability 8.9 and newer, bf16 activations, K and N multiples of 16) the
+activations are quantized per token to e4m3 with an fp32 scale each (`quantize_rows_fp8`) and the product runs in
+torch's `_scaled_mm` with row-wise scales and fp32 accumulation (W8A8, as the FP8 RL peers' forward). Elsewhere
+(the CPU, older GPUs, other dtypes or shapes) the weight is dequantized and multiplied in x's dtype (W8A16): the
+reference path. The input gradient is always the dequantized weight's (`qerl.kernels.dispatch`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.fp8 import dequantize_fp8, quantize_rows_fp8
+
+
+def fp8_tensor_cores(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `fp8_linear(x, weight, ...)` runs as W8A8 on FP8 tensor cores."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and hasattr(torch, "_scaled_mm"))
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """The W8A8 product in float64 from the same quantized operands: x [..., K] -> [..., N] float64."""
+    q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+    y = (q.double() * s.double()) @ (weight.double() * weight_scale.double()).t()
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> x @ W^T (+ bias), [..., N] in x.dtype; weight float8_e4m3fn [N, K], weight_scale fp32 [N, 1]."""
+    bias = None if bias is None else bias.to(x.dtype)
+    if not fp8_tensor_cores(x, weight):
+        return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype), bias)
+    q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.float().reshape(1, -1),
+                         out_dtype=x.dtype)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias

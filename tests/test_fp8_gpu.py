@@ -1,0 +1,64 @@
+"""fp8 weights on FP8 tensor cores (qerl.kernels.fp8_matmul, sm_89+): the W8A8 product against the float64
+product of the same quantized operands, at 1-512 rows and odd shapes (which take the dequantized path), NaN
+propagated, and a QuantLinear's forward and input gradient on CUDA."""
+
+import pytest
+import torch
+
+from kernel_testing import require_cuda
+
+from qerl.formats import get_format
+from qerl.kernels.fp8_matmul import fp8_linear, fp8_linear_reference, fp8_tensor_cores
+from qerl.nn import LoraConfig, QuantLinear
+
+pytestmark = pytest.mark.gpu
+FP8 = get_format("fp8")
+
+
+def _fp8_capable():
+    require_cuda()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9 or newer")
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 512])
+@pytest.mark.parametrize("n,k", [(3584, 512), (512, 3584), (256, 1024)])
+def test_w8a8_equals_the_product_of_the_quantized_operands(m, n, k):
+    _fp8_capable()
+    g = torch.Generator("cuda").manual_seed(m * 7 + n)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    t = FP8.quantize(w)
+    assert fp8_tensor_cores(x, t["weight"])
+    y = fp8_linear(x, **t)
+    ref = fp8_linear_reference(x, **t)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    # fp32 accumulation, one bf16 rounding of the output
+    err = (y.double() - ref).abs()
+    assert (err <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all(), float(err.max())
+
+
+def test_odd_shapes_take_the_dequantized_path_and_nan_propagates():
+    _fp8_capable()
+    x = torch.randn(5, 100, device="cuda", dtype=torch.bfloat16)
+    t = FP8.quantize(torch.randn(24, 100, device="cuda"))
+    assert not fp8_tensor_cores(x, t["weight"])
+    assert torch.equal(fp8_linear(x, **t), torch.nn.functional.linear(x, FP8.dequantize(**t, dtype=torch.bfloat16)))
+    x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+    x[2, 5] = float("nan")
+    t = FP8.quantize(torch.randn(32, 128, device="cuda"))
+    y = fp8_linear(x, **t)
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()
+
+
+def test_a_fp8_layer_trains_on_cuda():
+    _fp8_capable()
+    linear = torch.nn.Linear(256, 128, bias=True, device="cuda")
+    layer = QuantLinear.from_linear(linear, "fp8", LoraConfig(r=8, alpha=16)).cuda()
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(0, 0.02)
+    x = torch.randn(3, 17, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().square().mean().backward()
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert torch.isfinite(x.grad).all() and layer.lora_A.weight.grad.abs().max() > 0
