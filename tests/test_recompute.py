@@ -13,8 +13,8 @@ from qerl.models.policy import enable_gradient_checkpointing
 from qerl.nn import LoraConfig
 from qerl.rl.losses import LossSettings
 from qerl.rl.packing import packed_logprobs, plan_micro_batches
-from qerl.rl.recompute import (RecomputePlan, SavedBytes, checkpointable_layers, plain_layers, probe_saved_bytes,
-                               set_checkpointed)
+from qerl.rl.recompute import (CAP, RecomputePlan, SavedBytes, budget_bytes, checkpointable_layers, plain_layers,
+                               probe_saved_bytes, set_checkpointed)
 from qerl.rl.update import UpdateSettings, policy_update
 
 LAYERS = 3
@@ -53,6 +53,18 @@ def stream_forward(model):
 ])
 def test_plain_layers_fill_the_budget(tokens, saved, budget, expected):
     assert plain_layers(LAYERS, tokens, saved, budget) == expected
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("free,reserved,allocated,expected", [
+    (60 * GiB, 10 * GiB, 8 * GiB, 58 * GiB),  # the cap binds: 0.85 x 80 - 8 - 2 (margin)
+    (10 * GiB, 10 * GiB, 8 * GiB, 10 * GiB),  # another process holds the card: free + cached - margin
+    (0, 70 * GiB, 70 * GiB, -4 * GiB),  # over the cap already: negative, so every layer recomputes
+])
+def test_the_budget_is_the_smaller_of_the_cap_and_what_is_free(free, reserved, allocated, expected):
+    assert budget_bytes(80 * GiB, free, reserved, allocated, CAP) == pytest.approx(expected, abs=1)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

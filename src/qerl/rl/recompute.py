@@ -132,14 +132,17 @@ def plain_layers(n_layers: int, tokens: int, saved: SavedBytes, budget: int) -> 
     return max(0, min(n_layers, int((budget - base) // (tokens * extra))))
 
 
+def budget_bytes(total: int, free: int, reserved: int, allocated: int, cap: float) -> int:
+    """Bytes an update may still allocate on a card of `total` bytes: below `cap` of the card and within what is
+    free to this process (the device's `free` bytes and its allocator's cached ones, `reserved` - `allocated`), less
+    `MARGIN_BYTES`; negative when nothing is left."""
+    return min(free + reserved - allocated, int(cap * total) - allocated) - MARGIN_BYTES
+
+
 def update_budget(device: torch.device, cap: float) -> int:
-    """Bytes the update may still allocate on CUDA `device`: below `cap` of the card and within what is free to this
-    process (the device's free bytes and its allocator's cached ones), less `MARGIN_BYTES`."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    free, _ = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    available = free + torch.cuda.memory_reserved(device) - allocated
-    return min(available, int(cap * total) - allocated) - MARGIN_BYTES
+    """`budget_bytes` of CUDA `device` now."""
+    free, total = torch.cuda.mem_get_info(device)
+    return budget_bytes(total, free, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device), cap)
 
 
 class RecomputePlan:
