@@ -212,7 +212,7 @@ def test_table_gives_the_update_flops_and_the_busy_shares():
 
 
 def test_bad_variant_or_size_is_refused():
-    for bad in ("fp8", "nvfp4+dense+denseall", "bf16+dense", "nvfp4+aqn+aqn", "nvfp4+fast"):
+    for bad in ("fp6", "nvfp4+dense+denseall", "bf16+dense", "nvfp4+aqn+aqn", "nvfp4+fast"):
         with pytest.raises(SystemExit):
             parse_args(["--variants", bad])
     _, args = parse_args(["--variants", "nvfp4+aqn+dense,nf4+denseall"])
