@@ -162,7 +162,7 @@ def keep_bf16_arg(args) -> list[str]:
 
     keep = parse_keep_bf16(args.keep_bf16)
     if keep and args.format in (None, "bf16"):
-        raise ValueError("--keep-bf16 keeps layers of a quantized base in bf16: it needs --format nvfp4, mxfp4 or nf4")
+        raise ValueError("--keep-bf16 keeps layers of a quantized base in bf16: it needs --format nvfp4, mxfp4, nf4 or fp8")
     return keep
 
 

@@ -66,8 +66,8 @@ def check_spec(spec: ModelSpec) -> None:
     if spec.method in CALIBRATED or (spec.lora is not None and spec.lora.init == "eora"):
         check_source(spec.calibration_source)
     if spec.keep_bf16 and spec.format in (None, "bf16"):
-        raise ValueError("keep_bf16 keeps layers of a quantized base in bf16: it needs a 4-bit format "
-                         "(nvfp4, mxfp4 or nf4)")
+        raise ValueError("keep_bf16 keeps layers of a quantized base in bf16: it needs a quantized format "
+                         "(nvfp4, mxfp4, nf4 or fp8)")
 
 
 def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_progress: bool = False,
