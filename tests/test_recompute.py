@@ -50,6 +50,7 @@ def stream_forward(model):
     (100, SavedBytes(50, 10), 10**12, 3),  # never more than the layers
     (100, SavedBytes(50, 10), -5, 0),  # a negative budget (less free than the margin): recompute everything
     (100, SavedBytes(10, 10), 0, 3),  # nothing to save by recomputing
+    (0, SavedBytes(50, 10), 0, 3),  # no token to forward
 ])
 def test_plain_layers_fill_the_budget(tokens, saved, budget, expected):
     assert plain_layers(LAYERS, tokens, saved, budget) == expected

@@ -127,7 +127,7 @@ def plain_layers(n_layers: int, tokens: int, saved: SavedBytes, budget: int) -> 
     """
     extra = saved.plain - saved.checkpointed
     base = tokens * (n_layers * saved.checkpointed + saved.plain)
-    if extra <= 0:
+    if extra <= 0 or tokens <= 0:  # nothing to keep (an update without a loss token forwards nothing)
         return n_layers
     return max(0, min(n_layers, int((budget - base) // (tokens * extra))))
 
