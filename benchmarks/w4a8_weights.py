@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     print(f"| NVFP4 decoded to e4m3 (code x block scale; global scale in the epilogue) | {r['nvfp4_decoded']:.3e} | "
           f"{r['nvfp4_decoded_cast']:.3e} | {r['changed_nvfp4_decoded']:.2%} |")
     print(f"| NVFP4, power-of-two block scales | {r['pow2']:.3e} | | |")
-    print(f"| that -> e4m3, power-of-two channel scale | {r['pow2_e4m3']:.3e} | {r['pow2_cast']:.3e} | {r['changed_pow2']:.2%} |")
+    print(f"| that -> e4m3, power-of-two channel scale | {r['pow2_e4m3']:.3e} | {r['pow2_cast']:.3e} | "
+          f"{r['changed_pow2']:.2%} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, **r}, f, indent=1)

@@ -184,7 +184,8 @@ def main(argv=None) -> int:
         results += run_qerl(args)
     device = torch.cuda.get_device_name()
     lines = [f"device: {device}; {datetime.date.today()}; vLLM {vllm.__version__}; {args.prompts} prompts x G "
-             f"{args.group}, prompt {args.prompt}, lengths {args.lengths} (seeds {args.seed}..{args.seed + args.repeats - 1}, "
+             f"{args.group}, prompt {args.prompt}, lengths {args.lengths} "
+             f"(seeds {args.seed}..{args.seed + args.repeats - 1}, "
              "medians); random Qwen2.5 weights",
              "| model | engine | variant | rollout s | kept tok/s | engine start s |", "|---|---|---|---:|---:|---:|"]
     for r in results:

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         "peak_device_used_gb": record.get("device_used_gb"), "reward": rewards, "adapter": str(out / "adapter"),
     }
     (out / "unsloth.json").write_text(json.dumps(result, indent=1))
-    print(f"| Unsloth {unsloth.__version__} ({args.weights}) | {result['median_step_s']:.2f} s ({result['median_over']})"
+    print(f"| Unsloth {unsloth.__version__} ({args.weights}) | {result['median_step_s']:.2f} s "
+          f"({result['median_over']})"
           f" | first step {result['time_to_first_step_s']:.1f} s | peak {result['peak_allocated_gb']:.1f} GB "
           f"allocated, {result['peak_device_used_gb'] or 0:.1f} GB used | reward {rewards[0]:.3f} -> "
           f"{rewards[-1]:.3f} |")

@@ -231,7 +231,8 @@ class StepRunner:
         times.update(tokens=int(kept), decoded_row_steps=int(decoded), prefill_tokens=int(prefill),
                      loss_tokens_computed=int(computed), loss_tokens_needed=int(needed),
                      kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
-                     loss_efficiency=computed / max(needed, 1.0), recomputed_layers=stats.get("recomputed_layers", -1.0),
+                     loss_efficiency=computed / max(needed, 1.0),
+                     recomputed_layers=stats.get("recomputed_layers", -1.0),
                      checkpointable_layers=len(self.recompute.layers))
         if self.recompute.saved is not None:  # auto's probe: bytes a decoder layer keeps per token
             times.update(saved_bytes_plain=self.recompute.saved.plain,
@@ -567,7 +568,8 @@ def table(results, device, args) -> str:
     lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, LoRA r {args.lora_r}, "
              f"micro-batch {args.micro_batch} rows (padded) / "
              f"{args.max_tokens_per_micro_batch or 'by model size (token_budget)'} tokens (packed), "
-             f"KL beta {args.kl_beta}, gradient checkpointing {args.gradient_checkpointing}, GPUs {results[0]['world'] if results else 1}, order {args.order}, "
+             f"KL beta {args.kl_beta}, gradient checkpointing {args.gradient_checkpointing}, "
+             f"GPUs {results[0]['world'] if results else 1}, order {args.order}, "
              f"{args.steps} step(s) per rotation"
              + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
              lengths_line(args),
@@ -592,15 +594,16 @@ def table(results, device, args) -> str:
                      f"{_flops_cells(r)} | {_busy_cell(r)} |")
     lines.append("\nvs old: step time of the same variant in mode " + mode_label(OLD_MODE) + " / this one; vs bf16: "
                  "bf16's in the same mode / this one; kept tok/s: real completion tokens per step second; row-steps / "
-                 "kept: rows the rollout decoded per kept token (1 = none past its end); recomputed layers: decoder layers the "
-                 "backward ran forward again (median over the timed steps); loss tokens computed / "
+                 "kept: rows the rollout decoded per kept token (1 = none past its end); recomputed layers: decoder "
+                 "layers the backward ran forward again (median over the timed steps); loss tokens computed / "
                  "needed: tokens one forward pass of the update runs through the model per token it needs (each "
                  "group's prompt once + the completion tokens); update TFLOP: the update's useful FLOPs (every pass: "
                  "forward and input gradient of the base and LoRA products, attention over the causal pairs and the "
                  "LM head, LoRA's weight gradients; no recomputation; qerl.rl.flops), update TFLOP/s: per GPU per "
                  "second of the update; GPU busy: the share of each phase's wall time the GPU ran kernels, from one "
                  "more step per cell under the profiler (--busy; '-' without it or where the phase did not run)")
-    firsts = [f"{r['variant']} {r.get('mode', '-')} {r['first_step_s']:.1f} s" for r in results if "first_step_s" in r]
+    firsts = [f"{r['variant']} {r.get('mode', '-')} {r.get('prompts', '-')} prompts {r['first_step_s']:.1f} s"
+              for r in results if "first_step_s" in r]
     if firsts:
         lines.append("\nfirst (warm-up) step, kernel compilation and graph capture included: " + ", ".join(firsts))
     if orders:

@@ -23,8 +23,9 @@ the same settings) and runs only the missing ones; a job killed mid-run (the --d
 continues from its last checkpoint (`save_every`) with its held-out "before" score kept, unless --no-resume.
 To redo a job, delete its directory. On a machine with several GPUs the jobs are spread over them (--gpus),
 each job on one GPU. --eval-16bit-base also scores each 4-bit arm's trained adapter on the 16-bit model
-(`pass1_after_16bit` and its strict score `pass1_after_16bit_strict`; a bf16 arm's are its own after-RL scores): the after-RL score split into what the adapter learned
-and what the 4-bit base costs it (docs/results.md, "The gap is in the base").
+(`pass1_after_16bit` and its strict score `pass1_after_16bit_strict`; a bf16 arm's are its own after-RL scores):
+the after-RL score split into what the adapter learned and what the 4-bit base costs it (docs/results.md, "The gap
+is in the base").
 """
 
 import argparse
