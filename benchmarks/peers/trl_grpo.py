@@ -118,6 +118,27 @@ def step_timer(record: dict, started: float = START):
     return StepTimer()
 
 
+def timing_summary(record: dict, log_history: list[dict]) -> dict:
+    """The measured fields of OUT/*.json from `step_timer`'s record and the trainer's log history."""
+    import torch
+
+    steps = record["step_s"]
+    timed = steps[2:] or steps
+    return {"step_s": steps, "median_step_s": statistics.median(timed),
+            "median_over": f"steps {3 if len(steps) > 2 else 1}-{len(steps)}",
+            "time_to_first_step_s": record.get("time_to_first_step_s"),
+            "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+            "peak_device_used_gb": record.get("device_used_gb"),
+            "reward": [log["reward"] for log in log_history if "reward" in log]}
+
+
+def table_row(name: str, r: dict) -> str:
+    """One printed line: median step, time to the first step, peaks, first and last reward."""
+    return (f"| {name} | {r['median_step_s']:.2f} s ({r['median_over']}) | "
+            f"first step {r['time_to_first_step_s']:.1f} s | peak {r['peak_allocated_gb'] or 0:.1f} GB allocated, {r['peak_device_used_gb'] or 0:.1f} GB used | "
+            f"reward {r['reward'][0]:.3f} -> {r['reward'][-1]:.3f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/gsm8k-grpo-1.5b.yaml", help="the qerl config of the job")
@@ -160,8 +181,6 @@ def main(argv=None) -> int:
     trainer.train()
     trainer.save_model(str(out / "adapter"))
 
-    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    timed = record["step_s"][2:] or record["step_s"]
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
                 "torch": torch.__version__}
     if args.generation == "vllm":
@@ -174,20 +193,12 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
         "config": args.config, "overrides": args.set, "model": model, "generation": args.generation,
         "micro_batch": args.micro_batch, "gpu_memory_utilization": args.gpu_memory_utilization,
-        "sleep": args.sleep, "liger": args.liger,
-        "step_s": record["step_s"], "median_step_s": statistics.median(timed),
-        "median_over": f"steps {3 if len(record['step_s']) > 2 else 1}-{len(record['step_s'])}",
-        "time_to_first_step_s": record.get("time_to_first_step_s"),
-        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-        "peak_device_used_gb": record.get("device_used_gb"), "reward": rewards,
+        "sleep": args.sleep, "liger": args.liger, **timing_summary(record, trainer.state.log_history),
         "adapter": str(out / "adapter"),
     }
     (out / "trl.json").write_text(json.dumps(result, indent=1))
-    print(f"| TRL {trl.__version__} ({args.generation}{', liger' if args.liger else ''}"
-          f"{', sleep' if args.sleep else ''}) | {result['median_step_s']:.2f} s ({result['median_over']}) | "
-          f"first step {result['time_to_first_step_s']:.1f} s | peak {result['peak_allocated_gb'] or 0:.1f} GB "
-          f"allocated, {result['peak_device_used_gb'] or 0:.1f} GB used | reward {rewards[0]:.3f} -> "
-          f"{rewards[-1]:.3f} |")
+    options = "".join(f", {o}" for o in ("liger", "sleep") if getattr(args, o))
+    print(table_row(f"TRL {trl.__version__} ({args.generation}{options})", result))
     return 0
 
 

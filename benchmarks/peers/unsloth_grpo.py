@@ -16,7 +16,6 @@ checkpointing ("unsloth") and vLLM sharing the policy's weights (`--gpu-memory-u
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import unsloth  # noqa: E402, F401  (first among the ML imports: it patches tran
 from unsloth import FastLanguageModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trl_grpo import grpo_config, model_directory, problems, step_timer  # noqa: E402
+from trl_grpo import grpo_config, model_directory, problems, step_timer, table_row, timing_summary  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -73,27 +72,17 @@ def main(argv=None) -> int:
     model.save_pretrained(str(out / "adapter"))
     tokenizer.save_pretrained(str(out / "adapter"))
 
-    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    timed = record["step_s"][2:] or record["step_s"]
     result = {
         "peer": "unsloth", "weights": args.weights, "date": str(datetime.date.today()),
         "device": torch.cuda.get_device_name(),
         "versions": {"unsloth": unsloth.__version__, "trl": trl.__version__, "torch": torch.__version__},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
         "config": args.config, "overrides": args.set, "model": model_dir, "micro_batch": args.micro_batch,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "step_s": record["step_s"], "median_step_s": statistics.median(timed),
-        "median_over": f"steps {3 if len(record['step_s']) > 2 else 1}-{len(record['step_s'])}",
-        "time_to_first_step_s": record.get("time_to_first_step_s"),
-        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-        "peak_device_used_gb": record.get("device_used_gb"), "reward": rewards, "adapter": str(out / "adapter"),
+        "gpu_memory_utilization": args.gpu_memory_utilization, **timing_summary(record, trainer.state.log_history),
+        "adapter": str(out / "adapter"),
     }
     (out / "unsloth.json").write_text(json.dumps(result, indent=1))
-    print(f"| Unsloth {unsloth.__version__} ({args.weights}) | {result['median_step_s']:.2f} s "
-          f"({result['median_over']})"
-          f" | first step {result['time_to_first_step_s']:.1f} s | peak {result['peak_allocated_gb']:.1f} GB "
-          f"allocated, {result['peak_device_used_gb'] or 0:.1f} GB used | reward {rewards[0]:.3f} -> "
-          f"{rewards[-1]:.3f} |")
+    print(table_row(f"Unsloth {unsloth.__version__} ({args.weights})", result))
     return 0
 
 
