@@ -139,22 +139,35 @@ def table_row(name: str, r: dict) -> str:
             f"reward {r['reward'][0]:.3f} -> {r['reward'][-1]:.3f} |")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def job_arguments(ap: argparse.ArgumentParser, result: str, memory_share: float) -> None:
+    """The options every peer script takes: the job (a qerl config and overrides), steps, the output directory
+    (`result`: the JSON file written there), the loss micro-batch and vLLM's memory share."""
     ap.add_argument("--config", default="configs/gsm8k-grpo-1.5b.yaml", help="the qerl config of the job")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="qerl config overrides")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", required=True, help="directory for trl.json and the adapter")
+    ap.add_argument("--out", required=True, help=f"directory for {result} and the adapter")
+    ap.add_argument("--micro-batch", type=int, default=16, help="completions per loss forward/backward")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=memory_share,
+                    help=f"vLLM's share of the GPU (default {memory_share}, the peer's own)")
+
+
+def empty_output(out: str) -> Path:
+    """--out as a Path; SystemExit when it holds files (nothing is overwritten)."""
+    path = Path(out)
+    if path.exists() and any(path.iterdir()):
+        raise SystemExit(f"--out {path}: not empty; choose a new directory")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    job_arguments(ap, "trl.json", 0.3)
     ap.add_argument("--generation", choices=("vllm", "transformers"), default="vllm",
                     help="vllm: TRL's colocated vLLM engine; transformers: HF generate (slow; for checks)")
-    ap.add_argument("--micro-batch", type=int, default=16, help="completions per loss forward/backward")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU (TRL: 0.3)")
     ap.add_argument("--sleep", action="store_true", help="vLLM sleep mode: free its memory during the update")
     ap.add_argument("--liger", action="store_true", help="Liger kernels in the model's layers")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"--out {out}: not empty; choose a new directory")
+    out = empty_output(args.out)
 
     import peft
     import torch

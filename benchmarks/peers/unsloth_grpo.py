@@ -26,23 +26,17 @@ import unsloth  # noqa: E402, F401  (first among the ML imports: it patches tran
 from unsloth import FastLanguageModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trl_grpo import grpo_config, model_directory, problems, step_timer, table_row, timing_summary  # noqa: E402
+from trl_grpo import (empty_output, grpo_config, job_arguments, model_directory, problems, step_timer,  # noqa: E402
+                      table_row, timing_summary)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/gsm8k-grpo-1.5b.yaml", help="the qerl config of the job")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="qerl config overrides")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", required=True, help="directory for unsloth.json and the adapter")
+    job_arguments(ap, "unsloth.json", 0.6)  # 0.6: Unsloth's GRPO examples
     ap.add_argument("--weights", choices=("16bit", "4bit", "fp8"), default="16bit",
                     help="the frozen base: bf16 (16-bit LoRA), bitsandbytes 4-bit (QLoRA) or FP8")
-    ap.add_argument("--micro-batch", type=int, default=16, help="completions per loss forward/backward")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="vLLM's share (Unsloth's GRPO default)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"--out {out}: not empty; choose a new directory")
+    out = empty_output(args.out)
 
     import torch
     import trl
