@@ -88,3 +88,26 @@ def test_the_config_keeps_fp8_to_what_is_built():
         load_config(None, ["model.format=fp8", "model.quant_method=gptq"])
     with pytest.raises(ConfigError, match="quantize_embeddings needs a 4-bit"):
         load_config(None, ["model.format=fp8", "model.quantize_embeddings=true"])
+
+
+def test_nvfp4_weights_become_fp8_tensors_within_half_an_e4m3_step():
+    """What a W4A8 product multiplies (`nvfp4_as_fp8`): a valid fp8 tensor set, each value the NVFP4 value rounded
+    once to e4m3 (within 2^-4 relative), zeros kept, and exact where code x block scale fits e4m3's 4 bits."""
+    from qerl.formats.fp8 import nvfp4_as_fp8
+    from qerl.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    g = torch.Generator().manual_seed(4)
+    # rows of every magnitude (the per-row shift absorbs them); within a row, blocks whose scales stay inside
+    # e4m3's normal range (a block 2^-6 below the row's largest would fall into e4m3's subnormals)
+    w = torch.randn(40, 96, generator=g) * torch.logspace(-3, 3, 40)[:, None]
+    w[7, :16] = 0.0  # a zero block
+    t = quantize_nvfp4(w)
+    q = dequantize_nvfp4(**t)
+    f = nvfp4_as_fp8(**t)
+    assert f["weight"].dtype == torch.float8_e4m3fn and f["weight"].shape == (40, 96)
+    assert f["weight_scale"].dtype == torch.float32 and f["weight_scale"].shape == (40, 1)
+    e = FP8.dequantize(**f)
+    assert torch.isfinite(e).all() and torch.equal(e[q == 0], q[q == 0])
+    assert ((e - q).abs() <= 2 ** -4 * q.abs() * (1 + 1e-6)).all()
+    changed = (e - q).abs() > 2 ** -20 * q.abs()
+    assert 0 < changed.float().mean() < 0.5  # some values need the fifth bit, most do not

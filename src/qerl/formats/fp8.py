@@ -12,6 +12,8 @@ and zero codes. Activations are quantized per token when the matmul runs on FP8 
 import torch
 
 from .errors import check_weight
+from .fp4 import decode_e2m1, unpack_fp4
+from .nvfp4 import BLOCK as NVFP4_BLOCK
 
 BLOCK = 1  # one scale per output channel: any K
 TENSOR_NAMES = ("weight", "weight_scale")
@@ -40,3 +42,19 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def nvfp4_as_fp8(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """NVFP4 tensors -> the fp8 format's tensors a W4A8 product multiplies: each E2M1 code times its E4M3 block
+    scale (exact in fp32, up to 5 significant bits) rounded to e4m3 after a per-row power-of-two shift that puts
+    the row's largest value in (224, 448]; the shift over the global scale is the row's fp32 scale. {"weight": float8_e4m3fn [N, K],
+    "weight_scale": fp32 [N, 1]}; benchmarks/w4a8_weights.py measures the rounding (about 4% of NVFP4's own error)."""
+    codes = unpack_fp4(weight_packed)
+    n, k = codes.shape
+    v = (decode_e2m1(codes).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+         * weight_scale.float().unsqueeze(-1)).reshape(n, k)
+    amax = v.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    shift = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # up or down: the row's max lands in (224, 448]
+    return {"weight": (v / shift).to(torch.float8_e4m3fn),
+            "weight_scale": shift / weight_global_scale.float().reshape(1, 1)}
