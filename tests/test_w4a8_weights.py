@@ -30,3 +30,26 @@ def test_the_summary_adds_up():
     assert r["pow2_cast"] == 0 and r["changed_pow2"] == 0 and r["changed_nvfp4"] > 0
     assert 0 < r["nvfp4"] < r["pow2"] < 0.1  # coarser scales cost accuracy
     assert r["nvfp4_e4m3"] > 0 and r["nvfp4_cast"] > 0
+
+
+def test_the_w4a8_emulation_swaps_every_nvfp4_layer_and_restores_them():
+    """benchmarks/w4a8_quality.py on a tiny model: with neither rounding the emulation is the W4A16 model (fp32
+    products of the same weights), each rounding moves the logits, the layers come back afterwards."""
+    from tiny import tiny_model
+
+    from qerl.eval.fidelity import next_token_logprobs
+    from qerl.models import quant_layers, quantize_model
+
+    quality = load_benchmark("w4a8_quality")
+    model = quantize_model(tiny_model("llama"), "nvfp4")
+    ids = torch.randint(3, 150, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = next_token_logprobs(model, ids)
+        layers = dict(quant_layers(model))
+        with quality.w4a8(model, weights=False, activations=False):
+            assert not quant_layers(model)
+            torch.testing.assert_close(next_token_logprobs(model, ids), ref, rtol=0, atol=1e-5)
+        for weights, activations in ((True, False), (False, True), (True, True)):
+            with quality.w4a8(model, weights, activations):
+                assert (next_token_logprobs(model, ids) - ref).abs().max() > 1e-5
+        assert quant_layers(model) == layers
