@@ -1,5 +1,5 @@
 """benchmarks/w4a8_weights.py: NVFP4 with power-of-two block scales converts to e4m3 (per-channel scale) exactly,
-the standard NVFP4 weight does not, and the summary is consistent."""
+the standard NVFP4 weight does not, and the summary is consistent; benchmarks/w4a8_quality.py's emulation."""
 
 import torch
 from bench_scripts import load_benchmark
