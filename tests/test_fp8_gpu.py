@@ -62,3 +62,20 @@ def test_a_fp8_layer_trains_on_cuda():
     y.float().square().mean().backward()
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     assert torch.isfinite(x.grad).all() and layer.lora_A.weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp8_compute_on_tensor_cores_equals_its_emulation(fmt):
+    """model.compute fp8 (W4A8): the tensor-core product against the fp32 emulation of the same roundings."""
+    _fp8_capable()
+    from qerl.formats.fp8 import as_fp8
+    from qerl.kernels.route import kernel_policy
+
+    linear = torch.nn.Linear(1024, 512, bias=False, device="cuda")
+    layer = QuantLinear.from_linear(linear, fmt, None).cuda()
+    x = torch.randn(96, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), kernel_policy(compute="fp8"):
+        y = layer(x)
+    ref = fp8_linear_reference(x, **as_fp8(fmt, layer.quantized_tensors()))
+    err = (y.double() - ref).abs()
+    assert y.dtype == torch.bfloat16 and (err <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all()

@@ -14,6 +14,8 @@ FORMAT_NAMES = ("nvfp4", "mxfp4", "nf4", "fp8", "bf16")
 METHODS = ("rtn", "4over6", "gptq", "awq")
 # model.dense_weights: where 16-bit copies of the 4-bit weights are used
 DENSE_WEIGHTS = ("off", "update", "all")
+# model.compute: the products of 4-bit weights (`qerl.kernels.dispatch`)
+COMPUTE = ("bf16", "fp8")
 # aqn.decay: how AQN's sigma falls over the stages (`qerl.rl.aqn`)
 DECAYS = ("exponential", "linear", "cosine", "logarithmic")
 # algo.name: the RL objectives (`qerl.rl.losses`)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from .choices import (ALGOS, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, GRADIENT_CHECKPOINTING, LORA_INITS, METHODS,
+from .choices import (ALGOS, COMPUTE, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, GRADIENT_CHECKPOINTING, LORA_INITS, METHODS,
                       OLD_LOGPROBS, SCHEDULERS, SCHEDULES, check_keep_bf16)
 from .lora_config import DEFAULT_TARGETS, LoraConfig
 
@@ -75,6 +75,10 @@ class ModelSection:
                 "where the 4-bit kernels lose (small models' updates; NF4, which has no fused kernel); the 4-bit "
                 "weights stay what the policy is (the copy is their exact dequantization) and what is saved. "
                 "MoE experts keep their kernels."})
+    compute: str = field(default="bf16", metadata={
+        "help": "products of the nvfp4 / mxfp4 weights: bf16 (16-bit activations) or fp8 (W4A8: weights decoded to "
+                "e4m3, activations rounded to e4m3 per token; FP8 tensor cores on sm_89+, the same numerics emulated "
+                "in fp32 elsewhere; rollouts and loss pass alike, input gradients 16-bit; docs/formats.md)"})
     # where it runs
     dtype: str = field(default="auto", metadata={
         "help": "activations and unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)"})
@@ -297,6 +301,7 @@ _CHOICES = {
     "model.format": FORMAT_NAMES,
     "model.quant_method": METHODS,
     "model.dense_weights": DENSE_WEIGHTS,
+    "model.compute": COMPUTE,
     "lora.init": LORA_INITS,
     "aqn.decay": DECAYS,
     "rollout.scheduler": SCHEDULERS,
@@ -363,6 +368,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"model.keep_bf16: {e}") from None
     if cfg.model.keep_bf16 and cfg.model.format == "bf16":
         raise ConfigError("model.keep_bf16 only makes sense with a 4-bit model.format")
+    if cfg.model.compute == "fp8" and cfg.model.format not in ("nvfp4", "mxfp4"):
+        raise ConfigError(f"model.compute fp8 takes nvfp4 or mxfp4 weights (W4A8), not model.format "
+                          f"{cfg.model.format}; for FP8 weights use model.format fp8")
+    if cfg.model.compute == "fp8" and cfg.model.dense_weights != "off":
+        raise ConfigError("model.compute fp8 multiplies the 4-bit weights decoded to e4m3: model.dense_weights "
+                          "(16-bit copies) must be off")
     if cfg.model.format == "fp8" and cfg.model.quant_method != "rtn":
         raise ConfigError(f"model.format fp8: model.quant_method {cfg.model.quant_method} is not built for it; use rtn")
     if cfg.model.format in ("fp8", "bf16") and cfg.model.quantize_embeddings:

@@ -54,7 +54,32 @@ def nvfp4_as_fp8(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     n, k = codes.shape
     v = (decode_e2m1(codes).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
          * weight_scale.float().unsqueeze(-1)).reshape(n, k)
+    codes, shift = _rows_to_e4m3(v)
+    return {"weight": codes, "weight_scale": shift / weight_global_scale.float().reshape(1, 1)}
+
+
+def _rows_to_e4m3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [N, K] fp32 -> (e4m3 codes of v / shift, shift [N, 1]): a per-row power-of-two shift putting the row's
+    largest value in (224, 448], so a value of at most 4 significant bits within e4m3's range converts exactly."""
     amax = v.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    shift = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # up or down: the row's max lands in (224, 448]
-    return {"weight": (v / shift).to(torch.float8_e4m3fn),
-            "weight_scale": shift / weight_global_scale.float().reshape(1, 1)}
+    shift = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    return (v / shift).to(torch.float8_e4m3fn), shift
+
+
+def mxfp4_as_fp8(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """MXFP4 tensors -> fp8 tensors: an E2M1 code times a power-of-two (E8M0) scale converts to e4m3 exactly while
+    the row's scales span e4m3's range (a block more than 2^17 below the row's largest falls into its
+    subnormals). {"weight": float8_e4m3fn [N, K], "weight_scale": fp32 [N, 1]}."""
+    from .mxfp4 import dequantize_mxfp4
+
+    codes, shift = _rows_to_e4m3(dequantize_mxfp4(weight_packed, weight_scale))
+    return {"weight": codes, "weight_scale": shift}
+
+
+def as_fp8(fmt: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A 4-bit format's tensors as the fp8 tensors a W4A8 product multiplies (`nvfp4_as_fp8`, `mxfp4_as_fp8`)."""
+    if fmt == "nvfp4":
+        return nvfp4_as_fp8(**tensors)
+    if fmt == "mxfp4":
+        return mxfp4_as_fp8(**tensors)
+    raise ValueError(f"FP8 compute takes nvfp4 or mxfp4 weights, not {fmt}")

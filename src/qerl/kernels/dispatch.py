@@ -4,8 +4,10 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import get_format
+from ..formats.fp8 import as_fp8
 from .dequant_cache import cached_dense_weight
 from .fp8_matmul import fp8_linear
+from .route import current_policy
 from .bf16_matmul import bf16_linear
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
@@ -27,6 +29,8 @@ def quantized_linear(
 ) -> torch.Tensor:
     """x [..., K] -> x @ W^T + bias (+ h @ b^T for lora = (h [..., R], b [N, R])), [..., N] in x.dtype;
     W given as the format's tensors. The LoRA term rides in the NVFP4 / bf16 decode kernels where they apply."""
+    if fmt in ("nvfp4", "mxfp4") and current_policy().compute == "fp8":  # W4A8, the same on every device
+        return add_lora(fp8_linear(x, **as_fp8(fmt, tensors), bias=bias, emulate=True), lora)
     dense = cached_dense_weight(fmt, tensors, x.dtype)
     if dense is not None:
         return add_lora(F.linear(x, dense, None if bias is None else bias.to(x.dtype)), lora)

@@ -1,4 +1,5 @@
-"""FP8 weights (`qerl.formats.fp8`) times 16-bit activations.
+"""FP8 weights (`qerl.formats.fp8`, or 4-bit weights decoded to them: `model.compute: fp8`) times 16-bit
+activations.
 
 On FP8 tensor cores (CUDA compute capability 8.9 and newer, bf16 activations, K and N multiples of 16) the
 activations are quantized per token to e4m3 with an fp32 scale each (`quantize_rows_fp8`) and the product runs in
@@ -27,13 +28,28 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> x @ W^T (+ bias), [..., N] in x.dtype; weight float8_e4m3fn [N, K], weight_scale fp32 [N, 1]."""
+               bias: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
+    """x [..., K] -> x @ W^T (+ bias), [..., N] in x.dtype; weight float8_e4m3fn [N, K], weight_scale fp32 [N, 1].
+    Where FP8 tensor cores cannot run it: the dequantized weight times x (W8A16), or with `emulate` the W8A8
+    numerics in fp32 (x rounded per token as on the tensor cores, fp32 products: model.compute fp8's reference)."""
     bias = None if bias is None else bias.to(x.dtype)
     if not fp8_tensor_cores(x, weight):
+        if emulate:
+            q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+            y = F.linear((q.float() * s).reshape(x.shape), dequantize_fp8(weight, weight_scale))
+            return (y.to(x.dtype) if bias is None else (y + bias.float()).to(x.dtype))
         return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype), bias)
     q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
     y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.float().reshape(1, -1),
                          out_dtype=x.dtype)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
+
+
+def check_compute(compute: str, device: torch.device) -> None:
+    """ValueError for model.compute fp8 on a GPU without FP8 tensor cores (compute capability below 8.9); the CPU
+    runs the same numerics emulated (the reference path)."""
+    if compute == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"model.compute fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}; use model.compute bf16")

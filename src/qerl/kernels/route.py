@@ -143,6 +143,9 @@ class KernelPolicy:
     # widest LoRA rank sum the Gluon kernels' epilogue takes (its B tile [BN, R] lives in registers)
     lora_in_kernel_max_r: int = _TUNED["lora_in_kernel_max_r"]
     disabled: frozenset[str] = frozenset()  # backends `route` must not return (tests, benchmarks, debugging)
+    # model.compute: "fp8" multiplies NVFP4 / MXFP4 weights decoded to e4m3 with activations rounded to e4m3 per
+    # token (W4A8; `qerl.kernels.dispatch`); "bf16" keeps the 16-bit products
+    compute: str = "bf16"
 
 
 _POLICY: ContextVar[KernelPolicy] = ContextVar("qerl_kernel_policy", default=KernelPolicy())

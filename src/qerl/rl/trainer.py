@@ -24,7 +24,8 @@ from rich.console import Console
 from ..config import TrainConfig, save_config, to_dict
 from ..data import DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
 from ..data.templates import resolve_suffix
-from ..kernels.route import current_policy
+from ..kernels.fp8_matmul import check_compute
+from ..kernels.route import current_policy, kernel_policy
 from ..kernels.dequant_cache import dense_weight_bytes
 from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.atomic import check_output_dir
@@ -144,8 +145,13 @@ class Trainer:
         if cfg.moe.aux_loss_coef > 0 and not cfg.moe.train_router:
             self.console.print("[yellow]moe.aux_loss_coef > 0 with a frozen router: the load-balancing loss reaches "
                                "only the LoRA weights below the routers (moe.train_router: true trains the routers)")
-        if cfg.optim.grad_input_no_temporary:
-            set_routing_policy(self.model, dataclasses.replace(current_policy(), grad_input_no_temporary=True))
+        # the kernel routing of this run: the loss pass's layers hold it (`set_routing_policy`), the rollouts run in it
+        self.routing = None
+        if cfg.optim.grad_input_no_temporary or cfg.model.compute != "bf16":
+            check_compute(cfg.model.compute, self.device)
+            self.routing = dataclasses.replace(current_policy(), compute=cfg.model.compute,
+                                               grad_input_no_temporary=cfg.optim.grad_input_no_temporary)
+            set_routing_policy(self.model, self.routing)
         # model.dense_weights: one store of 16-bit weight copies, shared by the loss pass and (all) the rollouts
         self.dense_store = None if cfg.model.dense_weights == "off" else {}
         self.engine = RolloutEngine(self.model, self.tokenizer,
@@ -205,11 +211,12 @@ class Trainer:
         cfg = self.cfg
         sigma = self.aqn.sigma(self.step, cfg.steps) * (self.controller.multiplier if self.controller else 1.0)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        result = rl_step(lambda: collect_experience(self.engine, self._my_problems, self.encode, self.rewards,
-                                                    self.collect_settings, sigma=sigma, generator=self.generator),
-                         model=self.model, engine=self.engine, memory=self.engine_memory, optimizer=self.optimizer,
-                         params=self.params, settings=self.update_settings, dist_ctx=self.dist,
-                         dense_store=self.dense_store, scheduler=self.scheduler, recompute=self.recompute)
+        with contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing):  # rollouts' kernels
+            result = rl_step(lambda: collect_experience(self.engine, self._my_problems, self.encode, self.rewards,
+                                                        self.collect_settings, sigma=sigma, generator=self.generator),
+                             model=self.model, engine=self.engine, memory=self.engine_memory, optimizer=self.optimizer,
+                             params=self.params, settings=self.update_settings, dist_ctx=self.dist,
+                             dense_store=self.dense_store, scheduler=self.scheduler, recompute=self.recompute)
         exp, times = result.experience, result.times
         gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=exp.completion_mask.device)
         metrics = {
