@@ -119,6 +119,17 @@ def test_one_step_runs_every_phase_and_moves_the_adapter(apis):
     assert runner.engine.cache is None  # freed for the backward
 
 
+def test_a_w4a8_step_runs_rollout_and_update_on_fp8_compute(apis):
+    """+w4a8 (model.compute fp8): the layers hold the routing (the step also runs inside it, for the rollout; that the
+    engine then samples the loss pass's policy is tests/test_fp8_compute.py's)."""
+    model = build_random_policy(Qwen2Config(**TINY), "nvfp4", lora_r=4, device=torch.device("cpu"))
+    runner = StepRunner(model, _args(), DistContext(), sigma=0.0, compute="fp8")
+    assert runner.routing.compute == "fp8"
+    assert all(m.routing_policy is runner.routing for m in model.modules() if hasattr(m, "routing_policy"))
+    t = runner.step(prompts=2, completion=6)
+    assert t["tokens"] == 2 * 2 * 6 and t["update_flops"] > 0
+
+
 @pytest.mark.parametrize("dense", ["update", "all"])
 def test_a_step_with_dense_weight_copies_keeps_them_and_counts_them_resident(apis, dense):
     model = build_random_policy(Qwen2Config(**TINY), "nvfp4", lora_r=4, device=torch.device("cpu"))
@@ -212,11 +223,12 @@ def test_table_gives_the_update_flops_and_the_busy_shares():
 
 
 def test_bad_variant_or_size_is_refused():
-    for bad in ("fp6", "nvfp4+dense+denseall", "bf16+dense", "nvfp4+aqn+aqn", "nvfp4+fast"):
+    for bad in ("fp6", "nvfp4+dense+denseall", "bf16+dense", "nvfp4+aqn+aqn", "nvfp4+fast", "nf4+w4a8",
+                "bf16+w4a8", "nvfp4+dense+w4a8"):
         with pytest.raises(SystemExit):
             parse_args(["--variants", bad])
-    _, args = parse_args(["--variants", "nvfp4+aqn+dense,nf4+denseall"])
-    assert args.variants == ["nvfp4+aqn+dense", "nf4+denseall"]
+    _, args = parse_args(["--variants", "nvfp4+aqn+dense,nf4+denseall,mxfp4+aqn+w4a8,fp8"])
+    assert args.variants == ["nvfp4+aqn+dense", "nf4+denseall", "mxfp4+aqn+w4a8", "fp8"]
     with pytest.raises(ValueError, match="unknown model size"):
         parse_args(["--models", "9b"])
 

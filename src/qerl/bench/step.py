@@ -49,6 +49,7 @@ gradient of a fixed batch equals the single-process gradient of the whole batch.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -109,7 +110,7 @@ def build_random_policy(config, fmt: str, lora_r: int, device: torch.device, see
 class StepRunner:
     """One model + engine + optimizer; `step()` runs one timed RL step on this rank's share of prompts."""
 
-    def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off"):
+    def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off", compute: str = "bf16"):
         from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
         from ..rl.recompute import RecomputePlan
@@ -125,6 +126,16 @@ class StepRunner:
         self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
                                                 dist_ctx.world > 1)
         self.release_always = EngineMemoryPolicy(True, model.device)  # the old mode: free after every rollout
+        # model.compute, as the trainer sets it: the loss pass's layers hold the routing, the step runs in it
+        self.routing = None
+        if compute != "bf16":
+            from ..kernels.fp8_matmul import check_compute
+            from ..kernels.route import current_policy
+            from ..nn.quant_linear import set_routing_policy
+
+            check_compute(compute, model.device)
+            self.routing = dataclasses.replace(current_policy(), compute=compute)
+            set_routing_policy(model, self.routing)
         # optim.gradient_checkpointing; auto plans against the engine memory policy of the new modes
         self.recompute = RecomputePlan(model, CHECKPOINTING_SETTINGS[args.gradient_checkpointing], self.engine_memory)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -213,12 +224,15 @@ class StepRunner:
         # the old mode frees the engine's memory after every rollout, as qerl train did; the others follow
         # --release-kv-cache as qerl train follows rollout.release_kv_cache (after an old-mode cell the graphs are
         # gone anyway)
-        step = rl_step(collect, model=self.model, engine=self.engine,
-                       memory=self.release_always if mode == OLD_MODE else self.engine_memory,
-                       optimizer=self.optimizer, params=self.params,
-                       settings=dataclasses.replace(self.settings, packing=packing), dist_ctx=self.dist,
-                       dense_store=self.dense_store, synchronize=True, times=times,
-                       run_update=profiled if profile_update else None, phase=phases, recompute=self.recompute)
+        from ..kernels.route import kernel_policy
+
+        with contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing):
+            step = rl_step(collect, model=self.model, engine=self.engine,
+                           memory=self.release_always if mode == OLD_MODE else self.engine_memory,
+                           optimizer=self.optimizer, params=self.params,
+                           settings=dataclasses.replace(self.settings, packing=packing), dist_ctx=self.dist,
+                           dense_store=self.dense_store, synchronize=True, times=times,
+                           run_update=profiled if profile_update else None, phase=phases, recompute=self.recompute)
         if step.non_finite is not None:
             raise step.non_finite
         exp, stats = step.experience, step.update
@@ -292,15 +306,18 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
 DENSE_FLAGS = {"dense": "update", "denseall": "all"}  # variant flag -> model.dense_weights
 
 
-def _variant(v: str) -> tuple[str, bool, str]:
-    """FORMAT[+aqn][+dense|+denseall] -> (format, AQN on, model.dense_weights)."""
+def _variant(v: str) -> tuple[str, bool, str, str]:
+    """FORMAT[+aqn][+dense|+denseall][+w4a8] -> (format, AQN on, model.dense_weights, model.compute)."""
     fmt, *flags = v.split("+")
     dense = [DENSE_FLAGS[f] for f in flags if f in DENSE_FLAGS]
-    if (fmt not in FORMATS or any(f not in ("aqn", *DENSE_FLAGS) for f in flags) or len(set(flags)) != len(flags)
-            or len(dense) > 1 or (dense and fmt == "bf16")):
-        raise ValueError(f"unknown variant {v!r}: FORMAT[+aqn][+dense|+denseall], FORMAT in {', '.join(FORMATS)} "
-                         "(+dense: 16-bit weight copies for the loss pass, +denseall: also for rollouts; 4-bit only)")
-    return fmt, "aqn" in flags, dense[0] if dense else "off"
+    w4a8 = "w4a8" in flags
+    if (fmt not in FORMATS or any(f not in ("aqn", "w4a8", *DENSE_FLAGS) for f in flags)
+            or len(set(flags)) != len(flags) or len(dense) > 1 or (dense and fmt == "bf16")
+            or (w4a8 and (fmt not in ("nvfp4", "mxfp4") or dense))):
+        raise ValueError(f"unknown variant {v!r}: FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in "
+                         f"{', '.join(FORMATS)} (+dense: 16-bit weight copies for the loss pass, +denseall: also for "
+                         "rollouts, 4-bit only; +w4a8: model.compute fp8, nvfp4 / mxfp4 without dense copies)")
+    return fmt, "aqn" in flags, dense[0] if dense else "off", "fp8" if w4a8 else "bf16"
 
 
 def free_gpu():
@@ -315,7 +332,7 @@ def _median(values):
 
 def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
-    fmt, aqn, dense = _variant(variant)
+    fmt, aqn, dense, compute = _variant(variant)
     cell = dict(model=size, variant=variant, world=dist_ctx.world)
     try:
         t = time.perf_counter()
@@ -328,7 +345,8 @@ def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dic
                     m.grouped_kernel = False
         cell["build_s"] = time.perf_counter() - t
         cell["weights_gb"] = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()]) / 1e9
-        return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0, dense_weights=dense)
+        return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0, dense_weights=dense,
+                                compute=compute)
     except torch.OutOfMemoryError:
         hint = " (try --order sequential)" if args.order == "interleaved" and len(args.variants) > 1 else ""
         cell["error"] = "OOM (model)" + hint
@@ -663,8 +681,8 @@ def parse_args(argv=None):
                     help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (4-bit MoE experts run as frozen "
                          "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, eager)")
     ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn",
-                    help="FORMAT[+aqn][+dense|+denseall], FORMAT in bf16,nf4,nvfp4,mxfp4 "
-                         "(+dense: model.dense_weights=update, +denseall: =all)")
+                    help="FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in bf16,nf4,nvfp4,mxfp4,fp8 "
+                         "(+dense: model.dense_weights=update, +denseall: =all; +w4a8: model.compute=fp8)")
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--prompt", type=int, default=256)
