@@ -99,3 +99,17 @@ def test_a_run_trains_with_fp8_compute(tiny_dir, data_file, tmp_path):  # noqa: 
     out = tmp_path / "run"
     assert main(["train", *_overrides(tiny_dir, data_file, out, **{"model.compute": "fp8", "steps": 1})]) == 0
     assert len(read_metrics(out / "metrics.jsonl")) == 1
+
+
+def test_eval_scores_with_fp8_compute_and_refuses_other_formats(tiny_dir, data_file, capsys):  # noqa: F811
+    import json
+
+    from qerl.cli import main
+
+    common = ["eval", str(tiny_dir), "--dataset", str(data_file), "--limit", "3", "--max-new-tokens", "4", "--greedy",
+              "--suffix", "none", "--device", "cpu"]
+    assert main([*common, "--format", "nvfp4", "--compute", "fp8"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["n_problems"] == 3 and 0 <= summary["pass@1"] <= 1
+    assert main([*common, "--format", "nf4", "--compute", "fp8"]) == 2
+    assert "--compute fp8 multiplies nvfp4 or mxfp4" in capsys.readouterr().err

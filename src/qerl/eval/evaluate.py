@@ -20,6 +20,8 @@ from ..argtypes import (checked_by, non_negative_float, non_negative_int, positi
                         unit_interval)
 from ..data.templates import GSM8K_SUFFIX, build_prompt, encode_prompt, requested_style, resolve_suffix
 from ..formats import FORMATS
+from ..kernels.fp8_matmul import check_compute
+from ..kernels.route import kernel_policy
 from ..models.loader import ModelSpec, load_policy
 from ..rewards.math import MathReward, math_reward
 from ..rewards.scores import score_all
@@ -147,6 +149,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--dense-weights", action="store_true",
                         help="decode from 16-bit copies of the 4-bit weights (+2 bytes per weight; NF4 has no fused "
                              "kernel and is several times faster so)")
+    parser.add_argument("--compute", choices=("bf16", "fp8"), default="bf16",
+                        help="products of nvfp4 / mxfp4 weights: fp8 decodes them to e4m3 and rounds the activations "
+                             "per token (W4A8), as a policy trained with model.compute fp8 ran (docs/formats.md)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write per-problem results here (JSONL, one problem a line; checked before "
                                       "the model loads, written atomically)")
@@ -154,6 +159,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="replace --out if it exists and is a results file qerl eval wrote")
     parser.add_argument("--trust-remote-code", action="store_true")
     return parser
+
+
+def compute_arg(args) -> None:
+    """ValueError when --compute fp8 cannot apply: another --format, 16-bit copies, a GPU without FP8 tensor cores.
+    (It acts on the model's nvfp4 / mxfp4 layers: a 16-bit model without --format has none.)"""
+    if args.compute == "bf16":
+        return
+    if args.format not in (None, "nvfp4", "mxfp4"):  # None: a quantized directory as stored
+        raise ValueError(f"--compute fp8 multiplies nvfp4 or mxfp4 weights (W4A8), not --format {args.format}")
+    if args.dense_weights:
+        raise ValueError("--compute fp8 decodes the 4-bit weights to e4m3: not with --dense-weights")
+    if args.device != "cpu" and torch.cuda.is_available():
+        check_compute(args.compute, torch.device(args.device or "cuda"))
 
 
 def keep_bf16_arg(args) -> list[str]:
@@ -224,6 +242,7 @@ def run_eval(args) -> int:
     console = Console(stderr=True)
     # everything that can be refused is refused before the dataset and the model load
     keep_bf16_arg(args)
+    compute_arg(args)
     out = check_output_file(args.out, args.overwrite, recognise=is_eval_output) if args.out else None
     mismatch = adapter_base_mismatch(args.adapter, args.model) if args.adapter else None
     if mismatch:
@@ -239,9 +258,10 @@ def run_eval(args) -> int:
                   f"{args.dataset}")
     sampling = SamplingParams(0.0) if args.greedy else SamplingParams(args.temperature, args.top_k, args.top_p)
     t0 = time.perf_counter()
-    result = evaluate(model, tokenizer, rows, n_samples=args.n, sampling=sampling,
-                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, suffix=args.suffix,
-                      seed=args.seed, system=args.system, dense_weights=args.dense_weights)
+    with kernel_policy(compute=args.compute):
+        result = evaluate(model, tokenizer, rows, n_samples=args.n, sampling=sampling,
+                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, suffix=args.suffix,
+                          seed=args.seed, system=args.system, dense_weights=args.dense_weights)
     seconds = time.perf_counter() - t0
     if out is not None:
         with atomic_file(out) as f:
