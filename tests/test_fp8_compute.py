@@ -44,6 +44,25 @@ def test_the_w4a8_product_is_the_fp32_product_of_the_rounded_operands(fmt):
         torch.testing.assert_close(w, layer.dequantized_weight(), rtol=0, atol=0)
 
 
+def test_a_dequantization_scope_decodes_each_w4a8_weight_once():
+    """Inside a scope (the CPU's rollouts and loss passes) the W4A8 weight is decoded once and reused, with the
+    same result as decoding it per call."""
+    from qerl.kernels.dequant_cache import dequantized_weights
+    from qerl.kernels.fp8_matmul import w4a8_weight
+
+    layer, x = _layer("nvfp4")
+    with torch.no_grad(), kernel_policy(compute="fp8"):
+        per_call = layer(x)
+        store = {}
+        with dequantized_weights(store=store):
+            cached = [layer(x), layer(x)]
+    (key, (_, dense)), = store.items()
+    assert key[-1] == "w4a8_weight"
+    torch.testing.assert_close(dense, w4a8_weight("nvfp4", layer.quantized_tensors(), torch.float32), rtol=0, atol=0)
+    for y in cached:
+        torch.testing.assert_close(y, per_call, rtol=0, atol=0)
+
+
 def test_the_input_gradient_stays_16_bit_and_the_layer_keeps_its_routing():
     layer, x = _layer("nvfp4")
     x16, x8 = x.clone().requires_grad_(), x.clone().requires_grad_()

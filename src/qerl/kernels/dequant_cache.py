@@ -18,6 +18,7 @@ an error; the engine's capture warm-ups (eager) make every copy first.
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,15 +53,17 @@ def dense_weight_bytes(store: dict) -> int:
     return sum(w.numel() * w.element_size() for _, w in store.values())
 
 
-def cached_dense_weight(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+def cached_dense_weight(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                        decode: Callable[[str, dict, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor | None:
     """The dense W [N, K] in dtype from the active scope (made on first use), or None outside a scope and for
-    CUDA tensors in a scope without a store."""
+    CUDA tensors in a scope without a store. decode(fmt, tensors, dtype): another dense form of the weight to
+    cache instead of its exact dequantization (e.g. the W4A8 weight, `qerl.kernels.fp8_matmul.w4a8_weight`)."""
     scope = _ACTIVE.get()
     first = next(iter(tensors.values()))
     if scope is None or (first.is_cuda and not scope.cuda):
         return None
     # shape too: a fused sibling group starts where its first member does
-    key = (first.data_ptr(), tuple(first.shape), fmt, dtype)
+    key = (first.data_ptr(), tuple(first.shape), fmt, dtype, None if decode is None else decode.__name__)
     entry = scope.cache.get(key)
     if entry is None:
         if first.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -68,5 +71,6 @@ def cached_dense_weight(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch
                                "belong to the graph); run the step eagerly once first")
         # the entry holds the 4-bit tensor too: its memory cannot be freed and reused by another weight, so an
         # address seen again is the same weight, also in a store kept for a whole run
-        entry = scope.cache[key] = (first, get_format(fmt).dequantize(**tensors, dtype=dtype))
+        dense = get_format(fmt).dequantize(**tensors, dtype=dtype) if decode is None else decode(fmt, tensors, dtype)
+        entry = scope.cache[key] = (first, dense)
     return entry[1]

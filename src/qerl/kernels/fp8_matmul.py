@@ -11,7 +11,7 @@ reference path. The input gradient is always the dequantized weight's (`qerl.ker
 import torch
 import torch.nn.functional as F
 
-from ..formats.fp8 import dequantize_fp8, quantize_rows_fp8
+from ..formats.fp8 import as_fp8, dequantize_fp8, quantize_rows_fp8
 
 
 def fp8_tensor_cores(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -27,18 +27,29 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def emulated_w8a8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 numerics in fp32: x [..., K] rounded per token to e4m3, times the (already e4m3-valued) weight
+    [N, K] fp32, plus bias; [..., N] in x.dtype."""
+    q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+    y = F.linear((q.float() * s).reshape(x.shape), weight, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def w4a8_weight(fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A 4-bit weight as W4A8 multiplies it (`as_fp8`), dense [N, K] in dtype: what the emulation caches."""
+    return dequantize_fp8(**as_fp8(fmt, tensors), dtype=dtype)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, emulate: bool = False) -> torch.Tensor:
     """x [..., K] -> x @ W^T (+ bias), [..., N] in x.dtype; weight float8_e4m3fn [N, K], weight_scale fp32 [N, 1].
     Where FP8 tensor cores cannot run it: the dequantized weight times x (W8A16), or with `emulate` the W8A8
     numerics in fp32 (x rounded per token as on the tensor cores, fp32 products: model.compute fp8's reference)."""
-    bias = None if bias is None else bias.to(x.dtype)
     if not fp8_tensor_cores(x, weight):
         if emulate:
-            q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
-            y = F.linear((q.float() * s).reshape(x.shape), dequantize_fp8(weight, weight_scale))
-            return (y.to(x.dtype) if bias is None else (y + bias.float()).to(x.dtype))
-        return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype), bias)
+            return emulated_w8a8(x, dequantize_fp8(weight, weight_scale), bias)
+        return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype), None if bias is None else bias.to(x.dtype))
+    bias = None if bias is None else bias.to(x.dtype)
     q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
     y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.float().reshape(1, -1),
                          out_dtype=x.dtype)
