@@ -237,7 +237,9 @@ def _take_layer_tensors(state: dict, name: str, fmt: str) -> dict[str, torch.Ten
         state.pop(f"{name}.weight.quant_map", None)
         n, k = meta["shape"]
         return {"weight_packed": packed.reshape(n, k // 2), "weight_absmax": absmax.float()}
-    if f"{name}.{'weight_scale' if fmt == 'fp8' else 'weight_packed'}" not in state:  # else a layer kept 16-bit
+    # a tensor only the quantized form has (a layer kept 16-bit has `weight` alone): weight_packed, fp8's weight_scale
+    marker = next(t for t in get_format(fmt).tensor_names if t != "weight")
+    if f"{name}.{marker}" not in state:
         return None
     tensors = {t: state.pop(f"{name}.{t}") for t in get_format(fmt).tensor_names if f"{name}.{t}" in state}
     missing = set(get_format(fmt).tensor_names) - set(tensors)
