@@ -9,15 +9,13 @@ import json
 import pytest
 import torch
 
-from qerl.models import (add_lora, load_adapter, lora_parameters, memory_report, quant_layers, quantize_model,
-                         save_adapter)
+from qerl.models import add_lora, load_adapter, lora_parameters, memory_report, quantize_model, save_adapter
 from qerl.models.adapter import peft_expert_tensor, peft_name
-from qerl.models.experts import dequantize_experts_into
 from qerl.nn import LoraConfig
 from qerl.nn.quant_base import lora_disabled
 from qerl.nn.quant_experts import QuantExperts, grouped_mm_works, lora_rows_grouped_mm, lora_rows_loop
 
-from tiny_moe import tiny_moe
+from tiny_moe import fill_dense_twin, tiny_moe
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
@@ -219,11 +217,7 @@ def test_logits_and_gradients_equal_peft_through_the_saved_adapter(arch, tmp_pat
     dense = tiny_moe(arch, experts_implementation="eager")
     reference = copy.deepcopy(dense)
     model = _randomize(quantize_model(dense, "nvfp4", lora=LORA))
-    with torch.no_grad():
-        for name, layer in quant_layers(model).items():
-            reference.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.float32))
-        for layer_r, layer_q in zip(reference.model.layers, model.model.layers):
-            dequantize_experts_into(layer_r.mlp.experts, layer_q.mlp.experts)
+    fill_dense_twin(reference, model)
     adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny")
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     assert sorted(cfg["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]

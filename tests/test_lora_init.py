@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import PeftModel
 from tiny import tiny_model
-from tiny_moe import tiny_moe
+from tiny_moe import fill_dense_twin, tiny_moe
 
 from qerl.config import ConfigError, TrainConfig, validate
 from qerl.models import dequantize_model, quant_experts, quant_layers, quantize_model, save_adapter
@@ -259,16 +259,10 @@ def test_eora_keeps_the_base_of_its_method(method):
 def test_loftq_expert_adapter_reloads_through_peft_with_equal_logits(tmp_path):
     import copy
 
-    from qerl.models.experts import dequantize_experts_into
-
     dense = tiny_moe("qwen3_moe", experts_implementation="eager")
     reference = copy.deepcopy(dense)
     model = quantize_model(dense, "nvfp4", LoraConfig(r=4, alpha=8, experts=True, init="loftq"))
-    with torch.no_grad():
-        for name, layer in quant_layers(model).items():
-            reference.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.float32))
-        for layer_r, layer_q in zip(reference.model.layers, model.model.layers):
-            dequantize_experts_into(layer_r.mlp.experts, layer_q.mlp.experts)
+    fill_dense_twin(reference, model)
     adapter = save_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny")
     peft_model = PeftModel.from_pretrained(reference, adapter).eval()
     ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(5))

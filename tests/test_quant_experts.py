@@ -363,6 +363,7 @@ def test_lora_gradients_equal_peft_on_the_dequantized_base(ids):
     gradients of real peft's LoRA on a dense model holding the dequantized base (linears and experts)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
+    from tiny_moe import fill_dense_twin
 
     model = _model()
     reference = copy.deepcopy(model)
@@ -370,10 +371,7 @@ def test_lora_gradients_equal_peft_on_the_dequantized_base(ids):
     with torch.no_grad():
         for p in lora_parameters(model).values():  # B is zero at init: make both factors matter
             p.normal_(0, 0.1)
-        for name, layer in quant_layers(model).items():
-            reference.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.float32))
-        for layer_r, layer_q in zip(reference.model.layers, model.model.layers):
-            dequantize_experts_into(layer_r.mlp.experts, layer_q.mlp.experts)
+    fill_dense_twin(reference, model)
     peft_model = get_peft_model(reference, PeftLoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                           target_modules=list(ATTENTION)))
     ours = lora_parameters(model)

@@ -28,3 +28,17 @@ def tiny_moe(arch: str, dtype=torch.float32, seed: int = 0, **overrides):
             elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0, 0.5)
     return model.eval()
+
+
+@torch.no_grad()
+def fill_dense_twin(reference, quantized):
+    """Give `reference` (a dense copy of the model before quantization) the base `quantized` computes with: every
+    QuantLinear's dequantized weight and every layer's dequantized experts; returns reference."""
+    from qerl.models import quant_layers
+    from qerl.models.experts import dequantize_experts_into
+
+    for name, layer in quant_layers(quantized).items():
+        reference.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.float32))
+    for layer_r, layer_q in zip(reference.model.layers, quantized.model.layers):
+        dequantize_experts_into(layer_r.mlp.experts, layer_q.mlp.experts)
+    return reference
