@@ -38,7 +38,7 @@ def test_codes_are_torchs_cast_of_the_scaled_rows(seed):
     w[5, 7] = 3e37  # a huge row
     t = FP8.quantize(w)
     amax = w.abs().amax(1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * torch.tensor(1 / 448, dtype=torch.float32), torch.ones_like(amax))
     assert t["weight"].dtype == torch.float8_e4m3fn and t["weight_scale"].dtype == torch.float32
     assert torch.equal(t["weight_scale"], scale)
     assert torch.equal(t["weight"].view(torch.uint8), (w / scale).to(torch.float8_e4m3fn).view(torch.uint8))

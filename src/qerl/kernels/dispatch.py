@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from ..formats import get_format
 from ..formats.fp8 import as_fp8
 from .dequant_cache import cached_dense_weight
-from .fp8_matmul import emulated_w8a8, fp8_linear, w4a8_weight
+from .fp8_matmul import W4A8_EMULATED, W4A8_TENSOR_CORES, emulated_w8a8, fp8_linear, w4a8_linear, w4a8_path, w4a8_weight
 from .route import current_policy
 from .bf16_matmul import bf16_linear
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
@@ -29,12 +29,16 @@ def quantized_linear(
 ) -> torch.Tensor:
     """x [..., K] -> x @ W^T + bias (+ h @ b^T for lora = (h [..., R], b [N, R])), [..., N] in x.dtype;
     W given as the format's tensors. The LoRA term rides in the NVFP4 / bf16 decode kernels where they apply."""
-    if fmt in ("nvfp4", "mxfp4") and current_policy().compute == "fp8":  # W4A8, the same on every device
+    path = w4a8_path(fmt, x) if fmt in ("nvfp4", "mxfp4") and current_policy().compute == "fp8" else None
+    if path == W4A8_TENSOR_CORES:
+        return add_lora(w4a8_linear(fmt, x, tensors, bias), lora)
+    if path == W4A8_EMULATED:
         # a dequantization scope (the CPU's passes) decodes each weight once, not per call (per decoded token)
         dense = cached_dense_weight(fmt, tensors, torch.float32, decode=w4a8_weight)
         if dense is not None:
             return add_lora(emulated_w8a8(x, dense, bias), lora)
         return add_lora(fp8_linear(x, **as_fp8(fmt, tensors), bias=bias, emulate=True), lora)
+    # W4A8_BF16_KERNELS (a GPU's few rows) and compute bf16: the 16-bit products below
     dense = cached_dense_weight(fmt, tensors, x.dtype)
     if dense is not None:
         return add_lora(F.linear(x, dense, None if bias is None else bias.to(x.dtype)), lora)

@@ -2,22 +2,41 @@
 activations.
 
 On FP8 tensor cores (CUDA compute capability 8.9 and newer, bf16 activations, K and N multiples of 16) the
-activations are quantized per token to e4m3 with an fp32 scale each (`quantize_rows_fp8`) and the product runs in
-torch's `_scaled_mm` with row-wise scales and fp32 accumulation (W8A8, as the FP8 RL peers' forward). Elsewhere
-(the CPU, older GPUs, other dtypes or shapes) the weight is dequantized and multiplied in x's dtype (W8A16): the
-reference path. The input gradient is always the dequantized weight's (`qerl.kernels.dispatch`).
+activations are quantized per token to e4m3 with an fp32 scale each (`quantize_rows_fp8`; on the GPU the Triton
+kernel that gives the same bits) and the product runs in torch's `_scaled_mm` with row-wise scales and fp32
+accumulation (W8A8, as the FP8 RL peers' forward). Elsewhere (the CPU, older GPUs, other dtypes or shapes) the
+weight is dequantized and multiplied in x's dtype (W8A16): the reference path.
+
+4-bit weights under `model.compute: fp8` (`w4a8_linear`): the same e4m3 activations times the weight's e4m3 codes
+(`qerl.formats.fp8.nvfp4_as_fp8`), decoded in registers by a Triton kernel (`qerl.kernels.triton.w4a8`), or decoded
+to memory once and multiplied by `_scaled_mm` at the rows where that measured faster; below `w4a8_min_m` rows the
+bf16 kernels keep the product. The CPU emulates the same numerics in fp32. The input gradient is always the
+dequantized weight's, in 16 bits (`qerl.kernels.dispatch`).
 """
 
 import torch
 import torch.nn.functional as F
 
-from ..formats.fp8 import as_fp8, dequantize_fp8, quantize_rows_fp8
+from ..formats.fp8 import as_fp8, dequantize_fp8, fp4_row_shift, quantize_rows_fp8
+from .operands import as_2d, scale_bytes
+from .route import current_policy, use_triton
+
+_SHIFT_ATTR = "_qerl_w4a8_shift"  # cached on the weight_scale tensor object, with its version counter
 
 
 def fp8_tensor_cores(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `fp8_linear(x, weight, ...)` runs as W8A8 on FP8 tensor cores."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 9)
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and hasattr(torch, "_scaled_mm"))
+
+
+def _quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 [M, 1]): the Triton kernel on CUDA (one launch, same bits), else torch."""
+    if x2.is_cuda and use_triton(x2):
+        from .triton.w4a8 import quantize_rows_e4m3
+
+        return quantize_rows_e4m3(x2)
+    return quantize_rows_fp8(x2)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -50,7 +69,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             return emulated_w8a8(x, dequantize_fp8(weight, weight_scale), bias)
         return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype), None if bias is None else bias.to(x.dtype))
     bias = None if bias is None else bias.to(x.dtype)
-    q, s = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+    q, s = _quantize_rows(as_2d(x))
     y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.float().reshape(1, -1),
                          out_dtype=x.dtype)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -64,3 +83,52 @@ def check_compute(compute: str, device: torch.device) -> None:
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"model.compute fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}; use model.compute bf16")
+
+
+def w4a8_shift(fmt: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows' power-of-two shifts, the fp8 weight scale = shift / global scale), fp32 [N, 1] each: computed
+    once per weight (cached on its scale tensor with the version counter, so an in-place load is seen)."""
+    scale = tensors["weight_scale"]
+    hit = getattr(scale, _SHIFT_ATTR, None)
+    if hit is not None and hit[0] == scale._version:
+        return hit[1]
+    shift = fp4_row_shift(fmt, scale)
+    ws = shift / tensors["weight_global_scale"].float().reshape(1, 1) if fmt == "nvfp4" else shift
+    setattr(scale, _SHIFT_ATTR, (scale._version, (shift, ws)))
+    return shift, ws
+
+
+W4A8_TENSOR_CORES, W4A8_BF16_KERNELS, W4A8_EMULATED = "tensor_cores", "bf16_kernels", "emulated"
+
+
+def w4a8_path(fmt: str, x: torch.Tensor) -> str:
+    """How a 4-bit product under model.compute fp8 runs x: on FP8 tensor cores (`w4a8_linear`: CUDA sm_89+,
+    bf16 / fp16 x, Triton on, at least `w4a8_min_m` rows); with the 16-bit kernels on such a GPU below that
+    (weight-bandwidth bound: the decode's few rows gain nothing from FP8 math); emulated in fp32 elsewhere
+    (the CPU: the reference numerics)."""
+    if not (x.is_cuda and use_triton(x) and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and x.shape[-1] % (32 if fmt == "mxfp4" else 16) == 0):
+        return W4A8_EMULATED
+    rows = x.numel() // max(1, x.shape[-1])
+    return W4A8_TENSOR_CORES if rows >= current_policy().w4a8_min_m else W4A8_BF16_KERNELS
+
+
+def w4a8_linear(fmt: str, x: torch.Tensor, tensors: dict[str, torch.Tensor],
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16/fp16 -> [..., N] in x.dtype on FP8 tensor cores (where `w4a8_path` says so):
+    x rounded per token to e4m3 times the 4-bit weight's e4m3 codes (NVFP4: packed uint8 [N, K/2], e4m3 scales
+    [N, K/16], fp32 global scale; MXFP4: packed, E8M0 scales [N, K/32]), fp32 accumulation."""
+    from .triton import w4a8 as tk
+
+    x2 = as_2d(x)
+    shift, ws = w4a8_shift(fmt, tensors)
+    packed, scale = tensors["weight_packed"].contiguous(), scale_bytes(tensors["weight_scale"])
+    mx = fmt == "mxfp4"
+    q, s = tk.quantize_rows_e4m3(x2)
+    b = None if bias is None else bias.to(x.dtype).contiguous()
+    if x2.shape[0] >= current_policy().w4a8_scaled_mm_min_m:
+        w = tk.fp4_to_e4m3(packed, scale, shift, mx)  # temporary, freed on return
+        y = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=ws.reshape(1, -1), out_dtype=x.dtype, bias=b)
+    else:
+        y = tk.w4a8_linear(q, s, packed, scale, shift, ws, b, mx, x.dtype)
+    return y.reshape(*x.shape[:-1], packed.shape[0])

@@ -1,0 +1,208 @@
+"""The W4A8 kernels of model.compute fp8 (`qerl.kernels.triton.w4a8`) against plain torch:
+  - per-token activation quantization: bit-identical to `quantize_rows_fp8` (torch's own e4m3 cast);
+  - the in-register decode of NVFP4 / MXFP4 to e4m3: bit-identical to `nvfp4_as_fp8` / `mxfp4_as_fp8`, on all 16
+    codes, zero, tiny and huge blocks, all-zero rows, odd shapes;
+  - the product: against the float64 product of the same quantized operands; NaN in x reaches its output row.
+On the CPU through the Triton interpreter (a subprocess, `kernel_testing.run_interpreter_suite`); on sm_89+ GPUs
+the same checks on the hardware's conversions and FP8 tensor cores, plus the dispatch's row threshold."""
+
+import pytest
+import torch
+
+from kernel_testing import poisoned, require_cuda, run_interpreter_suite
+
+from qerl.formats.fp8 import fp4_row_shift, mxfp4_as_fp8, nvfp4_as_fp8, quantize_rows_fp8
+from qerl.formats.fp4 import pack_fp4
+from qerl.formats.mxfp4 import quantize_mxfp4
+from qerl.formats.nvfp4 import quantize_nvfp4
+from qerl.kernels.operands import scale_bytes
+
+AS_FP8 = {"nvfp4": nvfp4_as_fp8, "mxfp4": mxfp4_as_fp8}
+
+
+def _activations(m: int, k: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    """Rows spanning 12 decades (fp16's top ones overflow to inf: rows of NaN codes, as torch makes them), an
+    all-zero row, a row with e4m3-subnormal ratios and exact ties."""
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(m, k, device=device, generator=g) * torch.logspace(-6, 6, m, device=device)[:, None]
+    if m > 3:
+        x[1] = 0
+        x[2, :6] = torch.tensor([448.0, 2 ** -7, -(2 ** -10), 17.0, 19.0, 1.0625], device=device)
+        x[2, 6:] = x[2, 6:].clamp(-1, 1)
+    return x.to(dtype)
+
+
+def _weights(fmt: str, n: int, k: int, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """A 4-bit weight whose rows span 8 decades, with an all-zero row, a zero block, a huge block, and (NVFP4) the
+    16 codes in every block of row 3 under random scales, tiny subnormal ones included."""
+    g = torch.Generator(device).manual_seed(seed)
+    w = torch.randn(n, k, device=device, generator=g) * torch.logspace(-4, 4, n, device=device)[:, None]
+    w[0] = 0
+    w[2, :32] = 0
+    w[2, 32:64] *= 1e6
+    t = quantize_nvfp4(w) if fmt == "nvfp4" else quantize_mxfp4(w)
+    if fmt == "nvfp4" and n > 4:
+        codes = torch.arange(k, device=device, dtype=torch.uint8) % 16
+        t["weight_packed"][3] = pack_fp4(codes[None])[0]
+        raw = torch.randint(1, 127, (k // 16,), device=device, generator=g, dtype=torch.uint8)
+        raw[:3] = torch.tensor([1, 2, 126], dtype=torch.uint8)  # the smallest subnormal, another, the largest
+        t["weight_scale"][3] = raw.view(torch.float8_e4m3fn)
+    return t
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal e4m3 bits, every NaN (0x7F or 0xFF) counted equal."""
+    nan_a, nan_b = a.float().isnan(), b.float().isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.uint8)[~nan_a], b.view(torch.uint8)[~nan_b])
+
+
+def check_quantize_rows(device: str) -> list[str]:
+    from qerl.kernels.triton.w4a8 import quantize_rows_e4m3
+
+    fails = []
+    for m, k, dtype in [(9, 200, torch.float32), (5, 4100, torch.bfloat16), (8, 3584, torch.float16), (1, 16, torch.float32)]:
+        x = _activations(m, k, dtype, device, m + k)
+        q, s = poisoned(quantize_rows_e4m3)(x)
+        rq, rs = quantize_rows_fp8(x)
+        if not (_same_bits(q, rq) and torch.equal(s, rs)):
+            fails.append(f"quantize rows {m}x{k} {dtype}: codes differ, scales equal {torch.equal(s, rs)}")
+    return fails
+
+
+def check_decode(device: str) -> list[str]:
+    from qerl.kernels.triton.w4a8 import fp4_to_e4m3
+
+    fails = []
+    for fmt, n, k in [("nvfp4", 70, 256), ("nvfp4", 33, 272), ("mxfp4", 40, 320)]:
+        t = _weights(fmt, n, k, device, n)
+        ref = AS_FP8[fmt](**t)
+        d = poisoned(fp4_to_e4m3)(t["weight_packed"], scale_bytes(t["weight_scale"]),
+                                  fp4_row_shift(fmt, t["weight_scale"]), fmt == "mxfp4")
+        if not _same_bits(d, ref["weight"]):
+            fails.append(f"decode {fmt} {n}x{k}: codes differ")
+    return fails
+
+
+def _reference(xq, xs, f: dict) -> torch.Tensor:
+    return (xq.double() * xs.double()) @ (f["weight"].double() * f["weight_scale"].double()).t()
+
+
+def check_product(device: str, cases, tile=None) -> list[str]:
+    from qerl.formats.fp8 import E4M3_MAX  # noqa: F401  (the module under test imports it too)
+    from qerl.kernels.fp8_matmul import w4a8_shift
+    from qerl.kernels.triton.w4a8 import quantize_rows_e4m3, w4a8_linear
+
+    fails = []
+    for fmt, m, n, k, bias, dtype in cases:
+        t = _weights(fmt, n, k, device, m + n)
+        x = _activations(m, k, dtype, device, k)
+        if m > 4:
+            x[4, 7] = float("nan")
+        b = torch.randn(n, device=device).to(dtype) if bias else None
+        q, s = quantize_rows_e4m3(x)
+        shift, ws = w4a8_shift(fmt, t)
+        kw = {} if tile is None else {"tile": tile}
+        y = poisoned(w4a8_linear)(q, s, t["weight_packed"], scale_bytes(t["weight_scale"]), shift, ws, b,
+                                  fmt == "mxfp4", dtype, **kw)
+        ref = _reference(q, s, AS_FP8[fmt](**t)) + (0 if b is None else b.double())
+        nan_rows = torch.zeros(m, dtype=torch.bool, device=device)
+        if m > 4:
+            nan_rows[4] = True
+            if not torch.isnan(y[4]).all():
+                fails.append(f"{fmt} {m}x{n}x{k}: NaN in x did not reach its output row")
+        y, ref = y[~nan_rows].double(), ref[~nan_rows]
+        # fp32 accumulation of exact products, one rounding to dtype; per row, relative to the row's largest term
+        row_scale = ref.abs().amax(dim=1, keepdim=True)
+        tol = (2 ** -8 if dtype != torch.float32 else 1e-6) * ref.abs() + 1e-5 * row_scale
+        err = (y - ref).abs()
+        if not torch.isfinite(y).all() or (err > tol).any():
+            fails.append(f"{fmt} {m}x{n}x{k} bias={bias} {dtype}: max err {float(err.max()):.3g}, "
+                         f"finite {bool(torch.isfinite(y).all())}")
+    return fails
+
+
+def interpreter_suite() -> list[str]:
+    """All CPU checks; run in a subprocess with TRITON_INTERPRET=1 (see `test_interpreter`)."""
+    small_tile = (16, 32, 64, 4, 1)
+    cases = [("nvfp4", 37, 70, 256, False, torch.float32), ("nvfp4", 5, 33, 272, True, torch.bfloat16),
+             ("mxfp4", 20, 40, 320, False, torch.float32), ("nvfp4", 1, 64, 128, False, torch.float16)]
+    return check_quantize_rows("cpu") + check_decode("cpu") + check_product("cpu", cases, small_tile)
+
+
+def test_interpreter():
+    fails = run_interpreter_suite("test_w4a8_kernel", timeout=600)
+    assert not fails, "\n".join(fails)
+
+
+def test_row_shift_puts_the_row_maximum_in_e4m3s_top_binade():
+    """6 x the largest block scale / shift lands in (224, 448] for every nonzero row (exactly 448 when that bound
+    is a power of two times 448), 1 for all-zero scales, never below 2^-126 (the kernels multiply by 1 / shift)."""
+    # NVFP4's one global scale spans the tensor, its E4M3 block scales ~2^17 below it; MXFP4's scales 2^254
+    for fmt, quantize, decades in (("nvfp4", quantize_nvfp4, 2), ("mxfp4", quantize_mxfp4, 30)):
+        w = torch.randn(64, 256) * torch.logspace(-decades, decades, 64)[:, None]
+        w[0] = 0
+        t = quantize(w)
+        shift = fp4_row_shift(fmt, t["weight_scale"])
+        f = AS_FP8[fmt](**t)
+        top = f["weight"].float().abs().amax(dim=1)
+        assert (f["weight"][0].float() == 0).all() and (shift >= 2 ** -126).all()
+        rows = (shift[:, 0] > 2 ** -126) & (top > 0)  # the rows the clamp left alone
+        assert rows.sum() > 40 and (top[rows] > 224).all() and (top <= 448).all(), fmt
+    s = torch.full((2, 4), 448.0 / 6 * 4).to(torch.float8_e4m3fn)  # bound = 4 exactly: shift 4, not 8
+    assert fp4_row_shift("nvfp4", s).flatten().tolist() == [4.0, 4.0]
+    assert fp4_row_shift("nvfp4", torch.zeros(1, 4).to(torch.float8_e4m3fn)).item() == 1
+
+
+# ---- GPU ----
+
+def _fp8_gpu():
+    require_cuda()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9 or newer")
+
+
+@pytest.mark.gpu
+def test_gpu_conversions_are_bit_identical_to_torch():
+    """The hardware's fp32 -> e4m3 conversion (cvt.rn.satfinite) rounds as torch's cast does."""
+    _fp8_gpu()
+    fails = check_quantize_rows("cuda") + check_decode("cuda")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+def test_gpu_product_against_float64():
+    _fp8_gpu()
+    cases = [("nvfp4", m, n, k, bias, torch.bfloat16) for m, n, k, bias in
+             [(64, 4608, 3584, False), (257, 1000, 3584, True), (1024, 3584, 18944, False), (300, 512, 272, False)]]
+    cases += [("mxfp4", 130, 2880, 2880, True, torch.bfloat16), ("nvfp4", 96, 256, 1024, False, torch.float16)]
+    fails = check_product("cuda", cases)
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_dispatch_routes_by_rows_and_both_fp8_backends_agree(fmt):
+    """Below w4a8_min_m rows compute fp8 keeps the 16-bit kernels (the same result as compute bf16); from it the
+    Triton kernel; decode + `_scaled_mm` (forced for every row count) gives the same product up to fp32
+    summation order."""
+    _fp8_gpu()
+    from qerl.kernels import quantized_linear
+    from qerl.kernels.route import current_policy, kernel_policy
+
+    t = _weights(fmt, 512, 1024, "cuda", 3)
+    lo = current_policy().w4a8_min_m
+    for m in (lo - 1, lo, 700):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        with kernel_policy(compute="fp8"):
+            y = quantized_linear(fmt, x, t)
+        with kernel_policy(compute="fp8", w4a8_scaled_mm_min_m=1):
+            y_mm = quantized_linear(fmt, x, t)
+        y16 = quantized_linear(fmt, x, t)
+        if m < lo:
+            assert torch.equal(y, y16) and torch.equal(y_mm, y16)
+            continue
+        xq, xs = quantize_rows_fp8(x)
+        ref = _reference(xq, xs, AS_FP8[fmt](**t))
+        for out in (y, y_mm):
+            err = (out.double() - ref).abs()
+            assert (err <= 2 ** -8 * ref.abs() + 1e-5 * ref.abs().amax(dim=1, keepdim=True)).all(), float(err.max())
