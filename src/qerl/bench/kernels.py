@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time candidate tiles on a few shapes instead")
     p.add_argument("--swap", action="store_true",
                    help="decode sizes (--m default 1..64): the Gluon swap-AB kernel, its tile sweep, vs cuBLAS/Triton")
-    p.add_argument("--no-tile-sweep", action="store_true", help="with --swap / --compute fp8: only the default tile")
+    p.add_argument("--no-tile-sweep", action="store_true", help="with --swap: only the default tile")
     p.add_argument("--compute", choices=("bf16", "fp8"), default="bf16",
                    help="fp8: cuBLAS bf16 vs W4A16, W8A8 (_scaled_mm) and the W4A8 kernels of model.compute fp8 "
                         "(--m default 1..8192; `qerl.bench.kernels_fp8`)")
@@ -415,11 +415,11 @@ def _run_fp8(args, l2, meta) -> int:
         for layer, (n, k) in layer_shapes(model).items():
             if layer not in args.layers.split(","):
                 continue
-            for r in bench_fp8_shape(n, k, ms, l2, args.replays, sweep=not args.no_tile_sweep):
+            for r in bench_fp8_shape(n, k, ms, l2, args.replays):
                 rows.append({"model": model, "layer": layer, **r})
                 print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} w4a16 {r['t_w4a16_us']:.1f} "
-                      f"w8a8 {r['t_w8a8_us']:.1f} w4a8 {r['t_w4a8_us']:.1f} best {r['t_w4a8_best_us']:.1f} "
-                      f"{r['best_tile']} deq {r['t_w4a8_deq_us']:.1f} routed {r['t_routed_fp8_us']:.1f}", flush=True)
+                      f"w8a8 {r['t_w8a8_us']:.1f} w4a8 {r['t_w4a8_us']:.1f} routed {r['t_routed_fp8_us']:.1f}",
+                      flush=True)
                 with open(f"{args.out}_fp8.json", "w") as f:
                     json.dump({"meta": meta, "rows": rows}, f, indent=1)
     md = fp8_markdown(rows, meta) + "\nMedian over the shapes, x cuBLAS bf16:\n\n" + fp8_summary(rows)

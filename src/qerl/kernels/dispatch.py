@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from ..formats import get_format
 from ..formats.fp8 import as_fp8
 from .dequant_cache import cached_dense_weight
-from .fp8_matmul import W4A8_EMULATED, W4A8_TENSOR_CORES, emulated_w8a8, fp8_linear, w4a8_linear, w4a8_path, w4a8_weight
+from .fp8_matmul import (W4A8_EMULATED, W4A8_TENSOR_CORES, emulated_w8a8, fp8_linear, w4a8_linear, w4a8_path,
+                         w4a8_weight)
 from .route import current_policy
 from .bf16_matmul import bf16_linear
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
@@ -29,7 +30,9 @@ def quantized_linear(
 ) -> torch.Tensor:
     """x [..., K] -> x @ W^T + bias (+ h @ b^T for lora = (h [..., R], b [N, R])), [..., N] in x.dtype;
     W given as the format's tensors. The LoRA term rides in the NVFP4 / bf16 decode kernels where they apply."""
-    path = w4a8_path(fmt, x) if fmt in ("nvfp4", "mxfp4") and current_policy().compute == "fp8" else None
+    path = None
+    if fmt in ("nvfp4", "mxfp4") and current_policy().compute == "fp8":
+        path = w4a8_path(fmt, x, tensors["weight_packed"].shape[0])
     if path == W4A8_TENSOR_CORES:
         return add_lora(w4a8_linear(fmt, x, tensors, bias), lora)
     if path == W4A8_EMULATED:

@@ -8,10 +8,10 @@ accumulation (W8A8, as the FP8 RL peers' forward). Elsewhere (the CPU, older GPU
 weight is dequantized and multiplied in x's dtype (W8A16): the reference path.
 
 4-bit weights under `model.compute: fp8` (`w4a8_linear`): the same e4m3 activations times the weight's e4m3 codes
-(`qerl.formats.fp8.nvfp4_as_fp8`), decoded in registers by a Triton kernel (`qerl.kernels.triton.w4a8`), or decoded
-to memory once and multiplied by `_scaled_mm` at the rows where that measured faster; below `w4a8_min_m` rows the
-bf16 kernels keep the product. The CPU emulates the same numerics in fp32. The input gradient is always the
-dequantized weight's, in 16 bits (`qerl.kernels.dispatch`).
+(`qerl.formats.fp8.nvfp4_as_fp8`), decoded into a temporary by one Triton pass (`qerl.kernels.triton.w4a8`) and
+multiplied by `_scaled_mm`; below `w4a8_min_m` rows the bf16 kernels keep the product (there the decode costs more
+than FP8 math saves). The CPU emulates the same numerics in fp32. The input gradient is always the dequantized
+weight's, in 16 bits (`qerl.kernels.dispatch`).
 """
 
 import torch
@@ -101,16 +101,18 @@ def w4a8_shift(fmt: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor
 W4A8_TENSOR_CORES, W4A8_BF16_KERNELS, W4A8_EMULATED = "tensor_cores", "bf16_kernels", "emulated"
 
 
-def w4a8_path(fmt: str, x: torch.Tensor) -> str:
-    """How a 4-bit product under model.compute fp8 runs x: on FP8 tensor cores (`w4a8_linear`: CUDA sm_89+,
-    bf16 / fp16 x, Triton on, at least `w4a8_min_m` rows); with the 16-bit kernels on such a GPU below that
-    (weight-bandwidth bound: the decode's few rows gain nothing from FP8 math); emulated in fp32 elsewhere
+def w4a8_path(fmt: str, x: torch.Tensor, n: int) -> str:
+    """How a 4-bit product under model.compute fp8 runs x [..., K] against an [n, K] weight: on FP8 tensor cores
+    (`w4a8_linear`: CUDA sm_89+, bf16 / fp16 x, Triton on, n a multiple of 16 as `_scaled_mm` needs, at least
+    `w4a8_min_m` rows); with the 16-bit kernels on such a GPU below that row count
+    (there decoding the weight costs more than FP8 math saves); emulated in fp32 elsewhere
     (the CPU: the reference numerics)."""
-    if not (x.is_cuda and use_triton(x) and torch.cuda.get_device_capability(x.device) >= (8, 9)
-            and x.shape[-1] % (32 if fmt == "mxfp4" else 16) == 0):
+    if not (x.is_cuda and use_triton(x) and torch.cuda.get_device_capability(x.device) >= (8, 9)):
         return W4A8_EMULATED
-    rows = x.numel() // max(1, x.shape[-1])
-    return W4A8_TENSOR_CORES if rows >= current_policy().w4a8_min_m else W4A8_BF16_KERNELS
+    if x.numel() // max(1, x.shape[-1]) < current_policy().w4a8_min_m:
+        return W4A8_BF16_KERNELS
+    shapes_fit = x.shape[-1] % (32 if fmt == "mxfp4" else 16) == 0 and n % 16 == 0
+    return W4A8_TENSOR_CORES if shapes_fit else W4A8_EMULATED
 
 
 def w4a8_linear(fmt: str, x: torch.Tensor, tensors: dict[str, torch.Tensor],
@@ -120,15 +122,10 @@ def w4a8_linear(fmt: str, x: torch.Tensor, tensors: dict[str, torch.Tensor],
     [N, K/16], fp32 global scale; MXFP4: packed, E8M0 scales [N, K/32]), fp32 accumulation."""
     from .triton import w4a8 as tk
 
-    x2 = as_2d(x)
     shift, ws = w4a8_shift(fmt, tensors)
-    packed, scale = tensors["weight_packed"].contiguous(), scale_bytes(tensors["weight_scale"])
-    mx = fmt == "mxfp4"
-    q, s = tk.quantize_rows_e4m3(x2)
-    b = None if bias is None else bias.to(x.dtype).contiguous()
-    if x2.shape[0] >= current_policy().w4a8_scaled_mm_min_m:
-        w = tk.fp4_to_e4m3(packed, scale, shift, mx)  # temporary, freed on return
-        y = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=ws.reshape(1, -1), out_dtype=x.dtype, bias=b)
-    else:
-        y = tk.w4a8_linear(q, s, packed, scale, shift, ws, b, mx, x.dtype)
-    return y.reshape(*x.shape[:-1], packed.shape[0])
+    q, s = tk.quantize_rows_e4m3(as_2d(x))
+    w = tk.fp4_to_e4m3(tensors["weight_packed"].contiguous(), scale_bytes(tensors["weight_scale"]), shift,
+                       fmt == "mxfp4")  # temporary, freed on return
+    y = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=ws.reshape(1, -1), out_dtype=x.dtype)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias.to(x.dtype)

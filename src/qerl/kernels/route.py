@@ -146,12 +146,10 @@ class KernelPolicy:
     # model.compute: "fp8" multiplies NVFP4 / MXFP4 weights decoded to e4m3 with activations rounded to e4m3 per
     # token (W4A8; `qerl.kernels.dispatch`); "bf16" keeps the 16-bit products
     compute: str = "bf16"
-    # model.compute fp8 on FP8 tensor cores (`qerl.kernels.fp8_matmul.w4a8_linear`): below w4a8_min_m rows the
-    # 4-bit weight keeps the bf16 kernels above (weight-bandwidth bound: FP8 math buys nothing there); from
-    # w4a8_scaled_mm_min_m rows it is decoded to e4m3 once and multiplied by cuBLAS (`torch._scaled_mm`), in
-    # between the Triton kernel decoding in registers (`qerl bench kernels --compute fp8`)
+    # model.compute fp8 on FP8 tensor cores (`qerl.kernels.fp8_matmul.w4a8_linear`: the weight decoded to e4m3, then
+    # torch._scaled_mm) from w4a8_min_m rows; below, the bf16 kernels above (H200: `qerl bench kernels --compute
+    # fp8`, docs/benchmarks.md "W4A8")
     w4a8_min_m: int = _TUNED["w4a8_min_m"]
-    w4a8_scaled_mm_min_m: int = _TUNED["w4a8_scaled_mm_min_m"]
 
 
 _POLICY: ContextVar[KernelPolicy] = ContextVar("qerl_kernel_policy", default=KernelPolicy())

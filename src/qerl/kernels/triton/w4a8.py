@@ -1,15 +1,15 @@
-"""Triton kernels for `model.compute: fp8` on FP8 tensor cores: 4-bit weights (NVFP4 or MXFP4) times activations
-rounded per token to e4m3 (W4A8), and the per-token activation quantization itself.
+"""Triton kernels for `model.compute: fp8` on FP8 tensor cores (`qerl.kernels.fp8_matmul.w4a8_linear`):
 
-  quantize_rows_e4m3(x)             x [M, K] bf16/fp16/fp32 -> (e4m3 [M, K], fp32 scale [M, 1]), bit-identical to
-                                    `qerl.formats.fp8.quantize_rows_fp8` (one read of x for the row maximum, one
-                                    for the codes)
-  w4a8_linear(xq, xs, ...)          (e4m3 x, its row scales) @ W^T -> [M, N] bf16/fp16: each program decodes the
-                                    [BN, BK] weight tile it multiplies to the e4m3 codes of
-                                    `qerl.formats.fp8.nvfp4_as_fp8` in registers (code x block scale / row shift,
-                                    rounded to nearest even) and feeds FP8 tensor cores, fp32 accumulation; the
-                                    epilogue applies x's row scale and W's column scale (shift / global scale)
-  fp4_to_e4m3(...)                  the same decode written out as an fp8 weight [N, K] (for `torch._scaled_mm`)
+  quantize_rows_e4m3(x)   x [M, K] bf16/fp16/fp32 -> (e4m3 [M, K], fp32 scale [M, 1]), bit-identical to
+                          `qerl.formats.fp8.quantize_rows_fp8` (one read of x for the row maximum, one for the codes)
+  fp4_to_e4m3(...)        an NVFP4 / MXFP4 weight -> the e4m3 codes of `qerl.formats.fp8.nvfp4_as_fp8` /
+                          `mxfp4_as_fp8` (code x block scale / row shift, rounded to nearest even), [N, K], one pass;
+                          `torch._scaled_mm` multiplies them
+
+A product that decodes in registers instead (each program turning its [BN, BK] tile into e4m3 before an FP8 tl.dot)
+measured 0.38-0.67x cuBLAS bf16 at 128-8192 rows on an H200 against 1.2-1.4x for decode + `_scaled_mm` from 2048
+rows (docs/benchmarks.md "W4A8"; `git show a4b27c2:src/qerl/kernels/triton/w4a8.py`): the per-element decode on the
+CUDA cores, repeated for every row tile, costs more than the FP8 math saves.
 
 Exactness: code x block scale has at most 6 significant bits and the shift is a power of two, so the fp32
 value before rounding is exact; the GPU's fp32 -> e4m3 conversion rounds to nearest even (cvt.rn.satfinite).
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..workspace import alloc
-from .fp4_codes import e2m1_pair_to_f32, e4m3_to_f32, e8m0_times_2p14, fp4_load, round_to
+from .fp4_codes import e2m1_pair_to_f32, e4m3_to_f32, e8m0_times_2p14, fp4_load
 
 E4M3_MAX = tl.constexpr(448.0)
 INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # fp32(1/448) once cast: `qerl.formats.fp8.e4m3_scale`
@@ -43,15 +43,6 @@ def _round_e4m3(v, INTERP: tl.constexpr):
         nan8 = tl.full(v.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # its cast loses NaN too
         return tl.where(v != v, nan8, v.to(tl.float8e4nv))
     return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _e4m3_as_f32(v, INTERP: tl.constexpr):
-    """e4m3 -> fp32 for the interpreter's dot (which reads e4m3 NaN as 480: restore it)."""
-    f = v.to(tl.float32)
-    if INTERP:
-        f = tl.where((v.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), f)
-    return f
 
 
 @triton.jit
@@ -102,83 +93,6 @@ def _decode_e4m3(p, s, rowmul, BR: tl.constexpr, BC: tl.constexpr, GROUP: tl.con
 
 
 @triton.jit
-def _w4a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, rm_ptr, ws_ptr, b_ptr, out_ptr,
-                 M, N, K, stride_xm, stride_w, stride_s, stride_om,
-                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP: tl.constexpr, MX: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                 INTERP: tl.constexpr):
-    """out[M, N] = (xq[M, K] * xs[M]) @ (decode(W)[N, K] * ws[N])^T (+ bias), fp32 accumulation.
-
-    Programs walk the output in GROUP_M-row bands of tiles so that neighbours share weight tiles in L2.
-    INTERP: the interpreter multiplies the e4m3 tiles as fp32 (the same values; its fp8 dot is not exact)."""
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    per_band = GROUP_M * grid_n
-    band = pid // per_band
-    first_m = band * GROUP_M
-    rows_in_band = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_band) % rows_in_band
-    pid_n = (pid % per_band) // rows_in_band
-
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rowmul = tl.load(rm_ptr + offs_n, mask=n_mask, other=1.0)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=tl.broadcast_to(m_mask[:, None], (BM, BK)), other=0.0)
-        else:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
-        p, s = fp4_load(w_ptr, s_ptr, pid_n * BN, k0, N, K, stride_w, stride_s, BN, BK, GROUP, not EVEN_K)
-        w = _decode_e4m3(p, s, rowmul, BN, BK, GROUP, MX, INTERP)
-        if INTERP:
-            acc = tl.dot(_e4m3_as_f32(x, INTERP), tl.trans(_e4m3_as_f32(w, INTERP)), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-    ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
-    acc = acc * xs[:, None] * ws[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             round_to(acc, out_ptr.dtype.element_ty, INTERP), mask=m_mask[:, None] & n_mask[None, :])
-
-
-def _row_multipliers(shift: torch.Tensor, mx: bool) -> torch.Tensor:
-    """fp32 [N]: what `_decode_e4m3` multiplies a row's decoded step by (powers of two, exact)."""
-    return ((1.0 if mx else 4194304.0) / shift.float()).reshape(-1).contiguous()
-
-
-def w4a8_linear(xq: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                weight_scale: torch.Tensor, bias: torch.Tensor | None, mx: bool, out_dtype: torch.dtype,
-                tile: tuple[int, int, int, int, int] = (128, 128, 128, 8, 3)) -> torch.Tensor:
-    """xq e4m3 [M, K], xs fp32 [M, 1] (from `quantize_rows_e4m3`); packed uint8 [N, K/2]; scale uint8 [N, K/group]
-    (E4M3 bits, or E8M0 exponents when mx); shift fp32 [N, 1] (`fp4_row_shift`); weight_scale fp32 [N, 1]
-    (shift / global scale, as `nvfp4_as_fp8` returns); bias [N] or None -> [M, N] in out_dtype.
-    tile: (BM, BN, BK, warps, stages)."""
-    m, k = xq.shape
-    n = packed.shape[0]
-    bm, bn, bk, warps, stages = tile
-    out = alloc((m, n), xq.device, out_dtype)
-    if m == 0:
-        return out
-    rm = _row_multipliers(shift, mx)
-    ws = weight_scale.float().reshape(-1).contiguous()
-    b = bias if bias is not None else out
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _w4a8_kernel[grid](xq, xs.reshape(-1), packed, scale, rm, ws, b, out, m, n, k,
-                       xq.stride(0), packed.stride(0), scale.stride(0), out.stride(0),
-                       HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP=32 if mx else 16, MX=mx, GROUP_M=8,
-                       EVEN_K=k % bk == 0, INTERP=xq.device.type != "cuda", num_warps=warps, num_stages=stages)
-    return out
-
-
-@triton.jit
 def _to_e4m3_kernel(w_ptr, s_ptr, rm_ptr, out_ptr, N, K, stride_w, stride_s, stride_o,
                     BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, MX: tl.constexpr, INTERP: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -190,6 +104,11 @@ def _to_e4m3_kernel(w_ptr, s_ptr, rm_ptr, out_ptr, N, K, stride_w, stride_s, str
     w = _decode_e4m3(p, s, rowmul, BN, BK, GROUP, MX, INTERP)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], w,
              mask=(rows[:, None] < N) & (cols[None, :] < K))
+
+
+def _row_multipliers(shift: torch.Tensor, mx: bool) -> torch.Tensor:
+    """fp32 [N]: what `_decode_e4m3` multiplies a row's decoded step by (powers of two, exact)."""
+    return ((1.0 if mx else 4194304.0) / shift.float()).reshape(-1).contiguous()
 
 
 def fp4_to_e4m3(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, mx: bool) -> torch.Tensor:
