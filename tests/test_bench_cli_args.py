@@ -255,6 +255,7 @@ def test_kernel_policy_overrides_from_the_command_line(capsys):
     assert got == {"permute_x": False, "wgmma_max_m": 64, "triton": None,
                    "disabled": frozenset({"gluon_mma", "gluon_wgmma_ws"})}
     assert parse_policy_overrides("") == {}
+    assert parse_policy_overrides("compute=FP8") == {"compute": "fp8"}  # model.compute for a benchmark's products
     # the overrides change what routes where: the 1.5B qkv weight at 128 decode rows
     assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "gluon_wgmma"
     with kernel_policy(**parse_policy_overrides("permute_x=true")):
@@ -265,7 +266,8 @@ def test_kernel_policy_overrides_from_the_command_line(capsys):
         assert route("nvfp4", 128, 2048, 1536, (9, 0), lora_r=32) == "triton_dequantize"
     for bad, message in (("permute_x", "expected FIELD=VALUE"), ("no_such=1", "expected FIELD=VALUE"),
                          ("wgmma_max_m=big", "expected an integer"), ("grad_input_no_temporary=none", "true or false"),
-                         ("disabled=gluon_mma+nope", "unknown backends ['nope']")):
+                         ("disabled=gluon_mma+nope", "unknown backends ['nope']"),
+                         ("compute=fp4", "expected one of bf16, fp8")):
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_policy_overrides(bad)
     assert set(KernelPolicy.__dataclass_fields__) >= set(got)

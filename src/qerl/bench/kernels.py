@@ -21,7 +21,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from ..kernels.workspace import capture_graph
+from .graph_timing import graph_time as _graph_time
 from .shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
 # Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
@@ -33,33 +33,6 @@ BACKWARD_M = (16, 256, 1024, 4096)
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """{layer: (N, K)} for y[M, N] = x[M, K] @ W[N, K]^T."""
     return linear_shapes(MODEL_SHAPES[model])
-
-
-def _capture_calls(fn, calls: int):
-    """A CUDA graph of `calls` invocations fn(0), ..., fn(calls - 1), replayed once (warm)."""
-    def all_calls():
-        for i in range(calls):
-            fn(i)
-
-    g, _ = capture_graph(all_calls, warmups=1)  # warm-up: compile, autotune caches, cuBLAS handles
-    g.replay()
-    return g
-
-
-def _replay_seconds(g, calls: int) -> float:
-    """One timed replay of `_capture_calls`'s graph: seconds per call."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / calls
-
-
-def _graph_time(fn, calls: int, replays: int) -> float:
-    """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
-    g = _capture_calls(fn, calls)
-    return statistics.median(_replay_seconds(g, calls) for _ in range(replays))
 
 
 def copy_bandwidth() -> float:

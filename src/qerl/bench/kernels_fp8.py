@@ -30,7 +30,7 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
     from qerl.kernels.nvfp4_matmul import nvfp4_linear
     from qerl.kernels.route import kernel_policy
 
-    from .kernels import _graph_time
+    from .graph_timing import graph_time
 
     fp4_bytes = n * k // 2 + n * k // 16
     copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
@@ -56,7 +56,7 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
             "w4a8": lambda i: w4a8_linear("nvfp4", xs[i % 2], q[i % copies]),
             "routed_fp8": routed_fp8,
         }
-        t = {name: _graph_time(fn, calls, replays) for name, fn in fns.items()}
+        t = {name: graph_time(fn, calls, replays) for name, fn in fns.items()}
         rows.append({"N": n, "K": k, "M": m, **{f"t_{a}_us": v * 1e6 for a, v in t.items()},
                      **{f"x_{a}": t["cublas"] / t[a] for a in COLUMNS},
                      "tflops_cublas": 2 * m * n * k / t["cublas"] / 1e12,

@@ -50,6 +50,8 @@ from importlib import resources
 
 import torch
 
+from ..choices import COMPUTE as COMPUTE_CHOICES
+
 # Backend names, as `route` returns them
 TORCH_DEQUANTIZE = "torch_dequantize"  # plain torch: dequantize W into a temporary, F.linear (reference, CPU)
 TORCH_LINEAR = "torch_linear"  # F.linear on a 16-bit weight (cuBLAS on CUDA)
@@ -224,7 +226,8 @@ def tile_config(backend: str, m: int, n: int = 0, k: int = 0, *, x_permuted: boo
 def parse_policy_overrides(text: str) -> dict:
     """"FIELD=VALUE,..." -> {field: value} for `kernel_policy(**overrides)` (a benchmark's --policy), each value
     read as its `KernelPolicy` field's type: int (e.g. wgmma_max_m=64), bool or none (permute_x=false, triton=none),
-    a "+"-separated backend list for disabled. ValueError naming the field for an unknown one or a bad value."""
+    a "+"-separated backend list for disabled, bf16 or fp8 for compute (model.compute, e.g. `qerl bench rollout
+    --policy compute=fp8`). ValueError naming the field for an unknown one or a bad value."""
     fields = {f.name: f for f in dataclasses.fields(KernelPolicy)}
     out = {}
     for item in (x.strip() for x in text.split(",")):
@@ -245,6 +248,10 @@ def parse_policy_overrides(text: str) -> dict:
                 raise ValueError(f"kernel policy {name}: expected true or false{' or none' * ('None' in kind)}, "
                                  f"got {value!r}")
             out[name] = None if value == "none" else value == "true"
+        elif name == "compute":
+            if value not in COMPUTE_CHOICES:
+                raise ValueError(f"kernel policy compute: expected one of {', '.join(COMPUTE_CHOICES)}, got {value!r}")
+            out[name] = value
         else:
             try:
                 out[name] = int(value)

@@ -1,0 +1,34 @@
+"""Time a GPU function the way the kernel benchmarks do: many calls captured in one CUDA graph, replays timed."""
+
+import statistics
+
+import torch
+
+from ..kernels.workspace import capture_graph
+
+
+def capture_calls(fn, calls: int):
+    """A CUDA graph of `calls` invocations fn(0), ..., fn(calls - 1), replayed once (warm)."""
+    def all_calls():
+        for i in range(calls):
+            fn(i)
+
+    g, _ = capture_graph(all_calls, warmups=1)  # warm-up: compile, autotune caches, cuBLAS handles
+    g.replay()
+    return g
+
+
+def replay_seconds(g, calls: int) -> float:
+    """One timed replay of `capture_calls`'s graph: seconds per call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def graph_time(fn, calls: int, replays: int) -> float:
+    """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
+    g = capture_calls(fn, calls)
+    return statistics.median(replay_seconds(g, calls) for _ in range(replays))
