@@ -233,10 +233,6 @@ class OptimSection:
         "help": "recompute decoder layers in the backward (memory for time): true every layer, false none, "
                 "auto as few as the GPU's memory allows after the rollout engine's and the micro-batch's "
                 "(every layer off CUDA; `qerl.rl.recompute`, docs/training.md)"})
-    fused_loss: bool = field(default=False, metadata={
-        "help": "the loss pass's (and the reference and old-log-prob passes') decoder layers run as torch.compile "
-                "regions, elementwise chains fused (`qerl.rl.fused_loss`, docs/training.md); false: eager, the "
-                "reference. The first update compiles them; off by default until measured on a GPU"})
     grad_input_no_temporary: bool = field(default=False, metadata={
         "help": "the backward through NVFP4 weights never dequantizes a whole weight into a 16-bit temporary "
                 "(its largest N x K copy: 0.27 GB at 7B, 0.97 GB at 72B); sm_90 only, slower from ~512 rows a "

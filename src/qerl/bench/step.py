@@ -145,8 +145,7 @@ class StepRunner:
 
         tokens = args.max_tokens_per_micro_batch or token_budget(model.config)  # None: qerl train's default
         self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.budget),
-                                       micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=tokens,
-                                       fused_loss=args.fused_loss)
+                                       micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=tokens)
         self.generator = torch.Generator(model.device).manual_seed(1 + dist_ctx.rank)
 
     def resident_bytes(self) -> int:
@@ -588,7 +587,6 @@ def table(results, device, args) -> str:
              f"micro-batch {args.micro_batch} rows (padded) / "
              f"{args.max_tokens_per_micro_batch or 'by model size (token_budget)'} tokens (packed), "
              f"KL beta {args.kl_beta}, gradient checkpointing {args.gradient_checkpointing}, "
-             f"fused loss {'on' if args.fused_loss else 'off'}, "
              f"GPUs {results[0]['world'] if results else 1}, order {args.order}, "
              f"{args.steps} step(s) per rotation"
              + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
@@ -723,9 +721,6 @@ def parse_args(argv=None):
                     help="which decoder layers recompute in the backward, as optim.gradient_checkpointing (auto plans "
                          "from the free memory: run one variant per process to compare, a resident runner's "
                          "weights count against the others' budget)")
-    ap.add_argument("--fused-loss", action="store_true",
-                    help="the update's decoder layers as torch.compile regions, as optim.fused_loss: true (the first "
-                         "step's update compiles them: compare steps after the warm-up, not first_step_s)")
     ap.add_argument("--moe-reference", action="store_true",
                     help="MoE models: run the 4-bit experts through the per-expert reference loop (each hit "
                          "expert dequantized per call, eager decode) instead of the grouped kernel")

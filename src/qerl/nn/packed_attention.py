@@ -188,10 +188,7 @@ def _repeat_heads(t: torch.Tensor, n_rep: int) -> torch.Tensor:
     return t[:, :, None].expand(S, KV, n_rep, Lk, hd).reshape(S, KV * n_rep, Lk, hd)
 
 
-# A new name: nothing existing is replaced. Registered as opaque to torch.compile: the layout's buckets differ per
-# micro-batch in number and shapes, so traced they would specialize a compiled decoder layer (`qerl.rl.fused_loss`)
-# to one micro-batch; it runs eagerly between the layer's graphs instead (the wrapper costs ~1 us a call eagerly)
-AttentionInterface.register(ATTN_NAME, torch.compiler.disable(packed_attention_forward))
+AttentionInterface.register(ATTN_NAME, packed_attention_forward)  # a new name: nothing existing is replaced
 
 
 @contextmanager

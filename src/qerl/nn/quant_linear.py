@@ -19,7 +19,6 @@ from ..kernels import quantized_linear, quantized_linear_grad_input
 from ..kernels.route import KernelPolicy, current_policy, kernel_policy
 from .lora import LoraConfig, init_lora_, lora_hidden
 from .quant_base import QuantizedModule
-from .quant_linear_op import compiled_quant_linear
 
 
 def _routed_by(policy: KernelPolicy):
@@ -113,8 +112,6 @@ class QuantLinear(QuantizedModule):
         if self.lora_A is not None and self.lora_enabled:
             h = lora_hidden(x, self.lora_A, self.lora_dropout)
             b, scaling = self.lora_B.weight, self.scaling
-        if torch.compiler.is_compiling():  # a compiled region (`optim.fused_loss`): the product as an opaque op
-            return compiled_quant_linear(self, x, h)
         return _QuantizedMatmul.apply(x, self.weight_format, self._tensor_names, self.bias, h, b, scaling,
                                       self.routing_policy, *self.quantized_tensors().values())
 

@@ -93,7 +93,7 @@ def check_same_run(saved: dict, current: dict, checkpoint: Path) -> None:
 # steps; changing it on --resume needs --override (`config_changes`).
 FUTURE_ONLY_KEYS = frozenset({"steps", "save_every", "keep_last", "keep_best", "tensorboard", "plots",
                               "output_dir", "max_reward_failure_steps", "optim.max_bad_steps",
-                              "optim.gradient_checkpointing", "optim.fused_loss"})
+                              "optim.gradient_checkpointing"})
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
 
 

@@ -24,7 +24,6 @@ from ..nn.quant_base import lora_disabled
 from .collect import Experience
 from .distributed import DistContext, all_reduce_gradients, all_reduce_sum
 from .flops import PassLayout, lora_of, update_flops
-from .fused_loss import compiled_layers
 from .logprobs import completion_logprobs
 from .losses import LossSettings, loss_normalizer, policy_loss
 from .packing import PackedMicroBatch, needed_tokens, packed_logprobs, plan_micro_batches
@@ -50,10 +49,6 @@ class UpdateSettings:
     tis_cap: float | None = 2.0  # truncated importance sampling cap, w_t = min(pi_old / mu, tis_cap); None = off
     # MoE: weight of the routers' load-balancing loss (`router_aux`) added to the policy loss; 0 = off
     aux_loss_coef: float = 0.0
-    # every pass's decoder layers as compiled regions (`qerl.rl.fused_loss`; config optim.fused_loss), and the
-    # torch.compile backend they use: a name (aot_eager: the same graphs, no code generated) or a backend callable
-    fused_loss: bool = False
-    fused_loss_backend: str | Callable = "inductor"
 
     def __post_init__(self):
         if self.old_logprobs not in OLD_LOGPROBS:
@@ -171,8 +166,7 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     at phase ends. dense_store: the 16-bit copies of the 4-bit linear weights the passes use (made on first
     use, kept by the caller; `kernels.dequant_cache`, the trainer's model.dense_weights); None: the 4-bit kernels.
     phase: called with each phase's name, a context manager entered around that phase (inside its timing; e.g.
-    `qerl bench step --busy`'s profiler), or None. With `settings.fused_loss` every pass (the probe, reference,
-    old-log-prob and loss passes, and their backward) runs the decoder layers compiled (`qerl.rl.fused_loss`).
+    `qerl bench step --busy`'s profiler), or None.
 
     Besides the loss statistics it returns `loss_tokens_computed` and `loss_tokens_needed`: the tokens ONE
     forward pass over the batch runs through the model (the reference, old-log-prob and each policy pass
@@ -195,8 +189,7 @@ def policy_update(model, exp: Experience, optimizer, params, settings: UpdateSet
     """
     on_cpu = exp.completion_ids.device.type == "cpu"
     # CPU: dequantize each weight once for the whole update; with a store, once for the run, on any device
-    fused = compiled_layers(model, settings.fused_loss_backend) if settings.fused_loss else nullcontext()
-    with dequantized_weights(enabled=on_cpu or dense_store is not None, store=dense_store), fused:
+    with dequantized_weights(enabled=on_cpu or dense_store is not None, store=dense_store):
         progress = {"stepped": False}
         while True:
             try:
