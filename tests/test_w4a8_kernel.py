@@ -62,7 +62,8 @@ def check_quantize_rows(device: str) -> list[str]:
     from qerl.kernels.triton.w4a8 import quantize_rows_e4m3
 
     fails = []
-    for m, k, dtype in [(9, 200, torch.float32), (5, 4100, torch.bfloat16), (8, 3584, torch.float16), (1, 16, torch.float32)]:
+    for m, k, dtype in [(9, 200, torch.float32), (5, 4100, torch.bfloat16), (8, 3584, torch.float16),
+                        (1, 16, torch.float32)]:
         x = _activations(m, k, dtype, device, m + k)
         q, s = poisoned(quantize_rows_e4m3)(x)
         rq, rs = quantize_rows_fp8(x)

@@ -3,9 +3,9 @@ channel strategy, the layout vLLM serves).
 
     W[n, k] ~= weight[n, k] * weight_scale[n, 0]     weight float8_e4m3fn [N, K], weight_scale fp32 [N, 1]
 
-The scale maps each row's absolute maximum onto e4m3's largest finite value (448, `e4m3_scale`); the codes are torch's cast to
-float8_e4m3fn (round to nearest even) of the scaled row, so the row maximum is exact. An all-zero row gets scale 1
-and zero codes. Activations are quantized per token when the matmul runs on FP8 tensor cores
+The scale maps each row's absolute maximum onto e4m3's largest finite value (448, `e4m3_scale`); the codes are
+torch's cast to float8_e4m3fn (round to nearest even) of the scaled row, so the row maximum gets the code 448. An
+all-zero row gets scale 1 and zero codes. Activations are quantized per token when the matmul runs on FP8 tensor cores
 (`qerl.kernels.fp8_matmul`); this module only stores weights.
 """
 
@@ -82,13 +82,15 @@ def nvfp4_as_fp8(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     scale (exact in fp32, up to 6 significant bits) divided by the row's power-of-two shift (`fp4_row_shift`)
     and rounded to e4m3 (nearest even); the shift over the global scale is the row's fp32 scale.
     {"weight": float8_e4m3fn [N, K], "weight_scale": fp32 [N, 1]}; benchmarks/w4a8_weights.py measures the
-    rounding (about 4% of NVFP4's own error). The Triton W4A8 kernel decodes to these same codes in registers."""
+    rounding (about 4% of NVFP4's own error). On the GPU `qerl.kernels.triton.w4a8.fp4_to_e4m3` decodes to these
+    same codes."""
     codes = unpack_fp4(weight_packed)
     n, k = codes.shape
     v = (decode_e2m1(codes).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
          * weight_scale.float().unsqueeze(-1)).reshape(n, k)
     shift = fp4_row_shift("nvfp4", weight_scale)
-    return {"weight": (v / shift).to(torch.float8_e4m3fn), "weight_scale": shift / weight_global_scale.float().reshape(1, 1)}
+    return {"weight": (v / shift).to(torch.float8_e4m3fn),
+            "weight_scale": shift / weight_global_scale.float().reshape(1, 1)}
 
 
 def mxfp4_as_fp8(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -28,7 +28,8 @@ from .fp4_codes import e2m1_pair_to_f32, e4m3_to_f32, e8m0_times_2p14, fp4_load
 E4M3_MAX = tl.constexpr(448.0)
 INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # fp32(1/448) once cast: `qerl.formats.fp8.e4m3_scale`
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
-SUBNORMAL_ROUNDER = tl.constexpr(24576.0)  # 1.5 * 2^14: fp32 ulp 2^-9 = e4m3's subnormal step, so (v + c) - c rounds there
+# 1.5 * 2^14: its fp32 ulp is 2^-9, e4m3's subnormal step, so (v + c) - c rounds there
+SUBNORMAL_ROUNDER = tl.constexpr(24576.0)
 
 
 @triton.jit
