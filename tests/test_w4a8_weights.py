@@ -52,4 +52,14 @@ def test_the_w4a8_emulation_swaps_every_nvfp4_layer_and_restores_them():
         for weights, activations in ((True, False), (False, True), (True, True)):
             with quality.w4a8(model, weights, activations):
                 assert (next_token_logprobs(model, ids) - ref).abs().max() > 1e-5
+        # per 1 x B block of a token: B = the whole row is per token; a smaller B is another rounding
+        name, layer = next(iter(layers.items()))
+        x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(3))
+        per_token = quality._W4A8(layer, False, True)(x)
+        assert torch.equal(quality._W4A8(layer, False, True, block=layer.in_features)(x), per_token)
+        assert (quality._W4A8(layer, False, True, block=16)(x) - per_token).abs().max() > 1e-5
+        with quality.w4a8(model, False, True):
+            per_token = next_token_logprobs(model, ids)
+        with quality.w4a8(model, False, True, block=16):
+            assert (next_token_logprobs(model, ids) - per_token).abs().max() > 1e-5
         assert quant_layers(model) == layers
