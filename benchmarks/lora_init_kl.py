@@ -2,8 +2,7 @@
 how much of the quantization error the adapter removes before any RL step.
 
 The held-out text is `qerl.eval.fidelity.fidelity_text` (GSM8K test problems with solutions); eora's calibration
-text is `--calibration` (default reasoning-gym, never GSM8K test). The row eora-drift is eora with
-`lora_init.EORA_DRIFT` on (its experimental fit against the 16-bit model's outputs through the input drift).
+text is `--calibration` (default reasoning-gym, never GSM8K test).
 
     python benchmarks/lora_init_kl.py --model smollm2-135m-instruct --formats nvfp4,mxfp4,nf4 --r 32
     python benchmarks/lora_init_kl.py --model qwen2.5-coder-1.5b-instruct --formats nvfp4 --samples 32 --reload
@@ -18,14 +17,14 @@ import torch
 
 def main():
     from qerl.eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
-    from qerl.models import load_causal_lm, lora_init, quantize_model
+    from qerl.models import load_causal_lm, quantize_model
     from qerl.models.calibrate import calibration_ids
     from qerl.nn import LoraConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--formats", default="nvfp4,mxfp4,nf4")
-    ap.add_argument("--inits", default="zero,loftq,eora", help="of zero, loftq, eora, eora-drift")
+    ap.add_argument("--inits", default="zero,loftq,eora")
     ap.add_argument("--r", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=64.0)
     ap.add_argument("--calibration", default="reasoning-gym")
@@ -51,10 +50,9 @@ def main():
         zero_kl = None
         for init in args.inits.split(","):
             t0 = time.perf_counter()
-            lora = LoraConfig(r=args.r, alpha=args.alpha, init=init.removesuffix("-drift"))
-            lora_init.EORA_DRIFT = init == "eora-drift"
+            lora = LoraConfig(r=args.r, alpha=args.alpha, init=init)
             fresh = load_causal_lm(args.model, dtype=torch.float32, device="cpu")[0] if args.reload else copy.deepcopy(base)
-            model = quantize_model(fresh, fmt, lora, calibration=cal if lora.init == "eora" else None)
+            model = quantize_model(fresh, fmt, lora, calibration=cal if init == "eora" else None)
             secs = time.perf_counter() - t0
             m = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
             zero_kl = m["kl"] if init == "zero" else zero_kl

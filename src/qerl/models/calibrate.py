@@ -4,11 +4,8 @@ input statistics, the per-group method quantizer, and the calibration tokens the
 The calibration tokens [S, T] run through the embedding; a pre-hook on decoder layer 0 records the hidden
 states and the arguments the model passes its layers (position embeddings, mask). Per layer, hooks on the
 dense target linears accumulate each input's Hessian H = sum x x^T / n (fp32 [K, K]) and keep a row sample
-for AWQ. For eora's drift fit (`lora_init.EORA_DRIFT`, an experiment) the 16-bit model's hidden states run
-beside the quantized ones (`reference_inputs`), and each target's input in the quantized model is paired with
-the same token's input in the 16-bit model (`drift_covariances`). `qerl.models.calibrated_quantize` runs the
-loop; only one layer's statistics and the hidden states [S, T, D] (two streams of them for the drift fit) are
-alive at a time, so it also works on the streaming loader's meta-device skeleton.
+for AWQ. `qerl.models.calibrated_quantize` runs the loop; only one layer's statistics and the hidden
+states [S, T, D] are alive at a time, so it also works on the streaming loader's meta-device skeleton.
 """
 
 from contextlib import contextmanager
@@ -183,73 +180,6 @@ def layer_statistics(layer: nn.Module, names: list[str], batches, total_rows: in
             h.remove()
     return ({n: sums[n] / counts[n] for n in sums},
             {n: torch.cat(r)[:AWQ_SAMPLE_ROWS] for n, r in rows.items()})
-
-
-@torch.no_grad()
-def reference_inputs(layer: nn.Module, names: list[str], batches, reference: list[torch.Tensor]
-                     ) -> tuple[list[str], dict[str, list[torch.Tensor]], list[torch.Tensor]]:
-    """eora's 16-bit stream through the dense `layer`: `reference` [hidden [B, T, D]] holds the 16-bit model's
-    hidden states, one per batch of `batches` ([(hidden, layer kwargs)], the quantized stream, whose kwargs it
-    shares: same rows, same positions).
-
-    Returns (`names` in the order the layer's forward reaches them, {name: [X_fp [B * T, K] per batch]} in the
-    layer's compute dtype, [the dense layer's output per batch: the next layer's 16-bit stream])."""
-    inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    order: list[str] = []
-
-    def hook_for(name):
-        def hook(_module, args):
-            if name not in order:
-                order.append(name)
-            inputs[name].append(args[0].detach().reshape(-1, args[0].shape[-1]))
-        return hook
-
-    handles = [layer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
-    try:
-        outputs = [layer_output(layer, ref, kwargs) for ref, (_, kwargs) in zip(reference, batches, strict=True)]
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [n for n in names if n not in order]
-    if missing:
-        raise ValueError(f"lora.init eora: the layer's forward never reached {missing}")
-    return order, inputs, outputs
-
-
-@torch.no_grad()
-def drift_covariances(layer: nn.Module, name: str, batches, fp_inputs: list[torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(C_qq, C_fq) fp32 [K, K] of the linear `name` of `layer` for eora's fit (`lora_init`): `layer` runs on the
-    quantized stream `batches` up to that linear, so its input X_q is the one the quantized model computes (the
-    layer's targets before it already quantized, with their adapters, by the caller); fp_inputs: the same
-    tokens' inputs X_fp [B * T, K] per batch in the 16-bit model (`reference_inputs`). C_qq = X_q^T X_q / n,
-    C_fq = X_fp^T X_q / n."""
-    stats: dict[str, torch.Tensor] = {}
-    current = {}
-
-    def hook(_module, args):
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-        xf = current["fp"].float()
-        if "qq" in stats:
-            stats["qq"].addmm_(x.t(), x)
-            stats["fq"].addmm_(xf.t(), x)
-        else:
-            stats["qq"], stats["fq"] = x.t() @ x, xf.t() @ x
-        raise _Captured  # the rest of the layer is not needed
-
-    handle = layer.get_submodule(name).register_forward_pre_hook(hook)
-    rows = 0
-    try:
-        for (hidden, kwargs), xf in zip(batches, fp_inputs, strict=True):
-            current["fp"] = xf
-            rows += xf.shape[0]
-            try:
-                layer_output(layer, hidden, kwargs)
-            except _Captured:
-                pass
-    finally:
-        handle.remove()
-    return stats["qq"] / rows, stats["fq"] / rows
 
 
 def awq_fake_quant(fmt: str):

@@ -18,26 +18,7 @@ alpha / sqrt(r) with rslora). With the residual R = W - W_q [N, K]:
   equivariant under U), so the Cholesky factor L of C serves: s B A = (R L)_r L^-1, one Cholesky and one
   triangular solve instead of an eigendecomposition (K = 8960: 1.4 s against 43 s on two CPU cores). C is
   damped by `EORA_DAMP` times its mean eigenvalue (trace / K) on the diagonal, so L is invertible (directions
-  the text never excites keep a finite weight). X are the layer's inputs in the quantized model (the
-  calibration runs layer by layer, the earlier layers quantized with their fitted adapters).
-
-eora's drift fit (`EORA_DRIFT`, an experiment, off: it measured worse, docs/formats.md). The fit above ignores
-that the layer's inputs drifted: the 16-bit model computes X_fp W^T, the quantized one X_q (W_q + D)^T, X_fp and
-X_q [n, K] the same tokens' inputs in the two models. The drift fit is
-
-    min over rank-r D of  ||X_fp W^T - X_q (W_q + D)^T||_F^2 / n  +  lam ||W_q + D - W||_F^2
-
-(lam = `EORA_DRIFT_DAMP` x trace(C_qq) / K: directions the text never excites stay at the 16-bit weight). With
-C_qq = X_q^T X_q / n and C_fq = X_fp^T X_q / n [K, K], it is quadratic in T = W_q + D with Hessian
-C = C_qq + lam I = L L^T and stationary point T* C = W (C_fq + lam I), so D* = W (C_fq + lam I) C^-1 - W_q =
-R + W (C_fq - C_qq) C^-1 (lam cancels in the difference), and up to a constant the objective is
-||(D - D*) L||_F^2: by Eckart-Young in the whitened space the rank-r optimum is D = (D* L)_r L^-1, with
-D* L = R L + W (C_fq - C_qq) L^-T (W multiplied first and one more triangular solve: O(N K^2), no K^3
-inverse). Where X_fp = X_q (the first linears of layer 0) C_fq = C_qq, D* = R, and it is the fit above. The
-calibration (`calibrated_quantize._eora_drift_layer`) then runs the 16-bit hidden states beside the quantized
-ones and quantizes a layer's sibling groups one after another, each group's X_q coming from the layer as
-quantized so far (with X_q from the dense layer, o_proj and down_proj would fit again the drift that q/k/v and
-gate/up's adapters already removed).
+  the text never excites keep a finite weight).
 
 Either split is balanced: with U S V^T the truncated SVD, B = U sqrt(S) / sqrt(s) and A = sqrt(S) V^T / sqrt(s)
 (for eora V^T L^-1 in place of V^T). Bases kept 16-bit (format bf16) keep the zero init.
@@ -49,42 +30,18 @@ experts needs each expert's own routed inputs (`init_expert_lora_` takes them), 
 not collect yet.
 """
 
-from typing import NamedTuple
-
 import torch
 
 from ..nn import QuantExperts, QuantLinear
 
 EORA_DAMP = 1e-2  # added to the covariance's diagonal, relative to its mean eigenvalue
-# eora's drift fit (module docstring): an experiment, off, because it measured worse than the drift-free fit
-# (docs/formats.md); `calibrated_quantize` reads it at call time, benchmarks/lora_init_kl.py's eora-drift row sets it
-EORA_DRIFT = False
-# its damping: 10x EORA_DAMP, the better of the two on SmolLM2 NVFP4 (KL 0.078 against 0.098 at 1e-2); the
-# regression of the drift on X_q is what the damping holds back
-EORA_DRIFT_DAMP = 1e-1
-
-
-class EoraStatistics(NamedTuple):
-    """One target linear's calibration statistics for eora's drift fit (`calibrate.drift_covariances`):
-    qq = C_qq fp32 [K, K], its inputs' covariance in the quantized model; fq = C_fq fp32 [K, K], the 16-bit
-    model's inputs against the quantized model's, token by token (X_fp^T X_q / n)."""
-    qq: torch.Tensor
-    fq: torch.Tensor
 
 
 def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance: torch.Tensor | None = None,
-                     damp: float = EORA_DAMP, cross: torch.Tensor | None = None,
-                     weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A fp32 [r, K], B fp32 [N, r]) with D = scaling * B @ A the best rank-r fit for `residual` R = W - W_q [N, K]:
-    - no covariance (loftq): of R in the Frobenius norm;
-    - covariance C_qq [K, K] (the quantized model's E[x x^T] of the inputs) and no cross: of R in the
-      activation-weighted norm ||(R - D) C^(1/2)||_F, C = C_qq damped (EoRA; inputs equal in both models);
-    - also cross C_fq [K, K] (X_fp^T X_q / n) and `weight` W [N, K] (eora's drift fit): the minimiser of
-      ||X_fp W^T - X_q (W_q + D)^T||_F^2 / n + lam ||W_q + D - W||_F^2, i.e. (D* L)_r L^-1 with
-      D* L = R L + W (C_fq - C_qq) L^-T (module docstring). cross == covariance gives the previous case exactly.
-    Ranks beyond min(N, K) are zero rows / columns."""
-    if cross is not None and (covariance is None or weight is None):
-        raise ValueError("residual_factors: the cross covariance needs the covariance and the 16-bit weight")
+                     damp: float = EORA_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A fp32 [r, K], B fp32 [N, r]) with scaling * B @ A the best rank-r fit of `residual` [N, K]: in the Frobenius
+    norm (loftq), or with `covariance` C [K, K] (the inputs' E[x x^T]) in the activation-weighted norm
+    ||(R - s B A) C^(1/2)||_F (eora). Ranks beyond min(N, K) are zero rows / columns."""
     res = residual.detach().float()
     n, k = res.shape
     chol = None
@@ -99,13 +56,7 @@ def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance:
                 break
         else:
             raise ValueError("lora.init eora: the input covariance is not positive definite even damped")
-        target = res @ chol  # R L, C = L L^T
-        if cross is not None:
-            # + W (C_fq - C_qq) L^-T: W times the [K, K] difference first (N <= K for most targets), then solve
-            # Y L^T = that for Y, against the same symmetrised C_qq that L factors
-            drift = weight.detach().float().to(res.device) @ (cross.detach().float().to(res.device) - cov)
-            target = target + torch.linalg.solve_triangular(chol.t(), drift, upper=True, left=False)
-        res = target
+        res = res @ chol  # R L, C = L L^T
     u, sv, vh = torch.linalg.svd(res, full_matrices=False)
     keep = min(r, sv.numel())
     half = sv[:keep].sqrt() / scaling ** 0.5
@@ -120,24 +71,17 @@ def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance:
 
 
 @torch.no_grad()
-def init_linear_lora_(layer: QuantLinear, weight: torch.Tensor,
-                      covariance: "EoraStatistics | torch.Tensor | None" = None) -> None:
+def init_linear_lora_(layer: QuantLinear, weight: torch.Tensor, covariance: torch.Tensor | None = None) -> None:
     """Set `layer`'s adapter (attached, `layer.lora_config.init` loftq or eora) from its 16-bit weight [N, K]:
-    the residual against the layer's own dequantized base. eora needs `covariance`: the calibration's
-    EoraStatistics (C_qq, C_fq fp32 [K, K]; `calibrated_quantize` passes these), or a plain C [K, K] for inputs
-    equal in both models (C_fq = C_qq)."""
+    the residual against the layer's own dequantized base. eora needs `covariance` [K, K] of the layer's inputs."""
     init = layer.lora_config.init
     if init == "zero" or layer.weight_format == "bf16":
         return
     if init == "eora" and covariance is None:
         raise ValueError("lora.init eora needs the layer's input covariance (calibration text)")
     residual = weight.detach().float() - layer.dequantized_weight(torch.float32).to(weight.device)
-    cov = cross = None
-    if init == "eora":
-        cov, cross = covariance if isinstance(covariance, EoraStatistics) else (covariance, None)
-    a, b = residual_factors(residual, layer.lora_A.out_features, layer.scaling, cov,
-                            damp=EORA_DAMP if cross is None else EORA_DRIFT_DAMP, cross=cross,
-                            weight=weight if cross is not None else None)
+    a, b = residual_factors(residual, layer.lora_A.out_features, layer.scaling,
+                            covariance if init == "eora" else None)
     layer.lora_A.weight.copy_(a)
     layer.lora_B.weight.copy_(b)
 
