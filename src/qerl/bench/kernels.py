@@ -11,12 +11,12 @@ and the input gradient dY @ W (fused and routed vs deq+cublas vs cublas). Each t
 replays of a sequence of calls that cycles through enough weight copies to exceed twice the L2 cache, so
 weights come from HBM, as in a real model pass. Bandwidth = bytes of weights + activations moved / time,
 shown against the device's measured copy bandwidth. Writes <out>.json and <out>.md; prints the table.
+`--compute fp8` times the FP8 products instead (W4A8, W8A8 beside cuBLAS bf16 and W4A16; `qerl.bench.kernels_fp8`).
 """
 
 import argparse
 import datetime
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
