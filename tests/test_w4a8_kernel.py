@@ -94,8 +94,7 @@ def scaled_mm_tolerance(xq, xs, f: dict, ref: torch.Tensor, out_dtype: torch.dty
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """What `_scaled_mm` on sm_90 may differ from the float64 product ref (bias included) by: the product's rounding
     to out_dtype and the bias add's, plus the FP8 tensor cores' accumulation, whose error scales with the sum of the
-    terms' magnitudes sum_k |x_k w_k| (their partial sums keep fewer than fp32's 24 bits: up to 2^-14.5 of that sum
-    measured on an H200; 2^-13 allowed)."""
+    terms' magnitudes sum_k |x_k w_k| (their partial sums keep fewer than fp32's 24 bits): 2^-13 of that sum."""
     terms = (xq.double().abs() * xs.double()) @ (f["weight"].double().abs() * f["weight_scale"].double()).t()
     product = ref if bias is None else ref - bias.double()
     return 2 ** -8 * (product.abs() + (0 if bias is None else ref.abs())) + 2 ** -13 * terms
