@@ -132,3 +132,26 @@ def test_eval_scores_with_fp8_compute_and_refuses_other_formats(tiny_dir, data_f
     assert summary["n_problems"] == 3 and 0 <= summary["pass@1"] <= 1
     assert main([*common, "--format", "nf4", "--compute", "fp8"]) == 2
     assert "--compute fp8 multiplies nvfp4 or mxfp4" in capsys.readouterr().err
+
+
+def test_the_trainers_engine_samples_with_fp8_compute_only_inside_its_routing(tiny_dir, data_file, tmp_path):  # noqa: F811
+    """The engine's products read the routing scope, not the layers: `Trainer.kernel_routing` is that scope, and
+    an evaluation through `trainer.engine` (the study's held-out scores) must run inside it to score the W4A8
+    policy rather than the W4A16 one."""
+    from qerl.rl.trainer import Trainer
+    from qerl.rollout.sampling import SamplingParams
+
+    cfg = load_config(None, _overrides(tiny_dir, data_file, tmp_path / "run", **{"model.compute": "fp8"}))
+    trainer = Trainer(cfg)
+    prompts = [[1, 5, 9, 13], [2, 4, 6]]
+
+    def logprobs():
+        out = trainer.engine.generate(prompts, 6, SamplingParams(0.0), seed=0, ignore_eos=True)
+        return out.logprobs
+
+    outside = logprobs()
+    with trainer.kernel_routing():
+        assert current_policy().compute == "fp8"
+        inside = logprobs()
+    assert current_policy().compute == "bf16"
+    assert torch.isfinite(inside).all() and not torch.equal(inside, outside)

@@ -155,6 +155,34 @@ def test_row_shift_puts_the_row_maximum_in_e4m3s_top_binade():
     assert fp4_row_shift("nvfp4", torch.zeros(1, 4).to(torch.float8_e4m3fn)).item() == 1
 
 
+def test_row_shifts_stay_at_one_address_and_follow_the_scales():
+    """`w4a8_shift` keeps each weight's shifts in fixed tensors (a captured CUDA graph reads them): a new view of
+    the same scales (the engine's fused sibling groups, rebuilt on every refresh) gets the same tensors; scales or a
+    global scale changed in place are recomputed into them; the values always equal a fresh computation."""
+    from qerl.kernels.fp8_matmul import w4a8_shift
+
+    for fmt, quantize in (("nvfp4", quantize_nvfp4), ("mxfp4", quantize_mxfp4)):
+        t = quantize(torch.randn(48, 256) * torch.logspace(-2, 2, 48)[:, None])
+
+        def fresh(tensors):
+            shift = fp4_row_shift(fmt, tensors["weight_scale"])
+            return shift, shift / tensors["weight_global_scale"] if fmt == "nvfp4" else shift
+
+        shift, ws = w4a8_shift(fmt, t)
+        assert all(torch.equal(a, b) for a, b in zip((shift, ws), fresh(t)))
+        scale = t["weight_scale"]
+        view = {**t, "weight_scale": scale.as_strided(scale.shape, scale.stride())}  # another object, same memory
+        again = w4a8_shift(fmt, view)
+        assert again[0] is shift and again[1] is ws
+        with torch.no_grad():  # an in-place load of other scales: same tensors, new values
+            scale[5] = scale[40]
+            if fmt == "nvfp4":
+                t["weight_global_scale"].mul_(2)
+        now = w4a8_shift(fmt, view)
+        assert now[0] is shift and now[1] is ws
+        assert all(torch.equal(a, b) for a, b in zip(now, fresh(view))), fmt
+
+
 # ---- GPU ----
 
 def _fp8_gpu():
@@ -210,3 +238,42 @@ def test_gpu_dispatch_routes_by_rows(fmt):
                 (q.double().abs() * s.double()) @ (f["weight"].double().abs() * f["weight_scale"].double()).t())
             err = (y.double() - ref).abs()
             assert (err <= tol).all(), (n, m, float((err / tol)[tol > 0].max()))
+
+
+@pytest.mark.gpu
+def test_gpu_captured_product_survives_a_rebuilt_view_of_its_scales():
+    """A CUDA graph that captured `w4a8_linear` keeps giving the right product after the scale tensor it saw is
+    replaced by a new view of the same memory and freed memory is reused (the engine rebuilds its fused sibling
+    views on every refresh; shifts cached on the old view object were freed with it and read as garbage)."""
+    _fp8_gpu()
+    from qerl.kernels.fp8_matmul import w4a8_linear
+
+    t = _weights("nvfp4", 1536, 1024, "cuda", 5)
+    f = AS_FP8["nvfp4"](**t)
+
+    def view():
+        s = t["weight_scale"]
+        return {**t, "weight_scale": s.as_strided(s.shape, s.stride())}
+
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    v1 = view()
+    w4a8_linear("nvfp4", x, v1)  # eager first, as the engine's warm-up is
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = w4a8_linear("nvfp4", x, v1)
+    torch.cuda.current_stream().wait_stream(stream)
+    del v1
+    w4a8_linear("nvfp4", x, view())  # the next refresh's view, eagerly
+    junk = [torch.full((1536, 1), float("nan"), device="cuda") for _ in range(64)]  # reuse what was freed
+    x.copy_(torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    q, s = quantize_rows_fp8(x)
+    ref = _reference(q, s, f)
+    err = (y.double() - ref).abs()
+    tol = scaled_mm_tolerance(q, s, f, ref, y.dtype)
+    assert (err <= tol).all(), float((err / tol)[tol > 0].max())
+    del junk

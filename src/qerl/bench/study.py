@@ -263,9 +263,10 @@ def run_job(args, job: Job) -> dict:
         values are None with --eval-limit 0 (a learning-rate sweep leaves the held-out set alone)."""
         if test_rows is None:
             return {f"pass1_{when}": None}
-        res = evaluate(trainer.model, trainer.tokenizer, test_rows, n_samples=args.eval_n, sampling=sampling,
-                       max_new_tokens=cfg.rollout.max_new_tokens, suffix=cfg.data.suffix, seed=job.seed,
-                       engine=trainer.engine, progress=False)
+        with trainer.kernel_routing():  # the policy as it trains (model.compute fp8: W4A8 where it routes)
+            res = evaluate(trainer.model, trainer.tokenizer, test_rows, n_samples=args.eval_n, sampling=sampling,
+                           max_new_tokens=cfg.rollout.max_new_tokens, suffix=cfg.data.suffix, seed=job.seed,
+                           engine=trainer.engine, progress=False)
         return {f"pass1_{when}": res["pass@1"], f"pass1_{when}_strict": res["pass@1_strict"],
                 f"no_answer_{when}": res["no_answer"], f"format_{when}": res["format_followed"]}
 

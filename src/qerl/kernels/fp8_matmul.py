@@ -14,14 +14,15 @@ than FP8 math saves). The CPU emulates the same numerics in fp32. The input grad
 weight's, in 16 bits (`qerl.kernels.dispatch`).
 """
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ..formats.fp8 import as_fp8, dequantize_fp8, fp4_row_shift, quantize_rows_fp8
 from .operands import as_2d, scale_bytes
 from .route import current_policy, use_triton
-
-_SHIFT_ATTR = "_qerl_w4a8_shift"  # cached on the weight_scale tensor object, with its version counter
 
 
 def fp8_tensor_cores(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -85,17 +86,46 @@ def check_compute(compute: str, device: torch.device) -> None:
                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}; use model.compute bf16")
 
 
+@dataclass
+class _Shift:
+    """One weight's W4A8 row shifts, in tensors whose addresses never change (CUDA graphs bake them in)."""
+    shift: torch.Tensor  # fp32 [N, 1]
+    ws: torch.Tensor  # fp32 [N, 1]: shift / global scale (NVFP4) or shift (MXFP4)
+    source: "weakref.ref[torch.Tensor]"  # the scale tensor object they were computed from
+    versions: tuple[int, int]  # its version counter and the global scale's, at that time
+
+
+# keyed by where the scales live (address, shape, strides), not by tensor object: the engine's fused sibling
+# groups are fresh views of the same memory on every refresh, and a captured graph keeps reading the tensors it
+# saw at capture, so an entry is refilled in place, never replaced or freed
+_SHIFTS: dict[tuple, _Shift] = {}
+
+
 def w4a8_shift(fmt: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the rows' power-of-two shifts, the fp8 weight scale = shift / global scale), fp32 [N, 1] each: computed
-    once per weight (cached on its scale tensor with the version counter, so an in-place load is seen)."""
+    """(the rows' power-of-two shifts, the fp8 weight scale = shift / global scale), fp32 [N, 1] each.
+
+    Computed once per weight and kept at a fixed address: recomputed in place when the scale tensor object or
+    the version counter of the scales or of the global scale differs from last time (a new view of the same
+    memory, an in-place load), so a CUDA graph that captured a product reads current shifts on every replay."""
     scale = tensors["weight_scale"]
-    hit = getattr(scale, _SHIFT_ATTR, None)
-    if hit is not None and hit[0] == scale._version:
-        return hit[1]
+    gs = tensors.get("weight_global_scale") if fmt == "nvfp4" else None
+    key = (fmt, scale.device, scale.data_ptr(), tuple(scale.shape), scale.stride(),
+           None if gs is None else gs.data_ptr())
+    versions = (scale._version, -1 if gs is None else gs._version)
+    entry = _SHIFTS.get(key)
+    if entry is not None and entry.source() is scale and entry.versions == versions:
+        return entry.shift, entry.ws
     shift = fp4_row_shift(fmt, scale)
-    ws = shift / tensors["weight_global_scale"].float().reshape(1, 1) if fmt == "nvfp4" else shift
-    setattr(scale, _SHIFT_ATTR, (scale._version, (shift, ws)))
-    return shift, ws
+    ws = shift / gs.float().reshape(1, 1) if gs is not None else shift
+    if entry is None:
+        if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+            return shift, ws  # recomputed by the graph on every replay; cached by the next eager call
+        entry = _SHIFTS[key] = _Shift(shift, ws.clone() if ws is shift else ws, weakref.ref(scale), versions)
+    else:  # same place, same shape: refill, keeping the addresses a captured graph may read
+        entry.shift.copy_(shift)
+        entry.ws.copy_(ws)
+        entry.source, entry.versions = weakref.ref(scale), versions
+    return entry.shift, entry.ws
 
 
 W4A8_TENSOR_CORES, W4A8_BF16_KERNELS, W4A8_EMULATED = "tensor_cores", "bf16_kernels", "emulated"

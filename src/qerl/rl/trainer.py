@@ -205,13 +205,19 @@ class Trainer:
         so the data position stays identical on all ranks."""
         return self.stream.take(n * self.dist.world)[self.dist.rank::self.dist.world]
 
+    def kernel_routing(self):
+        """The run's kernel routing as a scope (model.compute, optim.grad_input_no_temporary) for work done with
+        its engine: the rollouts, and an evaluation through `self.engine` (the engine's products read the scope,
+        not the layers)."""
+        return contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing)
+
     # one step ---------------------------------------------------------------------------------
 
     def train_step(self) -> dict:
         cfg = self.cfg
         sigma = self.aqn.sigma(self.step, cfg.steps) * (self.controller.multiplier if self.controller else 1.0)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        with contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing):  # rollouts' kernels
+        with self.kernel_routing():
             result = rl_step(lambda: collect_experience(self.engine, self._my_problems, self.encode, self.rewards,
                                                         self.collect_settings, sigma=sigma, generator=self.generator),
                              model=self.model, engine=self.engine, memory=self.engine_memory, optimizer=self.optimizer,
