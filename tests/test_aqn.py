@@ -285,7 +285,7 @@ def test_aqn_raises_sampling_entropy_on_the_real_model():
     sp = SamplingParams(temperature=0.7)
 
     def mean_entropy(sigma, seed):
-        out = engine.generate(prompts * 4, 48, sp, seed=seed, ignore_eos=True,
+        out = engine.generate(prompts * 2, 32, sp, seed=seed, ignore_eos=True,
                               aqn=NoisyNorms(model, sigma, seed=seed) if sigma else None)
         return out.entropies[out.completion_mask].mean().item()
 

@@ -269,7 +269,7 @@ def test_trainer_option_builds_and_trains(untied_dir, tmp_path):
                  "data.max_prompt_tokens": 32, "data.suffix": "none", "rollout.prompts_per_step": 2,
                  "rollout.group_size": 2, "rollout.max_new_tokens": 4, "lora.r": 4, "lora.alpha": 8, "steps": 1,
                  "output_dir": str(tmp_path / "run"), "tensorboard": False, "plots": False,
-                 "rewards": "['tiny:digit_reward']"}
+                 "rewards": "['tiny_rewards:digit_reward']"}
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     assert cfg.model.quantize_embeddings is True
     assert load_config(None, []).model.quantize_embeddings is False  # off by default

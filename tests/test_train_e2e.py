@@ -27,7 +27,7 @@ def _overrides(tiny_dir, data_file, out, **extra):
             "data.max_prompt_tokens": 32, "data.suffix": "none", "rollout.prompts_per_step": 2, "rollout.group_size": 4,
             "rollout.max_new_tokens": 8, "lora.r": 4, "lora.alpha": 8, "optim.lr": 1e-3, "steps": 3,
             "output_dir": str(out), "tensorboard": False, "aqn.num_stages": 3, "aqn.sigma_start": 0.05,
-            "aqn.sigma_end": 0.01, "reward_timeout_s": 30, "rewards": "[math, 'tiny:digit_reward']"}
+            "aqn.sigma_end": 0.01, "reward_timeout_s": 30, "rewards": "[math, 'tiny_rewards:digit_reward']"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 

@@ -59,7 +59,7 @@ def _overrides(tiny_dir, data_file, out, **extra):
 
 
 @pytest.mark.parametrize("rewards", ["['guard_rewards:always_raises']",
-                                     "[tiny:digit_reward, 'guard_rewards:always_raises']"])
+                                     "[tiny_rewards:digit_reward, 'guard_rewards:always_raises']"])
 def test_a_reward_failing_on_every_row_stops_the_run_with_a_checkpoint(tiny_dir, data_file, guard_rewards, tmp_path,
                                                                       capsys, rewards):
     # alone it leaves all-zero rewards; beside a working reward its weight silently becomes zero: both stop

@@ -15,7 +15,8 @@ def test_demo_config_trains_two_steps(tmp_path):
     out = tmp_path / "run"
     config = Path(__file__).resolve().parent.parent / "configs" / "smollm2-demo.yaml"
     code = main(["train", "--config", str(config), "--output-dir", str(out), "steps=2",
-                 "rollout.prompts_per_step=2", "rollout.max_new_tokens=48", "aqn.num_stages=2", "tensorboard=false"])
+                 "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=32", "aqn.num_stages=2",
+                 "tensorboard=false"])
     assert code == 0
     metrics = read_metrics(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]

@@ -33,8 +33,3 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-def digit_reward(prompts, completions, **columns):
-    """A reward with signal even for a random model: the fraction of digit characters (TRL signature)."""
-    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]

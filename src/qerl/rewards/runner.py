@@ -52,8 +52,12 @@ class _ProcessWorker:
         self.module = module
         self.proc = None
         self.inbox = self.outbox = None  # our ends: we send on outbox, receive on inbox
+        self.ready = False  # the process reported its start-up done
 
-    def _start(self) -> None:
+    def launch(self) -> None:
+        """Start the process without waiting for it: its start-up (interpreter, the function's module,
+        math-verify warm-up: ~1-3 s) runs while the caller goes on (`RewardRunner` launches every worker when it
+        is made, so they start together, beside the model loading)."""
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self.proc = subprocess.Popen(
@@ -63,16 +67,21 @@ class _ProcessWorker:
         self.outbox = Connection(to_child_w, readable=False)
         self.inbox = Connection(from_child_r, writable=False)
         self.outbox.send((list(sys.path), self.module))
-        # start-up (interpreter, the function's module, math-verify warm-up: ~1 s) is not charged to a call's
-        # timeout
+        self.ready = False
+
+    def _await_ready(self) -> None:
+        # start-up is not charged to a call's timeout
         if not self.inbox.poll(STARTUP_TIMEOUT_S) or self.inbox.recv()[0] != "ready":
             self.close()
             raise RuntimeError(f"reward worker process did not start within {STARTUP_TIMEOUT_S}s")
+        self.ready = True
 
     def submit(self, payload: bytes) -> None:
         if self.proc is None or self.proc.poll() is not None:
             self.close()
-            self._start()
+            self.launch()
+        if not self.ready:
+            self._await_ready()
         self.outbox.send_bytes(payload)
 
     def result(self, deadline: float):
@@ -93,6 +102,7 @@ class _ProcessWorker:
             self.proc.wait(timeout=5)
             self.inbox.close(), self.outbox.close()
         self.proc = self.inbox = self.outbox = None
+        self.ready = False
 
 
 class _ThreadCall:
@@ -140,6 +150,21 @@ def check_values(values, n: int) -> tuple[list[float | None], int, str | None]:
     return out, bad, problem
 
 
+def _defined_in_main(func) -> bool:
+    return getattr(func, "__module__", None) == "__main__" or type(func).__module__ == "__main__"
+
+
+def _runs_in_a_process(func) -> bool:
+    """Whether process isolation can take `func` (picklable, importable by a worker)."""
+    if _defined_in_main(func):
+        return False
+    try:
+        pickle.dumps(func)
+    except Exception:
+        return False
+    return True
+
+
 class RewardRunner:
     """Scores completions with several reward functions; see the module docstring for the semantics.
 
@@ -169,6 +194,13 @@ class RewardRunner:
         self.workers = [_ProcessWorker(getattr(f, "__module__", None) or type(f).__module__) for f in funcs]
         self.last_errors: dict[str, str] = {}  # name -> first problem of the last `score` call
         self._warned_unpicklable: set[int] = set()
+        if isolation == "process":  # all start at once, now: the first `score` waits for the slowest only
+            for f, w in zip(funcs, self.workers):
+                if _runs_in_a_process(f):
+                    try:
+                        w.launch()
+                    except OSError:  # retried (and reported) by the first call
+                        w.close()
 
     def _start(self, i: int, prompts, completions, columns):
         func = self.funcs[i]
@@ -176,7 +208,7 @@ class RewardRunner:
             return _call_inline(func, prompts, completions, columns)
         if self.isolation == "process":
             try:
-                if getattr(func, "__module__", None) == "__main__" or type(func).__module__ == "__main__":
+                if _defined_in_main(func):
                     # the worker runs no user script, so it cannot import names from __main__
                     raise pickle.PicklingError("defined in __main__")
                 payload = pickle.dumps((func, prompts, completions, columns))
