@@ -2,10 +2,12 @@
 how much of the quantization error the adapter removes before any RL step.
 
 The held-out text is `qerl.eval.fidelity.fidelity_text` (GSM8K test problems with solutions); eora's calibration
-text is `--calibration` (default reasoning-gym, never GSM8K test).
+text is `--calibration` (default reasoning-gym, never GSM8K test); `--calibration train --train SOURCE` calibrates on
+a training set's problems as `qerl train` does with `model.calibration.source: train` (`auto` mixes both).
 
     python benchmarks/lora_init_kl.py --model smollm2-135m-instruct --formats nvfp4,mxfp4,nf4 --r 32
     python benchmarks/lora_init_kl.py --model qwen2.5-coder-1.5b-instruct --formats nvfp4 --samples 32 --reload
+    python benchmarks/lora_init_kl.py --formats nvfp4 --inits zero,eora --calibration train --train gsm8k-offline:train
 """
 
 import argparse
@@ -16,6 +18,7 @@ import torch
 
 
 def main():
+    from qerl.data import load_problems
     from qerl.eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
     from qerl.models import load_causal_lm, quantize_model
     from qerl.models.calibrate import calibration_ids
@@ -28,6 +31,7 @@ def main():
     ap.add_argument("--r", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=64.0)
     ap.add_argument("--calibration", default="reasoning-gym")
+    ap.add_argument("--train", help="training problems for --calibration train / auto (e.g. gsm8k-offline:train)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--problems", type=int, default=8, help="held-out GSM8K test problems")
@@ -41,8 +45,10 @@ def main():
     ref = next_token_logprobs(base, ids)
     if args.reload:
         del base
-    cal = calibration_ids(args.calibration, tok, args.samples, args.max_tokens)
-    print(f"{args.model}: {ids.shape[1]} held-out tokens, calibration {tuple(cal.shape)} ({args.calibration}), "
+    train_rows = load_problems(args.train, split="train") if args.train else None
+    cal = calibration_ids(args.calibration, tok, args.samples, args.max_tokens, train_rows=train_rows)
+    source = args.calibration + (f" of {args.train}" if args.train else "")
+    print(f"{args.model}: {ids.shape[1]} held-out tokens, calibration {tuple(cal.shape)} ({source}), "
           f"r={args.r} alpha={args.alpha}")
     print(f"| format | init | KL (nats/token) | x zero | top-1 agree | seconds |")
     print(f"|---|---|---|---|---|---|")
