@@ -87,7 +87,8 @@ def check_distribution(device, rows=(3000, 3000), seed=1, vocab=9000) -> list[st
     from qerl.kernels.triton import sampling as ts
 
     fails = []
-    for rows, (V, T, chunks, hot) in zip(rows, ((6, 1.0, None, (0, 3, 5)), (vocab, 0.8, 3, (2, vocab // 2, vocab - 1)))):
+    cases = ((6, 1.0, None, (0, 3, 5)), (vocab, 0.8, 3, (2, vocab // 2, vocab - 1)))
+    for rows, (V, T, chunks, hot) in zip(rows, cases):
         z = torch.full((V,), -30.0)
         z[list(hot)] = torch.tensor([1.0, 0.2, -0.5])
         logits = z.to(device)[None].expand(rows, V).contiguous()
