@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from qerl.config import load_config
+    from qerl.rl import step as step_mod
     from qerl.rl import trainer as trainer_mod
 
     sets = {**BASE, "steps": args.warm + 1, "output_dir": tempfile.mkdtemp()}
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     for _ in range(args.warm):
         tr.train_step()
     phases = {}
-    collect, update = trainer_mod.collect_experience, trainer_mod.policy_update
+    collect, update = trainer_mod.collect_experience, step_mod.policy_update
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
             return out
         return wrapper
 
-    trainer_mod.collect_experience, trainer_mod.policy_update = timed("rollout", collect), timed("update", update)
+    # the trainer calls collect_experience, the step calls policy_update: patch each where it is looked up
+    trainer_mod.collect_experience, step_mod.policy_update = timed("rollout", collect), timed("update", update)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         metrics = tr.train_step()
     rows = kernel_rows(prof)
