@@ -21,3 +21,8 @@ def load_benchmark(name: str):
 def load_experiment(name: str):
     """experiments/NAME.py as a module."""
     return _load("experiments", name)
+
+
+def load_peer(name: str):
+    """benchmarks/peers/NAME.py as a module."""
+    return _load("benchmarks/peers", name)

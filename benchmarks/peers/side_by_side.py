@@ -1,0 +1,221 @@
+"""Every peer and qerl on one job, spread over the GPUs of one machine; then each trained adapter's held-out score
+by one scorer (`qerl eval`), and the table of docs/peers.md.
+
+    python benchmarks/peers/side_by_side.py --config configs/gsm8k-grpo-1.5b.yaml --steps 20 --seeds 0,1,2 \\
+        --gpus 0,1,2,3 --out runs/peers
+    python benchmarks/peers/side_by_side.py ... --jobs qerl-bf16,qerl-nvfp4,trl --dry-run   # the commands only
+    python benchmarks/peers/side_by_side.py ... --report                                    # the table only
+
+Jobs (--jobs, default all): qerl-bf16 and qerl-nvfp4 (`qerl train` with the config as it is, and as bf16 LoRA without
+AQN), trl (TRL's GRPOTrainer with its colocated vLLM, its defaults), trl-fast (+ Liger loss, vLLM at half the
+GPU), trl-sleep (+ vLLM sleep mode), unsloth-16bit, unsloth-4bit, unsloth-fp8 (`trl_grpo.py`, `unsloth_grpo.py`).
+One process per (job, seed), each on the GPU running the fewest; a job's output goes to OUT/JOB_sSEED/run, its log to
+OUT/JOB_sSEED/job.log. Installs nothing: a job whose peer is missing fails with its log's error in the table and the
+others go on. Run again to finish what is missing: a finished job (its result file exists) or evaluation is kept.
+
+Each trained adapter is then scored greedily on the held-out problems (`--test`, default the config's
+`gsm8k-offline:heldout`, first --eval-limit) on the 16-bit model (how a peer's adapter is served, merged), and a
+4-bit qerl job's also on its own base (`--format` / `--keep-bf16` of its config). Unsloth's 4-bit and FP8 adapters
+are scored on the 16-bit model too (qerl does not load bitsandbytes or Unsloth's FP8 bases).
+
+The table: median seconds per optimizer step over steps 3..N (device synchronised; qerl's `time_step`), time to the
+first finished step (peers: from the script's start, imports included; qerl: from the trainer's creation, so a few
+seconds of imports less), peak memory (torch's allocator; the peers' also the device's used memory, which counts
+vLLM's pools), the mean reward of the first and last five steps, and held-out pass@1 (flexible / strict): means
+over seeds. Also written to OUT/side_by_side.json.
+"""
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+
+# job -> (script or "qerl", extra arguments); the qerl jobs' arguments are config overrides
+JOBS = {
+    "qerl-nvfp4": ("qerl", []),
+    "qerl-bf16": ("qerl", ["model.format=bf16", "model.keep_bf16=[]", "aqn.enabled=false"]),
+    "trl": ("trl_grpo.py", []),
+    "trl-fast": ("trl_grpo.py", ["--liger", "--gpu-memory-utilization", "0.5"]),
+    "trl-sleep": ("trl_grpo.py", ["--sleep"]),
+    "unsloth-16bit": ("unsloth_grpo.py", ["--weights", "16bit"]),
+    "unsloth-4bit": ("unsloth_grpo.py", ["--weights", "4bit"]),
+    "unsloth-fp8": ("unsloth_grpo.py", ["--weights", "fp8"]),
+}
+RESULT_FILE = {"trl_grpo.py": "trl.json", "unsloth_grpo.py": "unsloth.json"}
+
+
+@dataclass(frozen=True)
+class Job:
+    """What `qerl.bench.study_jobs.run_jobs` runs: a name, its directory, its log and the file that says it is done."""
+
+    name: str
+    dir: Path
+    log_path: Path
+    result_path: Path
+    argv: tuple[str, ...]
+
+
+def train_job(out: Path, name: str, seed: int, args) -> Job:
+    script, extra = JOBS[name]
+    d = out / f"{name}_s{seed}"
+    run = d / "run"
+    if script == "qerl":
+        argv = [PY, "-m", "qerl.cli", "train", "--config", args.config, "--output-dir", str(run), f"steps={args.steps}",
+                f"seed={seed}", "save_every=0", *extra, *args.set]
+        result = run / "adapter" / "adapter_config.json"
+    else:
+        argv = [PY, str(HERE / script), "--config", args.config, "--steps", str(args.steps), "--out", str(run),
+                *extra, "--set", f"seed={seed}", *args.set]
+        result = run / RESULT_FILE[script]
+    return Job(f"{name}_s{seed}", d, d / "job.log", result, tuple(argv))
+
+
+def eval_jobs(job: Job, name: str, cfg, args) -> list[Job]:
+    """The held-out evaluations of a trained job's adapter: on the 16-bit model, and a 4-bit qerl job's on its base."""
+    adapter = job.dir / "run" / "adapter"
+    bases = [("16bit", [])]
+    fmt = cfg.model.format if name == "qerl-nvfp4" else "bf16"
+    if fmt != "bf16":
+        keep = ",".join(cfg.model.keep_bf16)
+        bases.append(("own", ["--format", fmt] + (["--keep-bf16", keep] if keep else [])))
+    out = []
+    for base, flags in bases:
+        d = job.dir / f"eval_{base}"
+        argv = [PY, "-m", "qerl.cli", "eval", cfg.model.name, "--adapter", str(adapter), "--dataset", args.test,
+                "--greedy", "--max-new-tokens", str(cfg.rollout.max_new_tokens), "--limit", str(args.eval_limit),
+                "--suffix", cfg.data.suffix, *flags, "--out", str(d / "eval.jsonl")]
+        out.append(Job(f"{job.name}:{base}", d, d / "job.log", d / "eval.jsonl", tuple(argv)))
+    return out
+
+
+def eval_scores(path: Path) -> dict | None:
+    """pass@1 (flexible, the `math` reward) and strict from a `qerl eval --out` file, or None when absent."""
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    mean = lambda key: statistics.mean(statistics.mean(r[key]) for r in rows)  # noqa: E731
+    return {"pass1": mean("rewards"), "strict": mean("strict"), "problems": len(rows)}
+
+
+def train_summary(job: Job, script: str) -> dict | None:
+    """Step time, first step, peak memory and reward of a finished training job, from its own output."""
+    if not job.result_path.is_file():
+        return None
+    if script != "qerl":
+        r = json.loads(job.result_path.read_text())
+        return {"median_step_s": r["median_step_s"], "first_step_s": r["time_to_first_step_s"],
+                "peak_gb": r["peak_allocated_gb"], "device_used_gb": r.get("peak_device_used_gb"),
+                "reward": r["reward"], "versions": r.get("versions", {})}
+    rows = [json.loads(line) for line in (job.dir / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["time_step"] for r in rows]
+    return {"median_step_s": statistics.median(steps[2:] or steps), "first_step_s": rows[0].get("time_to_first_step"),
+            "peak_gb": max(r["memory_gb"] for r in rows), "device_used_gb": None,
+            "reward": [r["reward"] for r in rows], "versions": {}}
+
+
+def mean_of(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def report(plan: dict, cfg, args) -> list[dict]:
+    """One row per job (means over its seeds) from what OUT holds; printed as a markdown table."""
+    table = []
+    for name, jobs in plan.items():
+        script = JOBS[name][0]
+        runs = [(train_summary(j, script), {e.name.split(":")[1]: eval_scores(e.result_path)
+                                            for e in eval_jobs(j, name, cfg, args)}) for j in jobs]
+        done = [(t, e) for t, e in runs if t is not None]
+        row = {"job": name, "seeds": len(done), "of": len(jobs)}
+        if done:
+            score = lambda base, key: mean_of([e[base][key] if e.get(base) else None for _, e in done])  # noqa: E731
+            row.update(
+                median_step_s=mean_of([t["median_step_s"] for t, _ in done]),
+                first_step_s=mean_of([t["first_step_s"] for t, _ in done]),
+                peak_gb=mean_of([t["peak_gb"] for t, _ in done]),
+                device_used_gb=mean_of([t["device_used_gb"] for t, _ in done]),
+                reward_first5=mean_of([statistics.mean(t["reward"][:5]) for t, _ in done if t["reward"]]),
+                reward_last5=mean_of([statistics.mean(t["reward"][-5:]) for t, _ in done if t["reward"]]),
+                pass1_16bit=score("16bit", "pass1"), strict_16bit=score("16bit", "strict"),
+                pass1_own=score("own", "pass1"), strict_own=score("own", "strict"),
+                versions=done[0][0]["versions"])
+        table.append(row)
+    fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
+    print("| job | seeds | s / step (median, steps 3+) | first step s | peak GB (allocated / device) | reward first 5 -> "
+          "last 5 | held-out pass@1, 16-bit base (strict) | on its own 4-bit base (strict) |")
+    print("|---|---:|---:|---:|---|---|---|---|")
+    for r in table:
+        if not r["seeds"]:
+            print(f"| {r['job']} | 0 of {r['of']} | not run or failed: see its job.log | | | | | |")
+            continue
+        print(f"| {r['job']} | {r['seeds']} of {r['of']} | {fmt(r['median_step_s'])} | {fmt(r['first_step_s'], '.1f')} | "
+              f"{fmt(r['peak_gb'], '.1f')} / {fmt(r['device_used_gb'], '.1f')} | {fmt(r['reward_first5'], '.3f')} -> "
+              f"{fmt(r['reward_last5'], '.3f')} | {fmt(r['pass1_16bit'], '.3f')} ({fmt(r['strict_16bit'], '.3f')}) | "
+              f"{fmt(r['pass1_own'], '.3f')} ({fmt(r['strict_own'], '.3f')}) |")
+    return table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/gsm8k-grpo-1.5b.yaml")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="qerl config overrides for every job")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seeds", default="0", help="comma-separated")
+    ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)}")
+    ap.add_argument("--gpus", default="0", help="CUDA devices to spread the jobs over, e.g. 0,1,2,3")
+    ap.add_argument("--parallel", type=int, default=0, help="jobs at once (default: one per GPU)")
+    ap.add_argument("--test", default="gsm8k-offline:heldout")
+    ap.add_argument("--eval-limit", type=int, default=500)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--report", action="store_true", help="only the table from what --out holds")
+    args = ap.parse_args(argv)
+    from qerl.bench.study_jobs import run_jobs, write_json_atomic
+    from qerl.config import load_config
+
+    names = [n.strip() for n in args.jobs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in JOBS]
+    if unknown:
+        ap.error(f"unknown job(s) {', '.join(unknown)}; choose from {', '.join(JOBS)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: comma-separated integers")
+    if args.steps < 1 or args.eval_limit < 1 or not seeds:
+        ap.error("--steps and --eval-limit must be >= 1, and --seeds must name one seed or more")
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out)
+    plan = {n: [train_job(out, n, s, args) for s in seeds] for n in names}
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    parallel = args.parallel or len(gpus)
+
+    if not args.report:
+        train = [j for jobs in plan.values() for j in jobs if not j.result_path.is_file()]
+        if args.dry_run:
+            for j in train:
+                print(shlex.join(j.argv))
+        else:
+            run_jobs(train, lambda j: list(j.argv), parallel=parallel, devices=gpus)
+        evals = [e for name, jobs in plan.items() for j in jobs for e in eval_jobs(j, name, cfg, args)
+                 if (args.dry_run or j.result_path.is_file()) and not e.result_path.is_file()]
+        if args.dry_run:
+            for e in evals:
+                print(shlex.join(e.argv))
+            return 0
+        run_jobs(evals, lambda e: list(e.argv), parallel=parallel, devices=gpus)
+    table = report(plan, cfg, args)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "side_by_side.json", {"config": args.config, "overrides": args.set, "steps": args.steps,
+                                                  "seeds": seeds, "test": args.test, "eval_limit": args.eval_limit,
+                                                  "rows": table})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
