@@ -8,6 +8,12 @@ a training set's problems as `qerl train` does with `model.calibration.source: t
     python benchmarks/lora_init_kl.py --model smollm2-135m-instruct --formats nvfp4,mxfp4,nf4 --r 32
     python benchmarks/lora_init_kl.py --model qwen2.5-coder-1.5b-instruct --formats nvfp4 --samples 32 --reload
     python benchmarks/lora_init_kl.py --formats nvfp4 --inits zero,eora --calibration train --train gsm8k-offline:train
+    python benchmarks/lora_init_kl.py --model qwen2.5-coder-1.5b-instruct --formats nvfp4 --method awq \
+        --keep-bf16 last:2 --calibration train --train gsm8k-offline:train --device cuda   # a config's base
+
+--method (rtn, 4over6, gptq, awq) and --keep-bf16 build the 4-bit base as a training config would (gptq / awq
+calibrate on the same text as eora); every row of one format shares that base, so "x zero" is eora's or loftq's
+gain on it. --device cuda runs it all in fp32 on the GPU (the 1.5B in about a minute instead of half an hour).
 """
 
 import argparse
@@ -35,21 +41,25 @@ def main():
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--problems", type=int, default=8, help="held-out GSM8K test problems")
+    ap.add_argument("--method", default="rtn", help="the base's quantization method (rtn, 4over6, gptq, awq)")
+    ap.add_argument("--keep-bf16", default="", help="comma-separated layers left 16-bit, e.g. last:2")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     ap.add_argument("--reload", action="store_true",
                     help="load the model afresh for each row instead of copying it (one 16-bit copy in memory)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
 
-    base, tok = load_causal_lm(args.model, dtype=torch.float32, device="cpu")
-    ids = tok(fidelity_text(args.problems), return_tensors="pt").input_ids
+    keep = [k for k in args.keep_bf16.split(",") if k]
+    base, tok = load_causal_lm(args.model, dtype=torch.float32, device=args.device)
+    ids = tok(fidelity_text(args.problems), return_tensors="pt").input_ids.to(args.device)
     ref = next_token_logprobs(base, ids)
     if args.reload:
         del base
     train_rows = load_problems(args.train, split="train") if args.train else None
-    cal = calibration_ids(args.calibration, tok, args.samples, args.max_tokens, train_rows=train_rows)
+    cal = calibration_ids(args.calibration, tok, args.samples, args.max_tokens, train_rows=train_rows).to(args.device)
     source = args.calibration + (f" of {args.train}" if args.train else "")
     print(f"{args.model}: {ids.shape[1]} held-out tokens, calibration {tuple(cal.shape)} ({source}), "
-          f"r={args.r} alpha={args.alpha}")
+          f"r={args.r} alpha={args.alpha}, base {args.method}" + (f" keep_bf16 {','.join(keep)}" if keep else ""))
     print(f"| format | init | KL (nats/token) | x zero | top-1 agree | seconds |")
     print(f"|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
@@ -57,8 +67,11 @@ def main():
         for init in args.inits.split(","):
             t0 = time.perf_counter()
             lora = LoraConfig(r=args.r, alpha=args.alpha, init=init)
-            fresh = load_causal_lm(args.model, dtype=torch.float32, device="cpu")[0] if args.reload else copy.deepcopy(base)
-            model = quantize_model(fresh, fmt, lora, calibration=cal if init == "eora" else None)
+            fresh = (load_causal_lm(args.model, dtype=torch.float32, device=args.device)[0] if args.reload
+                     else copy.deepcopy(base))
+            calibrated = init == "eora" or args.method in ("gptq", "awq")
+            model = quantize_model(fresh, fmt, lora, method=args.method, keep_bf16=keep,
+                                   calibration=cal if calibrated else None)
             secs = time.perf_counter() - t0
             m = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
             zero_kl = m["kl"] if init == "zero" else zero_kl

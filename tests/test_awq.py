@@ -489,3 +489,24 @@ def test_the_median_norm_weight_of_a_folded_model_is_the_unfolded_models():
     raw = torch.cat([n.weight.detach().abs().flatten() for n in find_noisy_norms(folded)]).median().item()
     assert abs(raw - median_abs_norm_weight(model)) > 1e-3 * median_abs_norm_weight(model)  # folding moved them
     assert median_abs_norm_weight(folded) == pytest.approx(median_abs_norm_weight(model), rel=1e-6)
+
+
+def test_folded_covariances_are_those_of_the_folded_layers_inputs():
+    from qerl.models.calibrate import capture_layer_inputs, layer_statistics
+    from qerl.quant.awq import folded_covariances
+
+    model = outlier_model("qwen2", num_key_value_heads=4)
+    layer = model.model.layers[0]
+    ids = token_ids(shape=(4, 32))
+    batches = capture_layer_inputs(model, ids, "cpu")
+    leaders = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"]
+    rows = ids.numel()
+    before, samples = layer_statistics(layer, leaders, batches, rows)
+    folds = apply_awq(layer, {n.rpartition(".")[2]: s for n, s in samples.items()}, nvfp4_fake_quant)
+    assert {"input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.up_proj"} <= set(folds)
+    after, _ = layer_statistics(layer, leaders, batches, rows)
+    predicted = folded_covariances(before, folds)
+    for name in leaders:
+        # fp32 sums of products (layer_statistics), folded or not: agreement to fp32 rounding
+        torch.testing.assert_close(predicted[name], after[name], rtol=1e-4, atol=1e-6 * after[name].abs().max())
+    assert not torch.allclose(before["mlp.down_proj"], after["mlp.down_proj"])

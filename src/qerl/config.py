@@ -342,9 +342,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
     if cfg.rollout.group_size < 2:
         raise ConfigError(f"rollout.group_size must be >= 2 (group advantages need a comparison), got {cfg.rollout.group_size}")
-    if cfg.lora.init == "eora" and cfg.model.quant_method == "awq":
-        raise ConfigError("lora.init eora: not with model.quant_method awq (its folded scales change each layer's "
-                          "inputs); use rtn, 4over6 or gptq, or lora.init loftq")
     if cfg.lora.init == "eora" and cfg.lora.experts:
         raise ConfigError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs are "
                           "not collected); use lora.init loftq or turn lora.experts off")

@@ -28,7 +28,7 @@ class LoraConfig:
         "help": "how a fresh adapter starts: zero (PEFT's: A random, B zero; the model starts as the quantized base) "
                 "| loftq (B A = the rank-r truncated SVD of the quantization residual W - Q(W), base kept as "
                 "quantized; expert stacks too) | eora (the residual's SVD in the eigenspace of each layer's input activations "
-                "on the calibration text, model.calibration; not with awq or lora.experts); qerl.models.lora_init"})
+                "on the calibration text, model.calibration; not with lora.experts); qerl.models.lora_init"})
 
     def __post_init__(self):
         if self.init not in LORA_INITS:

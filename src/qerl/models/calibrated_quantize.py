@@ -14,7 +14,7 @@ from torch import nn
 
 from ..nn import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
-from ..quant.awq import FOLDED_SCALES, apply_awq
+from ..quant.awq import FOLDED_SCALES, apply_awq, folded_covariances
 from .calibrate import (awq_fake_quant, calibration_compute_dtype, capture_layer_inputs, computing_in, layer_output,
                         layer_statistics, method_quantizer, sibling_groups)
 from .lora_attach import add_lora_to
@@ -30,7 +30,8 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
     """Quantize every decoder layer of an HF causal LM with a calibrated method (gptq, awq), in order; also any
     method when `lora.init` is eora, whose adapters are fitted on each layer's input covariance (`lora_init`). The
     next layer's inputs then come from the quantized layer with its fitted adapter (the model RL starts from), so
-    with gptq the later layers' Hessians, and so their codes, differ from gptq with a zero-init adapter.
+    with gptq the later layers' Hessians, and so their codes, differ from gptq with a zero-init adapter. With awq
+    the eora fit is to the folded weights, on the covariances of the folded inputs (`awq.folded_covariances`).
 
     ids: int64 [S, T] calibration tokens. Per layer (`qerl.models.calibrate`): its inputs' Hessians and row
     samples from the dense layer; AWQ folds its scales; the layer is quantized; the quantized layer makes
@@ -42,9 +43,6 @@ def calibrated_quantize(model: nn.Module, fmt: str, method: str, ids: torch.Tens
     eora = lora is not None and lora.init == "eora"
     if method not in CALIBRATED and not eora:
         raise ValueError(f"{method!r} needs no calibration; use quantize_model(method={method!r})")
-    if eora and method == "awq":
-        raise ValueError("lora.init eora: not with awq (its folded scales change each layer's inputs); use rtn, "
-                         "4over6 or gptq, or lora.init loftq")
     targets = list(targets)
     device = torch.device(device or next(p.device for p in model.parameters() if not p.is_meta))
     compute = calibration_compute_dtype(device)
@@ -83,8 +81,10 @@ def _calibrate_layer(layer: nn.Module, prefix: str, fmt: str, method: str, lora:
     awq_scales = {}
     if method == "awq":
         leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
-        for name, s in apply_awq(layer, leaf_samples, awq_fake_quant(fmt)).items():
-            awq_scales[prefix + name] = s
+        folds = apply_awq(layer, leaf_samples, awq_fake_quant(fmt))
+        awq_scales.update({prefix + name: s for name, s in folds.items()})
+        if eora:  # the adapters are fitted to the folded weights, whose inputs are the folded ones
+            hessians = folded_covariances(hessians, folds)
     kept = keep_dense_linears(layer, sorted(kept_here))
     if names:  # rtn (eora only): the default quantizer, as quantize_keeping's
         quantizer = None if method == "rtn" else method_quantizer(layer, fmt, method, targets, hessians)

@@ -228,6 +228,24 @@ def apply_awq(layer: nn.Module, inputs: dict[str, torch.Tensor], fake_quant: Fak
     return {name: s for name, _, _, s in found}
 
 
+def folded_covariances(covariances: dict[str, torch.Tensor], folds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The input covariances of a layer's linears after `apply_awq` folded `folds` ({producer name: s [K]}, its
+    return) into it: a consumer of a folded producer reads x / s, so its C [K, K] becomes diag(1/s) C diag(1/s).
+    covariances: {linear name relative to the layer (a sibling group's leader): C fp32 [K, K]}, taken from the
+    unfolded layer; others are returned unchanged."""
+    out = dict(covariances)
+    for producer, consumers in GROUPS:
+        s = folds.get(producer)
+        if s is None:
+            continue
+        inv = 1.0 / s.float()
+        for name in consumers:
+            if name in out:
+                c = out[name]
+                out[name] = c * inv.to(c.device)[:, None] * inv.to(c.device)[None, :]
+    return out
+
+
 # --------------------------------------------------------------------------------------- persistence
 
 
