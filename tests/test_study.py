@@ -30,6 +30,9 @@ from qerl.config import AQNSection, load_config
     ("nvfp4-gptq+aqn:linear@0.0002", Arm("nvfp4", True, "linear", "gptq", 2e-4)),
     ("nvfp4+aqn=0.1", Arm("nvfp4", True, sigma=0.1)),
     ("nvfp4-awq+aqn=1e-1:cosine@1e-4", Arm("nvfp4", True, "cosine", "awq", 1e-4, 0.1)),
+    ("nvfp4-awq/eora+aqn", Arm("nvfp4", True, method="awq", init="eora")),
+    ("nf4/loftq", Arm("nf4", False, init="loftq")),
+    ("nvfp4/zero", Arm("nvfp4", False)),
 ])
 def test_parse_arm(text, arm):
     assert study_arms.parse_arm(text) == arm
@@ -48,6 +51,14 @@ def test_arm_names_and_overrides():
     arm = study_arms.parse_arm("nvfp4-gptq+aqn@0.0002")
     assert (arm.name, arm.slug) == ("nvfp4-gptq+aqn@0.0002", "nvfp4-gptq_aqn_lr0.0002")
     assert arm.overrides()[-1] == "optim.lr=0.0002" and "optim.lr" not in " ".join(study_arms.parse_arm("bf16").overrides())
+
+
+def test_an_arm_init_sets_lora_init():
+    arm = study_arms.parse_arm("nvfp4-awq/eora+aqn")
+    assert (arm.name, arm.slug) == ("nvfp4-awq/eora+aqn", "nvfp4-awq_eora_aqn")
+    assert load_config(None, arm.overrides()).lora.init == "eora"
+    assert "lora.init" not in " ".join(study_arms.parse_arm("nvfp4-awq+aqn").overrides())
+    assert study_arms.parse_arm("nvfp4/zero").name == "nvfp4"
 
 
 def test_an_arm_sigma_sets_the_aqn_schedule_at_the_papers_ratio():
@@ -73,6 +84,9 @@ def test_an_arm_sigma_sets_the_aqn_schedule_at_the_papers_ratio():
     ("nvfp4+aqn=-1e-2", "AQN sigma"),
     ("nvfp4+aqn=", "expected FORMAT"),
     ("nvfp4=0.1", "expected FORMAT"),
+    ("nvfp4/pissa", "unknown adapter init"),
+    ("bf16/eora", "a bf16 base has none"),
+    ("nvfp4+aqn/eora", "expected FORMAT"),
     ("", "expected FORMAT"),
 ])
 def test_parse_arm_refuses(text, match):

@@ -7,8 +7,9 @@ with arms in `study_arms`, the subprocess runner in `study_jobs`, aggregation an
         --test reasoning-gym:basic_arithmetic --arms nvfp4+aqn,nvfp4,bf16,bf16+aqn,nf4 --seeds 0,1,2 \\
         --steps 30 --parallel 8 --deadline-s 510 --out runs/study
 
-An arm is FORMAT[-METHOD][+aqn][:DECAY][@LR]: FORMAT a weight format (nvfp4, mxfp4, nf4, bf16), METHOD how it is
-quantized (rtn, 4over6, gptq, awq; rtn when omitted), +aqn turns Adaptive Quantization Noise on, DECAY
+An arm is FORMAT[-METHOD][/INIT][+aqn][:DECAY][@LR]: FORMAT a weight format (nvfp4, mxfp4, nf4, bf16), METHOD how it is
+quantized (rtn, 4over6, gptq, awq; rtn when omitted), INIT how its adapter starts (lora.init: loftq, eora; zero
+when omitted), +aqn turns Adaptive Quantization Noise on, DECAY
 (exponential, linear, cosine, logarithmic; only with +aqn) is its sigma decay, exponential when omitted
 ("nvfp4+aqn:exponential" is the same arm as "nvfp4+aqn"), @LR its own learning rate (a sweep per format:
 nvfp4@1e-4,nvfp4@5e-4,bf16@1e-4,...). Every (arm, seed) job gets the same data, steps and other
@@ -393,7 +394,7 @@ def build_parser(description: str = __doc__, prog: str | None = None) -> argpars
                    help="also score each 4-bit arm's trained adapter on the unquantized model after RL "
                         "(pass1_after_16bit; loaded once the job's trainer is released). --model must be the "
                         "16-bit model, not a quantized checkpoint")
-    p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][+aqn][:DECAY][@LR],...")
+    p.add_argument("--arms", default="nvfp4+aqn,nvfp4,bf16", help="FORMAT[-METHOD][/INIT][+aqn][:DECAY][@LR],...")
     p.add_argument("--seeds", "--seed", default="0", help="comma-separated, e.g. 0,1,2: every arm once per seed")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--set", action="append", default=[],
