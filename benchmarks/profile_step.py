@@ -1,5 +1,6 @@
 """Where one `qerl train` step's GPU time goes: runs WARM steps, then profiles one step with torch.profiler and
-prints the wall time of the rollout and the update, the summed kernel time of each, and the top kernels / ops.
+prints the top kernels, then per phase (rollout, update) its wall time, summed kernel time, the time the GPU was
+busy (kernel intervals merged) and its kernel launches, and the update's host-side operators by their own CPU time.
 
     python benchmarks/profile_step.py model.name=/tmp/q15 model.format=nvfp4 --out prof.json
 
@@ -19,15 +20,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_speed import BASE  # noqa: E402
 
 
-def kernel_rows(prof) -> list[dict]:
+PHASE = "phase:"  # the record_function names of the timed phases
+
+
+def _device_us(e) -> float:
+    return e.device_time if hasattr(e, "device_time") else e.cuda_time
+
+
+def phase_windows(events) -> dict[str, tuple[float, float]]:
+    """{phase: (start, end) in the profiler's microseconds} of the host-side `phase:NAME` ranges."""
+    return {e.name[len(PHASE):]: (e.time_range.start, e.time_range.end) for e in events
+            if e.name.startswith(PHASE) and e.device_type == torch.autograd.DeviceType.CPU}
+
+
+def _inside(e, window) -> bool:
+    return window is None or window[0] <= e.time_range.start < window[1]
+
+
+def kernel_rows(events, window=None) -> list[dict]:
+    """Device kernels (not the phases' own annotations), by name: calls and summed ms; only those that start inside
+    `window` when given (the phases synchronise the device at both ends, so a phase's kernels start inside it)."""
     rows = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(PHASE) or not _inside(e, window):
             continue
         r = rows.setdefault(e.name, {"name": e.name[:110], "calls": 0, "ms": 0.0})
         r["calls"] += 1
-        r["ms"] += (e.device_time if hasattr(e, "device_time") else e.cuda_time) / 1e3
+        r["ms"] += _device_us(e) / 1e3
     return sorted(rows.values(), key=lambda r: -r["ms"])
+
+
+def busy_ms(events, window=None) -> float:
+    """Milliseconds in which at least one kernel ran (the union of the kernels' intervals; overlaps counted once)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type ==
+                   torch.autograd.DeviceType.CUDA and not e.name.startswith(PHASE) and _inside(e, window))
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def host_op_rows(events, window) -> list[dict]:
+    """Host-side operators that start inside `window`, by name: calls and self CPU ms (their own time, children
+    excluded), so the rows add up to the host time the phase spent in PyTorch."""
+    rows = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith(PHASE) or not _inside(e, window):
+            continue
+        r = rows.setdefault(e.name, {"name": e.name[:80], "calls": 0, "self_ms": 0.0})
+        r["calls"] += 1
+        r["self_ms"] += e.self_cpu_time_total / 1e3
+    return sorted(rows.values(), key=lambda r: -r["self_ms"])
 
 
 def main(argv=None) -> int:
@@ -67,7 +112,8 @@ def main(argv=None) -> int:
     trainer_mod.collect_experience, step_mod.policy_update = timed("rollout", collect), timed("update", update)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         metrics = tr.train_step()
-    rows = kernel_rows(prof)
+    events = prof.events()
+    rows = kernel_rows(events)
     total = sum(r["ms"] for r in rows)
     print(f"{torch.cuda.get_device_name()}; {' '.join(args.overrides)}")
     print(f"wall: rollout {phases['rollout']:.2f} s, update {phases['update']:.2f} s; kernels {total / 1e3:.2f} s in "
@@ -77,14 +123,25 @@ def main(argv=None) -> int:
     print("| kernel | calls | ms | share |\n|---|---|---|---|")
     for r in rows[:args.top]:
         print(f"| {r['name']} | {r['calls']} | {r['ms']:.1f} | {r['ms'] / total:.1%} |")
-    ops = prof.key_averages()
-    top_ops = sorted(ops, key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))[:args.top]
-    print("\n| op | calls | device ms | cpu ms |\n|---|---|---|---|")
-    for e in top_ops:
-        dev = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e3
-        print(f"| {e.key[:80]} | {e.count} | {dev:.1f} | {e.cpu_time_total / 1e3:.1f} |")
+    windows = phase_windows(events)
+    split = {}
+    print("\n| phase | wall s | kernels s | GPU busy s | busy share | kernel launches |\n|---|---|---|---|---|---|")
+    for name, window in windows.items():
+        k = kernel_rows(events, window)
+        split[name] = {"wall_s": phases[name], "kernel_s": sum(r["ms"] for r in k) / 1e3,
+                       "busy_s": busy_ms(events, window) / 1e3, "launches": sum(r["calls"] for r in k)}
+        p = split[name]
+        print(f"| {name} | {p['wall_s']:.2f} | {p['kernel_s']:.2f} | {p['busy_s']:.2f} | {p['busy_s'] / p['wall_s']:.0%} "
+              f"| {p['launches']} |")
+    host = host_op_rows(events, windows.get("update"))
+    print(f"\nthe update's host operators by own CPU time ({sum(r['calls'] for r in host)} calls, "
+          f"{sum(r['self_ms'] for r in host) / 1e3:.2f} s; under the profiler, which adds its own per-op cost)")
+    print("| op | calls | self CPU ms |\n|---|---|---|")
+    for r in host[:args.top]:
+        print(f"| {r['name']} | {r['calls']} | {r['self_ms']:.1f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"phases": phases, "kernels": rows, "metrics": metrics}, indent=1))
+        Path(args.out).write_text(json.dumps({"phases": phases, "split": split, "kernels": rows,
+                                              "update_host_ops": host, "metrics": metrics}, indent=1))
     return 0
 
 
