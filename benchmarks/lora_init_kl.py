@@ -14,6 +14,13 @@ a training set's problems as `qerl train` does with `model.calibration.source: t
 --method (rtn, 4over6, gptq, awq) and --keep-bf16 build the 4-bit base as a training config would (gptq / awq
 calibrate on the same text as eora); every row of one format shares that base, so "x zero" is eora's or loftq's
 gain on it. --device cuda runs it all in fp32 on the GPU (the 1.5B in about a minute instead of half an hour).
+
+`eora-fisher` (not a `lora.init`: a measurement of whether one is worth building) weights the eora fit on the output
+side too: each linear's input covariance C and output-gradient covariance G (gradients of the next-token loss with
+labels sampled from the 16-bit model itself, i.e. its Fisher) on the calibration text, both taken on the 16-bit
+model in one pass, then s B A = the best rank-r fit of the residual in ||G^(1/2) (R - s B A) C^(1/2)||_F
+(`lora_init.residual_factors(output_covariance=G)`, G damped by --output-damp of its mean eigenvalue). Memory: one
+[N, N] and one [K, K] fp32 matrix per linear (the 1.5B: about 28 GB).
 """
 
 import argparse
@@ -21,6 +28,62 @@ import copy
 import time
 
 import torch
+
+
+def fisher_statistics(model, cal: torch.Tensor, batch: int = 4, seed: int = 0) -> tuple[dict, dict]:
+    """({linear name: C = sum x x^T fp32 [K, K]}, {linear name: G = sum g g^T fp32 [N, N]}) over the calibration
+    ids [S, T] on the 16-bit `model`: x the linear's inputs, g the gradient of the next-token loss at its outputs with
+    labels sampled from the model's own next-token distribution."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    dev = cal.device
+    cov = {n: torch.zeros(m.in_features, m.in_features, device=dev) for n, m in linears.items()}
+    out = {n: torch.zeros(m.out_features, m.out_features, device=dev) for n, m in linears.items()}
+
+    def hook(name):
+        def forward(_module, inputs, output):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+            cov[name].addmm_(x.t(), x)
+
+            def backward(g):
+                g = g.reshape(-1, g.shape[-1]).float()
+                out[name].addmm_(g.t(), g)
+            output.register_hook(backward)
+        return forward
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    embed = model.get_input_embeddings().weight
+    embed.requires_grad_(True)  # so the gradient flows back through the frozen layers
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    try:
+        with torch.enable_grad():
+            for i in range(0, cal.shape[0], batch):
+                logits = model(input_ids=cal[i:i + batch]).logits[:, :-1].float()
+                with torch.no_grad():
+                    labels = torch.multinomial(logits.reshape(-1, logits.shape[-1]).softmax(-1), 1, generator=gen)
+                torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.view(-1),
+                                                  reduction="sum").backward()
+    finally:
+        for h in handles:
+            h.remove()
+        embed.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+    return cov, out
+
+
+@torch.no_grad()
+def fit_fisher_(model, weights: dict, cov: dict, out: dict, output_damp: float) -> None:
+    """Set every 4-bit layer's adapter of `model` to the two-sided fit of its residual against `weights`."""
+    from qerl.models import quant_layers
+    from qerl.models.lora_init import residual_factors
+
+    for name, layer in quant_layers(model).items():
+        if layer.weight_format == "bf16":
+            continue
+        res = weights[name].to(layer.lora_A.weight.device) - layer.dequantized_weight().float()
+        a, b = residual_factors(res, layer.lora_A.weight.shape[0], layer.scaling, cov[name],
+                                output_covariance=out[name], output_damp=output_damp)
+        layer.lora_A.weight.copy_(a)
+        layer.lora_B.weight.copy_(b)
 
 
 def main():
@@ -44,6 +107,7 @@ def main():
     ap.add_argument("--method", default="rtn", help="the base's quantization method (rtn, 4over6, gptq, awq)")
     ap.add_argument("--keep-bf16", default="", help="comma-separated layers left 16-bit, e.g. last:2")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
+    ap.add_argument("--output-damp", type=float, default=1.0, help="eora-fisher: G's damping, x its mean eigenvalue")
     ap.add_argument("--reload", action="store_true",
                     help="load the model afresh for each row instead of copying it (one 16-bit copy in memory)")
     args = ap.parse_args()
@@ -57,6 +121,15 @@ def main():
         del base
     train_rows = load_problems(args.train, split="train") if args.train else None
     cal = calibration_ids(args.calibration, tok, args.samples, args.max_tokens, train_rows=train_rows).to(args.device)
+    inits = args.inits.split(",")
+    fisher = None
+    if "eora-fisher" in inits:
+        if args.method == "awq" or args.reload:
+            ap.error("eora-fisher: not with --method awq (folded weights) or --reload (it needs the 16-bit model)")
+        t0 = time.perf_counter()
+        fisher = fisher_statistics(base, cal)
+        weights = {n: m.weight.detach().float() for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+        print(f"eora-fisher statistics: {time.perf_counter() - t0:.0f} s")
     source = args.calibration + (f" of {args.train}" if args.train else "")
     print(f"{args.model}: {ids.shape[1]} held-out tokens, calibration {tuple(cal.shape)} ({source}), "
           f"r={args.r} alpha={args.alpha}, base {args.method}" + (f" keep_bf16 {','.join(keep)}" if keep else ""))
@@ -64,14 +137,16 @@ def main():
     print(f"|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
         zero_kl = None
-        for init in args.inits.split(","):
+        for init in inits:
             t0 = time.perf_counter()
-            lora = LoraConfig(r=args.r, alpha=args.alpha, init=init)
+            lora = LoraConfig(r=args.r, alpha=args.alpha, init="zero" if init == "eora-fisher" else init)
             fresh = (load_causal_lm(args.model, dtype=torch.float32, device=args.device)[0] if args.reload
                      else copy.deepcopy(base))
             calibrated = init == "eora" or args.method in ("gptq", "awq")
             model = quantize_model(fresh, fmt, lora, method=args.method, keep_bf16=keep,
                                    calibration=cal if calibrated else None)
+            if init == "eora-fisher":
+                fit_fisher_(model, weights, *fisher, args.output_damp)
             secs = time.perf_counter() - t0
             m = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
             zero_kl = m["kl"] if init == "zero" else zero_kl

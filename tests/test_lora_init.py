@@ -305,3 +305,23 @@ def test_load_policy_fits_the_adapter(tiny_dir, tmp_path, init):
     model, _ = load_policy(spec)
     b = [p for n, p in model.named_parameters() if ".lora_B" in n]
     assert b and all(p.abs().sum() > 0 for p in b) and all(p.requires_grad for p in b)
+
+
+def test_an_output_weight_fits_the_two_sided_norm_and_a_uniform_one_changes_nothing():
+    g = torch.Generator().manual_seed(3)
+    res = torch.randn(40, 64, generator=g)
+    x = _inputs(256, 64)
+    cov = x.t() @ x / x.shape[0]
+    grads = torch.randn(256, 40, generator=g) * torch.logspace(0, -2, 40)  # a few sensitive output channels
+    out_cov = grads.t() @ grads / grads.shape[0]
+    lo = torch.linalg.cholesky(out_cov + 1e-3 * torch.diagonal(out_cov).mean() * torch.eye(40))
+    li = torch.linalg.cholesky(cov + 1e-2 * torch.diagonal(cov).mean() * torch.eye(64))
+
+    def two_sided_error(a, b):
+        return float((lo.t() @ (res - 0.5 * b @ a) @ li).norm())
+
+    one = residual_factors(res, 4, 0.5, cov)
+    two = residual_factors(res, 4, 0.5, cov, output_covariance=out_cov, output_damp=1e-3)
+    assert two_sided_error(*two) < 0.97 * two_sided_error(*one)
+    uniform = residual_factors(res, 4, 0.5, cov, output_covariance=3.0 * torch.eye(40))
+    torch.testing.assert_close(0.5 * uniform[1] @ uniform[0], 0.5 * one[1] @ one[0], rtol=1e-4, atol=1e-5)

@@ -20,6 +20,11 @@ alpha / sqrt(r) with rslora). With the residual R = W - W_q [N, K]:
   damped by `EORA_DAMP` times its mean eigenvalue (trace / K) on the diagonal, so L is invertible (directions
   the text never excites keep a finite weight).
 
+With `output_covariance` G [N, N] as well (E[g g^T] of the gradients reaching the layer's outputs, a Fisher
+weight on the output channels), the fit minimises ||L_G^T (R - s B A) L||_F (G = L_G L_G^T, damped by `output_damp`
+times its mean eigenvalue): s B A = L_G^-T (L_G^T R L)_r L^-1, the rank going where the inputs are large and the
+loss is sensitive (`benchmarks/lora_init_kl.py --inits eora-fisher` measures it; no `lora.init` uses it yet).
+
 Either split is balanced: with U S V^T the truncated SVD, B = U sqrt(S) / sqrt(s) and A = sqrt(S) V^T / sqrt(s)
 (for eora V^T L^-1 in place of V^T). Bases kept 16-bit (format bf16) keep the zero init.
 
@@ -37,32 +42,46 @@ from ..nn import QuantExperts, QuantLinear
 EORA_DAMP = 1e-2  # added to the covariance's diagonal, relative to its mean eigenvalue
 
 
+def _damped_cholesky(matrix: torch.Tensor, damp: float, what: str) -> torch.Tensor:
+    """Lower-triangular L with L L^T = the symmetrised `matrix` + damp x its mean eigenvalue on the diagonal (x10,
+    x100 where rounding broke positive-definiteness)."""
+    m = matrix.detach().float()
+    m = (m + m.t()) / 2
+    mean = float(torch.diagonal(m).mean())
+    floor = mean if mean > 0 else 1.0
+    eye = torch.eye(m.shape[0], device=m.device)
+    for scale in (damp, 10 * damp, 100 * damp):
+        chol, info = torch.linalg.cholesky_ex(m + scale * floor * eye)
+        if int(info) == 0:
+            return chol
+    raise ValueError(f"lora.init eora: the {what} covariance is not positive definite even damped")
+
+
 def residual_factors(residual: torch.Tensor, r: int, scaling: float, covariance: torch.Tensor | None = None,
-                     damp: float = EORA_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+                     damp: float = EORA_DAMP, output_covariance: torch.Tensor | None = None,
+                     output_damp: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(A fp32 [r, K], B fp32 [N, r]) with scaling * B @ A the best rank-r fit of `residual` [N, K]: in the Frobenius
     norm (loftq), or with `covariance` C [K, K] (the inputs' E[x x^T]) in the activation-weighted norm
-    ||(R - s B A) C^(1/2)||_F (eora). Ranks beyond min(N, K) are zero rows / columns."""
+    ||(R - s B A) C^(1/2)||_F (eora), and with `output_covariance` G [N, N] too in ||G^(1/2) (R - s B A) C^(1/2)||_F.
+    Ranks beyond min(N, K) are zero rows / columns."""
     res = residual.detach().float()
     n, k = res.shape
-    chol = None
+    chol = out_chol = None
     if covariance is not None:
-        cov = covariance.detach().float().to(res.device)
-        cov = (cov + cov.t()) / 2
-        floor = float(torch.diagonal(cov).mean()) if float(torch.diagonal(cov).mean()) > 0 else 1.0
-        eye = torch.eye(k, device=res.device)
-        for scale in (damp, 10 * damp, 100 * damp):  # more damping only where rounding broke positive-definiteness
-            chol, info = torch.linalg.cholesky_ex(cov + scale * floor * eye)
-            if int(info) == 0:
-                break
-        else:
-            raise ValueError("lora.init eora: the input covariance is not positive definite even damped")
+        chol = _damped_cholesky(covariance.to(res.device), damp, "input")
         res = res @ chol  # R L, C = L L^T
+    if output_covariance is not None:
+        out_chol = _damped_cholesky(output_covariance.to(res.device), output_damp, "output")
+        res = out_chol.t() @ res  # L_G^T R L
     u, sv, vh = torch.linalg.svd(res, full_matrices=False)
     keep = min(r, sv.numel())
     half = sv[:keep].sqrt() / scaling ** 0.5
     b = res.new_zeros(n, r)
     a = res.new_zeros(r, k)
-    b[:, :keep] = u[:, :keep] * half
+    b_cols = u[:, :keep] * half
+    if out_chol is not None:  # L_G^-T b: solve L_G^T X = b (upper triangular)
+        b_cols = torch.linalg.solve_triangular(out_chol.t(), b_cols, upper=True)
+    b[:, :keep] = b_cols
     a_rows = half[:, None] * vh[:keep]
     if chol is not None:  # a_rows L^-1: solve X L = a_rows (L lower triangular)
         a_rows = torch.linalg.solve_triangular(chol, a_rows, upper=False, left=False)
