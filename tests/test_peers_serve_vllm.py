@@ -1,0 +1,37 @@
+"""benchmarks/peers/serve_vllm.py on the CPU (no vLLM here): the qerl way scores the adapter as `qerl eval` does, the
+vLLM way's merged model is made and its failure to import vLLM is a table row, not a crash; scoring of texts."""
+
+import json
+import subprocess
+import sys
+
+from bench_scripts import ROOT, load_peer
+
+from qerl.models import load_causal_lm, quantize_model, save_adapter
+from qerl.nn import LoraConfig
+
+
+def test_qerl_way_scores_and_a_missing_vllm_is_a_row(tmp_path):
+    model, _ = load_causal_lm("smollm2-135m-instruct")
+    save_adapter(quantize_model(model, "nvfp4", LoraConfig(r=4, alpha=8)), tmp_path / "adapter",
+                 base_model_name_or_path="smollm2-135m-instruct")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/serve_vllm.py"), "--model",
+                           "smollm2-135m-instruct", "--adapter", str(tmp_path / "adapter"), "--test",
+                           "reasoning-gym:basic_arithmetic", "--limit", "2", "--max-new-tokens", "8", "--ways",
+                           "qerl-16bit,vllm-merged", "--workdir", str(tmp_path / "work"), "--out",
+                           str(tmp_path / "serve.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ways = json.loads((tmp_path / "serve.json").read_text())["ways"]
+    evaluated = [json.loads(line) for line in (tmp_path / "work" / "qerl-16bit.jsonl").read_text().splitlines()]
+    assert ways["qerl-16bit"]["pass1"] == sum(r["rewards"][0] for r in evaluated) / 2
+    assert (tmp_path / "work" / "merged" / "config.json").is_file()
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert "vllm" in ways["vllm-merged"]["error"] and "failed" in done.stdout
+
+
+def test_scores_read_the_requested_style():
+    rows = [{"answer": "#### 18"}, {"answer": "#### 7"}]
+    got = load_peer("serve_vllm").scores(["so 18\n#### 18", "the answer is \\boxed{7}"], rows, "gsm8k")
+    assert got == [{"flexible": 1.0, "strict": 1.0}, {"flexible": 1.0, "strict": 0.0}]
