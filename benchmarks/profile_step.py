@@ -131,8 +131,8 @@ def main(argv=None) -> int:
         split[name] = {"wall_s": phases[name], "kernel_s": sum(r["ms"] for r in k) / 1e3,
                        "busy_s": busy_ms(events, window) / 1e3, "launches": sum(r["calls"] for r in k)}
         p = split[name]
-        print(f"| {name} | {p['wall_s']:.2f} | {p['kernel_s']:.2f} | {p['busy_s']:.2f} | {p['busy_s'] / p['wall_s']:.0%} "
-              f"| {p['launches']} |")
+        print(f"| {name} | {p['wall_s']:.2f} | {p['kernel_s']:.2f} | {p['busy_s']:.2f} | "
+              f"{p['busy_s'] / p['wall_s']:.0%} | {p['launches']} |")
     host = host_op_rows(events, windows.get("update"))
     print(f"\nthe update's host operators by own CPU time ({sum(r['calls'] for r in host)} calls, "
           f"{sum(r['self_ms'] for r in host) / 1e3:.2f} s; under the profiler, which adds its own per-op cost)")

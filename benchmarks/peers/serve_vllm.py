@@ -84,7 +84,8 @@ def vllm_way(way: str, args, work: Path) -> dict:
     started = time.perf_counter()
     llm = LLM(model=str(dirs["nvfp4" if lora else "merged"]), dtype="bfloat16", seed=0, enable_lora=lora,
               max_lora_rank=adapter_config["r"] if lora else 16,
-              max_model_len=max(map(len, ids)) + args.max_new_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+              max_model_len=max(map(len, ids)) + args.max_new_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     start_s = time.perf_counter() - started
     request = None
     if lora:
@@ -101,7 +102,8 @@ def vllm_way(way: str, args, work: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the 16-bit model the adapter was trained on")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                    help="the 16-bit model the adapter was trained on")
     ap.add_argument("--adapter", required=True, help="a trained PEFT adapter (a qerl run's adapter/)")
     ap.add_argument("--format", default="nvfp4", help="the 4-bit base it was trained on")
     ap.add_argument("--keep-bf16", default="", help="the layers its config kept in bf16, e.g. last:2")

@@ -147,15 +147,16 @@ def report(plan: dict, cfg, args) -> list[dict]:
                 versions=done[0][0]["versions"])
         table.append(row)
     fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
-    print("| job | seeds | s / step (median, steps 3+) | first step s | peak GB (allocated / device) | reward first 5 -> "
-          "last 5 | held-out pass@1, 16-bit base (strict) | on its own 4-bit base (strict) |")
+    print("| job | seeds | s / step (median, steps 3+) | first step s | peak GB (allocated / device) | "
+          "reward first 5 -> last 5 | held-out pass@1, 16-bit base (strict) | on its own 4-bit base (strict) |")
     print("|---|---:|---:|---:|---|---|---|---|")
     for r in table:
         if not r["seeds"]:
             print(f"| {r['job']} | 0 of {r['of']} | not run or failed: see its job.log | | | | | |")
             continue
-        print(f"| {r['job']} | {r['seeds']} of {r['of']} | {fmt(r['median_step_s'])} | {fmt(r['first_step_s'], '.1f')} | "
-              f"{fmt(r['peak_gb'], '.1f')} / {fmt(r['device_used_gb'], '.1f')} | {fmt(r['reward_first5'], '.3f')} -> "
+        print(f"| {r['job']} | {r['seeds']} of {r['of']} | {fmt(r['median_step_s'])} | "
+              f"{fmt(r['first_step_s'], '.1f')} | {fmt(r['peak_gb'], '.1f')} / {fmt(r['device_used_gb'], '.1f')} | "
+              f"{fmt(r['reward_first5'], '.3f')} -> "
               f"{fmt(r['reward_last5'], '.3f')} | {fmt(r['pass1_16bit'], '.3f')} ({fmt(r['strict_16bit'], '.3f')}) | "
               f"{fmt(r['pass1_own'], '.3f')} ({fmt(r['strict_own'], '.3f')}) |")
     return table

@@ -8,9 +8,9 @@ paper's end/start ratio (5e-4 / 1e-2 = 1/20). Without @LR the study's optim.lr a
 import re
 from dataclasses import dataclass
 
+from ..choices import LORA_INITS
 from ..config import AQNSection, LoraSection, ModelSection
 from ..formats import FORMATS
-from ..choices import LORA_INITS
 from ..quant import METHODS
 from ..rl.aqn import DECAYS
 
@@ -38,9 +38,10 @@ class Arm:
 
     @property
     def name(self) -> str:
-        """Canonical spelling: the default method and decay are left out."""
+        """Canonical spelling: the default method, init and decay are left out."""
         return (self.format + (f"-{self.method}" if self.method != DEFAULT_METHOD else "")
-                + (f"/{self.init}" if self.init != DEFAULT_INIT else "") + ("+aqn" if self.aqn else "") + (f"={self.sigma:g}" if self.sigma is not None else "")
+                + (f"/{self.init}" if self.init != DEFAULT_INIT else "") + ("+aqn" if self.aqn else "")
+                + (f"={self.sigma:g}" if self.sigma is not None else "")
                 + (f":{self.decay}" if self.decay != DEFAULT_DECAY else "")
                 + (f"@{self.lr:g}" if self.lr is not None else ""))
 
@@ -58,7 +59,8 @@ class Arm:
                   if self.sigma is not None else [])]
 
 
-_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?:/(?P<init>[a-z0-9]+))?(?P<aqn>\+aqn(?:=(?P<sigma>[0-9.eE+-]+))?)?"
+_ARM = re.compile(r"^(?P<format>[a-z0-9]+)(?:-(?P<method>[a-z0-9]+))?(?:/(?P<init>[a-z0-9]+))?"
+                  r"(?P<aqn>\+aqn(?:=(?P<sigma>[0-9.eE+-]+))?)?"
                   r"(?::(?P<decay>[a-z]+))?"
                   r"(?:@(?P<lr>[0-9.eE+-]+))?$")
 
