@@ -1,4 +1,4 @@
-"""benchmarks/peers/serve_vllm.py on the CPU (no vLLM here): the qerl way scores the adapter as `qerl eval` does, the
+"""benchmarks/peers/serve_vllm.py on the CPU with a tiny random model (no vLLM here): the qerl way scores the adapter as `qerl eval` does, the
 vLLM way's merged model is made and its failure to import vLLM is a table row, not a crash; scoring of texts."""
 
 import json
@@ -11,13 +11,15 @@ from qerl.models import load_causal_lm, quantize_model, save_adapter
 from qerl.nn import LoraConfig
 
 
-def test_qerl_way_scores_and_a_missing_vllm_is_a_row(tmp_path):
-    model, _ = load_causal_lm("smollm2-135m-instruct")
+def test_qerl_way_scores_and_a_missing_vllm_is_a_row(tiny_dir, tmp_path):
+    model, _ = load_causal_lm(str(tiny_dir))
     save_adapter(quantize_model(model, "nvfp4", LoraConfig(r=4, alpha=8)), tmp_path / "adapter",
-                 base_model_name_or_path="smollm2-135m-instruct")
+                 base_model_name_or_path=str(tiny_dir))
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+1=?", "answer": str(a + 1)}) + "\n" for a in range(3)))
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/serve_vllm.py"), "--model",
-                           "smollm2-135m-instruct", "--adapter", str(tmp_path / "adapter"), "--test",
-                           "reasoning-gym:basic_arithmetic", "--limit", "2", "--max-new-tokens", "8", "--ways",
+                           str(tiny_dir), "--adapter", str(tmp_path / "adapter"), "--test", str(data),
+                           "--suffix", "none", "--limit", "2", "--max-new-tokens", "8", "--ways",
                            "qerl-16bit,vllm-merged", "--workdir", str(tmp_path / "work"), "--out",
                            str(tmp_path / "serve.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

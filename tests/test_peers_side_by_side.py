@@ -1,5 +1,5 @@
-"""benchmarks/peers/side_by_side.py end to end on the real SmolLM2 (CPU): a qerl job trains, its adapter is scored on
-both bases, the table reads them back, and a second run re-runs nothing; the commands of the peers' jobs."""
+"""benchmarks/peers/side_by_side.py end to end on a tiny random model (CPU): a qerl job trains, its adapter is scored
+on both bases, the table reads them back, and a second run re-runs nothing; the commands of the peers' jobs."""
 
 import json
 import subprocess
@@ -8,9 +8,16 @@ import sys
 import pytest
 from bench_scripts import ROOT, load_peer
 
-TINY = ["--config", "configs/smollm2-demo.yaml", "--steps", "2", "--eval-limit", "2", "--test",
-        "reasoning-gym:basic_arithmetic", "--set", "rollout.prompts_per_step=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=8"]
+
+
+def tiny_job(tiny_dir, tmp_path):
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{b}=?", "answer": str(a + b)}) + "\n"
+                            for a in range(1, 4) for b in range(1, 4)))
+    return ["--config", "configs/smollm2-demo.yaml", "--steps", "2", "--eval-limit", "2", "--test", str(data),
+            "--set", f"model.name={tiny_dir}", f"data.train={data}", "data.suffix=none", "data.max_prompt_tokens=32",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "lora.r=4",
+            "lora.alpha=8", "reward_timeout_s=30"]
 
 
 def side_by_side(*args):
@@ -18,9 +25,10 @@ def side_by_side(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_a_qerl_job_trains_is_scored_on_both_bases_and_is_not_run_again(tmp_path):
+def test_a_qerl_job_trains_is_scored_on_both_bases_and_is_not_run_again(tiny_dir, tmp_path):
     out = tmp_path / "peers"
-    first = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", *TINY)
+    job = tiny_job(tiny_dir, tmp_path)
+    first = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", *job)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     row = json.loads((out / "side_by_side.json").read_text())["rows"][0]
     assert row["job"] == "qerl-nvfp4" and row["seeds"] == 1
@@ -30,7 +38,7 @@ def test_a_qerl_job_trains_is_scored_on_both_bases_and_is_not_run_again(tmp_path
         assert len(lines) == 2
         rewards = [r for line in lines for r in json.loads(line)["rewards"]]
         assert row[f"pass1_{base}"] == pytest.approx(sum(rewards) / len(rewards))
-    again = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", *TINY)
+    again = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", *job)
     assert again.returncode == 0 and "[start]" not in again.stdout + again.stderr
     assert json.loads((out / "side_by_side.json").read_text())["rows"][0] == row
 
