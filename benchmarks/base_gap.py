@@ -2,14 +2,16 @@
 greedy, problem by problem, position by position and layer by layer.
 
     python benchmarks/base_gap.py qwen2.5-coder-1.5b-instruct --adapter RUN/adapter --format nvfp4 \\
-        --keep-bf16 last:2 --dataset gsm8k-offline:heldout --limit 200 --out gap.json
+        --keep-bf16 last:2 --dataset gsm8k-offline:heldout --limit 200 --keep-sweep 2,4 --out gap.json
 
 Per problem: both greedy completions (<= --max-new-tokens), their lengths, flexible and strict correctness, and the
 first token where they differ (None: identical). Along the 16-bit completion (teacher-forced, so both models see
 the same prefix): per position the KL(16-bit || 4-bit) of the next-token distributions and whether their top
 tokens agree, averaged in position bins. Per decoder layer, on the first --layer-problems problems: the same KL with
 that one layer taken from the 16-bit model (the 4-bit model otherwise), so the layers whose 4-bit error costs the
-most stand out; then the KL with the top 1, 2, 4, 8 of them together (what `model.keep_bf16` would keep).
+most stand out; then the KL with the top 1, 2, 4, 8 of them together (what `model.keep_bf16` would keep). With
+--keep-sweep K,...: the greedy pass@1 of the 4-bit policy with its top K layers taken from the 16-bit model, on all
+the problems (what serving the trained adapter with those layers in bf16 would score).
 
 The tables go to stdout, everything to --out (JSON).
 """
@@ -119,9 +121,27 @@ def position_table(kls: list[torch.Tensor], agree: list[torch.Tensor]) -> list[d
     return rows
 
 
-def analyse(full, quantized, tokenizer, rows: list[dict], suffix, max_new_tokens: int, layer_problems: int) -> dict:
+def keep_sweep(quantized, full, tokenizer, prompts, rows, style, max_new_tokens: int, ranked: list[int],
+               sizes: list[int]) -> list[dict]:
+    """Per k in `sizes`: {"k", "layers", "pass1", "pass1_strict"} of the 4-bit policy with the layers ranked[:k] (most
+    KL recovered first) taken from the 16-bit model, greedy on every prompt."""
+    from qerl.rewards.scores import score_all
+
+    out = []
+    for k in sizes:
+        layers = sorted(ranked[:k])
+        with layers_from(quantized, full, layers):
+            done = greedy(quantized, tokenizer, prompts, max_new_tokens)
+        s = score_all(tokenizer.batch_decode(done, skip_special_tokens=True), [r["answer"] for r in rows], style)
+        out.append({"k": k, "layers": layers, "pass1": statistics.mean(bool(x.flexible) for x in s),
+                    "pass1_strict": statistics.mean(bool(x.strict) for x in s)})
+    return out
+
+
+def analyse(full, quantized, tokenizer, rows: list[dict], suffix, max_new_tokens: int, layer_problems: int,
+            keep_sizes: list[int] = ()) -> dict:
     """The whole analysis (module docstring) of `rows` ({"question", "answer"}) on the 16-bit policy `full` and the
-    4-bit one `quantized` (the same adapter on both)."""
+    4-bit one `quantized` (the same adapter on both); keep_sizes: the --keep-sweep (needs the layer sweep)."""
     from qerl.data.templates import build_prompt, encode_prompt, requested_style
     from qerl.rewards.scores import score_all
 
@@ -156,8 +176,13 @@ def analyse(full, quantized, tokenizer, rows: list[dict], suffix, max_new_tokens
         "median_diverge_at": statistics.median(diverged) if diverged else None,
         **{f"mean_length_{name}": statistics.mean(len(c) for c in done[name]) for name in done},
     }
-    return {"summary": summary, "positions": position_table(kls, agree),
-            "layers": layer_sweep(quantized, full, references) if references else None, "problems": problems}
+    layers = layer_sweep(quantized, full, references) if references else None
+    kept = []
+    if layers and keep_sizes:
+        ranked = sorted(range(len(layers["per_layer"])), key=layers["per_layer"].__getitem__)
+        kept = keep_sweep(quantized, full, tokenizer, prompts, rows, style, max_new_tokens, ranked, keep_sizes)
+    return {"summary": summary, "positions": position_table(kls, agree), "layers": layers, "keep_sweep": kept,
+            "problems": problems}
 
 
 def report(result: dict) -> str:
@@ -182,6 +207,14 @@ def report(result: dict) -> str:
         for t in layers["top"]:
             lines.append(f"| top {t['k']}: {','.join(map(str, t['layers']))} | {t['kl']:.4f} | "
                          f"{1 - t['kl'] / none if none else math.nan:.1%} |")
+    if result.get("keep_sweep"):
+        s = result["summary"]
+        lines += ["", "| layers from the 16-bit model | greedy pass@1 | strict |", "|---|---:|---:|",
+                  f"| none (the 4-bit policy) | {s['pass1_4bit']:.3f} | {s['pass1_strict_4bit']:.3f} |"]
+        for t in result["keep_sweep"]:
+            lines.append(f"| top {t['k']}: {','.join(map(str, t['layers']))} | {t['pass1']:.3f} | "
+                         f"{t['pass1_strict']:.3f} |")
+        lines.append(f"| all (the 16-bit policy) | {s['pass1_16bit']:.3f} | {s['pass1_strict_16bit']:.3f} |")
     return "\n".join(lines)
 
 
@@ -198,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suffix", default="gsm8k")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--layer-problems", type=int, default=16, help="problems of the per-layer sweep (0: none)")
+    ap.add_argument("--keep-sweep", default="", help="comma-separated k: greedy pass@1 with the top k layers of the "
+                                                      "sweep from the 16-bit model (e.g. 2,4)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -210,8 +245,14 @@ def main(argv=None) -> int:
     full, tokenizer = load_policy(ModelSpec(name=args.model, format="bf16", adapter=args.adapter, device=args.device))
     quantized, _ = load_policy(ModelSpec(name=args.model, format=args.format, method=args.method, keep_bf16=keep,
                                          adapter=args.adapter, device=args.device))
+    try:
+        keep_sizes = [int(k) for k in args.keep_sweep.split(",") if k.strip()]
+    except ValueError:
+        ap.error(f"--keep-sweep {args.keep_sweep!r}: comma-separated layer counts, e.g. 2,4")
+    if any(k < 1 for k in keep_sizes) or (keep_sizes and args.layer_problems < 1):
+        ap.error("--keep-sweep: counts >= 1, and it needs the layer sweep (--layer-problems >= 1)")
     result = analyse(full.eval(), quantized.eval(), tokenizer, rows, args.suffix, args.max_new_tokens,
-                     args.layer_problems)
+                     args.layer_problems, keep_sizes)
     result["args"] = vars(args)
     print(report(result))
     if args.out:

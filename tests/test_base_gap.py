@@ -60,7 +60,7 @@ def test_the_script_reports_every_problem(tiny_dir, adapter_dir, tmp_path, capsy
                             for a, b in ((2, 3), (10, 7), (4, 4))))
     out = tmp_path / "gap.json"
     assert gap.main([str(tiny_dir), "--adapter", str(adapter_dir), "--dataset", str(data), "--max-new-tokens", "6",
-                     "--layer-problems", "2", "--device", "cpu", "--out", str(out)]) == 0
+                     "--layer-problems", "2", "--keep-sweep", "1,2", "--device", "cpu", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     s = result["summary"]
     assert s["problems"] == len(result["problems"]) == 3
@@ -69,4 +69,8 @@ def test_the_script_reports_every_problem(tiny_dir, adapter_dir, tmp_path, capsy
     assert all(1 <= p["length_16bit"] <= 6 and 1 <= p["length_4bit"] <= 6 for p in result["problems"])
     assert result["positions"] and result["positions"][0]["from"] == 0
     assert result["layers"]["none"] > 0 and len(result["layers"]["per_layer"]) == 2
+    # the keep sweep: its top layer first; with both layers of the tiny model from the 16-bit one, the 16-bit score
+    sweep = result["keep_sweep"]
+    assert [t["k"] for t in sweep] == [1, 2] and len(sweep[0]["layers"]) == 1
+    assert sweep[1]["pass1"] == s["pass1_16bit"] and sweep[1]["pass1_strict"] == s["pass1_strict_16bit"]
     assert "KL(16-bit ‖ 4-bit)" in capsys.readouterr().out
