@@ -33,27 +33,32 @@ def phase_windows(events) -> dict[str, tuple[float, float]]:
             if e.name.startswith(PHASE) and e.device_type == torch.autograd.DeviceType.CPU}
 
 
-def _inside(e, window) -> bool:
-    return window is None or window[0] <= e.time_range.start < window[1]
+def _events(events, device_type, window=None):
+    """The profiler's events of one device type that start inside `window` (all when None), phase ranges left out."""
+    return (e for e in events if e.device_type == device_type and not e.name.startswith(PHASE)
+            and (window is None or window[0] <= e.time_range.start < window[1]))
+
+
+def _by_name(events, width: int, value: str, measure) -> list[dict]:
+    """Rows {"name", "calls", value} summed per event name, largest `value` first."""
+    rows = {}
+    for e in events:
+        r = rows.setdefault(e.name, {"name": e.name[:width], "calls": 0, value: 0.0})
+        r["calls"] += 1
+        r[value] += measure(e)
+    return sorted(rows.values(), key=lambda r: -r[value])
 
 
 def kernel_rows(events, window=None) -> list[dict]:
     """Device kernels (not the phases' own annotations), by name: calls and summed ms; only those that start inside
     `window` when given (the phases synchronise the device at both ends, so a phase's kernels start inside it)."""
-    rows = {}
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(PHASE) or not _inside(e, window):
-            continue
-        r = rows.setdefault(e.name, {"name": e.name[:110], "calls": 0, "ms": 0.0})
-        r["calls"] += 1
-        r["ms"] += _device_us(e) / 1e3
-    return sorted(rows.values(), key=lambda r: -r["ms"])
+    return _by_name(_events(events, torch.autograd.DeviceType.CUDA, window), 110, "ms", lambda e: _device_us(e) / 1e3)
 
 
 def busy_ms(events, window=None) -> float:
     """Milliseconds in which at least one kernel ran (the union of the kernels' intervals; overlaps counted once)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type ==
-                   torch.autograd.DeviceType.CUDA and not e.name.startswith(PHASE) and _inside(e, window))
+    spans = sorted((e.time_range.start, e.time_range.end)
+                   for e in _events(events, torch.autograd.DeviceType.CUDA, window))
     total, end = 0.0, float("-inf")
     for a, b in spans:
         if b > end:
@@ -65,14 +70,8 @@ def busy_ms(events, window=None) -> float:
 def host_op_rows(events, window) -> list[dict]:
     """Host-side operators that start inside `window`, by name: calls and self CPU ms (their own time, children
     excluded), so the rows add up to the host time the phase spent in PyTorch."""
-    rows = {}
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith(PHASE) or not _inside(e, window):
-            continue
-        r = rows.setdefault(e.name, {"name": e.name[:80], "calls": 0, "self_ms": 0.0})
-        r["calls"] += 1
-        r["self_ms"] += e.self_cpu_time_total / 1e3
-    return sorted(rows.values(), key=lambda r: -r["self_ms"])
+    return _by_name(_events(events, torch.autograd.DeviceType.CPU, window), 80, "self_ms",
+                    lambda e: e.self_cpu_time_total / 1e3)
 
 
 def main(argv=None) -> int:

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             results[way] = {"way": way, "scores": qerl_way(way, args, work), "seconds": time.perf_counter() - t0}
             continue
-        argv_one = [PY, __file__, "--one", way, *[a for a in (argv if argv is not None else sys.argv[1:])]]
+        argv_one = [PY, __file__, "--one", way, *(argv if argv is not None else sys.argv[1:])]
         done = subprocess.run(argv_one, capture_output=True, text=True)
         found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not found:
