@@ -92,6 +92,7 @@ def main():
     from qerl.models import load_causal_lm, quantize_model
     from qerl.models.calibrate import calibration_ids
     from qerl.nn import LoraConfig
+    from qerl.quant import CALIBRATED
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -142,7 +143,7 @@ def main():
             lora = LoraConfig(r=args.r, alpha=args.alpha, init="zero" if init == "eora-fisher" else init)
             fresh = (load_causal_lm(args.model, dtype=torch.float32, device=args.device)[0] if args.reload
                      else copy.deepcopy(base))
-            calibrated = init == "eora" or args.method in ("gptq", "awq")
+            calibrated = init == "eora" or args.method in CALIBRATED
             model = quantize_model(fresh, fmt, lora, method=args.method, keep_bf16=keep,
                                    calibration=cal if calibrated else None)
             if init == "eora-fisher":

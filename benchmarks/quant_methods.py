@@ -128,6 +128,7 @@ def time_qwen7b(layers: int, methods: list[str], samples: int, max_tokens: int) 
     layers) with each method through the streaming loader, and the 28-layer extrapolation."""
     from qerl.bench.step import _init_, model_config
     from qerl.models.stream import build_layer_by_layer
+    from qerl.quant import CALIBRATED
 
     device = torch.device("cuda")
     config = model_config("7b", layers)
@@ -146,7 +147,7 @@ def time_qwen7b(layers: int, methods: list[str], samples: int, max_tokens: int) 
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         model = build_layer_by_layer(config, "nvfp4", None, fill, dtype=torch.bfloat16, device=device, method=method,
-                                     calibration=ids if method in ("gptq", "awq") else None)
+                                     calibration=ids if method in CALIBRATED else None)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         print(f"| {method} | {dt:.1f} | {dt / layers:.2f} | {dt / layers * 28:.0f} | "
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
                     help="GPU: instead, time quantizing LAYERS decoder layers of a Qwen2.5-7B-shaped model per method")
     args = ap.parse_args(argv)
     if args.time_7b:
-        time_qwen7b(args.time_7b, [r for r in args.rows.split(",") if r in ("rtn", "4over6", "gptq", "awq")],
+        from qerl.quant import METHODS
+        time_qwen7b(args.time_7b, [r for r in args.rows.split(",") if r in METHODS],
                     args.samples, args.max_tokens)
         return 0
 
