@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from qerl.kernels import dequantized_weights
+from qerl.formats import get_format
+from qerl.kernels import dequantized_weights, quantized_linear
 from qerl.kernels.dequant_cache import cached_dense_weight
+from qerl.kernels.route import kernel_policy
 from qerl.nn import QuantLinear
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.sampling import SamplingParams
@@ -23,10 +25,12 @@ def test_graph_rollouts_with_dense_copies(fmt):
     store = {}
     dense = RolloutEngine(model, max_seq_len=96, kv_block=32, dense_weights=store)
     assert dense.cuda_graphs
-    a = dense.generate(prompts, 48, sp, seed=3, ignore_eos=True)
+    with kernel_policy(dense_min_m=1):  # the copies at every row count, decode steps included
+        a = dense.generate(prompts, 48, sp, seed=3, ignore_eos=True)
     kept = {k: w for k, (_, w) in store.items()}
     assert kept and all(w.is_cuda and w.dtype == torch.bfloat16 for w in kept.values())
-    b = dense.generate(prompts, 48, sp, seed=3, ignore_eos=True)  # replayed graphs read the kept copies
+    with kernel_policy(dense_min_m=1):
+        b = dense.generate(prompts, 48, sp, seed=3, ignore_eos=True)  # replayed graphs read the kept copies
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert all(store[k][1] is w for k, w in kept.items())
     plain = RolloutEngine(model, max_seq_len=96, kv_block=32).generate(prompts, 48, sp, seed=3, ignore_eos=True)
@@ -35,9 +39,30 @@ def test_graph_rollouts_with_dense_copies(fmt):
         torch.testing.assert_close(a.logprobs, plain.logprobs, atol=0, rtol=0)
     else:  # the NVFP4 kernel accumulates the same weights in another order (bf16 rounding, then paths part)
         greedy = SamplingParams(temperature=0)
-        g1 = RolloutEngine(model, max_seq_len=96, kv_block=32, dense_weights=store).generate(prompts, 4, greedy, ignore_eos=True)
+        with kernel_policy(dense_min_m=1):
+            g1 = RolloutEngine(model, max_seq_len=96, kv_block=32, dense_weights=store).generate(
+                prompts, 4, greedy, ignore_eos=True)
         g2 = RolloutEngine(model, max_seq_len=96, kv_block=32).generate(prompts, 4, greedy, ignore_eos=True)
         torch.testing.assert_close(g1.logprobs[:, 0], g2.logprobs[:, 0], atol=0.05, rtol=0)  # the same first step
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_kept_copy_is_read_from_dense_min_m_rows_and_the_4bit_kernels_below(fmt):
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(torch.nn.Linear(256, 384), fmt).cuda()
+    tensors = layer.quantized_tensors()
+    x = torch.randn(24, 256, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ get_format(fmt).dequantize(**tensors, dtype=torch.float32).t()
+    store = {}
+    with dequantized_weights(store=store), kernel_policy(dense_min_m=16):
+        few = quantized_linear(fmt, x[:15], tensors, layer.bias)
+        assert not store  # 15 rows: the 4-bit kernels, no copy made
+        many = quantized_linear(fmt, x, tensors, layer.bias)
+        assert len(store) == 1  # from 16 rows the kept copy
+    bias = layer.bias.float()
+    assert torch.isfinite(few).all() and torch.isfinite(many).all()
+    torch.testing.assert_close(few.float(), ref[:15] + bias, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(many.float(), ref + bias, atol=0.05, rtol=0.02)
 
 
 def test_a_copy_is_never_made_inside_a_graph_capture():

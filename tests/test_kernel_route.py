@@ -206,3 +206,14 @@ def test_small_weights_above_64_rows_take_64_row_tiles_x_staged_and_few_k_splits
         assert plan(128, 2048, 1536) == (128, (6, 2), rt.GLUON_WGMMA_XP)
         assert plan(64, 1536, 1536)[1] == (12, 1)
     assert gk.split_for(1, 64, 1024, (64, 8, 64, 16, 3), 132, 4.0, min_tiles_per_split=5) == (1, 8)
+
+
+def test_a_kept_dense_copy_is_read_where_the_4bit_kernels_lose():
+    from qerl.kernels.route import KernelPolicy, reads_dense_copy
+
+    p = KernelPolicy(dense_min_m=64)
+    assert not reads_dense_copy("nvfp4", 1, True, p) and not reads_dense_copy("mxfp4", 63, True, p)
+    assert reads_dense_copy("nvfp4", 64, True, p) and reads_dense_copy("nvfp4", 4096, True, p)
+    # no 4-bit GPU kernel to prefer: the copy at every row count
+    assert reads_dense_copy("nvfp4", 1, False, p) and reads_dense_copy("nf4", 1, True, p)
+    assert KernelPolicy().dense_min_m >= 1  # from kernels/tuning

@@ -1,47 +1,160 @@
-"""Where a decode step's GPU time goes: kernels of the engine's decode step, grouped and timed.
+"""Where a decode step's GPU time goes, against the floor: each kernel of the engine's decode step, its bytes and
+how far it is from moving them at the device-copy bandwidth.
 
-Builds a random-weight Qwen2.5-shaped model (as `qerl bench rollout`), prefills a batch of prompts, then
-profiles `--steps` decode steps (the engine's step: one CUDA-graph replay, or eager with `--eager`)
-plus the sampling of each next token as the engine samples (one launch where `fused_sampling_applies`),
-with torch.profiler's CUDA activity. Prints, per variant and
-batch, the kernels by GPU time per step (calls per step, us per step, share of the step) and groups them
-into matmul / attention / norm+elementwise / sampling, so a change can be aimed at the largest part.
+Builds a random-weight Qwen2.5-shaped model (as `qerl bench rollout`), prefills a batch of prompts, then runs
+`--steps` decode steps (the engine's step: one CUDA-graph replay, or eager with `--eager`) each followed by the
+engine's sampler. Per (variant, rows) it prints one table:
 
-    python -m qerl.bench.decode_profile --models 7b --variants bf16+lora,nvfp4+lora --batches 8,64
+  - per role (the q/k/v, o, gate/up, down and lm_head products, each LoRA A product, attention, norms, RoPE +
+    cache write, SwiGLU, sampling, the rest): calls and microseconds per step, the bytes the role must move at
+    least (weights, scales, LoRA factors, the KV cache it attends over, activations in and out), the rate that
+    makes (GB/s) and its own floor over its time (% floor: bytes / copy bandwidth / time);
+  - the sum of the kernel times, the step's time as the engine runs it, the gap between them (launch tails and
+    idle time between kernels; negative where launches overlap), and the step's floor (every role's bytes once,
+    at the measured copy bandwidth) with the step's % of it.
+
+Kernel times are measured with programmatic dependent launch (PDL) off, so each is the kernel's own (with PDL on
+a kernel is launched early and its wait for the previous one is charged to it); the step time is measured both
+ways, PDL on being what the engine does on sm_90+. Roles come from the kernels' order in a step, checked against
+the runner's structure (q/k/v, o, gate/up, down per layer, then lm_head); when they do not match (an MoE model,
+unfused siblings) kernels are grouped by name only and bytes are left out.
+
+    python -m qerl.bench.decode_profile --models 7b --variants bf16+lora,nvfp4+lora --batches 1,8,64
 """
 
 import argparse
 import datetime
 import json
 import re
+import statistics
 
 import torch
 
-GROUPS = (  # first match wins; kernel names as CUPTI reports them
-    ("bf16 gluon kernel", r"bf16_swap"),
-    ("fp4 kernels", r"_fp4_|fp4_gemv|_gemv_kernel|_swap|_splitk_reduce"),
-    ("fused norm/rope", r"_add_rms_norm|_rope_kernel"),
-    ("dequant", r"dequant"),
-    ("cublas gemm", r"gemm|gemv|cutlass|sm90_xmma|ampere_|nvjet|splitK|cublas"),
-    ("attention", r"flash|fmha|attention|sdpa|efficient"),
-    ("reduce", r"reduce_kernel|sum_|Reduce"),
-    ("sampling", r"_sample_kernel|sort|topk|softmax|multinomial|exponential|cumsum|log_softmax|argmax|max_"),
-    ("copy/index", r"copy|index|scatter|gather|cat|fill|where"),
-    ("elementwise", r"elementwise|vectorized|unrolled|pow|rsqrt|mul|add|silu"),
+# first match wins; kernel names as CUPTI reports them
+MATMUL = r"nvfp4_swap|bf16_swap|_fp4_|fp4_gemv|_gemv_kernel|gemm|nvjet|cutlass|sm90_xmma|ampere_|w4a8"
+MATMUL_AFTER = r"splitKreduce|_splitk_reduce"  # the second launch of a split-K product: charged to it
+MATMUL_BEFORE = r"permute_x"  # x rewritten for the product that follows: charged to it
+NAMED = (
+    ("LoRA A", r"_lora_a"),
+    ("attention", r"_split_kernel|_combine_kernel|decode_attention|flash|fmha|attention|sdpa|efficient"),
+    ("norm (+ residual)", r"_add_rms_norm|rms_norm"),
+    ("RoPE + k/v write", r"_rope"),
+    ("SwiGLU", r"_silu_mul|silu"),
+    ("sampling", r"_sample_kernel|sort|topk|softmax|multinomial|exponential|cumsum|argmax"),
 )
+GROUP_NAMES = ("q/k/v", "o", "gate/up", "down")  # the runner's linear groups, in order within a layer
 
 
-def group_of(name: str) -> str:
-    for g, pat in GROUPS:
+def name_role(name: str) -> str:
+    """Role of a kernel from its name alone: "matmul", "matmul+" (a split-K reduce, charged to the product
+    before it), "matmul-" (an x rewrite, charged to the product after it), a `NAMED` role, or "other"."""
+    if re.search(MATMUL_AFTER, name, re.IGNORECASE):
+        return "matmul+"
+    if re.search(MATMUL_BEFORE, name, re.IGNORECASE):
+        return "matmul-"
+    for role, pat in NAMED:
         if re.search(pat, name, re.IGNORECASE):
-            return g
+            return role
+    if re.search(MATMUL, name, re.IGNORECASE):
+        return "matmul"
     return "other"
+
+
+def expected_products(runner) -> tuple[list[str], list[str]] | None:
+    """(the base products of one decode step in launch order, the LoRA A products in launch order) as role
+    names, from the runner's groups (a fused sibling group is one product, else one per member), lm_head last;
+    None for a model whose step is not one product per group (mixture-of-experts layers)."""
+    if runner.has_moe:
+        return None
+    lora = runner.lora
+    base, lora_a = [], []
+    for gi, group in enumerate(lora.groups):
+        role = GROUP_NAMES[gi % 4]
+        if gi in lora.a:
+            lora_a.append(f"LoRA A {role}")
+        if gi in lora.fused or len(group) == 1:
+            base.append(role)
+        else:
+            base += [f"{role} ({i})" for i in range(len(group))]
+    return base + ["lm_head"], lora_a
+
+
+def assign_roles(names: list[str], runner) -> tuple[list[str], bool]:
+    """Role of each kernel of one decode step (names in launch order) and whether the order matched the
+    runner's structure (`expected_products`); unmatched: name roles only."""
+    roles = [name_role(n) for n in names]
+    expected = expected_products(runner)
+    heads = [i for i, r in enumerate(roles) if r == "matmul"]
+    lora_at = [i for i, r in enumerate(roles) if r == "LoRA A"]
+    if expected is None or len(heads) != len(expected[0]) or len(lora_at) != len(expected[1]):
+        return [r.rstrip("+-") for r in roles], False
+    out = list(roles)
+    for i, role in zip(heads, expected[0]):
+        out[i] = role
+    for i, role in zip(lora_at, expected[1]):
+        out[i] = role
+    for i, r in enumerate(roles):  # helpers of a product take its role
+        if r == "matmul+":
+            out[i] = next((out[j] for j in range(i - 1, -1, -1) if roles[j] == "matmul"), "matmul")
+        elif r == "matmul-":
+            out[i] = next((out[j] for j in range(i + 1, len(roles)) if roles[j] == "matmul"), "matmul")
+    return out, True
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _weight_bytes(mod) -> int:
+    """Bytes of a linear's stored weight (a QuantLinear's format tensors, or a plain weight) and bias."""
+    if hasattr(mod, "quantized_tensors"):
+        return _nbytes(*mod.quantized_tensors().values(), getattr(mod, "bias", None))
+    return _nbytes(mod.weight, getattr(mod, "bias", None))
+
+
+def role_bytes(runner, rows: int, attended: int) -> dict[str, int]:
+    """The bytes each role of one decode step must move at least, summed over layers: every weight, scale and
+    LoRA factor read once, the KV cache over `attended` slots per row read once, and each activation written
+    and read once. rows: the batch; elements of activations in the runner's dtype."""
+    e = torch.finfo(runner.dtype).bits // 8
+    cfg = runner.config
+    D, V, L = cfg.hidden_size, cfg.vocab_size, len(runner.layers)
+    H, KV, hd = runner.n_heads, runner.n_kv, runner.head_dim
+    out: dict[str, int] = {}
+
+    def add(role, n):
+        out[role] = out.get(role, 0) + int(n)
+
+    lora = runner.lora
+    for gi, group in enumerate(lora.groups):
+        role = GROUP_NAMES[gi % 4]
+        k = group[0].in_features
+        r = lora.a[gi].shape[0] if gi in lora.a else 0
+        if gi in lora.fused or len(group) == 1:  # one product: x read once, one [sum N, sum r] LoRA B block
+            n = sum(m.out_features for m in group)
+            add(role, sum(_weight_bytes(m) for m in group) + rows * k * e + rows * n * e + n * r * e + rows * r * e)
+        else:
+            for i, m in enumerate(group):
+                ri = m.lora_A.weight.shape[0] if r and getattr(m, "lora_A", None) is not None else 0
+                add(f"{role} ({i})", _weight_bytes(m) + rows * k * e + rows * m.out_features * e
+                    + m.out_features * ri * e + rows * ri * e)
+        if r:
+            add(f"LoRA A {role}", r * k * e + rows * k * e + rows * r * e)
+    head = runner.lm_head
+    add("lm_head", _weight_bytes(head) + rows * D * e + rows * V * e)
+    add("attention", L * (rows * attended * KV * hd * e * 2 + 2 * rows * H * hd * e))
+    add("norm (+ residual)", (2 * L + 1) * (4 * rows * D * e + D * e))
+    add("RoPE + k/v write", L * rows * (2 * (H + 2 * KV) * hd * e))
+    inter = getattr(cfg, "intermediate_size", 0)
+    add("SwiGLU", L * rows * 3 * inter * e)
+    add("sampling", rows * V * e)
+    return out
 
 
 def prepared_steps(engine, batch: int, prompt: int, steps: int):
     """Prefill a batch of `prompt` random tokens, capture the graphs and fill the cache; returns run(), which
     performs `steps` decode steps (the engine's step at a fixed attended length) each followed by the
-    engine's sampler (one launch, `triton.sampling`, where it applies; else `next_token`) and syncs."""
+    engine's sampler (one launch, `triton.sampling`, where it applies; else `next_token`), without a sync."""
     from ..rollout.sampling import SamplingParams, fused_sampling_applies, next_token
     from .rollout import prompts_tensor
 
@@ -68,59 +181,150 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
                 tok, _, _ = next_token(state["logits"], sp, None)
             engine.step_tokens.copy_(tok)
             state["logits"] = engine.decode(batch, kv)
-        torch.cuda.synchronize()
 
     return run
 
 
-def profile_steps(engine, batch: int, prompt: int, steps: int) -> list[dict]:
-    """Kernel table of `steps` decode steps (+ sampling) after a prefill; times are per step, us."""
+def step_ms(run, steps: int, repeats: int = 5) -> float:
+    """Median over `repeats` of the wall time of `steps` decode steps (+ sampling), per step, CUDA events."""
+    run()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / steps)
+    return statistics.median(times)
+
+
+def kernel_events(run, steps: int) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every CUDA kernel / memcpy of `steps` steps, in start order."""
     from torch.profiler import ProfilerActivity, profile
 
-    run = prepared_steps(engine, batch, prompt, steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
-    rows = {}
+        torch.cuda.synchronize()
+    ev = []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        r = rows.setdefault(e.name, dict(name=e.name, calls=0, us=0.0))
+        dur = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        ev.append((e.name, float(e.time_range.start), float(dur)))
+    return sorted(ev, key=lambda x: x[1])
+
+
+def busy_us(events: list[tuple[str, float, float]]) -> float:
+    """Time at least one of `events` runs (the union of their intervals), us."""
+    total, end = 0.0, float("-inf")
+    for _, start, dur in events:
+        lo, hi = max(start, end), start + dur
+        if hi > lo:
+            total += hi - lo
+        end = max(end, hi)
+    return total
+
+
+def role_table(names_durs: list[tuple[str, float]], steps: int, runner, rows: int, attended: int,
+               copy_bw: float) -> tuple[list[dict], bool]:
+    """Per role of the step: calls, us per step, bytes, GB/s and % of its own floor (see the module docstring).
+    names_durs: (kernel name, duration us) of `steps` steps in launch order."""
+    per = len(names_durs) // steps
+    names = [n for n, _ in names_durs[:per]]
+    roles, matched = assign_roles(names, runner)
+    if len(names_durs) != per * steps or any(names_durs[s * per + i][0] != names[i] for s in range(steps)
+                                             for i in range(per)):
+        roles, matched = None, False  # steps differ: group each kernel by its name role
+    bytes_ = role_bytes(runner, rows, attended) if matched else {}
+    table: dict[str, dict] = {}
+    for i, (name, dur) in enumerate(names_durs):
+        role = roles[i % per] if roles is not None else name_role(name).rstrip("+-")
+        r = table.setdefault(role, dict(role=role, calls=0.0, us=0.0, kernels=set()))
         r["calls"] += 1
-        r["us"] += e.device_time if hasattr(e, "device_time") else e.cuda_time
-    out = sorted(rows.values(), key=lambda r: -r["us"])
-    for r in out:
+        r["us"] += dur
+        r["kernels"].add(name[:60])
+    out = []
+    for r in table.values():
         r["calls"] /= steps
         r["us"] /= steps
-        r["group"] = group_of(r["name"])
-    return out
+        b = bytes_.get(r["role"])
+        r["kernels"] = sorted(r["kernels"])
+        if b is not None and r["us"] > 0:
+            r.update(bytes=b, gb_s=b / (r["us"] * 1e-6) / 1e9, floor_pct=100 * b / copy_bw / (r["us"] * 1e-6))
+        out.append(r)
+    return sorted(out, key=lambda r: -r["us"]), matched
 
 
-def summary(rows: list[dict]) -> dict[str, float]:
-    total = sum(r["us"] for r in rows)
-    groups: dict[str, float] = {}
-    for r in rows:
-        groups[r["group"]] = groups.get(r["group"], 0.0) + r["us"]
-    return dict(total_us=total, kernels_per_step=sum(r["calls"] for r in rows), **groups)
+def profile_cell(engine, rows: int, prompt: int, steps: int, copy_bw: float) -> dict:
+    """Everything the table of one (engine, rows) cell shows: the per-role rows (PDL off), the kernel sum,
+    busy time and step time with PDL off and on, the step's floor."""
+    pdl_default = engine.pdl
+    cell = {}
+    for pdl in (False, True):
+        engine.pdl = pdl
+        engine.decode_graphs.reset()  # recapture with or without programmatic launches
+        run = prepared_steps(engine, rows, prompt, steps)
+        ms = step_ms(run, steps)
+        ev = kernel_events(run, steps)
+        key = "pdl" if pdl else "no_pdl"
+        cell[f"step_us_{key}"] = 1e3 * ms
+        cell[f"kernel_us_{key}"] = sum(d for _, _, d in ev) / steps
+        cell[f"busy_us_{key}"] = busy_us(ev) / steps
+        if not pdl:
+            cell["roles"], cell["matched"] = role_table([(n, d) for n, _, d in ev], steps, engine.runner, rows,
+                                                        prompt + 1, copy_bw)
+    engine.pdl = pdl_default
+    engine.decode_graphs.reset()
+    floor_bytes = sum(r.get("bytes", 0) for r in cell["roles"])
+    cell["floor_bytes"] = floor_bytes
+    cell["floor_us"] = 1e6 * floor_bytes / copy_bw
+    return cell
+
+
+def format_cell(title: str, cell: dict, copy_bw: float) -> str:
+    lines = [f"\n## {title}",
+             "| role | calls/step | us/step | MB/step | GB/s | % own floor | kernels |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in cell["roles"]:
+        mb = f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "-"
+        rate = f"{r['gb_s']:.0f}" if "gb_s" in r else "-"
+        pct = f"{r['floor_pct']:.0f}" if "floor_pct" in r else "-"
+        lines.append(f"| {r['role']} | {r['calls']:.0f} | {r['us']:.1f} | {mb} | {rate} | {pct} | "
+                     f"{', '.join(r['kernels'])[:70]} |")
+    k, s = cell["kernel_us_no_pdl"], cell["step_us_no_pdl"]
+    lines.append(f"| **sum of kernels** | {sum(r['calls'] for r in cell['roles']):.0f} | {k:.1f} | "
+                 f"{cell['floor_bytes'] / 1e6:.1f} | | {100 * cell['floor_us'] / k:.0f} | |")
+    lines.append(f"| gaps between kernels (step - sum, PDL off) | | {s - k:.1f} | | | | |")
+    lines.append(f"| **step, PDL off** | | {s:.1f} | | | {100 * cell['floor_us'] / s:.0f} | |")
+    p = cell["step_us_pdl"]
+    lines.append(f"| **step, PDL on (the engine)** | | {p:.1f} | | | {100 * cell['floor_us'] / p:.0f} | "
+                 f"GPU busy {cell['busy_us_pdl']:.1f} us |")
+    lines.append(f"step floor: {cell['floor_us']:.1f} us ({cell['floor_bytes'] / 1e9:.3f} GB at "
+                 f"{copy_bw / 1e12:.2f} TB/s)" + ("" if cell["matched"] else
+                                                 "; kernels grouped by name (order did not match): no bytes"))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="decode_profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b")
     ap.add_argument("--variants", default="bf16+lora,nvfp4+lora")
-    ap.add_argument("--batches", default="8,64")
-    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompt", type=int, default=256, help="each row attends over prompt + 1 slots")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from ..rollout.engine import RolloutEngine
-    from .rollout import build_model, free
+    from .rollout import build_model, copy_bandwidth, free
 
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")
     results = []
     for size in args.models.split(","):
         for variant in args.variants.split(","):
@@ -128,22 +332,14 @@ def main(argv=None) -> int:
             model = build_model(size, args.layers, fmt, args.lora_r)
             engine = RolloutEngine(model, max_seq_len=args.prompt + args.steps + 8, cuda_graphs=not args.eager)
             for batch in map(int, args.batches.split(",")):
-                rows = profile_steps(engine, batch, args.prompt, args.steps)
-                s = summary(rows)
-                results.append(dict(model=size, variant=variant, batch=batch, summary=s, kernels=rows))
-                print(f"\n## {size} {variant} batch {batch}: {s['total_us'] / 1e3:.2f} ms GPU per step, "
-                      f"{s['kernels_per_step']:.0f} kernels")
-                print(" | ".join(f"{k} {v / 1e3:.2f} ms" for k, v in s.items()
-                                 if k not in ("total_us", "kernels_per_step")))
-                print("| group | calls/step | us/step | % | kernel |\n|---|---:|---:|---:|---|")
-                for r in rows[: args.top]:
-                    print(f"| {r['group']} | {r['calls']:.0f} | {r['us']:.0f} | {100 * r['us'] / s['total_us']:.1f} "
-                          f"| {r['name'][:90]} |")
+                cell = profile_cell(engine, batch, args.prompt, args.steps, bw)
+                results.append(dict(model=size, variant=variant, batch=batch, **cell))
+                print(format_cell(f"{size} {variant}, {batch} rows", cell, bw), flush=True)
             del engine, model
             free()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()),
+            json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()), copy_bw=bw,
                            torch=torch.__version__, args=vars(args), results=results), f, indent=1)
     return 0
 

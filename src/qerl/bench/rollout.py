@@ -202,9 +202,12 @@ def run_size(size, args, copy_bw, results):
         embeddings = args.quantize_embeddings and fmt not in (None, "bf16")
         model = build_model(size, args.layers, fmt, args.lora_r, embeddings)
         read_bytes, total_bytes = policy_bytes(model)
+        # +dense: a kept 16-bit copy of every 4-bit weight, read from `dense_min_m` rows (model.dense_weights: all)
+        dense = {} if variant.endswith("+dense") and fmt not in (None, "bf16") else None
         engine = None if variant == "hf" else RolloutEngine(model, max_seq_len=args.prompt + args.budget,
                                                            cuda_graphs=not args.eager,
-                                                           fused_sampling=not args.eager_sampling)
+                                                           fused_sampling=not args.eager_sampling,
+                                                           dense_weights=dense)
         for batch in (args.hf_batches if variant == "hf" else args.batches):
             try:
                 rows = [dict(bench_hf(model, batch, args), scheduler="-")] if variant == "hf" else \
@@ -291,7 +294,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b", help=f"comma list of {','.join(QWEN25)} (Qwen2.5 shapes)")
     ap.add_argument("--variants", default="hf,bf16,bf16+lora,nvfp4+lora",
-                    help="hf (HF generate, bf16), bf16 (engine, plain HF modules), <fmt>+lora (QuantLinear)")
+                    help="hf (HF generate, bf16), bf16 (engine, plain HF modules), <fmt>+lora (QuantLinear), "
+                         "<fmt>+lora+dense (a kept 16-bit copy read from KernelPolicy.dense_min_m rows)")
     ap.add_argument("--batches", default="1,8,32,64,128", help="rows per rollout (--lengths: multiples of --group)")
     ap.add_argument("--hf-batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=256)

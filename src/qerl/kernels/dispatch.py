@@ -8,7 +8,7 @@ from ..formats.fp8 import as_fp8
 from .dequant_cache import cached_dense_weight
 from .fp8_matmul import (W4A8_EMULATED, W4A8_TENSOR_CORES, emulated_w8a8, fp8_linear, w4a8_linear, w4a8_path,
                          w4a8_weight)
-from .route import current_policy
+from .route import current_policy, reads_dense_copy, rows, use_triton
 from .bf16_matmul import bf16_linear
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
@@ -41,8 +41,9 @@ def quantized_linear(
         if dense is not None:
             return add_lora(emulated_w8a8(x, dense, bias), lora)
         return add_lora(fp8_linear(x, **as_fp8(fmt, tensors), bias=bias, emulate=True), lora)
-    # W4A8_BF16_KERNELS (a GPU's few rows) and compute bf16: the 16-bit products below
-    dense = cached_dense_weight(fmt, tensors, x.dtype)
+    # W4A8_BF16_KERNELS (a GPU's few rows) and compute bf16: the 16-bit products below; a kept dense copy where
+    # it beats the 4-bit kernels (`route.reads_dense_copy`)
+    dense = cached_dense_weight(fmt, tensors, x.dtype) if reads_dense_copy(fmt, rows(x), use_triton(x)) else None
     if dense is not None:
         return add_lora(F.linear(x, dense, None if bias is None else bias.to(x.dtype)), lora)
     if fmt == "nvfp4":

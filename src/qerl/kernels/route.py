@@ -152,6 +152,18 @@ class KernelPolicy:
     # torch._scaled_mm) from w4a8_min_m rows; below, the bf16 kernels above (H200: `qerl bench kernels --compute
     # fp8`, docs/benchmarks.md "W4A8")
     w4a8_min_m: int = _TUNED["w4a8_min_m"]
+    # model.dense_weights on a GPU: a product of NVFP4 / MXFP4 weights with a kept 16-bit copy reads the copy
+    # (cuBLAS bf16) from dense_min_m rows and the 4-bit weight through its kernels below, where they win
+    # (H200: `qerl bench rollout --variants nvfp4+lora,nvfp4+lora+dense`, docs/benchmarks.md "Rollout engine")
+    dense_min_m: int = _TUNED["dense_min_m"]
+
+
+def reads_dense_copy(fmt: str, m: int, on_gpu_kernels: bool, policy: KernelPolicy | None = None) -> bool:
+    """Whether a product of m rows against a weight of format `fmt` that has a kept 16-bit copy reads that copy:
+    always without the 4-bit GPU kernels (the CPU, NF4, Triton off), else from `dense_min_m` rows on."""
+    if not on_gpu_kernels or fmt not in ("nvfp4", "mxfp4"):
+        return True
+    return m >= (policy or _POLICY.get()).dense_min_m
 
 
 _POLICY: ContextVar[KernelPolicy] = ContextVar("qerl_kernel_policy", default=KernelPolicy())
