@@ -206,10 +206,50 @@ def check_rope_store(device: str, dtype=torch.bfloat16, seed: int = 7, cases=ROP
     return fails
 
 
+# (rows, D, R) for the norm + LoRA A product: odd D and R, one R block or several, Qwen2.5-7B's D with q/k/v's R
+NORM_LORA_A_SHAPES = [(1, 24, 5), (3, 100, 48), (5, 576, 16), (2, 3584, 48)]
+
+
+@poisoned
+def check_norm_lora_a(device: str, dtype=torch.bfloat16, seed: int = 11) -> list[str]:
+    """add_rms_norm_lora_a: the residual sum and the norm as add_rms_norm (bit for bit: the same kernel body),
+    and xa = out @ a^T of the returned out, accumulated in fp32 and rounded once."""
+    from qerl.kernels.triton.fused_ops import add_rms_norm, add_rms_norm_lora_a
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    for rows, d, r in NORM_LORA_A_SHAPES:
+        for with_delta in (False, True):
+            norm = _rms_module(d, 1e-6, dtype, device, gen)
+            h = (torch.randn(rows, d, generator=gen) * 3).to(dtype)
+            h[0, : d // 2] *= 1e3
+            if rows > 1:
+                h[1] = 0  # an all-zero row
+            delta = (torch.randn(rows, d, generator=gen)).to(dtype) if with_delta else None
+            a = (torch.randn(r, d, generator=gen) / d ** 0.5).to(dtype)
+            h, a = h.to(device), a.to(device)
+            delta = None if delta is None else delta.to(device)
+            s, out, xa = add_rms_norm_lora_a(h, delta, norm.weight, norm.variance_epsilon, a)
+            ref_s, ref_out = add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+            tag = f"norm+lora_a {device} {dtype} rows={rows} d={d} r={r} delta={with_delta}"
+            if not (torch.isfinite(out).all() and torch.isfinite(xa).all() and torch.isfinite(s).all()):
+                fails.append(f"{tag}: non-finite output")
+                continue
+            if not torch.equal(s, ref_s) or not torch.equal(out, ref_out):
+                fails.append(f"{tag}: sum or norm differs from add_rms_norm")
+            ref = out.double() @ a.double().t()
+            scale = out.double().abs() @ a.double().abs().t()  # bound of the fp32 summation-order error
+            err = ((xa.double() - ref).abs() - torch.finfo(dtype).eps * ref.abs()) / scale.clamp_min(1e-30)
+            if tuple(xa.shape) != (rows, r) or xa.dtype != dtype or err.max().item() > 1e-5:
+                fails.append(f"{tag}: xa off by {err.max().item():.2e} of |out| |a| (shape {tuple(xa.shape)})")
+    return fails
+
+
 def interpreter_suite() -> list[str]:
     return check_norm("cpu") + check_norm("cpu", torch.float32, seed=3) + check_rope("cpu") + \
         check_rope("cpu", torch.float16, seed=4) + check_silu_mul("cpu") + check_silu_mul("cpu", torch.float16) + \
-        check_rope_store("cpu") + check_rope_store("cpu", torch.float16, seed=8, cases=ROPE_STORE_CASES[1:3])
+        check_rope_store("cpu") + check_rope_store("cpu", torch.float16, seed=8, cases=ROPE_STORE_CASES[1:3]) + \
+        check_norm_lora_a("cpu") + check_norm_lora_a("cpu", torch.float16, seed=12)
 
 
 def test_interpreter():
@@ -254,7 +294,7 @@ def test_cpu_path_is_the_eager_reference(monkeypatch):
 def test_gpu(dtype):
     require_cuda()
     fails = check_norm("cuda", dtype) + check_rope("cuda", dtype) + check_silu_mul("cuda", dtype) + \
-        check_rope_store("cuda", dtype)
+        check_rope_store("cuda", dtype) + check_norm_lora_a("cuda", dtype)
     assert not fails, "\n".join(fails)
 
 
@@ -324,3 +364,39 @@ def test_engine_logits_with_and_without_fused_ops(monkeypatch):
     scale = eager.abs().max().item()
     torch.testing.assert_close(fused, eager, atol=0.02 * scale, rtol=0)
     assert (fused.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_decode_with_the_norm_launch_doing_lora_a_equals_separate_launches(fmt, monkeypatch):
+    """The engine's graph-replayed decode with each norm launch also computing the next group's LoRA A product
+    (`fused_ops.add_norm_lora_a`) against the same engine with a separate LoRA A launch: the same greedy tokens
+    and log-probs within bf16 noise (the two sum the product in a different fp32 order)."""
+    require_cuda()
+    from qerl.rollout.engine import RolloutEngine
+    from qerl.rollout.sampling import SamplingParams
+
+    from test_rollout_engine import prompts_of, quantize_tiny, tiny_model
+
+    model = quantize_tiny(tiny_model("qwen2", hidden_size=256, intermediate_size=512), fmt=fmt)
+    model = model.cuda().to(torch.bfloat16)  # B random: a wrong A product would move the outputs
+    from qerl.kernels.triton import fused_ops as triton_fused_ops
+
+    calls = []
+    fn = triton_fused_ops.add_rms_norm_lora_a
+    monkeypatch.setattr(triton_fused_ops, "add_rms_norm_lora_a", lambda *a: calls.append(1) or fn(*a))
+    prompts = prompts_of([5, 9, 3], seed=6)
+    greedy = SamplingParams(temperature=0)
+    runs = []
+    for fuse in (True, False):
+        engine = RolloutEngine(model, max_seq_len=64, kv_block=32)
+        engine.runner.fuse_norm_lora_a = fuse
+        runs.append(engine.generate(prompts, 12, greedy, ignore_eos=True))
+        if fuse:
+            assert calls, "the fused launch was not taken"
+            calls.clear()
+    fused, separate = runs
+    assert not calls
+    assert torch.isfinite(fused.logprobs).all()
+    assert torch.equal(fused.completion_ids[:, :4], separate.completion_ids[:, :4])
+    torch.testing.assert_close(fused.logprobs[:, :4], separate.logprobs[:, :4], atol=0.05, rtol=0)

@@ -211,7 +211,7 @@ def test_small_weights_above_64_rows_take_64_row_tiles_x_staged_and_few_k_splits
 def test_a_kept_dense_copy_is_read_where_the_4bit_kernels_lose():
     from qerl.kernels.route import KernelPolicy, reads_dense_copy
 
-    p = KernelPolicy(dense_min_m=64)
+    p = KernelPolicy(dense_min_m=64)  # any threshold: the rule, not the tuned value
     assert not reads_dense_copy("nvfp4", 1, True, p) and not reads_dense_copy("mxfp4", 63, True, p)
     assert reads_dense_copy("nvfp4", 64, True, p) and reads_dense_copy("nvfp4", 4096, True, p)
     # no 4-bit GPU kernel to prefer: the copy at every row count

@@ -1,6 +1,9 @@
 """The rollout engine's per-layer small ops, in one Triton launch each on CUDA, eager torch elsewhere.
 
   add_norm(h, delta, norm) -> (h + delta, norm(h + delta))   residual add + the model's RMSNorm
+  add_norm_lora_a(h, delta, norm, a)
+                           -> the same and norm(h + delta) @ a^T  (+ the LoRA A product of the linears the norm
+                              feeds, in the same launch at decode rows; None where it is not fused)
   rope_qk(q, k, cos, sin)  -> rotated (q, k)                   rotate-half RoPE, [B, L, heads, hd]
   silu_mul(gate, up)       -> silu(gate) * up                  the MLP's activation and product
   rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
@@ -19,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .route import use_triton
+from .route import rows, use_triton
+
+NORM_LORA_A_MAX_ROWS = 64  # rows up to which the norm launch also does the LoRA A product (decode batches)
 
 
 def _rms_norm_params(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
@@ -41,6 +46,24 @@ def add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tu
         return add_rms_norm(h.contiguous(), None if delta is None else delta.contiguous(), *params)
     s = h if delta is None else h + delta
     return s, norm(s)
+
+
+def add_norm_lora_a(h: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, a: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """h, delta [..., D]; a [R, D] (a stacked LoRA A, or None) -> (s, norm(s), norm(s) @ a^T as [M, R] or None).
+
+    The product rides in the norm's launch (`triton.fused_ops.add_rms_norm_lora_a`: each row's norm is
+    recomputed per block of a's rows, so only for up to NORM_LORA_A_MAX_ROWS rows) where the Triton norm
+    applies and a is contiguous of h's dtype; elsewhere the third value is None and the caller computes the
+    product itself (`kernels.lora_a`)."""
+    if (a is not None and use_triton(h) and rows(h) <= NORM_LORA_A_MAX_ROWS and a.dtype == h.dtype
+            and a.is_contiguous() and a.shape[-1] == h.shape[-1]):
+        params = _rms_norm_params(norm, h)
+        if params is not None and (delta is None or (delta.dtype == h.dtype and delta.shape == h.shape)):
+            from .triton.fused_ops import add_rms_norm_lora_a
+
+            return add_rms_norm_lora_a(h.contiguous(), None if delta is None else delta.contiguous(), *params, a)
+    return (*add_norm(h, delta, norm), None)
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

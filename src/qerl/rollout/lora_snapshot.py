@@ -113,12 +113,18 @@ class LoraSnapshot:
             lb = self._keep(old_lb, block)
         self.fused[gi] = (tensors, sizes, bias, lb)
 
-    def linears(self, mods: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    def stacked_a(self, mod: nn.Module) -> torch.Tensor | None:
+        """The stacked A [sum r, K] of the group `mod` starts (or belongs to), None without an enabled adapter."""
+        return self.a.get(self.index.get(id(mod)))
+
+    def linears(self, mods: Sequence[nn.Module], x: torch.Tensor, xa: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
         """x [..., K] in the activation dtype -> [mod(x) [..., N_i] for mod in mods] (one registered group),
-        without dropout."""
+        without dropout. xa: x @ stacked_a(mods[0])^T [M, sum r] when the caller already has it (the decode
+        step's norm launch computes it, `kernels.fused_ops.add_norm_lora_a`)."""
         gi = self.index.get(id(mods[0]))
         a = self.a.get(gi)
-        h = None if a is None else lora_a(x, a)  # [M, sum r]: one launch at decode sizes on CUDA
+        h = None if a is None else xa if xa is not None else lora_a(x, a)  # [M, sum r]: one launch on CUDA
         fused = self.fused.get(gi)
         if fused is not None and tuple(mods) == self.groups[gi]:
             tensors, sizes, bias, lb = fused

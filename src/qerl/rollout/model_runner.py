@@ -42,7 +42,7 @@ from torch import nn
 
 from ..kernels.bf16_matmul import bf16_linear
 from ..kernels.decode_attention import decode_attention
-from ..kernels.fused_ops import add_norm, rope_qk, rope_qk_store, silu_mul
+from ..kernels.fused_ops import add_norm_lora_a, rope_qk, rope_qk_store, silu_mul
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_experts import QuantExperts
 from ..nn.sinks import with_sink_column
@@ -121,6 +121,21 @@ class CausalLMRunner:
         self._mlps = [self.moe_mlp if moe else self.mlp for moe in self.moe_layers]  # chosen once per layer
         fuse = self.device.type == "cuda" if fuse_siblings is None else fuse_siblings  # None: on CUDA only
         self.lora = LoraSnapshot(groups, self.dtype, fuse=fuse)
+        # per norm in forward order (the first input_layernorm, then each layer's post_attention_layernorm and
+        # the next norm): the first linear of the group it feeds (q_proj, gate_proj of a dense MLP, the next
+        # q_proj; None for an MoE block, whose router reads the norm, and for the final norm before lm_head)
+        self._feeds = [self.layers[0].self_attn.q_proj]
+        for i, (layer, moe) in enumerate(zip(self.layers, self.moe_layers)):
+            self._feeds.append(None if moe else layer.mlp.gate_proj)
+            self._feeds.append(self.layers[i + 1].self_attn.q_proj if i + 1 < len(self.layers) else None)
+        self.fuse_norm_lora_a = True  # the norm launch also computes the LoRA A product (decode rows, CUDA)
+
+    def add_norm(self, h, delta, norm, feeds):
+        """(h + delta, norm(h + delta), its LoRA A product for the group `feeds` starts or None): the decode
+        step's residual add + norm launch, which also computes that product where it can
+        (`fused_ops.add_norm_lora_a`; `fuse_norm_lora_a` off: never)."""
+        a = self.lora.stacked_a(feeds) if feeds is not None and self.fuse_norm_lora_a else None
+        return add_norm_lora_a(h, delta, norm, a)
 
     def moe_blocks_capturable(self) -> bool:
         """Every MoE block free of host syncs: its experts are qerl's and take the grouped kernel (and, with
@@ -144,8 +159,9 @@ class CausalLMRunner:
 
     # one decoder layer ---------------------------------------------------------------------------
 
-    def attention(self, i: int, x: torch.Tensor, cos, sin, cache, mask, slot) -> torch.Tensor:
-        """x [B, L, D] (already normed) -> attention output [B, L, D]; writes this layer's k/v.
+    def attention(self, i: int, x: torch.Tensor, cos, sin, cache, mask, slot, xa=None) -> torch.Tensor:
+        """x [B, L, D] (already normed) -> attention output [B, L, D]; writes this layer's k/v. xa: x's LoRA A
+        product for q/k/v when the norm computed it (`LoraSnapshot.linears`).
         cos, sin [B, L, hd]: the RoPE tables at each token's position. mask [B, 1, L, S] bool (True = attend).
 
         slot None: prefill of slots 0..L-1, attending over the L new keys. Otherwise decode (L = 1) of
@@ -153,7 +169,7 @@ class CausalLMRunner:
         """
         attn, lin = self.layers[i].self_attn, self.lora.linear
         B, L, _ = x.shape
-        q, k, v = self.lora.linears((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q, k, v = self.lora.linears((attn.q_proj, attn.k_proj, attn.v_proj), x, xa)
         q = q.view(B, L, self.n_heads, self.head_dim)
         k = k.view(B, L, self.n_kv, self.head_dim)
         v = v.view(B, L, self.n_kv, self.head_dim)
@@ -182,13 +198,14 @@ class CausalLMRunner:
             o = grouped_attention(q, k, v, mask, self.scale)  # [B, H, L, hd]
         return lin(attn.o_proj, o.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
-    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """x [B, L, D] (already normed) -> down(act(gate(x)) * up(x)) [B, L, D]."""
+    def mlp(self, i: int, x: torch.Tensor, xa=None) -> torch.Tensor:
+        """x [B, L, D] (already normed) -> down(act(gate(x)) * up(x)) [B, L, D]; xa: x's LoRA A product for
+        gate/up when the norm computed it."""
         mlp = self.layers[i].mlp
-        gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x)
+        gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x, xa)
         return self.lora.linear(mlp.down_proj, silu_mul(gate, up, mlp.act_fn))
 
-    def moe_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def moe_mlp(self, i: int, x: torch.Tensor, xa=None) -> torch.Tensor:
         """x [B, L, D] (already normed) -> the layer's sparse-MoE block output [B, L, D], the block run as the
         model runs it (some transformers versions return (hidden, router_logits): the hidden is kept)."""
         out = self.layers[i].mlp(x)
@@ -202,12 +219,14 @@ class CausalLMRunner:
         `kv_cache.PrefillWriter`); else the decode slots (int64 [B], or 0-dim for every row;
         L = 1) of the `KVCache` `cache`."""
         cos, sin = self.cos[positions], self.sin[positions]  # [B, L, hd]
-        # residual adds fused with the norm that follows them (one launch each on CUDA, see fused_ops)
-        h, x = add_norm(self.embed(tokens), None, self.layers[0].input_layernorm)
+        # residual adds fused with the norm that follows them, and at decode rows with the LoRA A product of
+        # the linears that norm feeds (one launch each on CUDA, see fused_ops)
+        h, x, xa = self.add_norm(self.embed(tokens), None, self.layers[0].input_layernorm, self._feeds[0])
         for i, layer in enumerate(self.layers):
-            h, x = add_norm(h, self.attention(i, x, cos, sin, cache, mask, slot), layer.post_attention_layernorm)
+            h, x, xa = self.add_norm(h, self.attention(i, x, cos, sin, cache, mask, slot, xa),
+                                     layer.post_attention_layernorm, self._feeds[2 * i + 1])
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, x = add_norm(h, self._mlps[i](i, x), nxt)
+            h, x, xa = self.add_norm(h, self._mlps[i](i, x, xa), nxt, self._feeds[2 * i + 2])
         x = x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
         head = self.lm_head
         if type(head) is nn.Linear:  # the bf16 decode kernel where it applies (1.05x cuBLAS, and PDL)

@@ -1,6 +1,7 @@
 """Triton kernels for the small per-layer ops of a decode step.
 
   add_rms_norm      residual add + RMSNorm
+  add_rms_norm_lora_a  the same, plus the LoRA "A" product of the linears the norm feeds (decode rows)
   rope_             rotate-half RoPE on one tensor, in place
   silu_mul          silu(gate) * up of the MLP (gate, up: column slices of one fused output)
   rope_store_decode RoPE on one decode token's q and k, plus the k/v cache writes at a device-side slot
@@ -79,6 +80,70 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(D), INTERP=h.device.type != "cuda",
         num_warps=4 if D <= 4096 else 8, **pdl.launch_options(h2))
     return res.view(h.shape), out.view(h.shape)
+
+
+@triton.jit
+def _add_rms_norm_lora_a_kernel(h_ptr, d_ptr, w_ptr, a_ptr, res_ptr, out_ptr, xa_ptr, D, R, stride_h, stride_d,
+                                stride_r, stride_o, stride_a, stride_xa, eps, HAS_DELTA: tl.constexpr,
+                                BLOCK: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    """Program (row, r block): the row's residual sum and norm as `_add_rms_norm_kernel` (stored by r block 0
+    only), then xa[row, r] = sum_d out[d] * a[r, d] for the block's BR rows of a (fp32, one rounding)."""
+    row = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    rr = pid_r * BR + tl.arange(0, BR)
+    rmask = rr < R
+    # a is static for a decode step: with PDL its load is issued before the wait for the previous kernel
+    a = tl.load(a_ptr + rr[:, None] * stride_a + offs[None, :], mask=rmask[:, None] & mask[None, :], other=0.0)
+    if PDL:  # launched early (`pdl`): every load of h / d and every store waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    dtype = out_ptr.dtype.element_ty
+    keep = offs < tl.where(pid_r == 0, D, 0)  # the sum and the norm are stored by r block 0 only
+    x = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x += tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _rounded(x, dtype, INTERP)
+        tl.store(res_ptr + row * stride_r + offs, x.to(dtype), mask=keep)
+    var = tl.sum(x * x, axis=0) / D
+    y = _rounded(x * tl.math.rsqrt(var + eps), dtype, INTERP)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = round_to(w * y, dtype, INTERP)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=keep)
+    xa = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # the product of the stored values
+    tl.store(xa_ptr + row * stride_xa + rr, round_to(xa, dtype, INTERP), mask=rmask)
+
+
+NORM_LORA_A_ELEMS = 8192  # a-tile elements per program: BR rows of a x the padded D, in registers
+
+
+def add_rms_norm_lora_a(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        a: torch.Tensor):
+    """`add_rms_norm`, plus xa = out @ a^T [..., R] in h's dtype (fp32 accumulation of the rounded `out`, one
+    rounding), in one launch: h, delta [..., D]; weight [D]; a [R, D] contiguous, of h's dtype (the stacked
+    LoRA A of the linears the norm feeds). Each (row, block of rows of a) program recomputes the row's norm,
+    so it is meant for decode steps (few rows), where it saves the separate LoRA A launch."""
+    D = h.shape[-1]
+    h2 = h.reshape(-1, D)
+    rows, R = h2.shape[0], a.shape[0]
+    if a.shape[1] != D or a.dtype != h.dtype or not a.is_contiguous() or h2.stride(-1) != 1:
+        raise ValueError(f"add_rms_norm_lora_a: a [R, {D}] contiguous of h's dtype and unit-stride rows needed, "
+                         f"got a {tuple(a.shape)} {a.dtype}")
+    out = alloc(h2.shape, h2.device, h2.dtype)
+    res = alloc(h2.shape, h2.device, h2.dtype) if delta is not None else h2
+    d2 = delta.reshape(-1, D) if delta is not None else h2
+    if d2.stride(-1) != 1:
+        raise ValueError("add_rms_norm_lora_a needs a unit stride along the normalised dimension")
+    xa = alloc((rows, R), h2.device, h2.dtype)
+    block = triton.next_power_of_2(D)
+    br = max(1, min(triton.next_power_of_2(R), NORM_LORA_A_ELEMS // block))
+    _add_rms_norm_lora_a_kernel[(rows, triton.cdiv(R, br))](
+        h2, d2, weight, a, res, out, xa, D, R, h2.stride(0), d2.stride(0), res.stride(0), out.stride(0),
+        a.stride(0), xa.stride(0), float(eps), HAS_DELTA=delta is not None, BLOCK=block, BR=br,
+        INTERP=h.device.type != "cuda", num_warps=4 if block <= 2048 else 8, **pdl.launch_options(h2))
+    return res.view(h.shape), out.view(h.shape), xa
 
 
 @triton.jit
