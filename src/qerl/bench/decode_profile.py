@@ -35,6 +35,7 @@ MATMUL = r"nvfp4_swap|bf16_swap|_fp4_|fp4_gemv|_gemv_kernel|gemm|nvjet|cutlass|s
 MATMUL_AFTER = r"splitKreduce|_splitk_reduce"  # the second launch of a split-K product: charged to it
 MATMUL_BEFORE = r"permute_x"  # x rewritten for the product that follows: charged to it
 NAMED = (
+    ("norm + LoRA A", r"_add_rms_norm_lora_a"),  # the norm launch that also does the next group's LoRA A
     ("LoRA A", r"_lora_a"),
     ("attention", r"_split_kernel|_combine_kernel|decode_attention|flash|fmha|attention|sdpa|efficient"),
     ("norm (+ residual)", r"_add_rms_norm|rms_norm"),
@@ -85,14 +86,17 @@ def assign_roles(names: list[str], runner) -> tuple[list[str], bool]:
     roles = [name_role(n) for n in names]
     expected = expected_products(runner)
     heads = [i for i, r in enumerate(roles) if r == "matmul"]
-    lora_at = [i for i, r in enumerate(roles) if r == "LoRA A"]
+    lora_at = [i for i, r in enumerate(roles) if r in ("LoRA A", "norm + LoRA A")]
     if expected is None or len(heads) != len(expected[0]) or len(lora_at) != len(expected[1]):
         return [r.rstrip("+-") for r in roles], False
     out = list(roles)
     for i, role in zip(heads, expected[0]):
         out[i] = role
+    # a LoRA A launch with no SwiGLU launch in the step computes the activation too (`silu_mul_lora_a`)
+    swiglu_fused = "SwiGLU" not in roles
     for i, role in zip(lora_at, expected[1]):
-        out[i] = role
+        fused = roles[i] == "norm + LoRA A" or (swiglu_fused and role == "LoRA A down")
+        out[i] = ("norm + " if roles[i] == "norm + LoRA A" else "SwiGLU + ") + role if fused else role
     for i, r in enumerate(roles):  # helpers of a product take its role
         if r == "matmul+":
             out[i] = next((out[j] for j in range(i - 1, -1, -1) if roles[j] == "matmul"), "matmul")
@@ -237,6 +241,7 @@ def role_table(names_durs: list[tuple[str, float]], steps: int, runner, rows: in
                                              for i in range(per)):
         roles, matched = None, False  # steps differ: group each kernel by its name role
     bytes_ = role_bytes(runner, rows, attended) if matched else {}
+    norm_call = bytes_.get("norm (+ residual)", 0) / (2 * len(runner.layers) + 1)  # one norm launch's bytes
     table: dict[str, dict] = {}
     for i, (name, dur) in enumerate(names_durs):
         role = roles[i % per] if roles is not None else name_role(name).rstrip("+-")
@@ -248,7 +253,13 @@ def role_table(names_durs: list[tuple[str, float]], steps: int, runner, rows: in
     for r in table.values():
         r["calls"] /= steps
         r["us"] /= steps
-        b = bytes_.get(r["role"])
+        role = r["role"]
+        if role == "norm (+ residual)" or role.startswith("norm + "):  # per launch; a fused one adds its product
+            b = norm_call * r["calls"] + bytes_.get(role[len("norm + "):], 0) if bytes_ else None
+        elif role.startswith("SwiGLU + "):
+            b = bytes_.get("SwiGLU", 0) + bytes_.get(role[len("SwiGLU + "):], 0) if bytes_ else None
+        else:
+            b = bytes_.get(role)
         r["kernels"] = sorted(r["kernels"])
         if b is not None and r["us"] > 0:
             r.update(bytes=b, gb_s=b / (r["us"] * 1e-6) / 1e9, floor_pct=100 * b / copy_bw / (r["us"] * 1e-6))
