@@ -92,11 +92,8 @@ def assign_roles(names: list[str], runner) -> tuple[list[str], bool]:
     out = list(roles)
     for i, role in zip(heads, expected[0]):
         out[i] = role
-    # a LoRA A launch with no SwiGLU launch in the step computes the activation too (`silu_mul_lora_a`)
-    swiglu_fused = "SwiGLU" not in roles
     for i, role in zip(lora_at, expected[1]):
-        fused = roles[i] == "norm + LoRA A" or (swiglu_fused and role == "LoRA A down")
-        out[i] = ("norm + " if roles[i] == "norm + LoRA A" else "SwiGLU + ") + role if fused else role
+        out[i] = "norm + " + role if roles[i] == "norm + LoRA A" else role
     for i, r in enumerate(roles):  # helpers of a product take its role
         if r == "matmul+":
             out[i] = next((out[j] for j in range(i - 1, -1, -1) if roles[j] == "matmul"), "matmul")
@@ -256,8 +253,6 @@ def role_table(names_durs: list[tuple[str, float]], steps: int, runner, rows: in
         role = r["role"]
         if role == "norm (+ residual)" or role.startswith("norm + "):  # per launch; a fused one adds its product
             b = norm_call * r["calls"] + bytes_.get(role[len("norm + "):], 0) if bytes_ else None
-        elif role.startswith("SwiGLU + "):
-            b = bytes_.get("SwiGLU", 0) + bytes_.get(role[len("SwiGLU + "):], 0) if bytes_ else None
         else:
             b = bytes_.get(role)
         r["kernels"] = sorted(r["kernels"])

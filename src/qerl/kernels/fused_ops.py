@@ -6,9 +6,6 @@
                               feeds, in the same launch at decode rows; None where it is not fused)
   rope_qk(q, k, cos, sin)  -> rotated (q, k)                   rotate-half RoPE, [B, L, heads, hd]
   silu_mul(gate, up)       -> silu(gate) * up                  the MLP's activation and product
-  silu_mul_lora_a(gate, up, act_fn, a)
-                           -> the same and (silu(gate) * up) @ a^T  (+ the down projection's LoRA A product, in
-                              the same launch at decode rows; None where it is not fused)
   rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
                            -> rotated q; rotated k and v written into the caches at the device-side slot
                               (one decode token: RoPE + the cache write, in one launch)
@@ -109,26 +106,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act_fn: nn.Module | None = No
 
         return triton_silu_mul(gate, up)
     return (F.silu(gate) if act_fn is None else act_fn(gate)) * up
-
-
-def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, act_fn: nn.Module | None, a: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """gate, up [..., I]; a [R, I] (the down projection's stacked LoRA A, or None) -> (silu_mul(gate, up,
-    act_fn), its product with a^T [M, R] or None). The product and the activation share one launch
-    (`triton.lora_a.silu_mul_lora_a`, the LoRA A kernel computing its input) for CUDA decode rows (up to
-    NORM_LORA_A_MAX_ROWS) where `silu_mul`'s Triton path applies; elsewhere the second value is None and the
-    caller computes the product itself (`kernels.lora_a`)."""
-    I = gate.shape[-1]
-    if (a is not None and _is_plain_silu(act_fn) and use_triton(gate) and 1 <= rows(gate) <= NORM_LORA_A_MAX_ROWS
-            and up.dtype == gate.dtype == a.dtype and up.shape == gate.shape and gate.stride(-1) == 1
-            and up.stride(-1) == 1 and a.is_contiguous() and a.ndim == 2 and a.shape[1] == I and a.shape[0] > 0):
-        from .triton import lora_a as tla
-
-        # a launch's split counters must exist before a capture (as for `kernels.lora_a`)
-        if not torch.cuda.is_current_stream_capturing() or tla.has_buffers(gate.device, rows(gate), a.shape[0], I):
-            out, xa = tla.silu_mul_lora_a(gate.reshape(-1, I), up.reshape(-1, I), a)
-            return out.view(gate.shape), xa
-    return silu_mul(gate, up, act_fn), None
 
 
 def _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot) -> bool:

@@ -146,6 +146,6 @@ class LoraSnapshot:
             outs.append(quantized_linear(mod.weight_format, x, mod.quantized_tensors(), mod.bias, lora=lora))
         return outs
 
-    def linear(self, mod: nn.Module, x: torch.Tensor, xa: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] -> mod(x) [..., N], for a module registered alone (o_proj, down_proj); xa as in `linears`."""
-        return self.linears((mod,), x, xa)[0]
+    def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> mod(x) [..., N], for a module registered alone (o_proj, down_proj)."""
+        return self.linears((mod,), x)[0]

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..kernels.bf16_matmul import bf16_linear
 from ..kernels.decode_attention import decode_attention
-from ..kernels.fused_ops import add_norm_lora_a, rope_qk, rope_qk_store, silu_mul_lora_a
+from ..kernels.fused_ops import add_norm_lora_a, rope_qk, rope_qk_store, silu_mul
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_experts import QuantExperts
 from ..nn.sinks import with_sink_column
@@ -128,8 +128,7 @@ class CausalLMRunner:
         for i, (layer, moe) in enumerate(zip(self.layers, self.moe_layers)):
             self._feeds.append(None if moe else layer.mlp.gate_proj)
             self._feeds.append(self.layers[i + 1].self_attn.q_proj if i + 1 < len(self.layers) else None)
-        # the norm and activation launches also compute the LoRA A product of what they feed (decode rows, CUDA)
-        self.fuse_norm_lora_a = True
+        self.fuse_norm_lora_a = True  # the norm launch also computes the LoRA A product (decode rows, CUDA)
 
     def add_norm(self, h, delta, norm, feeds):
         """(h + delta, norm(h + delta), its LoRA A product for the group `feeds` starts or None): the decode
@@ -204,10 +203,7 @@ class CausalLMRunner:
         gate/up when the norm computed it."""
         mlp = self.layers[i].mlp
         gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x, xa)
-        # the activation's launch also computes down's LoRA A product where it can (`fused_ops.silu_mul_lora_a`)
-        a = self.lora.stacked_a(mlp.down_proj) if self.fuse_norm_lora_a else None
-        act, act_a = silu_mul_lora_a(gate, up, mlp.act_fn, a)
-        return self.lora.linear(mlp.down_proj, act, act_a)
+        return self.lora.linear(mlp.down_proj, silu_mul(gate, up, mlp.act_fn))
 
     def moe_mlp(self, i: int, x: torch.Tensor, xa=None) -> torch.Tensor:
         """x [B, L, D] (already normed) -> the layer's sparse-MoE block output [B, L, D], the block run as the

@@ -34,7 +34,6 @@ from .. import pdl
 from ..route import sm_count
 from ..workspace import alloc, has_persistent, persistent
 from .fp4_codes import round_to
-from .fused_ops import _exp_as_cuda, _rounded
 
 # Defaults set by the sweep of `git show 8441d0e:benchmarks/lora_a_sweep.py` (Qwen2.5-7B r16 decode shapes, M 1/8/64)
 MIN_K_PER_SPLIT = 256  # a program streams at least this many K columns (fewer: the split overhead dominates)
@@ -60,31 +59,11 @@ def _dot_acc(xt, at, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_rows, u_rows, o_rows, cols, mask, store_mask, SILU: tl.constexpr, INTERP: tl.constexpr):
-    """The x tile [rows, cols] of the product: loaded, or (SILU) silu(gate) * up computed from the gate rows
-    x_rows and the up rows u_rows exactly as `fused_ops._silu_mul_kernel` rounds it, and stored to o_rows where
-    store_mask holds."""
-    if not SILU:
-        return tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
-    dtype = o_rows.dtype.element_ty
-    g = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    sg = _rounded(tl.math.div_rn(g, 1.0 + _exp_as_cuda(-g, INTERP)), dtype, INTERP)
-    x = round_to(sg * u, dtype, INTERP)
-    tl.store(o_rows + cols[None, :], x, mask=store_mask)
-    return x
-
-
-@triton.jit
 def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, stride_am, stride_hm, K_PER_SPLIT,
-                   SPLITS, u_ptr, o_ptr, stride_um, stride_om, BM: tl.constexpr, BR: tl.constexpr,
-                   BK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, RED_M: tl.constexpr,
-                   SB: tl.constexpr, INTERP: tl.constexpr, KP: tl.constexpr = 0, SILU: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
-    """h[M, R] = x[M, K] @ a[R, K]^T. See the module docstring for the split protocol. SILU: x is silu(x) * u
-    (x the MLP's gate, u_ptr its up, row strides stride_xm / stride_um), computed here and also stored to o_ptr
-    (row stride stride_om) by the programs of the first R tile, so one launch does the MLP's activation and
-    the down product's LoRA A.
+                   SPLITS, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                   SPLIT: tl.constexpr, RED_M: tl.constexpr, SB: tl.constexpr, INTERP: tl.constexpr,
+                   KP: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """h[M, R] = x[M, K] @ a[R, K]^T. See the module docstring for the split protocol.
 
     x: 16-bit, row stride stride_xm, unit column stride; a: same dtype, row stride stride_am, unit column
     stride; h: same dtype, row stride stride_hm. ws: fp32 [cdiv(R, BR), SPLITS, M, BR] contiguous; cnt:
@@ -103,9 +82,6 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
     r_mask = offs_r < R
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     a_rows = a_ptr + offs_r[:, None] * stride_am
-    u_rows = u_ptr + offs_m[:, None] * stride_um
-    o_rows = o_ptr + offs_m[:, None] * stride_om
-    keep_m = m_mask & (offs_m < tl.where(pid_r == 0, M, 0))  # rows of x stored (SILU): by the first R tile only
 
     k_lo = pid_s * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)  # a split past K (forced splits) runs no iteration: zero partial
@@ -119,8 +95,7 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        xmask = m_mask[:, None] & pmask[None, :]
-        x_all = _x_tile(x_rows, u_rows, o_rows, pcols, xmask, keep_m[:, None] & pmask[None, :], SILU, INTERP)
+        x_all = tl.load(x_rows + pcols[None, :], mask=m_mask[:, None] & pmask[None, :], other=0.0)
         acc = _dot_acc(x_all, a_all, acc, INTERP)
     else:
         if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
@@ -129,13 +104,12 @@ def _lora_a_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, str
         for k in range(k_lo, k_hi, BK):
             cols = k + offs_k
             if EVEN_K:
-                xt = _x_tile(x_rows, u_rows, o_rows, cols, m_mask[:, None], keep_m[:, None], SILU, INTERP)
+                xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
                 at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None], other=0.0)
             else:
                 # k_lo is a multiple of BK, so only the last block of K itself is ragged: mask on K, not k_hi
                 k_mask = cols < K
-                xt = _x_tile(x_rows, u_rows, o_rows, cols, m_mask[:, None] & k_mask[None, :],
-                             keep_m[:, None] & k_mask[None, :], SILU, INTERP)
+                xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 at = tl.load(a_rows + cols[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
             acc = _dot_acc(xt, at, acc, INTERP)
 
@@ -222,15 +196,13 @@ def has_buffers(device: torch.device, M: int, R: int, K: int, splits: int | None
 
 
 def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, block_r: int | None = None,
-                  block_m: int | None = None, preload: bool | None = None, silu_up: torch.Tensor | None = None,
-                  silu_out: torch.Tensor | None = None) -> torch.Tensor:
+                  block_m: int | None = None, preload: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride, any row stride), a [R, K] contiguous, both bf16 or fp16 -> h [M, R].
 
     fp32 accumulation, one rounding to x's dtype. The workspace and counters are kept per stream. `splits`, `block_r`
     (16 or 32 ...) and `block_m` (16, 32, 64) override the automatic choice (tests, tuning). preload: each
     program's K slice as one product, A loaded before the PDL wait (None: when launched with PDL and the
-    slice is at most PRELOAD_MAX_K columns). silu_up, silu_out ([M, K], x's dtype, unit column stride): x is the
-    gate and the product's input is silu(x) * silu_up, also written to silu_out (`silu_mul_lora_a`).
+    slice is at most PRELOAD_MAX_K columns).
     """
     M, K = x.shape
     R = a.shape[0]
@@ -245,24 +217,9 @@ def lora_a_triton(x: torch.Tensor, a: torch.Tensor, splits: int | None = None, b
     launch = pdl.launch_options(x)
     if preload is None:
         preload = launch["PDL"] and cfg["k_per"] <= PRELOAD_MAX_K
-    u, o = (x, x) if silu_up is None else (silu_up, silu_out)
-    interp = x.device.type != "cuda"
     _lora_a_kernel[(cfg["n_r"], cfg["splits"], cfg["n_m"])](
         x, a, h, ws, cnt, M, R, K, x.stride(0), a.stride(0), h.stride(0), cfg["k_per"], cfg["splits"],
-        u, o, u.stride(0), o.stride(0), BM=cfg["BM"], BR=cfg["BR"], BK=cfg["BK"], EVEN_K=K % cfg["BK"] == 0,
-        SPLIT=split, RED_M=cfg["RED_M"], SB=cfg["SB"], INTERP=interp,
-        KP=triton.next_power_of_2(cfg["k_per"]) if preload else 0, SILU=silu_up is not None, num_warps=4,
-        num_stages=3, **({} if interp or silu_up is None else {"enable_reflect_ftz": False}), **launch)
+        BM=cfg["BM"], BR=cfg["BR"], BK=cfg["BK"], EVEN_K=K % cfg["BK"] == 0, SPLIT=split, RED_M=cfg["RED_M"],
+        SB=cfg["SB"], INTERP=x.device.type != "cuda", KP=triton.next_power_of_2(cfg["k_per"]) if preload else 0,
+        num_warps=4, num_stages=3, **launch)
     return h
-
-
-def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate, up [M, I] (unit column stride, any row stride; e.g. column slices of one [M, 2I] output), a [R, I]
-    contiguous, all of one 16-bit dtype -> (silu(gate) * up [M, I], bit for bit `fused_ops.silu_mul`'s, and
-    h = that @ a^T [M, R] as `lora_a_triton` computes it), in one launch: the MLP's activation and the LoRA A
-    product of the down projection it feeds."""
-    M, K = gate.shape
-    if up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(1) != 1 or up.stride(1) != 1:
-        raise ValueError("silu_mul_lora_a needs gate and up of one shape and dtype, with unit column stride")
-    out = alloc((M, K), gate.device, gate.dtype)
-    return out, lora_a_triton(gate, a, silu_up=up, silu_out=out)
