@@ -196,12 +196,21 @@ def train_summary(job: Job, script: str) -> dict | None:
         return {"median_step_s": r["median_step_s"], "first_step_s": r["time_to_first_step_s"],
                 "peak_gb": r["peak_allocated_gb"], "device_used_gb": r.get("peak_device_used_gb"),
                 "reward": r["reward"], "versions": r.get("versions", {}),
-                "importance_sampling": r.get("importance_sampling"), "prompt_order": r.get("prompt_order_sha256")}
+                "importance_sampling": applied(r), "prompt_order": r.get("prompt_order_sha256")}
     rows = [json.loads(line) for line in (job.dir / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["time_step"] for r in rows]
     return {"median_step_s": statistics.median(steps[2:] or steps), "first_step_s": rows[0].get("time_to_first_step"),
             "peak_gb": max(r["memory_gb"] for r in rows), "device_used_gb": None,
             "reward": [r["reward"] for r in rows], "versions": {}}
+
+
+def applied(result: dict) -> dict | None:
+    """A peer result's importance-sampling setting, marked `"logged": False` when the trainer logged no IS weight
+    (the options were passed but the correction did not run)."""
+    setting = result.get("importance_sampling")
+    if setting is None or result.get("importance_sampling_ratio_mean"):
+        return setting
+    return {**setting, "logged": False}
 
 
 def order_check(out: Path, seed: int, digest: str | None, rows: int) -> bool:
@@ -220,8 +229,8 @@ def mean_of(values: list) -> float | None:
 
 def is_text(setting: dict | None | str) -> str:
     """An importance-sampling setting as the table prints it."""
-    if isinstance(setting, dict):
-        return f"per token, cap {setting['cap']:g}" if setting.get("mode") == "token_truncate" else str(setting)
+    if isinstance(setting, dict) and setting.get("mode") == "token_truncate":
+        return f"per token, cap {setting['cap']:g}" + (" (none logged)" if setting.get("logged") is False else "")
     return "off" if setting is None else str(setting)
 
 

@@ -187,8 +187,12 @@ def step_timer(record: dict, started: float = START):
     return StepTimer()
 
 
+IS_RATIO = "sampling/importance_sampling_ratio/mean"  # what TRL (and Unsloth's loss) log when the correction ran
+
+
 def timing_summary(record: dict, log_history: list[dict]) -> dict:
-    """The measured fields of OUT/*.json from `step_timer`'s record and the trainer's log history."""
+    """The measured fields of OUT/*.json from `step_timer`'s record and the trainer's log history, with the mean
+    importance-sampling weight per step where the trainer logged one (empty: the correction did not run)."""
     import torch
 
     steps = record["step_s"]
@@ -198,7 +202,8 @@ def timing_summary(record: dict, log_history: list[dict]) -> dict:
             "time_to_first_step_s": record.get("time_to_first_step_s"),
             "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
             "peak_device_used_gb": record.get("device_used_gb"),
-            "reward": [log["reward"] for log in log_history if "reward" in log]}
+            "reward": [log["reward"] for log in log_history if "reward" in log],
+            "importance_sampling_ratio_mean": [log[IS_RATIO] for log in log_history if IS_RATIO in log]}
 
 
 def table_row(name: str, r: dict) -> str:
