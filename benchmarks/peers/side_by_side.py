@@ -7,11 +7,19 @@ by one scorer (`qerl eval`), and the table of docs/peers.md.
     python benchmarks/peers/side_by_side.py ... --report                                    # the table only
 
 Jobs (--jobs, default all): qerl-bf16 and qerl-nvfp4 (`qerl train` with the config as it is, and as bf16 LoRA without
-AQN), trl (TRL's GRPOTrainer with its colocated vLLM, its defaults), trl-fast (+ Liger loss, vLLM at half the
-GPU), trl-sleep (+ vLLM sleep mode), unsloth-16bit, unsloth-4bit, unsloth-fp8 (`trl_grpo.py`, `unsloth_grpo.py`).
+AQN), trl (TRL's GRPOTrainer with its colocated vLLM, its defaults), trl-fast (+ Liger's layer kernels, vLLM at half
+the GPU), trl-sleep (+ vLLM sleep mode), unsloth-16bit, unsloth-4bit, unsloth-fp8 (`trl_grpo.py`, `unsloth_grpo.py`).
 One process per (job, seed), each on the GPU running the fewest; a job's output goes to OUT/JOB_sSEED/run, its log to
 OUT/JOB_sSEED/job.log. Installs nothing: a job whose peer is missing fails with its log's error in the table and the
 others go on. Run again to finish what is missing: a finished job (its result file exists) or evaluation is kept.
+
+Every job trains on the same prompts in the same steps: OUT/prompts_sSEED.jsonl holds the rows qerl's trainer draws
+for that seed, step by step (its own `PromptStream`, through `trl_grpo.prompt_order`), and every peer job is fed that
+file (`--prompts`), unshuffled; its result records the digest of what it was fed, and the table checks it. Every
+job applies qerl's truncated importance sampling, w_t = min(pi_old / mu, tis_cap) per token with mu the sampler's
+log-probs: qerl's own, TRL's (`vllm_importance_sampling_correction`, token_truncate at the same cap) and Unsloth's
+(the same TRL options, which its patched loss honours). What still differs per job, and why, is the `differs` note
+of each row (`DIFFERS`; docs/peers.md, "What is the same and what differs").
 
 Each trained adapter is then scored greedily on the held-out problems (`--test`, default the config's
 `gsm8k-offline:heldout`, first --eval-limit) on the 16-bit model (how a peer's adapter is served, merged), and a
@@ -21,8 +29,9 @@ are scored on the 16-bit model too (qerl does not load bitsandbytes or Unsloth's
 The table: median seconds per optimizer step over steps 3..N (device synchronised; qerl's `time_step`), time to the
 first finished step (peers: from the script's start, imports included; qerl: from the trainer's creation, so a few
 seconds of imports less), peak memory (torch's allocator; the peers' also the device's used memory, which counts
-vLLM's pools), the mean reward of the first and last five steps, and held-out pass@1 (flexible / strict): means
-over seeds. Also written to OUT/side_by_side.json.
+vLLM's pools), the mean reward of the first and last five steps, held-out pass@1 (flexible / strict): means over
+seeds; the importance-sampling correction and the prompt order each job used; then each job's `differs` note.
+Also written to OUT/side_by_side.json.
 """
 
 import argparse
@@ -35,6 +44,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
+sys.path.insert(0, str(HERE))
+from trl_grpo import model_directory, order_digest, prompt_order, write_prompt_order  # noqa: E402
 
 # job -> (script or "qerl", extra arguments); the qerl jobs' arguments are config overrides
 JOBS = {
@@ -48,6 +59,79 @@ JOBS = {
     "unsloth-fp8": ("unsloth_grpo.py", ["--weights", "fp8"]),
 }
 RESULT_FILE = {"trl_grpo.py": "trl.json", "unsloth_grpo.py": "unsloth.json"}
+
+# what every job runs alike, from the one config (trl_grpo.grpo_settings maps it onto TRL's options)
+SAME = (
+    ("the model (Qwen2.5-Coder-1.5B-Instruct for the config; its base precision is per job), problems and their "
+     "length filter, qerl's prompt template, qerl's reward functions and weights"),
+    "sampling: temperature, top-p, top-k, max new tokens, group size, prompts per step",
+    "the prompts of every step, in qerl's order (OUT/prompts_sSEED.jsonl, from qerl's PromptStream)",
+    ("LoRA rank, alpha, dropout, targets (every linear), rsLoRA; AdamW (torch), learning rate and schedule, warmup, "
+     "weight decay, gradient-norm clip"),
+    ("loss: algo.name's objective and normaliser, clip_low / clip_high, KL beta, group-std advantages, one optimizer "
+     "step per rollout batch"),
+    "truncated importance sampling min(pi_old / mu, tis_cap) per token against the sampler's log-probs",
+)
+
+# what each job does differently from the job every one of them runs (docs/peers.md, "The job"), and why it cannot
+# be the same; the settings, prompts, prompt order and importance-sampling correction are the same for all
+_VLLM_TRL = ("sampler: TRL's colocated vLLM (bf16, the LoRA merged into its copy each step), a second engine beside "
+             "the learner, so the mismatch TIS corrects is two implementations' numerics")
+_PEER = (
+    ("pi_old: a separate no-grad forward before the loss (TRL runs one whenever the IS correction is on; qerl's is "
+     "the loss forward's own, detached): the same values, one more pass"),
+    "advantage: (R - mean) / (std + 1e-4), TRL's fixed epsilon (qerl: 1e-6; ~3e-4 relative at 0/1 rewards)",
+    "random draws: PEFT's LoRA A initialisation and the engine's sampling RNG are the peer's own, not qerl's",
+)
+_UNSLOTH = (
+    ("TRL 1.15 (Unsloth's pin) patched by Unsloth: its own chunked GRPO loss with the same objective, normaliser, "
+     "clipping and IS options; its gradient checkpointing"),
+    ("sampler: Unsloth's vLLM engine sharing the base weights, the LoRA as a vLLM adapter; TIS on its raw log-probs, "
+     "equal to the processed ones at temperature 1, top-p 1 and no top-k (this job)"),
+)
+_TRL_BASE = "base: bf16, no AQN (TRL has no 4-bit RL path)"
+_QERL_SAMPLER = "sampler: qerl's engine on the training weights, in the same process"
+DIFFERS = {
+    "qerl-nvfp4": (("base: NVFP4 (the config's keep_bf16 layers 16-bit) with AQN noise on the sampler, what qerl "
+                    "measures; TIS then corrects the noise as well as kernel numerics"), _QERL_SAMPLER),
+    "qerl-bf16": ("base: bf16, no AQN", _QERL_SAMPLER),
+    "trl": (_TRL_BASE, _VLLM_TRL, *_PEER),
+    "trl-fast": (_TRL_BASE, _VLLM_TRL, *_PEER, "Liger's layer kernels and vLLM at half the GPU: speed only"),
+    "trl-sleep": (_TRL_BASE, _VLLM_TRL, *_PEER, "vLLM sleep mode (its memory freed for the update): memory only"),
+    "unsloth-16bit": ("base: bf16, no AQN", *_UNSLOTH, *_PEER),
+    "unsloth-4bit": ("base: bitsandbytes NF4 (QLoRA) for sampler and learner, no AQN", *_UNSLOTH, *_PEER),
+    "unsloth-fp8": ("base: FP8 for sampler and learner (Unsloth's FP8 RL), no AQN", *_UNSLOTH, *_PEER),
+}
+
+
+def order_file(out: Path, seed: int) -> Path:
+    """The prompt order every job of `seed` trains on (module docstring)."""
+    return out / f"prompts_s{seed}.jsonl"
+
+
+def write_order_files(out: Path, seeds: list[int], args) -> None:
+    """OUT/prompts_sSEED.jsonl for every seed whose file lacks rows for --steps steps: qerl's draws for the config
+    with that seed (a longer file starts with the same rows: the stream is deterministic), on the tokenizer of the
+    16-bit model the peers load (the length filter counts its tokens)."""
+    from transformers import AutoTokenizer
+
+    from qerl.config import load_config
+
+    tokenizer = None
+    for seed in seeds:
+        cfg = load_config(args.config, [*args.set, f"seed={seed}"])
+        path, need = order_file(out, seed), args.steps * cfg.rollout.prompts_per_step
+        if path.is_file() and len(path.read_text().splitlines()) >= need:
+            continue
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_directory(cfg.model.name))
+        write_prompt_order(path, prompt_order(cfg, tokenizer, args.steps), cfg.rollout.prompts_per_step)
+
+
+def qerl_importance_sampling(cfg) -> dict | None:
+    """qerl's truncated importance sampling for `cfg`, in the peers' terms (`trl_grpo.importance_sampling`)."""
+    if cfg.algo.tis_cap is None or cfg.algo.old_logprobs != "recompute":
+        return None
+    return {"mode": "token_truncate", "cap": cfg.algo.tis_cap}
 
 
 @dataclass(frozen=True)
@@ -71,7 +155,7 @@ def train_job(out: Path, name: str, seed: int, args) -> Job:
         result = run / "adapter" / "adapter_config.json"
     else:
         argv = [PY, str(HERE / script), "--config", args.config, "--steps", str(args.steps), "--out", str(run),
-                *extra, "--set", f"seed={seed}", *args.set]
+                "--prompts", str(order_file(out, seed)), *extra, "--set", f"seed={seed}", *args.set]
         result = run / RESULT_FILE[script]
     return Job(f"{name}_s{seed}", d, d / "job.log", result, tuple(argv))
 
@@ -111,7 +195,8 @@ def train_summary(job: Job, script: str) -> dict | None:
         r = json.loads(job.result_path.read_text())
         return {"median_step_s": r["median_step_s"], "first_step_s": r["time_to_first_step_s"],
                 "peak_gb": r["peak_allocated_gb"], "device_used_gb": r.get("peak_device_used_gb"),
-                "reward": r["reward"], "versions": r.get("versions", {})}
+                "reward": r["reward"], "versions": r.get("versions", {}),
+                "importance_sampling": applied(r), "prompt_order": r.get("prompt_order_sha256")}
     rows = [json.loads(line) for line in (job.dir / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["time_step"] for r in rows]
     return {"median_step_s": statistics.median(steps[2:] or steps), "first_step_s": rows[0].get("time_to_first_step"),
@@ -119,46 +204,89 @@ def train_summary(job: Job, script: str) -> dict | None:
             "reward": [r["reward"] for r in rows], "versions": {}}
 
 
+def applied(result: dict) -> dict | None:
+    """A peer result's importance-sampling setting, marked `"logged": False` when the trainer logged no IS weight
+    (the options were passed but the correction did not run)."""
+    setting = result.get("importance_sampling")
+    if setting is None or result.get("importance_sampling_ratio_mean"):
+        return setting
+    return {**setting, "logged": False}
+
+
+def order_check(out: Path, seed: int, digest: str | None, rows: int) -> bool:
+    """Whether a peer job of `seed` was fed the first `rows` rows of that seed's order file (its result's digest
+    equals theirs)."""
+    path = order_file(out, seed)
+    if digest is None or not path.is_file():
+        return False
+    return order_digest([json.loads(line) for line in path.read_text().splitlines()[:rows]]) == digest
+
+
 def mean_of(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else None
 
 
-def report(plan: dict, cfg, args) -> list[dict]:
-    """One row per job (means over its seeds) from what OUT holds; printed as a markdown table."""
+def is_text(setting: dict | None | str) -> str:
+    """An importance-sampling setting as the table prints it."""
+    if isinstance(setting, dict) and setting.get("mode") == "token_truncate":
+        return f"per token, cap {setting['cap']:g}" + (" (none logged)" if setting.get("logged") is False else "")
+    return "off" if setting is None else str(setting)
+
+
+def report(plan: dict, cfg, args, seeds: list[int]) -> list[dict]:
+    """One row per job (means over its seeds) from what OUT holds; printed as a markdown table, then each job's
+    `differs` note. Per row also the importance-sampling correction the job applied (a peer's from its result
+    file, qerl's from the config) and its prompt order: qerl's own stream, or for a peer "qerl's" when every seed's
+    result names the digest of that seed's order file, else "differs"."""
     table = []
+    out, rows_fed = Path(args.out), args.steps * cfg.rollout.prompts_per_step
     for name, jobs in plan.items():
         script = JOBS[name][0]
-        runs = [(train_summary(j, script), {e.name.split(":")[1]: eval_scores(e.result_path)
-                                            for e in eval_jobs(j, name, cfg, args)}) for j in jobs]
-        done = [(t, e) for t, e in runs if t is not None]
+        runs = [(seed, train_summary(j, script), {e.name.split(":")[1]: eval_scores(e.result_path)
+                                                  for e in eval_jobs(j, name, cfg, args)})
+                for seed, j in zip(seeds, jobs)]
+        done = [(seed, t, e) for seed, t, e in runs if t is not None]
         row = {"job": name, "seeds": len(done), "of": len(jobs)}
+        if script == "qerl":
+            row.update(importance_sampling=qerl_importance_sampling(cfg), prompt_order="qerl's stream")
+        elif done:
+            settings = [t["importance_sampling"] for _, t, _ in done]
+            same = all(order_check(out, seed, t["prompt_order"], rows_fed) for seed, t, _ in done)
+            row.update(importance_sampling=settings[0] if all(x == settings[0] for x in settings) else settings,
+                       prompt_order="qerl's" if same else "differs")
         if done:
-            score = lambda base, key: mean_of([e[base][key] if e.get(base) else None for _, e in done])  # noqa: E731
+            score = lambda base, key: mean_of([e[base][key] if e.get(base) else None for _, _, e in done])  # noqa: E731
             row.update(
-                median_step_s=mean_of([t["median_step_s"] for t, _ in done]),
-                first_step_s=mean_of([t["first_step_s"] for t, _ in done]),
-                peak_gb=mean_of([t["peak_gb"] for t, _ in done]),
-                device_used_gb=mean_of([t["device_used_gb"] for t, _ in done]),
-                reward_first5=mean_of([statistics.mean(t["reward"][:5]) for t, _ in done if t["reward"]]),
-                reward_last5=mean_of([statistics.mean(t["reward"][-5:]) for t, _ in done if t["reward"]]),
+                median_step_s=mean_of([t["median_step_s"] for _, t, _ in done]),
+                first_step_s=mean_of([t["first_step_s"] for _, t, _ in done]),
+                peak_gb=mean_of([t["peak_gb"] for _, t, _ in done]),
+                device_used_gb=mean_of([t["device_used_gb"] for _, t, _ in done]),
+                reward_first5=mean_of([statistics.mean(t["reward"][:5]) for _, t, _ in done if t["reward"]]),
+                reward_last5=mean_of([statistics.mean(t["reward"][-5:]) for _, t, _ in done if t["reward"]]),
                 pass1_16bit=score("16bit", "pass1"), strict_16bit=score("16bit", "strict"),
                 pass1_own=score("own", "pass1"), strict_own=score("own", "strict"),
-                versions=done[0][0]["versions"])
+                versions=done[0][1]["versions"])
+        row["differs"] = list(DIFFERS[name])
         table.append(row)
     fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
     print("| job | seeds | s / step (median, steps 3+) | first step s | peak GB (allocated / device) | "
-          "reward first 5 -> last 5 | held-out pass@1, 16-bit base (strict) | on its own 4-bit base (strict) |")
-    print("|---|---:|---:|---:|---|---|---|---|")
+          "reward first 5 -> last 5 | held-out pass@1, 16-bit base (strict) | on its own 4-bit base (strict) | "
+          "importance sampling | prompt order |")
+    print("|---|---:|---:|---:|---|---|---|---|---|---|")
     for r in table:
         if not r["seeds"]:
-            print(f"| {r['job']} | 0 of {r['of']} | not run or failed: see its job.log | | | | | |")
+            print(f"| {r['job']} | 0 of {r['of']} | not run or failed: see its job.log | | | | | | | |")
             continue
         print(f"| {r['job']} | {r['seeds']} of {r['of']} | {fmt(r['median_step_s'])} | "
               f"{fmt(r['first_step_s'], '.1f')} | {fmt(r['peak_gb'], '.1f')} / {fmt(r['device_used_gb'], '.1f')} | "
               f"{fmt(r['reward_first5'], '.3f')} -> "
               f"{fmt(r['reward_last5'], '.3f')} | {fmt(r['pass1_16bit'], '.3f')} ({fmt(r['strict_16bit'], '.3f')}) | "
-              f"{fmt(r['pass1_own'], '.3f')} ({fmt(r['strict_own'], '.3f')}) |")
+              f"{fmt(r['pass1_own'], '.3f')} ({fmt(r['strict_own'], '.3f')}) | "
+              f"{is_text(r['importance_sampling'])} | {r['prompt_order']} |")
+    print("\nWhat differs, per job (the rest is the same for every job: docs/peers.md):")
+    for r in table:
+        print(f"- {r['job']}: " + "; ".join(r["differs"]))
     return table
 
 
@@ -202,6 +330,8 @@ def main(argv=None) -> int:
             for j in train:
                 print(shlex.join(j.argv))
         else:
+            if any(JOBS[n][0] != "qerl" for n in names):  # the peers' input: qerl's prompt order, per seed
+                write_order_files(out, seeds, args)
             run_jobs(train, lambda j: list(j.argv), parallel=parallel, devices=gpus)
         evals = [e for name, jobs in plan.items() for j in jobs for e in eval_jobs(j, name, cfg, args)
                  if (args.dry_run or j.result_path.is_file()) and not e.result_path.is_file()]
@@ -210,11 +340,11 @@ def main(argv=None) -> int:
                 print(shlex.join(e.argv))
             return 0
         run_jobs(evals, lambda e: list(e.argv), parallel=parallel, devices=gpus)
-    table = report(plan, cfg, args)
+    table = report(plan, cfg, args, seeds)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "side_by_side.json", {"config": args.config, "overrides": args.set, "steps": args.steps,
                                                   "seeds": seeds, "test": args.test, "eval_limit": args.eval_limit,
-                                                  "rows": table})
+                                                  "same_for_every_job": list(SAME), "rows": table})
     return 0
 
 

@@ -14,19 +14,25 @@ Taken from the qerl config, so both sides run one job: `model.name` (an embedded
 max_prompt_tokens: the same prompts, built by qerl's template and filtered by length as qerl does), `rollout`
 prompts_per_step x group_size, max_new_tokens, temperature, top_p / top_k, `algo` name (TRL's loss_type of the same
 name), kl_beta, clip_low / clip_high, scale_rewards, overlong_filter, tis_cap (TRL's token-level truncated importance
-sampling at the same cap), `optim` lr / schedule / warmup / weight decay / max_grad_norm, `rewards` (qerl's reward
-functions, which have TRL's signature) and their weights, `seed`. Not the same: the base stays 16-bit (TRL has no
-4-bit RL path), no AQN, and TRL's own defaults elsewhere (gradient checkpointing on, its fused LM head).
+sampling at the same cap, on the vLLM sampler's log-probs), `optim` lr / schedule / warmup / weight decay /
+max_grad_norm, `rewards` (qerl's reward functions, which have TRL's signature) and their weights, `seed`. The
+prompts come in qerl's order, step by step: the rows qerl's own `PromptStream` draws for the seed (`--prompts`, the
+file side_by_side.py writes, or computed here), fed to TRL unshuffled. Not the same: the base stays 16-bit (TRL has
+no 4-bit RL path), no AQN, and TRL's own defaults elsewhere (gradient checkpointing on, its fused LM head); the
+list per job is in docs/peers.md, "What is the same and what differs".
 
 Writes OUT/trl.json: seconds per step (the device synchronised at both ends of each optimizer step: generation,
 loss passes, optimizer), the median over steps 3..N, the time from the script's start to the end of step 1, peak
 memory (torch's allocator, and the device's used memory sampled at step ends, which also counts vLLM's own pools),
-the mean reward per step; and OUT/adapter, for the held-out score with the scorer qerl's runs use:
+the mean reward per step, the importance-sampling correction applied and the digest of the prompt order fed
+(`order_digest`; the order itself in OUT/prompts.jsonl); and OUT/adapter, for the held-out score with the scorer
+qerl's runs use:
     qerl eval MODEL --adapter OUT/adapter --dataset gsm8k-offline:heldout --greedy
 """
 
 import argparse
 import datetime
+import hashlib
 import json
 import statistics
 import sys
@@ -45,52 +51,115 @@ def model_directory(name: str) -> str:
     return str(embedded_hf_dir(name)) if name in EMBEDDED else name
 
 
-def problems(cfg, tokenizer):
-    """The run's problems as TRL's dataset: `prompt` (qerl's built prompt text) and `answer`."""
-    from datasets import Dataset
-
+def prompt_order(cfg, tokenizer, steps: int) -> list[dict]:
+    """The problems `qerl train` with `cfg` draws in its first `steps` steps, in its order: the trainer's loader
+    and length filter, then its `PromptStream` (the config's seed, reshuffled each epoch), prompts_per_step rows a
+    step on one process. Dynamic sampling would draw more; the peers refuse it (`grpo_settings`)."""
     from qerl.data.datasets import filter_by_length, load_problems
-    from qerl.data.templates import build_prompt
+    from qerl.rl.prompt_stream import PromptStream
 
     d = cfg.data
     rows = load_problems(d.train, split="train", limit=d.limit, seed=cfg.seed, question_key=d.question_key,
                          answer_key=d.answer_key, max_bad_fraction=d.max_bad_fraction)
     rows = filter_by_length(rows, tokenizer, d.max_prompt_tokens, suffix=d.suffix, system=d.system)
+    return PromptStream(rows, cfg.seed).take(steps * cfg.rollout.prompts_per_step)
+
+
+def write_prompt_order(path: Path, rows: list[dict], prompts_per_step: int) -> None:
+    """`rows` as JSONL, each with the 1-based `step` it belongs to (prompts_per_step rows a step)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": i // prompts_per_step + 1, **r}) + "\n" for i, r in enumerate(rows)))
+
+
+def read_prompt_order(path: Path, steps: int, prompts_per_step: int) -> list[dict]:
+    """The first steps x prompts_per_step rows of a `write_prompt_order` file, without `step`; SystemExit when it
+    holds fewer or was written for another prompts_per_step (its rows would fall into other steps)."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    need = steps * prompts_per_step
+    if len(lines) < need:
+        raise SystemExit(f"--prompts {path}: {len(lines)} rows, {steps} steps of {prompts_per_step} need {need}")
+    if any(r.get("step") != i // prompts_per_step + 1 for i, r in enumerate(lines[:need])):
+        raise SystemExit(f"--prompts {path}: its steps are not of {prompts_per_step} prompts "
+                         "(rollout.prompts_per_step)")
+    return [{k: v for k, v in r.items() if k != "step"} for r in lines[:need]]
+
+
+def order_digest(rows: list[dict]) -> str:
+    """sha256 of the rows' questions and answers in order: equal digests, the same prompts in the same steps."""
+    text = "\n".join(json.dumps([r["question"], r["answer"]]) for r in rows)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def problems(cfg, tokenizer, rows: list[dict]):
+    """`rows` (in their order) as TRL's dataset: `prompt` (qerl's built prompt text) and `answer`. With
+    `grpo_settings`' shuffle_dataset=False TRL's RepeatSampler reads it front to back, generation_batch_size /
+    num_generations = n = prompts_per_step consecutive rows an optimizer step, so step k (from 1) trains on rows
+    (k-1)n .. kn-1, the ones qerl draws for it (`prompt_order`)."""
+    from datasets import Dataset
+
+    from qerl.data.templates import build_prompt
+
+    d = cfg.data
     return Dataset.from_list([{"prompt": build_prompt(r["question"], tokenizer, suffix=d.suffix, system=d.system),
                                "answer": r["answer"]} for r in rows])
 
 
-def grpo_config(cfg, args, out: Path):
-    """TRL's GRPOConfig for the qerl config `cfg` (module docstring): one optimizer step per generation batch of
-    prompts_per_step x group_size completions, run in micro-batches of args.micro_batch completions."""
+def grpo_settings(cfg, args, out: Path) -> dict:
+    """The keyword arguments of TRL's GRPOConfig for the qerl config `cfg` (module docstring): one optimizer step
+    per generation batch of prompts_per_step x group_size completions, run in micro-batches of args.micro_batch
+    completions; the dataset read in its order (`problems`); and, when the completions come from vLLM
+    (args.generation), qerl's truncated importance sampling: w_t = min(pi_old / mu, tis_cap) per token, mu the
+    sampler's log-probs, pi_old the loss policy's (TRL's token_truncate mode at clip_max = tis_cap, no lower bound).
+    With transformers generation the sampler is the loss policy itself (TRL then takes no sampler log-probs), so
+    there is nothing to correct."""
     import torch
-    from trl import GRPOConfig
 
     r, a, o = cfg.rollout, cfg.algo, cfg.optim
     if a.name not in LOSS_TYPES:
         raise SystemExit(f"algo.name {a.name!r}: no TRL loss of that name")
     if a.num_updates != 1 or a.dynamic_sampling or a.overlong_buffer:
         raise SystemExit("algo.num_updates > 1, dynamic_sampling and overlong_buffer are not mapped to TRL here")
+    if a.old_logprobs != "recompute":  # TRL's pi_old is always the loss policy; qerl's "sampling" has no TRL twin
+        raise SystemExit(f"algo.old_logprobs {a.old_logprobs!r}: TRL's pi_old is the loss policy (recompute)")
     completions = r.prompts_per_step * r.group_size
     if completions % args.micro_batch:
         raise SystemExit(f"--micro-batch {args.micro_batch} must divide prompts_per_step x group_size = {completions}")
     accumulation = completions // args.micro_batch
     vllm = args.generation == "vllm"
-    return GRPOConfig(
+    tis = vllm and a.tis_cap is not None
+    return dict(
         output_dir=str(out / "trainer"), max_steps=args.steps, seed=cfg.seed, report_to="none", save_strategy="no",
         logging_steps=1, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
-        steps_per_generation=accumulation, num_generations=r.group_size, num_iterations=1,
-        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-        top_k=r.top_k or None, loss_type=LOSS_TYPES[a.name], beta=a.kl_beta, epsilon=a.clip_low,
+        steps_per_generation=accumulation, num_generations=r.group_size, num_iterations=1, shuffle_dataset=False,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        loss_type=LOSS_TYPES[a.name], beta=a.kl_beta, epsilon=a.clip_low,
         epsilon_high=a.clip_high, scale_rewards="group" if a.scale_rewards and a.name != "dr_grpo" else "none",
         mask_truncated_completions=a.overlong_filter, reward_weights=cfg.reward_weights,
         learning_rate=o.lr, lr_scheduler_type=o.schedule, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay,
         max_grad_norm=o.max_grad_norm, optim="adamw_torch", gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, use_liger_kernel=args.liger,
         use_vllm=vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=args.gpu_memory_utilization,
-        vllm_enable_sleep_mode=args.sleep, vllm_importance_sampling_correction=vllm and a.tis_cap is not None,
-        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=a.tis_cap or 3.0)
+        vllm_enable_sleep_mode=args.sleep, vllm_importance_sampling_correction=tis,
+        **({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_min": None,
+            "vllm_importance_sampling_clip_max": a.tis_cap} if tis else {}))
+
+
+def importance_sampling(settings: dict) -> dict | None:
+    """What `grpo_settings` asked of the IS correction, for the result file: mode and cap, or None when off."""
+    if not settings.get("vllm_importance_sampling_correction"):
+        return None
+    return {"mode": settings["vllm_importance_sampling_mode"], "cap": settings["vllm_importance_sampling_clip_max"]}
+
+
+def job_prompts(cfg, tokenizer, args, out: Path) -> list[dict]:
+    """The run's prompts in qerl's order: from --prompts (side_by_side.py writes one file per seed for every job),
+    else computed here (`prompt_order`); written to OUT/prompts.jsonl either way, the record of what was fed."""
+    n = cfg.rollout.prompts_per_step
+    rows = (read_prompt_order(Path(args.prompts), args.steps, n) if args.prompts
+            else prompt_order(cfg, tokenizer, args.steps))
+    write_prompt_order(out / "prompts.jsonl", rows, n)
+    return rows
 
 
 def step_timer(record: dict, started: float = START):
@@ -118,8 +187,12 @@ def step_timer(record: dict, started: float = START):
     return StepTimer()
 
 
+IS_RATIO = "sampling/importance_sampling_ratio/mean"  # what TRL (and Unsloth's loss) log when the correction ran
+
+
 def timing_summary(record: dict, log_history: list[dict]) -> dict:
-    """The measured fields of OUT/*.json from `step_timer`'s record and the trainer's log history."""
+    """The measured fields of OUT/*.json from `step_timer`'s record and the trainer's log history, with the mean
+    importance-sampling weight per step where the trainer logged one (empty: the correction did not run)."""
     import torch
 
     steps = record["step_s"]
@@ -129,19 +202,21 @@ def timing_summary(record: dict, log_history: list[dict]) -> dict:
             "time_to_first_step_s": record.get("time_to_first_step_s"),
             "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
             "peak_device_used_gb": record.get("device_used_gb"),
-            "reward": [log["reward"] for log in log_history if "reward" in log]}
+            "reward": [log["reward"] for log in log_history if "reward" in log],
+            "importance_sampling_ratio_mean": [log[IS_RATIO] for log in log_history if IS_RATIO in log]}
 
 
 def table_row(name: str, r: dict) -> str:
     """One printed line: median step, time to the first step, peaks, first and last reward."""
     return (f"| {name} | {r['median_step_s']:.2f} s ({r['median_over']}) | "
-            f"first step {r['time_to_first_step_s']:.1f} s | peak {r['peak_allocated_gb'] or 0:.1f} GB allocated, {r['peak_device_used_gb'] or 0:.1f} GB used | "
+            f"first step {r['time_to_first_step_s']:.1f} s | peak {r['peak_allocated_gb'] or 0:.1f} GB allocated, "
+            f"{r['peak_device_used_gb'] or 0:.1f} GB used | "
             f"reward {r['reward'][0]:.3f} -> {r['reward'][-1]:.3f} |")
 
 
 def job_arguments(ap: argparse.ArgumentParser, result: str, memory_share: float) -> None:
     """The options every peer script takes: the job (a qerl config and overrides), steps, the output directory
-    (`result`: the JSON file written there), the loss micro-batch and vLLM's memory share."""
+    (`result`: the JSON file written there), the loss micro-batch, vLLM's memory share and the prompt order."""
     ap.add_argument("--config", default="configs/gsm8k-grpo-1.5b.yaml", help="the qerl config of the job")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="qerl config overrides")
     ap.add_argument("--steps", type=int, default=20)
@@ -149,6 +224,8 @@ def job_arguments(ap: argparse.ArgumentParser, result: str, memory_share: float)
     ap.add_argument("--micro-batch", type=int, default=16, help="completions per loss forward/backward")
     ap.add_argument("--gpu-memory-utilization", type=float, default=memory_share,
                     help=f"vLLM's share of the GPU (default {memory_share}, the peer's own)")
+    ap.add_argument("--prompts", help="the per-step prompt order, a `write_prompt_order` file (side_by_side.py "
+                                      "writes it); default: qerl's order for the config, computed here")
 
 
 def empty_output(out: str) -> Path:
@@ -174,7 +251,7 @@ def main(argv=None) -> int:
     import transformers
     import trl
     from transformers import AutoTokenizer
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     from qerl.config import load_config
     from qerl.rewards.resolve import resolve_reward
@@ -188,8 +265,10 @@ def main(argv=None) -> int:
                            target_modules=list(cfg.lora.targets), use_rslora=cfg.lora.use_rslora,
                            task_type="CAUSAL_LM")
     record = {"step_s": []}
+    settings = grpo_settings(cfg, args, out)
+    rows = job_prompts(cfg, tokenizer, args, out)
     trainer = GRPOTrainer(model=model, reward_funcs=[resolve_reward(name) for name in cfg.rewards],
-                          args=grpo_config(cfg, args, out), train_dataset=problems(cfg, tokenizer),
+                          args=GRPOConfig(**settings), train_dataset=problems(cfg, tokenizer, rows),
                           processing_class=tokenizer, peft_config=lora, callbacks=[step_timer(record)])
     trainer.train()
     trainer.save_model(str(out / "adapter"))
@@ -206,7 +285,8 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
         "config": args.config, "overrides": args.set, "model": model, "generation": args.generation,
         "micro_batch": args.micro_batch, "gpu_memory_utilization": args.gpu_memory_utilization,
-        "sleep": args.sleep, "liger": args.liger, **timing_summary(record, trainer.state.log_history),
+        "sleep": args.sleep, "liger": args.liger, "importance_sampling": importance_sampling(settings),
+        "prompt_order_sha256": order_digest(rows), **timing_summary(record, trainer.state.log_history),
         "adapter": str(out / "adapter"),
     }
     (out / "trl.json").write_text(json.dumps(result, indent=1))

@@ -9,8 +9,10 @@ describes: the same model, problems, prompts, reward and settings as `trl_grpo.p
 Installs nothing: it needs unsloth (and the unsloth_zoo, vllm, trl, peft, datasets it pins) beside qerl, and a
 CUDA GPU (Unsloth refuses to import without one). It writes OUT/unsloth.json and OUT/adapter as `trl_grpo.py`
 writes trl.json: the same fields, measured the same way (`trl_grpo.step_timer`), with TRL's settings from the same
-qerl config (`trl_grpo.grpo_config`) and Unsloth's own recommended ones where it has them: its gradient
-checkpointing ("unsloth") and vLLM sharing the policy's weights (`--gpu-memory-utilization`, default its 0.6).
+qerl config (`trl_grpo.grpo_settings` for vLLM generation: Unsloth's engine samples, so qerl's truncated importance
+sampling applies as in the TRL job, which Unsloth's patched loss honours), the prompts in qerl's order
+(`trl_grpo.job_prompts`), and Unsloth's own recommended settings where it has them: its gradient checkpointing
+("unsloth") and vLLM sharing the policy's weights (`--gpu-memory-utilization`, default its 0.6).
 """
 
 import argparse
@@ -22,12 +24,18 @@ from pathlib import Path
 
 START = time.perf_counter()  # before Unsloth's import and patching: they count in the time to the first step
 
-import unsloth  # noqa: E402, F401  (first among the ML imports: it patches transformers, peft and trl as they import)
-from unsloth import FastLanguageModel  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
-from trl_grpo import (empty_output, grpo_config, job_arguments, model_directory, problems, step_timer,  # noqa: E402
-                      table_row, timing_summary)
+from trl_grpo import (empty_output, grpo_settings, importance_sampling, job_arguments, job_prompts,  # noqa: E402
+                      model_directory, order_digest, problems, step_timer, table_row, timing_summary)
+
+
+def unsloth_settings(cfg, args, out: Path) -> dict:
+    """TRL's GRPOConfig arguments for Unsloth's trainer: `grpo_settings` with vLLM generation, as Unsloth runs it
+    (with fast_inference its patched trainer sets use_vllm and samples with the model's own engine), so the
+    importance-sampling correction, which Unsloth turns off by default, is on at qerl's cap; TRL's own engine
+    options (sleep mode, Liger) stay off: Unsloth's engine is built by `FastLanguageModel.from_pretrained`."""
+    return grpo_settings(cfg, argparse.Namespace(**{**vars(args), "generation": "vllm", "sleep": False,
+                                                    "liger": False}), out)
 
 
 def main(argv=None) -> int:
@@ -38,9 +46,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = empty_output(args.out)
 
+    import unsloth  # first among the ML imports: it patches transformers, peft and trl as they import
+    from unsloth import FastLanguageModel
+
+    # isort: split
     import torch
     import trl
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 
     from qerl.config import load_config
     from qerl.rewards.resolve import resolve_reward
@@ -55,13 +67,12 @@ def main(argv=None) -> int:
         model, r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
         target_modules=list(cfg.lora.targets), use_rslora=cfg.lora.use_rslora,
         use_gradient_checkpointing="unsloth", random_state=cfg.seed)
-    # generation: Unsloth's own vLLM engine (fast_inference), which its patched trainer drives; TRL's is off
-    settings = grpo_config(cfg, argparse.Namespace(**{**vars(args), "generation": "transformers", "sleep": False,
-                                                     "liger": False}), out)
+    settings = unsloth_settings(cfg, args, out)
+    rows = job_prompts(cfg, tokenizer, args, out)
     record = {"step_s": []}
-    trainer = GRPOTrainer(model=model, reward_funcs=[resolve_reward(name) for name in cfg.rewards], args=settings,
-                          train_dataset=problems(cfg, tokenizer), processing_class=tokenizer,
-                          callbacks=[step_timer(record, START)])
+    trainer = GRPOTrainer(model=model, reward_funcs=[resolve_reward(name) for name in cfg.rewards],
+                          args=GRPOConfig(**settings), train_dataset=problems(cfg, tokenizer, rows),
+                          processing_class=tokenizer, callbacks=[step_timer(record, START)])
     trainer.train()
     model.save_pretrained(str(out / "adapter"))
     tokenizer.save_pretrained(str(out / "adapter"))
@@ -72,7 +83,8 @@ def main(argv=None) -> int:
         "versions": {"unsloth": unsloth.__version__, "trl": trl.__version__, "torch": torch.__version__},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
         "config": args.config, "overrides": args.set, "model": model_dir, "micro_batch": args.micro_batch,
-        "gpu_memory_utilization": args.gpu_memory_utilization, **timing_summary(record, trainer.state.log_history),
+        "gpu_memory_utilization": args.gpu_memory_utilization, "importance_sampling": importance_sampling(settings),
+        "prompt_order_sha256": order_digest(rows), **timing_summary(record, trainer.state.log_history),
         "adapter": str(out / "adapter"),
     }
     (out / "unsloth.json").write_text(json.dumps(result, indent=1))
