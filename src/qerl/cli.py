@@ -39,7 +39,8 @@ def _quantize(args) -> int:
     from .models.targets import quant_layers
 
     t0 = time.perf_counter()
-    out = check_output_dir(args.out, args.overwrite)  # everything that can be refused is, before the model loads
+    # everything that can be refused is, before the model loads
+    out = check_output_dir(args.out, args.overwrite, inputs={"model": args.model, "--calibration": args.calibration})
     keep = parse_keep_bf16(args.keep_bf16)
     device = quantize_device(args.device)
     spec = ModelSpec(name=args.model, format=args.format, method=args.method, calibration_source=args.calibration,
@@ -121,9 +122,13 @@ def _eval(args) -> int:
 
 
 def _merge(args) -> int:
+    from .models.adapter import adapter_base_mismatch
     from .models.merge import adapter_base, merge_adapter
 
     model = args.model or adapter_base(args.adapter)
+    mismatch = adapter_base_mismatch(args.adapter, model)  # as eval warns: shapes that fit are no proof
+    if mismatch:
+        console.print(Text(f"warning: {mismatch}", style="yellow"), soft_wrap=True)
     t0 = time.perf_counter()
     with console.status(f"merging {args.adapter} into {model}"):
         out = merge_adapter(args.adapter, args.out, model=model, dtype=args.dtype, device=args.device,

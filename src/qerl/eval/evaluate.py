@@ -243,7 +243,8 @@ def run_eval(args) -> int:
     # everything that can be refused is refused before the dataset and the model load
     keep_bf16_arg(args)
     compute_arg(args)
-    out = check_output_file(args.out, args.overwrite, recognise=is_eval_output) if args.out else None
+    inputs = {"--dataset": args.dataset, "model": args.model, "--adapter": args.adapter}
+    out = check_output_file(args.out, args.overwrite, recognise=is_eval_output, inputs=inputs) if args.out else None
     mismatch = adapter_base_mismatch(args.adapter, args.model) if args.adapter else None
     if mismatch:
         console.print(Text(f"warning: {mismatch}", style="yellow"), soft_wrap=True)
