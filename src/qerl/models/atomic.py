@@ -70,15 +70,15 @@ def _inside(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
 
 
-def check_apart_from_inputs(out: Path, inputs: dict[str, object], what: str) -> None:
+def check_apart_from_inputs(out: Path, inputs: dict[str, object], what: str, containing: bool = True) -> None:
     """ValueError when the output `out` is one of the command's inputs ({option: path}), lies inside one, or
-    contains one: writing it (with --overwrite, or into a directory being read) would destroy what the command
-    reads. Inputs that are not local paths (hub ids, embedded model names) are skipped."""
+    (containing=True: an output that replaces what is there) contains one: writing it would destroy or change
+    what the command reads. Inputs that are not local paths (hub ids, embedded model names) are skipped."""
     for option, source in inputs.items():
         if not source or not Path(str(source)).expanduser().exists():
             continue
         path = Path(str(source)).expanduser().resolve()
-        if _inside(out, path) or _inside(path, out):
+        if _inside(out, path) or (containing and _inside(path, out)):
             relation = "is" if out == path else "is inside" if _inside(out, path) else "contains"
             raise ValueError(f"{what} {out}: {relation} the input {option} {path}; writing it would destroy what "
                              f"the command reads: choose an output path apart from {option}")
@@ -150,9 +150,9 @@ def check_output_file(out, overwrite: bool = False, recognise: Callable[[Path], 
     and overwrite is off; ValueError when it exists and `recognise` does not accept it as qerl's own (an empty
     file always is)."""
     out = Path(out).expanduser().resolve()
-    check_apart_from_inputs(out, inputs or {}, what)
     if out.is_dir():
         raise ValueError(f"{what} {out}: is a directory; give a file path")
+    check_apart_from_inputs(out, inputs or {}, what)
     if out.exists():
         if not overwrite:
             raise FileExistsError(f"{what} {out}: already exists (--overwrite replaces a file qerl wrote)")
