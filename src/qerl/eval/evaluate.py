@@ -236,7 +236,7 @@ def run_eval(args) -> int:
     from rich.text import Text
 
     from ..data import load_problems
-    from ..models.adapter import adapter_base_mismatch
+    from ..models.adapter import adapter_base_mismatch, check_adapter_files
     from ..models.atomic import atomic_file, check_output_file
 
     console = Console(stderr=True)
@@ -245,6 +245,8 @@ def run_eval(args) -> int:
     compute_arg(args)
     inputs = {"--dataset": args.dataset, "model": args.model, "--adapter": args.adapter}
     out = check_output_file(args.out, args.overwrite, recognise=is_eval_output, inputs=inputs) if args.out else None
+    if args.adapter:  # a broken or diverged (NaN) adapter is refused before the model loads
+        check_adapter_files(args.adapter)
     mismatch = adapter_base_mismatch(args.adapter, args.model) if args.adapter else None
     if mismatch:
         console.print(Text(f"warning: {mismatch}", style="yellow"), soft_wrap=True)

@@ -200,6 +200,9 @@ def check_adapter_files(directory) -> None:
     """AdapterError when an adapter directory cannot be loaded as it stands (its config is not JSON, its
     weights are unreadable or non-finite): checked before a model load, to choose another checkpoint."""
     cfg_file = Path(directory) / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise AdapterError(f"{cfg_file}: missing; an adapter directory needs adapter_config.json and "
+                           "adapter_model.safetensors")
     try:
         json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:

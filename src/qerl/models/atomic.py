@@ -89,7 +89,8 @@ def is_qerl_output(path: Path) -> bool:
     return (Path(path) / OUTPUT_MARKER).is_file()
 
 
-def check_output_dir(out, overwrite: bool = False, what: str = "--out", inputs: dict[str, object] | None = None) -> Path:
+def check_output_dir(out, overwrite: bool = False, what: str = "--out",
+                     inputs: dict[str, object] | None = None) -> Path:
     """The resolved output directory, checked before any work: ValueError when it is, is inside or contains one of
     the command's `inputs` ({option: path}); FileExistsError when it exists and overwrite is off; ValueError when
     it is a file, when it holds files qerl did not write (even with overwrite), or when its parent cannot be

@@ -177,9 +177,9 @@ class Trainer:
         if len(rows) < cfg.rollout.prompts_per_step and self.dist.is_main:
             self.console.print(f"[yellow]data.train has {len(rows)} problems, fewer than rollout.prompts_per_step "
                                f"({cfg.rollout.prompts_per_step}): each step repeats some of them", highlight=False)
-        self._progress(f"loading {cfg.model.name} as {cfg.model.format} ({cfg.model.quant_method}) + LoRA r={cfg.lora.r}")
-        with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} ({cfg.model.quant_method}) "
-                                 f"+ LoRA r={cfg.lora.r}"):
+        loading = f"loading {cfg.model.name}, quantizing it to {cfg.model.format} ({cfg.model.quant_method})"
+        self._progress(f"{loading}, attaching LoRA r={cfg.lora.r}")
+        with self.console.status(loading):
             self.model, self.tokenizer = build_policy(cfg.model, cfg.lora, self.device, train_rows=rows,
                                                       gradient_checkpointing=cfg.optim.gradient_checkpointing,
                                                       console=self.console, train_router=cfg.moe.train_router,
@@ -323,7 +323,8 @@ class Trainer:
                 kept = f"the last checkpoint, {last[-1]}, holds finite weights" if last else "no checkpoint was written"
                 raise TrainingAborted(
                     f"step {self.step + 1}'s update made {len(bad)} adapter tensors NaN or Inf (e.g. {bad[0]}) with "
-                    f"optim.lr {cfg.optim.lr:g}: nothing of it was saved ({kept}); lower optim.lr or optim.max_grad_norm")
+                    f"optim.lr {cfg.optim.lr:g}: nothing of it was saved ({kept}); lower optim.lr or "
+                    "optim.max_grad_norm")
             return
         self.bad_in_a_row += 1
         self.bad_total += 1
