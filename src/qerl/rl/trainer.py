@@ -500,8 +500,8 @@ class Trainer:
             if override:
                 raise ValueError("--override: the run has no checkpoint yet, so it starts again from step 0 with "
                                  "the new config; drop --override")
+            self._truncate_metrics(0)  # first: a metrics.jsonl qerl did not write is refused, not emptied
             self.console.print(f"[yellow]{self.run_dir} has no complete checkpoint yet: starting again from step 0")
-            self._truncate_metrics(0)
             return None
         if not checkpoints:
             raise FileNotFoundError(f"{self.run_dir}: no complete checkpoint to resume from")
@@ -549,7 +549,7 @@ class Trainer:
         for key, old, new in changes:
             self.console.print(f"{key}: {old!r} -> {new!r} from step {self.step + 1} (recorded in "
                                f"{CONFIG_CHANGES_FILE})", highlight=False)
-        self.console.print(f"resumed from {checkpoint} at step {self.step}")
+        self.console.print(f"resumed from {checkpoint} at step {self.step}", highlight=False, soft_wrap=True)
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop metric lines written after the checkpoint (the steps about to be redone); name the steps up to it
