@@ -37,6 +37,14 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def _normal_permissions(root: Path) -> None:
+    """Give `root` and everything in it the umask's permissions: the temp directory is made 0700, and writers
+    such as safetensors make their files 0600, which would keep a shared model or adapter from its group."""
+    mask = _umask()
+    for path in [*root.rglob("*"), root]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def listing(path: Path, limit: int = 5) -> str:
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     more = f", ... ({len(names)} entries)" if len(names) > limit else ""
@@ -80,8 +88,8 @@ def check_apart_from_inputs(out: Path, inputs: dict[str, object], what: str, con
         path = Path(str(source)).expanduser().resolve()
         if _inside(out, path) or (containing and _inside(path, out)):
             relation = "is" if out == path else "is inside" if _inside(out, path) else "contains"
-            raise ValueError(f"{what} {out}: {relation} the input {option} {path}; writing it would destroy what "
-                             f"the command reads: choose an output path apart from {option}")
+            raise ValueError(f"{what} {out}: {relation} the input {option} {path}; writing it would destroy or change "
+                             f"what the command reads: choose an output path apart from {option}")
 
 
 def is_qerl_output(path: Path) -> bool:
@@ -130,7 +138,7 @@ def atomic_directory(out, overwrite: bool = False, kind: str = "output", check_o
 
         (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": f"qerl {__version__}", "kind": kind,
                                                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-        os.chmod(tmp, 0o777 & ~_umask())
+        _normal_permissions(tmp)
         _fsync_tree(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))

@@ -174,6 +174,8 @@ class Trainer:
                                  max_bad_fraction=cfg.data.max_bad_fraction)
         except OSError as e:  # e.g. permission denied; what the loader checks itself is a DatasetError already
             raise DatasetError(f"data.train {cfg.data.train!r}: cannot read it ({e})") from None
+        except DatasetError as e:  # the loader names the file, the option is the run's
+            raise DatasetError(f"data.train: {e}") from None
         if len(rows) < cfg.rollout.prompts_per_step and self.dist.is_main:
             self.console.print(f"[yellow]data.train has {len(rows)} problems, fewer than rollout.prompts_per_step "
                                f"({cfg.rollout.prompts_per_step}): each step repeats some of them", highlight=False)
