@@ -113,6 +113,9 @@ def _train(args) -> int:
     if resume not in (None, "auto") and "=" in resume and not Path(resume).exists():
         # `--resume steps=6`: argparse gave the override to --resume's optional value
         resume, overrides = "auto", [resume, *overrides]
+    if resume not in (None, "auto") and not Path(resume).expanduser().is_dir():
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory (RUN/checkpoints/step-NNNNNN; "
+                                "--resume alone takes the run's newest)")
     config = args.config or (resume and _run_config(resume, args.output_dir, overrides))
     cfg = load_config(config, overrides)
     if args.output_dir:
@@ -135,6 +138,8 @@ def _run_config(resume: str, output_dir: str | None, overrides: list[str]) -> st
     else:
         run = Path(output_dir or load_config(None, overrides).output_dir)
     config = run / "config.yaml"
+    if not run.is_dir():
+        return None  # no run there: the trainer says so
     if config.is_file():
         console.print(f"--resume without --config: the run's own {config}", highlight=False, soft_wrap=True)
         return str(config)

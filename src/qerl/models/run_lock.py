@@ -84,6 +84,9 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self) -> None:  # a Trainer dropped without train() or close(): its fd is no file object
+        self.release()
+
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
