@@ -245,11 +245,11 @@ def run_eval(args) -> int:
     compute_arg(args)
     inputs = {"--dataset": args.dataset, "model": args.model, "--adapter": args.adapter}
     out = check_output_file(args.out, args.overwrite, recognise=is_eval_output, inputs=inputs) if args.out else None
-    if args.adapter:  # a broken or diverged (NaN) adapter is refused before the model loads
-        check_adapter_files(args.adapter)
     mismatch = adapter_base_mismatch(args.adapter, args.model) if args.adapter else None
     if mismatch:
         console.print(Text(f"warning: {mismatch}", style="yellow"), soft_wrap=True)
+    if args.adapter:  # a broken or diverged (NaN) adapter is refused before the model loads
+        check_adapter_files(args.adapter)
     try:
         rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed,
                              max_bad_fraction=args.max_bad_fraction)

@@ -11,7 +11,6 @@ the metrics and the run around it.
 
 import contextlib
 import dataclasses
-import os
 import random
 import resource
 import time
@@ -421,10 +420,11 @@ class Trainer:
         progress.console.print(step_line(metrics, recompute, wide), highlight=False, soft_wrap=not wide)
         if "time_to_first_step" in metrics:
             progress.console.print(f"first step finished {metrics['time_to_first_step']:.1f} s after the "
-                                   "trainer started (loading, quantizing and compiling included)", highlight=False)
+                                   "trainer started (loading, quantizing and compiling included)", highlight=False,
+                                   soft_wrap=True)
         if "dense_weights_gb" in metrics and metrics["step"] == 1:
             progress.console.print(f"model.dense_weights: {metrics['dense_weights_gb']:.2f} GB of 16-bit "
-                                   "weight copies kept for the run", highlight=False)
+                                   "weight copies kept for the run", highlight=False, soft_wrap=True)
         progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
 
     def _after_step(self, signum: int) -> None:
