@@ -85,7 +85,10 @@ class RunLock:
             self._fd = None
 
     def __del__(self) -> None:  # a Trainer dropped without train() or close(): its fd is no file object
-        self.release()
+        try:
+            self.release()
+        except Exception:  # at interpreter exit the modules may be gone; the kernel drops the lock anyway
+            pass
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
