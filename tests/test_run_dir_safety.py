@@ -26,7 +26,7 @@ SLOW_REWARD = textwrap.dedent('''
 
 
     def slow_digits(prompts, completions, **columns):
-        time.sleep(0.5)
+        time.sleep(1.0)
         return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 ''')
 

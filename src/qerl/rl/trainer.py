@@ -55,17 +55,23 @@ from .step_metrics import add_time_metrics, add_update_metrics, experience_metri
 from .settings import aqn_schedule, collect_settings, entropy_controller, lr_schedule, update_settings
 
 
-def check_new_run_dir(run_dir: Path, inputs: dict[str, object] | None = None) -> None:
-    """Refuse, before any work, an output_dir that already holds a run (FileExistsError: --resume continues it),
-    a file, one of the run's inputs (the model, the data) or a path inside one, a directory holding
-    what a run would write over, or one that cannot be written (ValueError). Other files may stay beside a run
-    (a launcher's log, say): a run never deletes anything."""
+def check_run_dir_path(run_dir: Path, inputs: dict[str, object] | None = None) -> None:
+    """Refuse, before any work, an output_dir that is a file, one of the run's inputs (the model, the data) or a
+    path inside one, under a file, or that cannot be written (ValueError). What it holds is checked once the run
+    holds its lock (`check_new_run_dir`)."""
     if not run_dir.exists():
         check_output_dir(run_dir, what="output_dir", inputs=inputs)  # a file on the way or an unwritable parent
         return
     check_apart_from_inputs(run_dir.resolve(), inputs or {}, "output_dir", containing=False)  # a run adds files
     if not run_dir.is_dir():
         raise ValueError(f"output_dir {run_dir}: is a file; give a directory path")
+    check_writable(run_dir, run_dir, "output_dir")
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """Refuse an output_dir that already holds a run (FileExistsError: --resume continues it) or what a run would
+    write over (ValueError). Other files may stay beside a run (a launcher's log, say): a run never deletes
+    anything. Called under the run's lock, so a run being written by another process is refused as such."""
     if any((run_dir / name).exists() for name in ("config.yaml", "checkpoints")) or \
             is_run_metrics(run_dir / "metrics.jsonl"):
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
@@ -75,7 +81,6 @@ def check_new_run_dir(run_dir: Path, inputs: dict[str, object] | None = None) ->
     if taken:
         raise ValueError(f"output_dir {run_dir}: holds {', '.join(taken)}, which a run writes (and qerl did not "
                          "write these); choose another output_dir")
-    check_writable(run_dir, run_dir, "output_dir")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,15 +144,20 @@ class Trainer:
         if resume == "auto" and not self.run_dir.is_dir():
             raise FileNotFoundError(f"--resume: {self.run_dir} holds no run, so no complete checkpoint to resume from "
                                     "(output_dir or --output-dir names the run's directory)")
-        if not resume or (self._source_run is not None and self._source_run != self.run_dir.resolve()):
-            # a new run, or a checkpoint of another run continued here
-            check_new_run_dir(self.run_dir, local_inputs(cfg))
+        # a new run, or a checkpoint of another run continued here
+        new_run = not resume or (self._source_run is not None and self._source_run != self.run_dir.resolve())
+        if new_run:
+            check_run_dir_path(self.run_dir, local_inputs(cfg))
+        # the lock before what the directory holds: a run being written now is refused as such, not as a
+        # finished one to --resume
         self._lock = RunLock(self.run_dir) if self.dist.is_main else None
         if self._lock is not None:
             self._lock.acquire()
             if self._lock.stale_note:
                 self.console.print(f"[yellow]{self._lock.stale_note}", highlight=False)
         try:
+            if new_run:
+                check_new_run_dir(self.run_dir)
             self._setup(resume)
         except BaseException:
             self.close()
