@@ -212,3 +212,8 @@ def test_a_non_finite_adapter_is_never_saved_and_eval_refuses_one(tiny_dir, data
     assert main(["eval", str(tiny_dir), "--adapter", str(adapter), "--dataset", str(data_file), "--limit", "2"]) == 2
     err = capsys.readouterr().err
     assert "hold NaN or Inf" in err and "loaded" not in err
+    # nor does a run start from one (model.adapter), and it says so before the model loads
+    assert main(["train", *_overrides(tiny_dir, data_file, tmp_path / "run", **{"model.adapter": str(adapter)})]) == 2
+    err = capsys.readouterr().err
+    assert "model.adapter: " in err and "hold NaN or Inf" in err and "model ready" not in err, err
+    assert not (tmp_path / "run").exists()

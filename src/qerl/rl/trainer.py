@@ -91,7 +91,7 @@ def resolve_device(name: str) -> torch.device:
 
 def local_inputs(cfg: TrainConfig) -> dict[str, object]:
     """The run's inputs that are local paths, which its output_dir must stay apart from."""
-    return {"model.name": cfg.model.name, "data.train": cfg.data.train}
+    return {"model.name": cfg.model.name, "model.adapter": cfg.model.adapter, "data.train": cfg.data.train}
 
 
 def compile_notice(device: torch.device) -> str | None:
@@ -185,6 +185,11 @@ class Trainer:
             raise DatasetError(f"data.train {cfg.data.train!r}: cannot read it ({e})") from None
         except DatasetError as e:  # the loader names the file, the option is the run's
             raise DatasetError(f"data.train: {e}") from None
+        if cfg.model.adapter:  # loaded after the base: a broken or NaN one is refused now, not after the load
+            try:
+                check_adapter_files(cfg.model.adapter)
+            except ValueError as e:
+                raise ValueError(f"model.adapter: {e}") from None
         if len(rows) < cfg.rollout.prompts_per_step and self.dist.is_main:
             self.console.print(f"[yellow]data.train has {len(rows)} problems, fewer than rollout.prompts_per_step "
                                f"({cfg.rollout.prompts_per_step}): each step repeats some of them", highlight=False)
