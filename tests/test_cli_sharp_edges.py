@@ -408,6 +408,9 @@ def test_library_import_noise_is_filtered(tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
     code = textwrap.dedent(f"""
         import sys
+        import torch
+        from safetensors.torch import save_file
+        save_file({{"w": torch.zeros(1)}}, {str(adapter / "adapter_model.safetensors")!r})
         from qerl.cli import main
         sys.exit(main(["merge", {str(adapter)!r}, "--out", {str(tmp_path / "merged")!r}]))
     """)

@@ -126,3 +126,47 @@ def test_merge_a_mixture_of_experts_adapter_with_expert_lora(tmp_path):
         got, want, base = merged(ids).logits, peft_model(ids).logits, dense(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got - base).abs().max() > 1e-3
+
+
+def test_merge_refuses_an_adapter_that_does_not_fit_and_warns_on_another_base(trained, tmp_path, capsys):
+    # a 1-layer base has half the modules: PEFT alone skipped the other half's tensors and exited 0
+    base_dir, adapter, _, _ = trained
+    small = tmp_path / "small"
+    tiny_model("llama", num_hidden_layers=1).save_pretrained(small)
+    tiny_tokenizer().save_pretrained(small)
+    assert main(["merge", str(adapter), "--out", str(tmp_path / "o"), "--model", str(small)]) == 2
+    err = capsys.readouterr().err
+    assert "match no module of the model" in err and "layers.1." in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    # wider layers: one line naming a tensor and both shapes, not PEFT's dump of every mismatch
+    wide = tmp_path / "wide"
+    tiny_model("llama", intermediate_size=192).save_pretrained(wide)
+    tiny_tokenizer().save_pretrained(wide)
+    assert main(["merge", str(adapter), "--out", str(tmp_path / "o"), "--model", str(wide)]) == 2
+    err = capsys.readouterr().err
+    assert "another shape" in err and len(err.strip().splitlines()) <= 3
+    # same shapes, other weights: merged, with eval's warning
+    other = tmp_path / "other"
+    tiny_model("llama", seed=1).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    assert main(["merge", str(adapter), "--out", str(tmp_path / "o"), "--model", str(other)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "was trained on" in err
+
+
+def test_merge_refuses_to_overwrite_its_own_input_and_a_non_finite_adapter(trained, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    base_dir, adapter, _, _ = trained
+    before = (adapter / "adapter_model.safetensors").read_bytes()
+    for out in (adapter, adapter.parent, adapter / "merged", base_dir):
+        assert main(["merge", str(adapter), "--out", str(out), "--model", str(base_dir), "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert "the input" in err and "choose an output path apart from" in err, err
+    assert (adapter / "adapter_model.safetensors").read_bytes() == before
+    weights = load_file(adapter / "adapter_model.safetensors")
+    weights[next(iter(weights))][0, 0] = float("nan")
+    save_file(weights, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
+    assert main(["merge", str(adapter), "--out", str(tmp_path / "o"), "--model", str(base_dir)]) == 2
+    assert "hold NaN or Inf" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

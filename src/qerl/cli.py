@@ -1,12 +1,15 @@
 """`qerl` command line: quantize a model, RL-train a LoRA adapter on it, evaluate, merge, run benchmarks."""
 
 import argparse
+import difflib
 import json
 import logging
+import os
 import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -39,7 +42,8 @@ def _quantize(args) -> int:
     from .models.targets import quant_layers
 
     t0 = time.perf_counter()
-    out = check_output_dir(args.out, args.overwrite)  # everything that can be refused is, before the model loads
+    # everything that can be refused is, before the model loads
+    out = check_output_dir(args.out, args.overwrite, inputs={"model": args.model, "--calibration": args.calibration})
     keep = parse_keep_bf16(args.keep_bf16)
     device = quantize_device(args.device)
     spec = ModelSpec(name=args.model, format=args.format, method=args.method, calibration_source=args.calibration,
@@ -103,15 +107,45 @@ def _train(args) -> int:
 
     if args.help_config:
         print(config_help())
+        sys.stdout.flush()  # a closed pipe (`| head`) is met here, where main turns it into a quiet exit
         return 0
-    cfg = load_config(args.config, args.overrides)
+    resume, overrides = args.resume, list(args.overrides)
+    if resume not in (None, "auto") and "=" in resume and not Path(resume).exists():
+        # `--resume steps=6`: argparse gave the override to --resume's optional value
+        resume, overrides = "auto", [resume, *overrides]
+    if resume not in (None, "auto") and not Path(resume).expanduser().is_dir():
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory (RUN/checkpoints/step-NNNNNN; "
+                                "--resume alone takes the run's newest)")
+    config = args.config or (resume and _run_config(resume, args.output_dir, overrides))
+    cfg = load_config(config, overrides)
     if args.output_dir:
         cfg.output_dir = args.output_dir
     from .rl.trainer import Trainer
 
-    trainer = Trainer(cfg, resume=args.resume, console=console, override=tuple(args.override or ()))
+    trainer = Trainer(cfg, resume=resume, console=console, override=tuple(args.override or ()))
     trainer.train()
     return 0
+
+
+def _run_config(resume: str, output_dir: str | None, overrides: list[str]) -> str | None:
+    """`--resume` without `--config`: the resumed run's own config.yaml (its settings in force), so that only
+    the overrides given now count as changes; None (the defaults, said so) when the run has none."""
+    from .config import load_config
+
+    if resume != "auto":
+        checkpoint = Path(resume).expanduser()
+        run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    else:
+        run = Path(output_dir or load_config(None, overrides).output_dir)
+    config = run / "config.yaml"
+    if not run.is_dir():
+        return None  # no run there: the trainer says so
+    if config.is_file():
+        console.print(f"--resume without --config: the run's own {config}", highlight=False, soft_wrap=True)
+        return str(config)
+    console.print(f"[yellow]--resume without --config: {run} has no config.yaml, so the defaults are compared with "
+                  "the checkpoint's config", highlight=False, soft_wrap=True)
+    return None
 
 
 def _eval(args) -> int:
@@ -121,9 +155,13 @@ def _eval(args) -> int:
 
 
 def _merge(args) -> int:
+    from .models.adapter import adapter_base_mismatch
     from .models.merge import adapter_base, merge_adapter
 
     model = args.model or adapter_base(args.adapter)
+    mismatch = adapter_base_mismatch(args.adapter, model)  # as eval warns: shapes that fit are no proof
+    if mismatch:
+        console.print(Text(f"warning: {mismatch}", style="yellow"), soft_wrap=True)
     t0 = time.perf_counter()
     with console.status(f"merging {args.adapter} into {model}"):
         out = merge_adapter(args.adapter, args.out, model=model, dtype=args.dtype, device=args.device,
@@ -207,13 +245,31 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--trust-remote-code", action="store_true", help="allow code from the model directory to run")
     m.set_defaults(func=_merge)
 
-    b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout, step (one end-to-end RL step)")
+    b = sub.add_parser("bench", help="benchmarks (GPU): kernels, rollout, step (one end-to-end RL step), study "
+                                     "(a grid of training runs)")
     b.add_argument("what", choices=["kernels", "rollout", "step", "study"])
     b.add_argument("rest", nargs=argparse.REMAINDER,
                    help="arguments passed to the benchmark, e.g. rollout / step --lengths NAME|FILE (ragged "
                         "completion lengths from a profile) --schedulers continuous,static (step: --modes new,old)")
     b.set_defaults(func=_bench)
+    parser.set_defaults(commands=sub.choices)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parse; an unknown option is refused by its command's parser (its usage, not the top level's) with the
+    closest option of that command suggested."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = args.commands[args.command]
+        known = [o for action in command._actions for o in action.option_strings]
+        hints = []
+        for item in extra:
+            close = difflib.get_close_matches(item.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{item}: did you mean {close[0]}?")
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+    return args
 
 
 def main(argv=None) -> int:
@@ -226,13 +282,16 @@ def main(argv=None) -> int:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     raise_on_stop_signals()
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(build_parser(), argv)
         from transformers.utils import logging as hf_logging
 
         # qerl shows its own progress; transformers' per-tensor bars and dtype advice are noise here.
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         return args.func(args)
+    except BrokenPipeError:  # the reader went away (`qerl train --help-config | head`): end as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 128 + signal.SIGPIPE
     except TrainingInterrupted as e:
         console.print(Text(str(e), style="yellow"), soft_wrap=True)
         return 128 + e.signum
@@ -244,7 +303,7 @@ def main(argv=None) -> int:
                            "appear only when complete; a run continues from its last checkpoint with --resume)",
                            style="yellow"), soft_wrap=True)
         return 128 + signum
-    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # OSError: FileExistsError, FileNotFoundError, PermissionError
         # soft_wrap: keep paths unbroken; Text: a message with [brackets] is not rich markup.
         console.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)
         return 2

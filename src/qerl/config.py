@@ -14,6 +14,7 @@ leaf, importing nothing of qerl's but `qerl.choices` and `qerl.lora_config` (no 
 """
 
 import dataclasses
+import math
 import inspect
 import textwrap
 import types
@@ -314,12 +315,15 @@ _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_upd
              "optim.micro_batch_size", "optim.max_tokens_per_micro_batch", "optim.lr", "steps",
              "data.max_prompt_tokens", "reward_timeout_s",
              "aqn.num_stages", "optim.max_bad_steps", "max_reward_failure_steps", "model.calibration.samples",
-             "model.calibration.max_tokens")
-_OPTIONAL = ("model.calibration.samples", "optim.max_tokens_per_micro_batch")  # null means "choose for me" (documented at the field)
+             "model.calibration.max_tokens", "data.limit")
+_OPTIONAL = ("model.calibration.samples", "optim.max_tokens_per_micro_batch", "data.limit")  # null means "choose for me" (documented at the field)
 _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_low", "algo.clip_high",
                  "rollout.temperature", "rollout.top_k", "optim.weight_decay", "optim.warmup_steps",
                  "optim.max_grad_norm", "algo.max_refills", "algo.overlong_buffer", "save_every", "keep_last",
                  "moe.aux_loss_coef")
+
+# Values no run means: past these the first update wrecks the adapter (AdamW moves every weight by ~lr per step).
+_ABSURD = (("optim.lr", 1.0, "AdamW moves each LoRA weight by about lr per step; LoRA RL uses 1e-6 to 1e-4"),)
 
 
 def _get(cfg, dotted: str):
@@ -380,6 +384,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("model.dense_weights only makes sense with a 4-bit model.format (bf16 weights are dense)")
     if not cfg.moe.aux_loss_coef < float("inf"):  # nan / inf: the >= 0 check above lets inf through
         raise ConfigError(f"moe.aux_loss_coef must be a finite number >= 0, got {cfg.moe.aux_loss_coef}")
+    if not 0 <= cfg.seed < 2**32:  # NumPy's range: past it the run failed at start without naming the key
+        raise ConfigError(f"seed must be in [0, 2**32), got {cfg.seed}")
+    for key, limit, why in _ABSURD:
+        if _get(cfg, key) > limit:
+            raise ConfigError(f"{key} must be <= {limit:g}, got {_get(cfg, key)} ({why})")
     return cfg
 
 
@@ -418,6 +427,8 @@ def _coerce(value, tp, key: str):
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # no setting means anything at inf / nan: optim.lr=inf made NaN weights
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

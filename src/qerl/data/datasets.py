@@ -72,13 +72,15 @@ class DatasetError(ValueError):
 def _pick_key(columns, requested: str | None, candidates: tuple[str, ...], what: str, where: str) -> str:
     if requested is not None:
         if requested not in columns:
-            raise DatasetError(f"{where}: no {what} column {requested!r}; columns are {sorted(columns)}")
+            raise DatasetError(f"{where}: no {what} column {requested!r} (data.{what}_key); columns are "
+                               f"{sorted(columns)}")
         return requested
     for key in candidates:
         if key in columns:
             return key
     raise DatasetError(f"{where}: no {what} column (looked for {', '.join(candidates)}); columns are "
-                       f"{sorted(columns)}; pass {what}_key=")
+                       f"{sorted(columns)}; name the column with data.{what}_key=COLUMN (qerl train) or "
+                       "rename it")
 
 
 def _check_fraction(max_bad_fraction: float) -> None:
@@ -183,6 +185,8 @@ def _read_parquet(path: Path) -> list:
 def load_file(path, question_key=None, answer_key=None, max_bad_fraction: float = MAX_BAD_FRACTION) -> list[dict]:
     """A local .jsonl / .json / .parquet file -> rows (more than max_bad_fraction of them bad: refused)."""
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory; give a .jsonl, .json or .parquet file")
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
     suffix = path.suffix.lower()

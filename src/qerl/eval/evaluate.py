@@ -235,20 +235,26 @@ def run_eval(args) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from ..data import load_problems
-    from ..models.adapter import adapter_base_mismatch
+    from ..data import DatasetError, load_problems
+    from ..models.adapter import adapter_base_mismatch, check_adapter_files
     from ..models.atomic import atomic_file, check_output_file
 
     console = Console(stderr=True)
     # everything that can be refused is refused before the dataset and the model load
     keep_bf16_arg(args)
     compute_arg(args)
-    out = check_output_file(args.out, args.overwrite, recognise=is_eval_output) if args.out else None
+    inputs = {"--dataset": args.dataset, "model": args.model, "--adapter": args.adapter}
+    out = check_output_file(args.out, args.overwrite, recognise=is_eval_output, inputs=inputs) if args.out else None
     mismatch = adapter_base_mismatch(args.adapter, args.model) if args.adapter else None
     if mismatch:
         console.print(Text(f"warning: {mismatch}", style="yellow"), soft_wrap=True)
-    rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed,
-                         max_bad_fraction=args.max_bad_fraction)
+    if args.adapter:  # a broken or diverged (NaN) adapter is refused before the model loads
+        check_adapter_files(args.adapter)
+    try:
+        rows = load_problems(args.dataset, split=args.split, limit=args.limit, seed=args.seed,
+                             max_bad_fraction=args.max_bad_fraction)
+    except DatasetError as e:  # the loader names the file, the option is the command's
+        raise DatasetError(f"--dataset: {e}") from None
     t0 = time.perf_counter()
     with console.status(f"loading {args.model}"):
         model, tokenizer = prepare_model(args)

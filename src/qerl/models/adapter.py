@@ -117,6 +117,9 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
     from peft import LoraConfig as PeftLoraConfig
 
     cfg = lora_config_of(model)
+    bad = non_finite_parameters(model)
+    if bad:  # nothing non-finite is ever saved: such an adapter would be accepted and silently score garbage
+        raise ValueError(f"{out}: not written: {len(bad)} adapter tensors hold NaN or Inf (e.g. {bad[0]})")
     lora = {k: v.detach() for k, v in lora_parameters(model).items()}
     scales = getattr(model, FOLDED_SCALES, None)
     if original_base and scales:
@@ -175,6 +178,44 @@ def adapter_base_mismatch(directory, model_source: str) -> str | None:
             "scores there are not the trained policy's")
 
 
+def read_adapter_weights(directory) -> dict[str, torch.Tensor]:
+    """The tensors of `directory`/adapter_model.safetensors; AdapterError naming the file when it is missing,
+    unreadable, or holds a NaN / Inf (a diverged run's adapter: loading it would score or merge garbage)."""
+    weights_file = Path(directory) / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise AdapterError(f"{weights_file}: missing; an adapter directory needs adapter_config.json and "
+                           "adapter_model.safetensors")
+    try:
+        weights = load_file(str(weights_file))
+    except Exception as e:
+        raise AdapterError(f"{weights_file}: corrupt or truncated safetensors file ({e})") from None
+    bad = [k for k, w in weights.items() if w.is_floating_point() and not torch.isfinite(w).all()]
+    if bad:
+        raise AdapterError(f"{weights_file}: {len(bad)} of {len(weights)} tensors hold NaN or Inf (e.g. {bad[0]}): "
+                           "the run that wrote it diverged; use an earlier checkpoint's adapter")
+    return weights
+
+
+def check_adapter_files(directory) -> None:
+    """AdapterError when an adapter directory cannot be loaded as it stands (its config is not JSON, its
+    weights are unreadable or non-finite): checked before a model load, to choose another checkpoint."""
+    cfg_file = Path(directory) / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise AdapterError(f"{cfg_file}: missing; an adapter directory needs adapter_config.json and "
+                           "adapter_model.safetensors")
+    try:
+        json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{cfg_file}: unreadable ({e})") from None
+    read_adapter_weights(directory)
+
+
+def non_finite_parameters(model: nn.Module) -> list[str]:
+    """Names of the LoRA and router parameters holding a NaN or Inf (what an adapter saved now would hold)."""
+    params = {**lora_parameters(model), **router_parameters(model)}
+    return [n for n, p in params.items() if not torch.isfinite(p.detach()).all()]
+
+
 def load_adapter(model: nn.Module, directory, original_base: bool = True) -> LoraConfig:
     """Attach (replacing any present) the PEFT adapter in `directory` to a quantized model. original_base:
     for a model AWQ-folded in this process, the adapter is one of the unfolded model (False: of this one)."""
@@ -198,10 +239,7 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
                          targets=tuple(t.rsplit(".", 1)[-1] for t in targets), experts=experts)
     except ValueError as e:
         raise AdapterError(f"{cfg_file}: {e}") from None
-    try:
-        weights = load_file(str(weights_file))
-    except Exception as e:
-        raise AdapterError(f"{weights_file}: corrupt or truncated safetensors file ({e})") from None
+    weights = read_adapter_weights(directory)
     routers = _adapter_routers(model, raw.get("modules_to_save") or [], cfg_file)
     try:
         add_lora(model, cfg)

@@ -37,10 +37,31 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def _normal_permissions(root: Path) -> None:
+    """Give `root` and everything in it the umask's permissions: the temp directory is made 0700, and writers
+    such as safetensors make their files 0600, which would keep a shared model or adapter from its group."""
+    mask = _umask()
+    for path in [*root.rglob("*"), root]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def listing(path: Path, limit: int = 5) -> str:
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     more = f", ... ({len(names)} entries)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
+
+
+def check_writable(directory: Path, out: Path, what: str) -> None:
+    """ValueError naming `what` when no file can be made in the existing `directory` (where `out` will go).
+    It is tried, not asked (`os.access`): root passes every permission check, yet /sys and /proc, read-only
+    mounts and full quotas refuse the write itself."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".qerl-probe-")
+    except OSError as e:
+        raise ValueError(f"{what} {out}: cannot write in {directory} ({e.strerror or e}); choose a writable "
+                         "path") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def _check_parent(out: Path, what: str) -> None:
@@ -50,8 +71,25 @@ def _check_parent(out: Path, what: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"{what} {out}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {out}: {parent} is not writable")
+    check_writable(parent, out, what)
+
+
+def _inside(path: Path, other: Path) -> bool:
+    return path == other or other in path.parents
+
+
+def check_apart_from_inputs(out: Path, inputs: dict[str, object], what: str, containing: bool = True) -> None:
+    """ValueError when the output `out` is one of the command's inputs ({option: path}), lies inside one, or
+    (containing=True: an output that replaces what is there) contains one: writing it would destroy or change
+    what the command reads. Inputs that are not local paths (hub ids, embedded model names) are skipped."""
+    for option, source in inputs.items():
+        if not source or not Path(str(source)).expanduser().exists():
+            continue
+        path = Path(str(source)).expanduser().resolve()
+        if _inside(out, path) or (containing and _inside(path, out)):
+            relation = "is" if out == path else "is inside" if _inside(out, path) else "contains"
+            raise ValueError(f"{what} {out}: {relation} the input {option} {path}; writing it would destroy or change "
+                             f"what the command reads: choose an output path apart from {option}")
 
 
 def is_qerl_output(path: Path) -> bool:
@@ -59,11 +97,14 @@ def is_qerl_output(path: Path) -> bool:
     return (Path(path) / OUTPUT_MARKER).is_file()
 
 
-def check_output_dir(out, overwrite: bool = False, what: str = "--out") -> Path:
-    """The resolved output directory, checked before any work: FileExistsError when it exists and overwrite is
-    off; ValueError when it is a file, when it holds files qerl did not write (even with overwrite), or when
-    its parent cannot be written. An empty directory is always fine."""
+def check_output_dir(out, overwrite: bool = False, what: str = "--out",
+                     inputs: dict[str, object] | None = None) -> Path:
+    """The resolved output directory, checked before any work: ValueError when it is, is inside or contains one of
+    the command's `inputs` ({option: path}); FileExistsError when it exists and overwrite is off; ValueError when
+    it is a file, when it holds files qerl did not write (even with overwrite), or when its parent cannot be
+    written (tried). An empty directory is always fine."""
     out = Path(out).expanduser().resolve()
+    check_apart_from_inputs(out, inputs or {}, what)
     if out.exists():
         if not out.is_dir():
             raise ValueError(f"{what} {out}: is a file; give a directory path")
@@ -97,7 +138,7 @@ def atomic_directory(out, overwrite: bool = False, kind: str = "output", check_o
 
         (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": f"qerl {__version__}", "kind": kind,
                                                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-        os.chmod(tmp, 0o777 & ~_umask())
+        _normal_permissions(tmp)
         _fsync_tree(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
@@ -112,13 +153,15 @@ def atomic_directory(out, overwrite: bool = False, kind: str = "output", check_o
 
 
 def check_output_file(out, overwrite: bool = False, recognise: Callable[[Path], bool] | None = None,
-                      what: str = "--out") -> Path:
-    """The resolved output file, checked before any work: ValueError when it is a directory or its parent
-    cannot be written; FileExistsError when it exists and overwrite is off; ValueError when it exists and
-    `recognise` does not accept it as qerl's own (an empty file always is)."""
+                      what: str = "--out", inputs: dict[str, object] | None = None) -> Path:
+    """The resolved output file, checked before any work: ValueError when it is, is inside or contains one of the
+    command's `inputs`, is a directory or its parent cannot be written (tried); FileExistsError when it exists
+    and overwrite is off; ValueError when it exists and `recognise` does not accept it as qerl's own (an empty
+    file always is)."""
     out = Path(out).expanduser().resolve()
     if out.is_dir():
         raise ValueError(f"{what} {out}: is a directory; give a file path")
+    check_apart_from_inputs(out, inputs or {}, what)
     if out.exists():
         if not overwrite:
             raise FileExistsError(f"{what} {out}: already exists (--overwrite replaces a file qerl wrote)")

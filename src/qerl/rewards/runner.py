@@ -34,6 +34,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
+from .worker import as_values
+
 log = logging.getLogger("qerl.rewards")
 
 RewardFunc = Callable[..., list]
@@ -115,7 +117,7 @@ class _ThreadCall:
 
     def _run(self, func, prompts, completions, columns):
         try:
-            self.out = ("ok", list(func(prompts, completions, **columns)))
+            self.out = ("ok", as_values(func(prompts, completions, **columns)))
         except BaseException as e:
             self.out = ("error", f"{type(e).__name__}: {e}")
 
@@ -126,7 +128,7 @@ class _ThreadCall:
 
 def _call_inline(func, prompts, completions, columns):
     try:
-        return "ok", list(func(prompts, completions, **columns))
+        return "ok", as_values(func(prompts, completions, **columns))
     except Exception as e:
         return "error", f"{type(e).__name__}: {e}"
 
@@ -135,7 +137,8 @@ def check_values(values, n: int) -> tuple[list[float | None], int, str | None]:
     """Validate one function's output for n rows -> (values with bad entries set to None, number of
     bad rows, first problem). A wrong length or a non-list makes every row bad."""
     if not isinstance(values, (list, tuple)) or len(values) != n:
-        got = f"length {len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
+        got = (f"length {len(values)}" if isinstance(values, (list, tuple))
+               else f"a {type(values).__name__} ({values!r:.40})")
         return [None] * n, n, f"returned {got}, expected a list of {n} values"
     out, bad, problem = [], 0, None
     for i, v in enumerate(values):

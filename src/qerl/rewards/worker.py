@@ -15,6 +15,14 @@ import sys
 from multiprocessing.connection import Connection
 
 
+def as_values(result):
+    """A reward function's result as a list when it is a sequence of values (list, tuple, array, generator);
+    a string or a lone number is passed on as it is, for `check_values` to name ("1.0" is not three values)."""
+    if isinstance(result, (str, bytes, int, float)) or not hasattr(result, "__iter__"):
+        return result
+    return list(result)
+
+
 def warm_up() -> None:
     """Import and exercise math-verify once (sympy, the LaTeX parser) so that the first scored batch is
     not charged for it against the runner's timeout."""
@@ -47,7 +55,7 @@ def serve(inbox: Connection, outbox: Connection) -> None:
             return
         try:
             func, prompts, completions, columns = pickle.loads(payload)
-            result = ("ok", list(func(prompts, completions, **columns)))
+            result = ("ok", as_values(func(prompts, completions, **columns)))
         except BaseException as e:  # report everything: the parent decides what to count
             result = ("error", f"{type(e).__name__}: {e}")
         try:

@@ -40,18 +40,30 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the lines of steps <= `step` (a resumed run redoes the later ones).
+def is_run_metrics(path: Path) -> bool:
+    """Whether `path` is a metrics.jsonl a qerl run wrote: its first line is a JSON object with an integer "step"
+    and a "reward" (a file of the user's by that name is not, and must not be resumed or rewritten)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and isinstance(first.get("step"), int) and "reward" in first
+
+
+def truncate_metrics(path: Path, step: int) -> list[int]:
+    """Keep the lines of steps <= `step` (a resumed run redoes the later ones) -> the steps kept.
 
     A run killed (or out of disk space) in the middle of appending a line leaves it unfinished, without its
-    newline: that line is dropped, its step is redone. Any other line that is not JSON is an error naming it.
+    newline: that line is dropped, its step is redone. Any other line that is not JSON, or not a step's row,
+    is an error naming it.
     """
     path = Path(path)
     if not path.exists():
-        return
+        return []
     text = path.read_text()
     complete = text[: text.rfind("\n") + 1]  # "" when not even the first line was finished
-    kept = []
+    kept, steps = [], []
     for n, line in enumerate(complete.splitlines(), 1):
         if not line.strip():
             continue
@@ -59,9 +71,32 @@ def truncate_metrics(path: Path, step: int) -> None:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {n} is not JSON ({e.msg}); remove it to resume") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}: line {n} is not a qerl step record (no integer \"step\"): qerl did not write "
+                             "this file; move it away, or choose another output_dir")
         if row["step"] <= step:
             kept.append(line + "\n")
+            steps.append(row["step"])
     path.write_text("".join(kept))
+    return steps
+
+
+def copy_metrics(source: Path, dest: Path, step: int) -> None:
+    """Start `dest` with `source`'s complete lines of steps <= `step` (a run continued from another run's
+    checkpoint in a new directory); nothing when `source` is missing."""
+    source, dest = Path(source), Path(dest)
+    if not source.is_file():
+        return
+    text = source.read_text()
+    lines = [line for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+    rows = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", step + 1) <= step:
+                rows.append(line + "\n")
+        except (ValueError, AttributeError):
+            continue
+    dest.write_text("".join(rows))
 
 
 def _running_mean(values, window: int) -> list[float]:

@@ -11,7 +11,6 @@ the metrics and the run around it.
 
 import contextlib
 import dataclasses
-import os
 import random
 import resource
 import time
@@ -28,11 +27,14 @@ from ..kernels.fp8_matmul import check_compute
 from ..kernels.route import current_policy, kernel_policy
 from ..kernels.dequant_cache import dense_weight_bytes
 from ..models import load_adapter, lora_parameters, save_adapter
-from ..models.atomic import check_output_dir
+from ..models.adapter import check_adapter_files, non_finite_parameters
+from ..models.atomic import check_apart_from_inputs, check_output_dir, check_writable
 from ..models.calibrate import default_samples
 from ..models.policy import build_policy
 from ..models.router import router_parameters
 from ..models.registry import kernel_cache_dir
+from ..models.run_lock import RunLock
+from ..models.targets import quant_layers
 from ..nn.noisy_norm import median_abs_norm_weight
 from ..nn.quant_linear import set_routing_policy
 from ..rewards import RewardRunner
@@ -48,34 +50,48 @@ from .prompt_stream import PromptStream
 from .recompute import RecomputePlan
 from .step import rl_step
 from .stop import StopRequests, TrainingAborted, TrainingInterrupted  # noqa: F401 (re-exported)
-from .run_log import RunLog, plot_metrics, read_metrics, truncate_metrics
+from .run_log import RunLog, copy_metrics, is_run_metrics, plot_metrics, read_metrics, truncate_metrics
+from .step_metrics import add_time_metrics, add_update_metrics, experience_metrics, step_line
 from .settings import aqn_schedule, collect_settings, entropy_controller, lr_schedule, update_settings
 
 
-def check_new_run_dir(run_dir: Path) -> None:
-    """Refuse, before any work, an output_dir that already holds a run (FileExistsError: --resume continues it),
-    a file, or a directory holding what a run would write over (ValueError). Other files may stay beside a run
-    (a launcher's log, say): a run never deletes anything."""
+def check_run_dir_path(run_dir: Path, inputs: dict[str, object] | None = None) -> None:
+    """Refuse, before any work, an output_dir that is a file, one of the run's inputs (the model, the data) or a
+    path inside one, under a file, or that cannot be written (ValueError). What it holds is checked once the run
+    holds its lock (`check_new_run_dir`)."""
     if not run_dir.exists():
-        check_output_dir(run_dir, what="output_dir")  # a file on the way or an unwritable parent
+        check_output_dir(run_dir, what="output_dir", inputs=inputs)  # a file on the way or an unwritable parent
         return
+    check_apart_from_inputs(run_dir.resolve(), inputs or {}, "output_dir", containing=False)  # a run adds files
     if not run_dir.is_dir():
         raise ValueError(f"output_dir {run_dir}: is a file; give a directory path")
-    if any((run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", "checkpoints")):
+    check_writable(run_dir, run_dir, "output_dir")
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """Refuse an output_dir that already holds a run (FileExistsError: --resume continues it) or what a run would
+    write over (ValueError). Other files may stay beside a run (a launcher's log, say): a run never deletes
+    anything. Called under the run's lock, so a run being written by another process is refused as such."""
+    if any((run_dir / name).exists() for name in ("config.yaml", "checkpoints")) or \
+            is_run_metrics(run_dir / "metrics.jsonl"):
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose "
                               "another output_dir")
-    taken = [name for name in ("adapter", "tensorboard", CONFIG_CHANGES_FILE) if (run_dir / name).exists()]
+    taken = [name for name in ("metrics.jsonl", "adapter", "tensorboard", CONFIG_CHANGES_FILE)
+             if (run_dir / name).exists()]
     if taken:
-        raise ValueError(f"output_dir {run_dir}: holds {', '.join(taken)}, which a run writes; choose another "
-                         "output_dir")
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"output_dir {run_dir}: is not writable")
+        raise ValueError(f"output_dir {run_dir}: holds {', '.join(taken)}, which a run writes (and qerl did not "
+                         "write these); choose another output_dir")
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def local_inputs(cfg: TrainConfig) -> dict[str, object]:
+    """The run's inputs that are local paths, which its output_dir must stay apart from."""
+    return {"model.name": cfg.model.name, "model.adapter": cfg.model.adapter, "data.train": cfg.data.train}
 
 
 def compile_notice(device: torch.device) -> str | None:
@@ -87,6 +103,12 @@ def compile_notice(device: torch.device) -> str | None:
     return f"the first step compiles the GPU kernels (tens of seconds; cached in {kernel_cache_dir()} for later runs)"
 
 
+def _layer_summary(model, cfg: TrainConfig) -> str:
+    layers = quant_layers(model)
+    return (f"{len(layers)} linear layers in {cfg.model.format} with LoRA r={cfg.lora.r}, "
+            f"{sum(p.numel() for p in lora_parameters(model).values()) / 1e6:.2f} M trained weights")
+
+
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -96,8 +118,10 @@ def peak_memory_gb(device: torch.device) -> float:
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: str | None = None, console: Console | None = None,
                  override: tuple[str, ...] = ()):
-        """resume: "auto" (the run's newest readable checkpoint) or a checkpoint directory; override: config keys
-        a resumed run may change beyond FUTURE_ONLY_KEYS (`--resume --override KEY ...`)."""
+        """resume: "auto" (the run's newest readable checkpoint) or a checkpoint directory (of this run, or of
+        another whose run then continues in output_dir); override: config keys a resumed run may change beyond
+        FUTURE_ONLY_KEYS (`--resume --override KEY ...`). The run directory is locked from here to the end of
+        `train` (or `close`): a second writer is refused at once."""
         self.cfg, self.console = cfg, console or Console(stderr=True)
         self._created, self._steps_run = time.perf_counter(), 0  # for time_to_first_step (this process's first)
         if override and not resume:
@@ -112,18 +136,41 @@ class Trainer:
         if cfg.rollout.prompts_per_step % self.dist.world:
             raise ValueError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be a multiple of the "
                              f"number of processes ({self.dist.world})")
+        # everything that can be refused is checked before the expensive model load: the run directory (and, on
+        # --resume, the checkpoint and the config changes), the prompt suffix, the rewards and the data
+        self.run_dir = Path(cfg.output_dir)
+        self._override = tuple(override)
+        self._source_run = self._checkpoint_run(resume)
+        if resume == "auto" and not self.run_dir.is_dir():
+            raise FileNotFoundError(f"--resume: {self.run_dir} holds no run, so no complete checkpoint to resume from "
+                                    "(output_dir or --output-dir names the run's directory)")
+        # a new run, or a checkpoint of another run continued here
+        new_run = not resume or (self._source_run is not None and self._source_run != self.run_dir.resolve())
+        if new_run:
+            check_run_dir_path(self.run_dir, local_inputs(cfg))
+        # the lock before what the directory holds: a run being written now is refused as such, not as a
+        # finished one to --resume
+        self._lock = RunLock(self.run_dir) if self.dist.is_main else None
+        if self._lock is not None:
+            self._lock.acquire()
+            if self._lock.stale_note:
+                self.console.print(f"[yellow]{self._lock.stale_note}", highlight=False)
+        try:
+            if new_run:
+                check_new_run_dir(self.run_dir)
+            self._setup(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, resume: str | None) -> None:
+        cfg = self.cfg
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)  # same on every rank: identical LoRA initialisation
         # each rank samples its own completions (and AQN noise)
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed + 1_000_003 * self.dist.rank)
-        # everything that can be refused is checked before the expensive model load: the run directory (and, on
-        # --resume, the checkpoint and the config changes), the prompt suffix, the rewards and the data
-        self.run_dir = Path(cfg.output_dir)
-        self._override = tuple(override)
         self._resume_from = self._plan_resume(resume, self._override) if resume else None
-        if not resume:
-            check_new_run_dir(self.run_dir)
         try:
             resolve_suffix(cfg.data.suffix)
         except ValueError as e:
@@ -136,12 +183,24 @@ class Trainer:
                                  max_bad_fraction=cfg.data.max_bad_fraction)
         except OSError as e:  # e.g. permission denied; what the loader checks itself is a DatasetError already
             raise DatasetError(f"data.train {cfg.data.train!r}: cannot read it ({e})") from None
-        with self.console.status(f"loading {cfg.model.name} as {cfg.model.format} ({cfg.model.quant_method}) "
-                                 f"+ LoRA r={cfg.lora.r}"):
+        except DatasetError as e:  # the loader names the file, the option is the run's
+            raise DatasetError(f"data.train: {e}") from None
+        if cfg.model.adapter:  # loaded after the base: a broken or NaN one is refused now, not after the load
+            try:
+                check_adapter_files(cfg.model.adapter)
+            except ValueError as e:
+                raise ValueError(f"model.adapter: {e}") from None
+        if len(rows) < cfg.rollout.prompts_per_step and self.dist.is_main:
+            self.console.print(f"[yellow]data.train has {len(rows)} problems, fewer than rollout.prompts_per_step "
+                               f"({cfg.rollout.prompts_per_step}): each step repeats some of them", highlight=False)
+        loading = f"loading {cfg.model.name}, quantizing it to {cfg.model.format} ({cfg.model.quant_method})"
+        self._progress(f"{loading}, attaching LoRA r={cfg.lora.r}")
+        with self.console.status(loading):
             self.model, self.tokenizer = build_policy(cfg.model, cfg.lora, self.device, train_rows=rows,
                                                       gradient_checkpointing=cfg.optim.gradient_checkpointing,
                                                       console=self.console, train_router=cfg.moe.train_router,
                                                       aux_loss=cfg.moe.aux_loss_coef > 0)
+        self._progress(f"model ready ({time.perf_counter() - self._created:.1f}s): {_layer_summary(self.model, cfg)}")
         if cfg.moe.aux_loss_coef > 0 and not cfg.moe.train_router:
             self.console.print("[yellow]moe.aux_loss_coef > 0 with a frozen router: the load-balancing loss reaches "
                                "only the LoRA weights below the routers (moe.train_router: true trains the routers)")
@@ -163,9 +222,7 @@ class Trainer:
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)
-        self.params = self._trainable_parameters()
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(cfg))
+        self._build_optimizer()
         self.aqn = aqn_schedule(cfg)
         self.controller = entropy_controller(cfg)
         if cfg.aqn.enabled and not cfg.aqn.relative and self.controller is None and self.dist.is_main:
@@ -179,14 +236,40 @@ class Trainer:
         self.reward_failures_in_a_row = {name: 0 for name in self.rewards.names}  # steps it failed on every row
         self.reward_ever_scored = {name: False for name in self.rewards.names}  # any row, any step of the run
         self.best_reward, self._rewards_since_save = float("-inf"), []
-        if self._resume_from is not None:
-            self._resume(*self._resume_from)
         self.log = None
         if self.dist.is_main:  # one writer
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._resume_from is not None:
+            self._resume(*self._resume_from)
+        if self.dist.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
             self.log = RunLog(self.run_dir, cfg.tensorboard)
         barrier(self.dist)
+
+    def close(self) -> None:
+        """Release the run directory (idempotent; `train` calls it however it ends)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+
+    def _progress(self, text: str) -> None:
+        """One line of what the trainer is doing before the first step (which may take minutes)."""
+        if self.dist.is_main:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    @staticmethod
+    def _checkpoint_run(resume: str | None) -> Path | None:
+        """The run directory a `--resume CHECKPOINT` belongs to (RUN/checkpoints/step-N -> RUN); None otherwise."""
+        if not resume or resume == "auto":
+            return None
+        checkpoint = Path(resume).expanduser().resolve()
+        return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+    def _build_optimizer(self) -> None:
+        """The trained parameters, their AdamW and its LR schedule (again after a resume attached new LoRA
+        parameters; the checkpoint's states are then loaded into these)."""
+        self.params = self._trainable_parameters()
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(self.cfg))
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer updates, in a fixed order (the optimizer state relies on it): the LoRA weights,
@@ -224,48 +307,16 @@ class Trainer:
                              params=self.params, settings=self.update_settings, dist_ctx=self.dist,
                              dense_store=self.dense_store, scheduler=self.scheduler, recompute=self.recompute)
         exp, times = result.experience, result.times
-        gen_mask = exp.lengths.unsqueeze(1) > torch.arange(exp.entropies.shape[1], device=exp.completion_mask.device)
-        metrics = {
-            "step": self.step + 1,
-            **{k: v for k, v in exp.stats.items() if k not in ("gen_tokens", "gen_seconds")},
-            "reward": float(exp.rewards.mean()),
-            "entropy": float((exp.entropies * gen_mask).sum() / gen_mask.sum().clamp(min=1)),
-            "aqn_sigma": sigma,
-            "aqn_stage": self.aqn.stage(self.step, cfg.steps) if cfg.aqn.enabled else 0,
-            "response_length": float(exp.lengths.float().mean()),
-            "truncated_fraction": float(exp.truncated.float().mean()),
-            "tokens_per_s": exp.stats["gen_tokens"] / max(exp.stats["gen_seconds"], 1e-9),
-            "time_generate": exp.stats["gen_seconds"],  # the engine alone (time_rollout adds rewards and selection)
-            # work per useful token: decoded row-steps per kept completion token (1 = nothing wasted)
-            "rollout_rows_per_kept": exp.stats["rollout_decoded_row_steps"] / max(exp.stats["rollout_kept_tokens"], 1),
-            "lr": lr,
-        }
+        stage = self.aqn.stage(self.step, cfg.steps) if cfg.aqn.enabled else 0
+        metrics = experience_metrics(exp, self.step + 1, sigma, stage, lr)
         if self.controller is not None:  # sets the next step's sigma multiplier
             metrics["aqn_multiplier"] = self.controller.update(metrics["entropy"])
-        if result.update is not None:
-            metrics.update(result.update)
-            # tokens one loss pass computes per token it needs (each prompt once per group + completions)
-            metrics["loss_tokens_per_needed"] = metrics["loss_tokens_computed"] / max(metrics["loss_tokens_needed"], 1)
+        add_update_metrics(metrics, result.update)
         metrics["skipped"] = int(result.non_finite is not None)
-        if result.non_finite is None:
-            self.bad_in_a_row = 0
-        else:
-            self.bad_in_a_row += 1
-            self.bad_total += 1
-            self.console.print(f"[yellow]step {self.step + 1} skipped: {result.non_finite} "
-                               f"({self.bad_in_a_row} in a row)")
-            if self.bad_in_a_row >= cfg.optim.max_bad_steps:
-                raise TrainingAborted(
-                    f"{self.bad_in_a_row} steps in a row had a non-finite loss or gradient; lower optim.lr, "
-                    "raise optim.max_grad_norm's strictness, or check the data and rewards")
+        self._count_bad_step(result.non_finite)
         self.step += 1
         metrics["bad_steps_total"] = self.bad_total
-        metrics["time_rollout"] = times["rollout"]
-        metrics["time_update"] = times["step"] - times["rollout"]
-        if "update_flops" in metrics:  # the update's useful FLOPs per second of it (qerl.rl.flops): how near the card
-            metrics["update_tflops"] = metrics["update_flops"] / max(metrics["time_update"], 1e-9) / 1e12
-        metrics["time_step"] = times["step"]
-        metrics["memory_gb"] = peak_memory_gb(self.device)
+        add_time_metrics(metrics, times, peak_memory_gb(self.device))
         self._steps_run += 1
         if self._steps_run == 1:  # model loading, quantization, kernel compilation and graph capture included
             metrics["time_to_first_step"] = time.perf_counter() - self._created
@@ -274,6 +325,30 @@ class Trainer:
         metrics = mean_metrics(metrics, self.dist)
         self._count_reward_failures(metrics)
         return metrics
+
+    def _count_bad_step(self, non_finite: str | None) -> None:
+        """A skipped step (non-finite loss or gradient: no parameter changed) is counted, and the run stops after
+        optim.max_bad_steps of them in a row; an update that made a parameter non-finite (a finite gradient
+        times an absurd rate) stops it at once, before anything holding those values is saved."""
+        cfg = self.cfg
+        if non_finite is None:
+            self.bad_in_a_row = 0
+            bad = non_finite_parameters(self.model)
+            if bad:
+                last = list_checkpoints(self.run_dir)
+                kept = f"the last checkpoint, {last[-1]}, holds finite weights" if last else "no checkpoint was written"
+                raise TrainingAborted(
+                    f"step {self.step + 1}'s update made {len(bad)} adapter tensors NaN or Inf (e.g. {bad[0]}) with "
+                    f"optim.lr {cfg.optim.lr:g}: nothing of it was saved ({kept}); lower optim.lr or "
+                    "optim.max_grad_norm")
+            return
+        self.bad_in_a_row += 1
+        self.bad_total += 1
+        self.console.print(f"[yellow]step {self.step + 1} skipped: {non_finite} ({self.bad_in_a_row} in a row)")
+        if self.bad_in_a_row >= cfg.optim.max_bad_steps:
+            raise TrainingAborted(
+                f"{self.bad_in_a_row} steps in a row had a non-finite loss or gradient; lower optim.lr, "
+                "raise optim.max_grad_norm's strictness, or check the data and rewards")
 
     def _count_reward_failures(self, metrics: dict) -> None:
         """Per reward function, the steps in a row in which it failed on every row (of every rank: `metrics`
@@ -300,51 +375,34 @@ class Trainer:
     # the run ----------------------------------------------------------------------------------
 
     def train(self) -> Path:
+        """Run the remaining steps, save the adapter; the run directory's lock is released however this ends."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> Path:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         cfg = self.cfg
         columns = (TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        wide = self.console.is_terminal  # a log file or a pipe gets one short line per step
         with contextlib.ExitStack() as stack:
             progress = stack.enter_context(Progress(*columns, console=self.console, transient=False))
             task = progress.add_task("train", total=cfg.steps, completed=self.step, info="")
             stop = stack.enter_context(StopRequests(self.console))
-            notice = compile_notice(self.device)
-            if notice and self.dist.is_main and self.step < cfg.steps:
-                progress.console.print(notice, highlight=False)
+            if self.dist.is_main and self.step < cfg.steps:
+                rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+                progress.console.print(f"step {self.step + 1}: sampling {rows} completions, then the update"
+                                       + (f"; {compile_notice(self.device)}" if compile_notice(self.device) else ""),
+                                       highlight=False, soft_wrap=True)
             while self.step < cfg.steps:
                 metrics = self._guarded_step()
                 signum = self._agreed_stop(stop)
-                if not self.dist.is_main:
-                    self._after_step_on_other_ranks(signum)
-                    continue
-                self.log.log(metrics)
-                self._rewards_since_save.append(metrics["reward"])
-                line = (f"step {metrics['step']:>4}  reward {metrics['reward']:.3f}  entropy {metrics['entropy']:.3f}  "
-                        f"sigma {metrics['aqn_sigma']:.1e}  kl {metrics.get('kl', 0):.4f}  "
-                        f"clip {metrics.get('clip_fraction', 0):.3f}  len {metrics['response_length']:.0f}  "
-                        f"{metrics['tokens_per_s']:.0f} tok/s  rollout {metrics['time_rollout']:.1f}s "
-                        f"(rows/kept {metrics['rollout_rows_per_kept']:.2f})  update {metrics['time_update']:.1f}s "
-                        f"(computed/needed {metrics.get('loss_tokens_per_needed', 0):.2f}"
-                        + (f", {metrics['update_tflops']:.3g} TFLOP/s" if "update_tflops" in metrics else "")
-                        + (f", recompute {metrics['recomputed_layers']:.0f}/{len(self.recompute.layers)} layers"
-                           if self.recompute.mode == "auto" and "recomputed_layers" in metrics else "") + ")  "
-                        + (f"aux {metrics['aux_loss']:.4f}  " if "aux_loss" in metrics else "")
-                        + f"mem {metrics['memory_gb']:.2f} GB")
-                progress.console.print(line, highlight=False)
-                if "time_to_first_step" in metrics:
-                    progress.console.print(f"first step finished {metrics['time_to_first_step']:.1f} s after the "
-                                           "trainer started (loading, quantizing and compiling included)",
-                                           highlight=False)
-                if "dense_weights_gb" in metrics and metrics["step"] == 1:
-                    progress.console.print(f"model.dense_weights: {metrics['dense_weights_gb']:.2f} GB of 16-bit "
-                                           "weight copies kept for the run", highlight=False)
-                progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
-                if signum:
-                    raise TrainingInterrupted(signum, self.save_checkpoint())
-                self._abort_if_a_reward_keeps_failing()
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    self.save_checkpoint()
+                if self.dist.is_main:
+                    self._report_step(metrics, progress, task, wide)
+                self._after_step(signum)
         self.save_checkpoint()
         if not self.dist.is_main:
             return self.run_dir / "adapter"
@@ -368,6 +426,31 @@ class Trainer:
             raise TrainingAborted(f"{warning} (last error: {error}); the adapter's metadata says so "
                                   f"(qerl_warning in {final / 'adapter_model.safetensors'})")
         return final
+
+    def _report_step(self, metrics: dict, progress, task, wide: bool) -> None:
+        """Rank 0: the step's row of metrics.jsonl, its console line and the progress bar."""
+        self.log.log(metrics)
+        self._rewards_since_save.append(metrics["reward"])
+        recompute = len(self.recompute.layers) if self.recompute.mode == "auto" else None
+        progress.console.print(step_line(metrics, recompute, wide), highlight=False, soft_wrap=not wide)
+        if "time_to_first_step" in metrics:
+            progress.console.print(f"first step finished {metrics['time_to_first_step']:.1f} s after the "
+                                   "trainer started (loading, quantizing and compiling included)", highlight=False,
+                                   soft_wrap=True)
+        if "dense_weights_gb" in metrics and metrics["step"] == 1:
+            progress.console.print(f"model.dense_weights: {metrics['dense_weights_gb']:.2f} GB of 16-bit "
+                                   "weight copies kept for the run", highlight=False, soft_wrap=True)
+        progress.update(task, completed=self.step, info=f"reward {metrics['reward']:.3f}")
+
+    def _after_step(self, signum: int) -> None:
+        """Every rank at the same point of each step: a stop signal (checkpoint, then stop), a reward that keeps
+        failing (checkpoint, then abort) or a save_every checkpoint; rank 0 writes, the others join its barriers."""
+        cfg = self.cfg
+        if signum:
+            raise TrainingInterrupted(signum, self.save_checkpoint())
+        self._abort_if_a_reward_keeps_failing()
+        if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+            self.save_checkpoint()
 
     def _micro_batch_knob(self) -> str:
         """The setting that sizes the loss pass's micro-batches, with its value (packed: tokens; padded: rows)."""
@@ -399,15 +482,6 @@ class Trainer:
             torch.distributed.all_reduce(signum, op=torch.distributed.ReduceOp.MAX)
         return int(signum.item())
 
-    def _after_step_on_other_ranks(self, signum: int) -> None:
-        """Ranks > 0 write nothing, but join rank 0's checkpoint barriers at the same steps."""
-        cfg = self.cfg
-        if signum:
-            raise TrainingInterrupted(signum, self.save_checkpoint())
-        self._abort_if_a_reward_keeps_failing()
-        if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-            self.save_checkpoint()
-
     def save_checkpoint(self) -> Path:
         """Rank 0 writes; every rank waits until the checkpoint is complete."""
         path = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
@@ -433,10 +507,8 @@ class Trainer:
 
     def _plan_resume(self, resume: str, override: tuple[str, ...]):
         """Before the model loads: the checkpoint to continue from and its state, checked against the config ->
-        (state, checkpoint, accepted config changes), or None when the run starts again from step 0."""
-        if resume == "auto" and not self.run_dir.is_dir():
-            raise FileNotFoundError(f"--resume: {self.run_dir} holds no run, so no complete checkpoint to resume from "
-                                    "(output_dir or --output-dir names the run's directory)")
+        (state, checkpoint, accepted config changes), or None when the run starts again from step 0. Any corrupt
+        file of the newest checkpoint (its trainer state or its adapter) falls back to the newest intact one."""
         checkpoints = list_checkpoints(self.run_dir) if resume == "auto" else [Path(resume)]
         started = any((self.run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml"))
         if not checkpoints and resume == "auto" and started:
@@ -445,20 +517,25 @@ class Trainer:
             if override:
                 raise ValueError("--override: the run has no checkpoint yet, so it starts again from step 0 with "
                                  "the new config; drop --override")
+            self._truncate_metrics(0)  # first: a metrics.jsonl qerl did not write is refused, not emptied
             self.console.print(f"[yellow]{self.run_dir} has no complete checkpoint yet: starting again from step 0")
-            self._truncate_metrics(0)
             return None
         if not checkpoints:
             raise FileNotFoundError(f"{self.run_dir}: no complete checkpoint to resume from")
         state, checkpoint = None, None
         for candidate in reversed(checkpoints):  # newest first; fall back past an unreadable one
             try:
-                state, checkpoint = load_trainer_state(candidate), candidate
+                state = load_trainer_state(candidate)
+                check_adapter_files(candidate / "adapter")  # loaded after the model: checked now, to fall back
+                checkpoint = candidate
                 break
             except ValueError as e:
+                state = None
                 if resume != "auto":
-                    raise
-                self.console.print(f"[yellow]skipping checkpoint {candidate}: {e}")
+                    raise ValueError(f"--resume {candidate}: {e}; name an intact checkpoint, or --resume alone "
+                                     "takes the run's newest intact one") from None
+                self.console.print(f"[yellow]skipping checkpoint {candidate}: {e}; falling back to the one before",
+                                   highlight=False, soft_wrap=True)
         if state is None:
             raise ValueError(f"{self.run_dir}: no readable checkpoint to resume from")
         changes = check_resume_changes(state["config"], to_dict(self.cfg), checkpoint, override)
@@ -466,10 +543,8 @@ class Trainer:
 
     def _resume(self, state: dict, checkpoint: Path, changes) -> None:
         load_adapter(self.model, checkpoint / "adapter", original_base=False)
-        self.params = self._trainable_parameters()  # load_adapter attached fresh LoRA parameters
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
+        self._build_optimizer()  # load_adapter attached fresh LoRA parameters
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(self.cfg))
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state(state["data"])
         set_rng_state(state["rng"], self.generator)
@@ -480,14 +555,27 @@ class Trainer:
         self.reward_ever_scored.update(state.get("reward_ever_scored", dict.fromkeys(self.rewards.names, True)))
         if self.controller is not None:
             self.controller.multiplier = state["aqn_multiplier"]
+        if self.dist.is_main and self._source_run is not None and self._source_run != self.run_dir.resolve():
+            # another run's checkpoint continued here: its history up to the checkpoint starts this run's
+            copy_metrics(self._source_run / "metrics.jsonl", self.run_dir / "metrics.jsonl", self.step)
+            self.console.print(f"continuing {self._source_run}'s run in {self.run_dir} (its metrics up to step "
+                               f"{self.step} copied)", highlight=False, soft_wrap=True)
         self._truncate_metrics(self.step)
         if self.dist.is_main:
             record_config_changes(self.run_dir, self.step, changes, self._override)
         for key, old, new in changes:
             self.console.print(f"{key}: {old!r} -> {new!r} from step {self.step + 1} (recorded in "
                                f"{CONFIG_CHANGES_FILE})", highlight=False)
-        self.console.print(f"resumed from {checkpoint} at step {self.step}")
+        self.console.print(f"resumed from {checkpoint} at step {self.step}", highlight=False, soft_wrap=True)
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metric lines written after the checkpoint (the steps about to be redone)."""
-        truncate_metrics(self.run_dir / "metrics.jsonl", step)  # also drops a line a kill left unfinished
+        """Drop metric lines written after the checkpoint (the steps about to be redone); name the steps up to it
+        that have no line (a file cut short or edited: the resumed run cannot redo them)."""
+        path = self.run_dir / "metrics.jsonl"
+        kept = truncate_metrics(path, step)  # also drops a line a kill left unfinished
+        missing = sorted(set(range(1, step + 1)) - set(kept))
+        if missing and self.dist.is_main:
+            shown = ", ".join(map(str, missing[:10])) + (f", ... ({len(missing)} steps)" if len(missing) > 10 else "")
+            self.console.print(f"[yellow]{path}: no line for step {shown} of the {step} before the checkpoint (the "
+                               "file was cut or edited); those steps stay missing from it, the run goes on",
+                               highlight=False, soft_wrap=True)
