@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     print(f"| bf16 base: set A vs set B (other problems) | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} | "
           f"{norm(b) / norm(a):.3f} |")
     a, b = grads[q, "A"], grads[q, "B"]
-    print(f"| {q} base: set A vs set B | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} | {norm(b) / norm(a):.3f} |")
+    print(f"| {q} base: set A vs set B | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} "
+          f"| {norm(b) / norm(a):.3f} |")
     return 0
 
 

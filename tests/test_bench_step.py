@@ -214,7 +214,8 @@ def test_table_gives_the_update_flops_and_the_busy_shares():
     header = _cells(text, "| model |")
     assert header[-3:] == ["update TFLOP", "update TFLOP/s", "GPU busy rollout / ref / loss"]
     cell = dict(zip(header, _cells(text, "| 7b | bf16 |")))
-    assert (cell["update TFLOP"], cell["update TFLOP/s"], cell["GPU busy rollout / ref / loss"]) == ("1843.2", "352", "-")
+    got = (cell["update TFLOP"], cell["update TFLOP/s"], cell["GPU busy rollout / ref / loss"])
+    assert got == ("1843.2", "352", "-")
     cell = dict(zip(header, _cells(text, "| 7b | nvfp4 |")))
     assert (cell["update TFLOP"], cell["update TFLOP/s"]) == ("370.0", "150")
     assert cell["GPU busy rollout / ref / loss"] == "34% / - / 72%"

@@ -47,7 +47,8 @@ from .study_report import aggregate, plot_study, report
 
 DEFAULT_TEST = "reasoning-gym:basic_arithmetic"
 # What the study itself sets per job; --set may not override them (the arm / seed would silently lie).
-STUDY_KEYS = ("model.name", "model.format", "model.quant_method", "aqn.enabled", "aqn.decay", "data.train", "steps", "seed", "output_dir")
+STUDY_KEYS = ("model.name", "model.format", "model.quant_method", "aqn.enabled", "aqn.decay", "data.train", "steps",
+              "seed", "output_dir")
 
 
 # arms, seeds, jobs --------------------------------------------------------------------------------
@@ -282,7 +283,6 @@ def run_job(args, job: Job) -> dict:
         torch.cuda.reset_peak_memory_stats()
     adapter = trainer.train()
     after_scores = held_out("after")
-    after = after_scores["pass1_after"]
     after_16bit = {}
     if args.eval_16bit_base and test_rows is not None:
         if job.arm.format == "bf16":  # its base is the 16-bit model

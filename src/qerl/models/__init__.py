@@ -12,7 +12,8 @@ from .registry import DEFAULT_MODEL, EMBEDDED
 from .targets import quant_embeddings, quant_experts, quant_layers
 
 __all__ = [
-    "AdapterError", "DEFAULT_MODEL", "EMBEDDED", "ModelLoadError", "add_lora", "dequantize_model", "load_adapter", "load_causal_lm",
+    "AdapterError", "DEFAULT_MODEL", "EMBEDDED", "ModelLoadError", "add_lora", "dequantize_model", "load_adapter",
+    "load_causal_lm",
     "load_quantized", "lora_parameters", "memory_report", "quant_embeddings", "quant_experts", "quant_layers",
     "quantize_experts", "quantize_input_embeddings", "quantize_model", "save_adapter",
     "save_quantized",

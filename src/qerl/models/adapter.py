@@ -182,7 +182,8 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
     cfg_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for f in (cfg_file, weights_file):
         if not f.is_file():
-            raise AdapterError(f"{f}: missing; an adapter directory needs adapter_config.json and adapter_model.safetensors")
+            raise AdapterError(f"{f}: missing; an adapter directory needs adapter_config.json and "
+                               "adapter_model.safetensors")
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
