@@ -6,7 +6,7 @@ A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step`), wit
 (GRPO, KL to the LoRA-disabled reference when --kl-beta > 0, gradient checkpointing), then AdamW. Completion lengths
 (EOS ignored):
 
-  forced lengths   (--completion N, the default 2048) every row exactly N tokens: the old benchmark.
+  forced lengths   (--completion N, the default 2048) every row exactly N tokens (equal lengths).
   --lengths P      a completion-length profile (`qerl.bench.length_profiles`: a name or a file): each step draws
                    every group's lengths from P's measured groups (seed --seed + repetition) and forces each row
                    to its drawn length; the rollout is called with P's budget as max_new_tokens, as a real step
@@ -14,10 +14,11 @@ A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step`), wit
 
 Modes: `--schedulers continuous,static` (the engine's scheduler) x `--packing on,off` (the update packs rows into
 micro-batches of at most --max-tokens-per-micro-batch tokens, or pads micro-batches of --micro-batch rows);
-`--modes new,old` is the pair continuous+packed / static+padded. Every (variant, mode) is one cell, timed in the
-same counterbalanced rounds. Reported per cell: seconds per phase, step seconds, speedup vs the old mode
-(static+padded, same variant) and vs bf16 LoRA (same mode), kept tokens/s (real completion tokens per step
-second), decoded row-steps / kept tokens (rollout efficiency: 1 = no row decoded past its end), loss tokens
+`--modes new,old` is the pair continuous+packed (qerl train's defaults) / static+padded (the reference the packed
+paths are tested against; it frees the engine's memory after every rollout). Every (variant, mode) is one cell,
+timed in the same counterbalanced rounds. Reported per cell: seconds per phase, step seconds, speedup vs the
+static, padded reference (`old`, same variant) and vs bf16 LoRA (same mode), kept tokens/s (real completion tokens
+per step second), decoded row-steps / kept tokens (rollout efficiency: 1 = no row decoded past its end), loss tokens
 computed / needed (update efficiency), the update's useful FLOPs and its achieved TFLOP/s per GPU (`qerl.rl.flops`:
 forward and input gradient of the base and LoRA products, attention and LM head, LoRA's weight gradients; no
 recomputation), peak GPU memory; "OOM" when it does not fit. `--busy` adds one untimed step per cell profiled phase
@@ -125,7 +126,7 @@ class StepRunner:
                                     dense_weights=self.dense_store if dense_weights == "all" else None)
         self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
                                                 dist_ctx.world > 1)
-        self.release_always = EngineMemoryPolicy(True, model.device)  # the old mode: free after every rollout
+        self.release_always = EngineMemoryPolicy(True, model.device)  # the static reference: free after every rollout
         # model.compute, as the trainer sets it: the loss pass's layers hold the routing, the step runs in it
         self.routing = None
         if compute != "bf16":
@@ -221,8 +222,8 @@ class StepRunner:
         on_gpu = self.model.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
-        # the old mode frees the engine's memory after every rollout, as qerl train did; the others follow
-        # --release-kv-cache as qerl train follows rollout.release_kv_cache (after an old-mode cell the graphs are
+        # the static, padded reference frees the engine's memory after every rollout; the other modes follow
+        # --release-kv-cache as qerl train follows rollout.release_kv_cache (after a reference cell the graphs are
         # gone anyway)
         from ..kernels.route import kernel_policy
 
@@ -276,10 +277,12 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
     lengths = torch.randint(T // 2, T + 1, (n,), generator=g)
     mask = torch.arange(T)[None] < lengths[:, None]
     rewards = torch.randint(0, 2, (n,), generator=g).float()
-    full = Experience(torch.randint(0, vocab, (n, args.prompt), generator=g), torch.ones(n, args.prompt, dtype=torch.bool),
+    full = Experience(torch.randint(0, vocab, (n, args.prompt), generator=g),
+                      torch.ones(n, args.prompt, dtype=torch.bool),
                       torch.randint(0, vocab, (n, T), generator=g), mask, torch.zeros(n, T), torch.zeros(n, T),
                       rewards, group_advantages(rewards, G), lengths, torch.zeros(n, dtype=torch.bool))
-    full = Experience(*(getattr(full, f).to(dev) for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
+    tensors = [f for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")]
+    full = Experience(*(getattr(full, f).to(dev) for f in tensors))
 
     def grads(exp, ctx, micro=args.micro_batch):
         sgd = torch.optim.SGD(runner.params, lr=0.0)  # lr 0: the weights stay, the gradient stays in .grad
@@ -293,7 +296,7 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
         raise RuntimeError("ranks hold different LoRA weights; the gradient check needs identical policies")
     one = grads(full, DistContext())
     share = torch.arange(n, device=dev).view(prompts, G)[rank::world].flatten()  # whole groups per rank
-    mine = Experience(*(getattr(full, f)[share] for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
+    mine = Experience(*(getattr(full, f)[share] for f in tensors))
     both = grads(mine, runner.dist)
     reshuffled = grads(full, DistContext(), micro=max(1, args.micro_batch // 2))
 
@@ -570,7 +573,8 @@ def _busy_cell(r: dict) -> str:
     busy = r.get("busy")
     if not busy:
         return "-"
-    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in ("rollout", "reference", "loss_backward"))
+    phases = ("rollout", "reference", "loss_backward")
+    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in phases)
 
 
 def lengths_line(args) -> str:
@@ -679,7 +683,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b",
                     help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (4-bit MoE experts run as frozen "
-                         "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, eager)")
+                         "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, "
+                         "eager)")
     ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn",
                     help="FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in bf16,nf4,nvfp4,mxfp4,fp8 "
                          "(+dense: model.dense_weights=update, +denseall: =all; +w4a8: model.compute=fp8)")
