@@ -78,7 +78,8 @@ class ModelSection:
     compute: str = field(default="bf16", metadata={
         "help": "products of the nvfp4 / mxfp4 weights: bf16 (16-bit activations) or fp8 (W4A8: weights decoded to "
                 "e4m3, activations rounded to e4m3 per token; FP8 tensor cores on sm_89+, the same numerics emulated "
-                "in fp32 elsewhere; rollouts and loss pass alike, input gradients 16-bit; docs/formats.md)"})
+                "in fp32 elsewhere; one routing for the rollouts and the loss pass, which on a GPU keeps the decode's "
+                "small products (under 512 rows) on 16-bit activations; input gradients 16-bit; docs/formats.md)"})
     # where it runs
     dtype: str = field(default="auto", metadata={
         "help": "activations and unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)"})
