@@ -1,4 +1,4 @@
-"""The multi-arm, multi-seed study (qerl.bench.study, `qerl bench study`): arm parsing, aggregation,
+"""The multi-arm, multi-seed study (qerl.study, `qerl bench study`): arm parsing, aggregation,
 skipping finished jobs, the deadline, and one real end-to-end run on a tiny model on the CPU."""
 
 import json
@@ -12,8 +12,11 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from qerl.bench import study, study_arms, study_jobs, study_report
-from qerl.bench.study import Arm, Job, StudyError
+from qerl.study import arms as study_arms
+from qerl.study import jobs as study_jobs
+from qerl.study import report as study_report
+from qerl.study import runner as study
+from qerl.study.runner import Arm, Job, StudyError
 from qerl.config import AQNSection, load_config
 
 # arms and seeds -----------------------------------------------------------------------------------

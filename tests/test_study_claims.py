@@ -1,8 +1,8 @@
-"""The claim-by-claim verdicts of a study (qerl.bench.study_claims) on hand-made runs."""
+"""The claim-by-claim verdicts of a study (qerl.study.claims) on hand-made runs."""
 
 import pytest
 
-from qerl.bench.study_claims import best_nvfp4_aqn, claims, claims_markdown, compare, paired, unpaired
+from qerl.study.claims import best_nvfp4_aqn, claims, claims_markdown, compare, paired, unpaired
 
 
 def run(arm, seed, before, after, first=0.2, last=0.5, entropy=0.3):
