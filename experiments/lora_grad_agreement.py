@@ -1,7 +1,7 @@
 """Does a 4-bit base change the first LoRA update? The LoRA gradient on a bf16 base against the one on a 4-bit
 base, same adapter initialisation, same text.
 
-    python benchmarks/lora_grad_agreement.py --model qwen2.5-coder-1.5b-instruct --format nvfp4 --keep-bf16 last:2
+    python experiments/lora_grad_agreement.py --model qwen2.5-coder-1.5b-instruct --format nvfp4 --keep-bf16 last:2
 
 The loss is the mean token log-likelihood of GSM8K training-split worked solutions given their questions (the
 chat template and the `gsm8k` suffix, as in training): the direction a policy-gradient step takes on correct
