@@ -315,7 +315,7 @@ def test_profile_rounds_time_every_variant_and_mode_on_the_same_draws(apis, tmp_
     """--lengths with two variants x --modes new,old: four cells, warm-up on a whole draw that no timed step
     uses (seed - 1, so every compaction width compiles before timing), then per repetition one draw (whole
     groups of the profile) given to every cell in every rotation."""
-    from qerl.bench.length_profiles import draw, load_profile, to_json, LengthProfile
+    from qerl.data.length_profiles import draw, load_profile, to_json, LengthProfile
     from qerl.bench.step import time_cells
 
     path = tmp_path / "prof.json"

@@ -1,11 +1,11 @@
-"""Completion-length profiles (`qerl.bench.length_profiles`): files, validation, named profiles, group-wise draws,
+"""Completion-length profiles (`qerl.data.length_profiles`): files, validation, named profiles, group-wise draws,
 and the two tools that make profiles (`benchmarks/record_lengths.py` on a tiny model, `make_long_profile.py`)."""
 
 import json
 
 import pytest
 
-from qerl.bench.length_profiles import (NAMED, LengthProfile, ProfileError, describe, draw, load_profile,
+from qerl.data.length_profiles import (NAMED, LengthProfile, ProfileError, describe, draw, load_profile,
                                         packaged_path, read_profile, summary, to_json)
 
 from bench_scripts import load_benchmark as _bench
@@ -82,7 +82,7 @@ def test_unknown_names_list_the_known_ones():
 
 
 def test_a_named_profile_not_recorded_yet_says_how_to_record_it(monkeypatch, tmp_path):
-    import qerl.bench.length_profiles as lp
+    import qerl.data.length_profiles as lp
 
     monkeypatch.setattr(lp, "packaged_path", lambda name: tmp_path / f"{name}.json")  # an empty profiles folder
     with pytest.raises(ProfileError, match="not recorded yet .*benchmarks/record_lengths.py Qwen/Qwen2.5-Coder"):

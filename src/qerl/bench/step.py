@@ -7,7 +7,7 @@ A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step`), wit
 (EOS ignored):
 
   forced lengths   (--completion N, the default 2048) every row exactly N tokens (equal lengths).
-  --lengths P      a completion-length profile (`qerl.bench.length_profiles`: a name or a file): each step draws
+  --lengths P      a completion-length profile (`qerl.data.length_profiles`: a name or a file): each step draws
                    every group's lengths from P's measured groups (seed --seed + repetition) and forces each row
                    to its drawn length; the rollout is called with P's budget as max_new_tokens, as a real step
                    is. Every cell of a repetition gets the same draw.
@@ -62,7 +62,7 @@ import torch
 
 from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
-from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
+from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
 from .shapes import MOE_SHAPES, QWEN25, moe_config, qwen25_config
 
 
