@@ -34,9 +34,10 @@ memory excludes what the other resident variants hold (their weights, LoRA, opti
 `--order sequential` builds and times one variant at a time (for models whose variants do not fit together;
 its modes still alternate).
 
-The model is built layer by layer on the GPU (meta device, then one decoder layer materialised, randomly
-initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed does not depend on
-weight values.
+The model comes from the loader's random-weight source (`load_policy` of `random:qwen2.5-7b`,
+`qerl.models.random_weights`): built layer by layer on the GPU (meta device, then one decoder layer
+materialised, randomly initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed
+does not depend on weight values.
 
 Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the prompts (whole groups) and the
 LoRA gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
@@ -75,37 +76,15 @@ def model_config(size: str, layers: int | None = None):
     return qwen25_config(size, layers)
 
 
-@torch.no_grad()
-def _init_(module: torch.nn.Module, generator: torch.Generator) -> None:
-    """HF-like random init in place: biases 0, other vectors (norm weights) 1, matrices N(0, 0.02)."""
-    for name, p in module.named_parameters():
-        if p.ndim == 1:
-            p.fill_(0.0 if name.endswith("bias") else 1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=generator)
-
-
-def build_random_policy(config, fmt: str, lora_r: int, device: torch.device, seed: int = 0):
-    """A random-weight causal LM whose decoder linears are QuantLinear(fmt) + LoRA r (fmt "bf16" = the
-    16-bit LoRA baseline through the same layer), built one decoder layer at a time on `device`."""
-    from ..models.stream import build_layer_by_layer
+def random_spec(size: str, fmt: str, lora_r: int, device, layers: int | None = None):
+    """The loader's spec of a random-weight policy (`qerl.models.random_weights`): decoder linears QuantLinear(fmt)
+    + LoRA r (fmt "bf16" = the 16-bit LoRA baseline through the same layer), bf16 activations, on `device`."""
+    from ..models.loader import ModelSpec
+    from ..models.random_weights import random_name
     from ..nn import LoraConfig
 
-    torch.manual_seed(seed)  # LoRA A is drawn from the default generators: identical on every rank
-    g = torch.Generator(device).manual_seed(seed)
-
-    def fill(module, prefix):
-        module.to_empty(device=device)
-        _init_(module, g)
-
-    model = build_layer_by_layer(config, fmt, LoraConfig(r=lora_r, alpha=2 * lora_r), fill, dtype=torch.bfloat16,
-                                 device=device)
-    with torch.no_grad():  # a trained-looking adapter (B = 0 would be as fast, but be honest)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 1e-3, generator=g)
-    model.config.use_cache = False
-    return model.eval()
+    return ModelSpec(random_name(size, layers), format=fmt, lora=LoraConfig(r=lora_r, alpha=2 * lora_r),
+                     dtype="bf16", device=device)
 
 
 class StepRunner:
@@ -333,13 +312,15 @@ def _median(values):
     return statistics.median_high(values)
 
 
-def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
+def _build(variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
+    from ..models.loader import load_policy
+
     fmt, aqn, dense, compute = _variant(variant)
     cell = dict(model=size, variant=variant, world=dist_ctx.world)
     try:
         t = time.perf_counter()
-        model = build_random_policy(config, fmt, args.lora_r, device)
+        model, _ = load_policy(random_spec(size, fmt, args.lora_r, device, args.layers))
         if args.moe_reference:
             from ..nn.quant_experts import QuantExperts
 
@@ -490,12 +471,11 @@ def run(args, dist_ctx) -> list[dict]:
     results = []
     device = torch.device("cuda", dist_ctx.local_rank)
     for size in args.models:
-        config = model_config(size, args.layers)
         groups = [[v] for v in args.variants] if args.order == "sequential" else [list(args.variants)]
         for group in groups:
             runners, cells = {}, {}
             for variant in group:
-                cell, runner = _build(config, variant, args, dist_ctx, device, size)
+                cell, runner = _build(variant, args, dist_ctx, device, size)
                 if runner is None:
                     results.append(cell)
                     _report(results, args, dist_ctx)
