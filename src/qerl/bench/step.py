@@ -93,31 +93,21 @@ class StepRunner:
     def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off", compute: str = "bf16"):
         from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
-        from ..rl.recompute import RecomputePlan
+        from ..rl.runtime import build_runtime
         from ..rl.update import UpdateSettings
-        from ..rollout.engine import RolloutEngine
 
         self.model, self.args, self.dist, self.sigma = model, args, dist_ctx, sigma
         enable_gradient_checkpointing(model)
-        # model.dense_weights, as the trainer does: one store for the loss pass and (all) the rollouts
-        self.dense_store = None if dense_weights == "off" else {}
-        self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.budget,
-                                    dense_weights=self.dense_store if dense_weights == "all" else None)
-        self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
-                                                dist_ctx.world > 1)
+        # what the trainer builds around its model: the routing of model.compute, the model.dense_weights store,
+        # the engine and its memory policy (--release-kv-cache as rollout.release_kv_cache), the recompute plan
+        # (optim.gradient_checkpointing, planned against that memory policy)
+        runtime = build_runtime(model, max_seq_len=args.prompt + args.budget, compute=compute,
+                                dense_weights=dense_weights, release_kv_cache=RELEASE_SETTINGS[args.release_kv_cache],
+                                distributed=dist_ctx.world > 1,
+                                gradient_checkpointing=CHECKPOINTING_SETTINGS[args.gradient_checkpointing])
+        self.routing, self.dense_store, self.engine = runtime.routing, runtime.dense_store, runtime.engine
+        self.engine_memory, self.recompute = runtime.engine_memory, runtime.recompute
         self.release_always = EngineMemoryPolicy(True, model.device)  # the static reference: free after every rollout
-        # model.compute, as the trainer sets it: the loss pass's layers hold the routing, the step runs in it
-        self.routing = None
-        if compute != "bf16":
-            from ..kernels.fp8_matmul import check_compute
-            from ..kernels.route import current_policy
-            from ..nn.quant_linear import set_routing_policy
-
-            check_compute(compute, model.device)
-            self.routing = dataclasses.replace(current_policy(), compute=compute)
-            set_routing_policy(model, self.routing)
-        # optim.gradient_checkpointing; auto plans against the engine memory policy of the new modes
-        self.recompute = RecomputePlan(model, CHECKPOINTING_SETTINGS[args.gradient_checkpointing], self.engine_memory)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
