@@ -64,16 +64,17 @@ import torch
 from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
 from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
-from .shapes import MOE_SHAPES, QWEN25, moe_config, qwen25_config
+from ..models.shapes import MOE_SHAPES, QWEN25
 
 
 def model_config(size: str, layers: int | None = None):
-    """The random-weight config of a dense Qwen2.5 size or a `MOE_SHAPES` mixture of experts."""
-    if size in MOE_SHAPES:
-        return moe_config(size, layers)
-    if size not in QWEN25:
+    """The random-weight config of a dense Qwen2.5 size or a `MOE_SHAPES` mixture of experts (what `random_spec`
+    loads)."""
+    from ..models.random_weights import random_config, random_name
+
+    if size not in QWEN25 and size not in MOE_SHAPES:
         raise ValueError(f"unknown model size {size!r}; choose from {sorted(QWEN25) + sorted(MOE_SHAPES)}")
-    return qwen25_config(size, layers)
+    return random_config(random_name(size, layers))
 
 
 def random_spec(size: str, fmt: str, lora_r: int, device, layers: int | None = None):
