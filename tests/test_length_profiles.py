@@ -168,8 +168,8 @@ def test_record_lengths_refuses_more_prompts_than_fit():
     mod = _bench("record_lengths")
     with pytest.raises(ValueError, match="--prompts 5 exceeds the 3 problems"):
         mod.pick_prompts([{"question": "q"}] * 3, 5, seed=0)
-    rows = [{"i": i} for i in range(10)]
-    assert mod.pick_prompts(rows, 4, 1) == mod.pick_prompts([dict(r) for r in rows], 4, 1)
+    first, second = ([{"i": i} for i in range(10)] for _ in range(2))
+    assert mod.pick_prompts(first, 4, 1) == mod.pick_prompts(second, 4, 1)
 
 
 def test_the_long_profile_is_the_seeded_fit_to_its_published_figures(tmp_path):
