@@ -50,16 +50,15 @@ def main(argv=None) -> int:
         ap.error("--sigmas must be >= 0 and --draws >= 1")
 
     from qerl.eval.fidelity import fidelity_text
-    from qerl.models import load_causal_lm
-    from qerl.models.convert import quantize_model
+    from qerl.models import ModelSpec, load_policy
     from qerl.models.precision import parse_keep_bf16
     from qerl.nn.noisy_norm import find_noisy_norms
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_causal_lm(args.model, dtype="bf16" if device.type == "cuda" else "fp32", device=device)
-    if args.format != "bf16":
-        quantize_model(model, args.format, keep_bf16=parse_keep_bf16(args.keep_bf16))
-    model.eval()
+    quantized = args.format != "bf16"
+    model, tok = load_policy(ModelSpec(args.model, format=args.format if quantized else None,
+                                       keep_bf16=tuple(parse_keep_bf16(args.keep_bf16)) if quantized else (),
+                                       dtype="bf16" if device.type == "cuda" else "fp32", device=device))
     ids = tok(fidelity_text(args.problems), return_tensors="pt").input_ids[:, :args.max_tokens].to(device)
     # the noise scales each consumer column by (1 + z_j / w_j): its effect depends on the norm weights' size
     w = torch.cat([n.weight.detach().float().abs().flatten() for n in find_noisy_norms(model)])

@@ -134,8 +134,8 @@ def main():
     source = args.calibration + (f" of {args.train}" if args.train else "")
     print(f"{args.model}: {ids.shape[1]} held-out tokens, calibration {tuple(cal.shape)} ({source}), "
           f"r={args.r} alpha={args.alpha}, base {args.method}" + (f" keep_bf16 {','.join(keep)}" if keep else ""))
-    print(f"| format | init | KL (nats/token) | x zero | top-1 agree | seconds |")
-    print(f"|---|---|---|---|---|---|")
+    print("| format | init | KL (nats/token) | x zero | top-1 agree | seconds |")
+    print("|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
         zero_kl = None
         for init in inits:

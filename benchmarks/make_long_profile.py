@@ -1,4 +1,4 @@
-"""Generate the named length profile `long-reasoning-4096` (qerl/bench/profiles/long-reasoning-4096.json), seeded.
+"""Generate the named length profile `long-reasoning-4096` (qerl/data/profiles/long-reasoning-4096.json), seeded.
 
 No per-row lengths of a long-reasoning RL run at a 4096-token budget were found published, so the profile is a
 parametric stand-in fitted to published summary figures, with the budget applied the way a rollout applies it:
@@ -49,7 +49,7 @@ def truncated_share(median: float, p99: float, budget: int) -> float:
 
 
 def make(args):
-    from qerl.bench.length_profiles import LengthProfile
+    from qerl.data.length_profiles import LengthProfile
 
     lengths = clipped_lognormal(args.median, args.p99, args.budget, args.rows, args.seed)
     sigma = lognormal_sigma(args.median, args.p99)
@@ -78,7 +78,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from qerl.bench.length_profiles import describe, to_json
+    from qerl.data.length_profiles import describe, to_json
 
     args = parse_args(argv)
     profile = make(args)

@@ -75,7 +75,7 @@ def forced_kernels(row: dict, quant, x: torch.Tensor, index: torch.Tensor, weigh
     layer's sorted rows and offsets precomputed) with their hit experts' packed + scale bytes as TB/s."""
     from qerl.kernels.triton import fp4_grouped as grouped
 
-    E, k = quant.num_experts, index.shape[1]
+    E = quant.num_experts
     flat = index.reshape(-1)
     counts = torch.bincount(flat, minlength=E)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])

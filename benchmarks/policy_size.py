@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="nvfp4", help="comma list of nvfp4,mxfp4,nf4")
     ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank on all 7 linears (fp32); 0 = none")
     args = ap.parse_args(argv)
-    print("| model | format | input embedding | quantized base GB | other GB | LoRA GB | policy GB | read per step GB |")
+    print("| model | format | input embedding | quantized base GB | other GB | LoRA GB | policy GB "
+          "| read per step GB |")
     print("|---|---|---|---|---|---|---|---|")
     for size in args.models.split(","):
         for fmt in args.formats.split(","):

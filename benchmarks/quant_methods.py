@@ -1,7 +1,8 @@
 """Quantization methods side by side on a real model: weight error, next-token KL to the unquantized model on
 held-out text, starting pass@1 on held-out problems, the share of short completions, quantization time.
 
-A row is FORMAT[-METHOD][@SOURCE][#KEEP|KEEP...] (KEEP: a `keep_bf16` pattern left in bf16, e.g. last:2; bf16, nf4, mxfp4, nvfp4, nvfp4-4over6, nvfp4-gptq, nvfp4-awq@self, ...;
+A row is FORMAT[-METHOD][@SOURCE][#KEEP|KEEP...] (KEEP: a `keep_bf16` pattern left in bf16, e.g. last:2; bf16,
+nf4, mxfp4, nvfp4, nvfp4-4over6, nvfp4-gptq, nvfp4-awq@self, ...;
 SOURCE is a calibration source of qerl.data.calibration), nvfp4-4over6~SEARCH (another candidate set of
 `qerl.quant.nvfp4_scales.candidate_scales`: 4over6 = only the maximum onto 6 or 4) or a diagnostic row:
   only:LAYER:FORMAT   quantize only one layer type (q_proj, ..., down_proj) to FORMAT (rtn), rest 16-bit
@@ -24,6 +25,7 @@ The held-out text is GSM8K test problems with their solutions (never calibration
 """
 
 import argparse
+import dataclasses
 import copy
 import json
 import time
@@ -126,28 +128,19 @@ def weight_error(base, model) -> float | None:
 def time_qwen7b(layers: int, methods: list[str], samples: int, max_tokens: int) -> None:
     """Seconds to build + quantize a Qwen2.5-7B-shaped model (random weights, `layers` of its 28 decoder
     layers) with each method through the streaming loader, and the 28-layer extrapolation."""
-    from qerl.bench.step import _init_, model_config
-    from qerl.models.stream import build_layer_by_layer
-    from qerl.quant import CALIBRATED
+    from qerl.models import ModelSpec, load_policy
 
-    device = torch.device("cuda")
-    config = model_config("7b", layers)
-    ids = torch.randint(0, config.vocab_size, (samples, max_tokens), generator=torch.Generator().manual_seed(0))
+    spec = ModelSpec(f"random:qwen2.5-7b,layers={layers}", format="nvfp4", calibration_samples=samples,
+                     calibration_max_tokens=max_tokens, dtype="bf16", device="cuda")
     print(f"\nQwen2.5-7B shape, {layers} of 28 layers, random weights, {samples}x{max_tokens} calibration tokens, "
-          f"{torch.cuda.get_device_name()}\n| method | s ({layers} layers) | s per layer | 28 layers (extrapolated) | peak GB |"
+          f"{torch.cuda.get_device_name()}\n"
+          f"| method | s ({layers} layers) | s per layer | 28 layers (extrapolated) | peak GB |"
           "\n|---|---|---|---|---|")
     for method in methods:
-        g = torch.Generator(device).manual_seed(0)
-
-        def fill(module, prefix):
-            module.to_empty(device=device)
-            _init_(module, g)
-
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model = build_layer_by_layer(config, "nvfp4", None, fill, dtype=torch.bfloat16, device=device, method=method,
-                                     calibration=ids if method in CALIBRATED else None)
+        model, _ = load_policy(dataclasses.replace(spec, method=method))
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         print(f"| {method} | {dt:.1f} | {dt / layers:.2f} | {dt / layers * 28:.0f} | "
@@ -198,7 +191,8 @@ def main(argv=None) -> int:
     for row in args.rows.split(","):
         model, seconds, info = quantize_row(base, tok, row, cal_cfg, device)
         fid = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
-        res = {"row": row, "seconds": seconds, "weight_rel_err": None if info.get("awq_scales") else weight_error(base, model),
+        rel_err = None if info.get("awq_scales") else weight_error(base, model)
+        res = {"row": row, "seconds": seconds, "weight_rel_err": rel_err,
                **fid, **{k: v for k, v in info.items() if k != "awq_scales"}}
         if rows is not None:
             t_eval = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Record a completion-length profile (`qerl.bench.length_profiles`) from real rollouts of a model on math prompts.
+"""Record a completion-length profile (`qerl.data.length_profiles`) from real rollouts of a model on math prompts.
 
 A `qerl train` run logs only the mean response length per step (metrics.jsonl: response_length), not the length
 of each row, so this tool samples the rollouts itself, the way a training step's collection does: the policy
@@ -11,7 +11,7 @@ whole groups.
 The named profile `gsm8k-qwen2.5-coder-1.5b` (GPU, about a minute):
 
     python benchmarks/record_lengths.py Qwen/Qwen2.5-Coder-1.5B-Instruct \\
-        --out src/qerl/bench/profiles/gsm8k-qwen2.5-coder-1.5b.json
+        --out src/qerl/data/profiles/gsm8k-qwen2.5-coder-1.5b.json
 
 (MODEL may be a local Hugging Face directory of that model instead of the hub id.)
 """
@@ -47,7 +47,7 @@ def record(args):
     """Build the policy, sample args.prompts x args.group completions; the LengthProfile of their lengths."""
     import torch
 
-    from qerl.bench.length_profiles import LengthProfile
+    from qerl.data.length_profiles import LengthProfile
     from qerl.config import LoraSection, ModelSection
     from qerl.data import build_prompt, encode_prompt, filter_by_length, load_problems
     from qerl.models.policy import build_policy
@@ -105,7 +105,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from qerl.bench.length_profiles import describe, read_profile, to_json
+    from qerl.data.length_profiles import describe, read_profile, to_json
 
     args = parse_args(argv)
     profile = record(args)

@@ -83,7 +83,8 @@ def table(results: list[dict], device: str) -> str:
         base = old.get(r["arm"].split(":")[0])
         vs = f"{base / r['step_s']:.2f}x" if base and not r["arm"].endswith(":old") else "-"
         lines.append(f"| {r['arm']} | {r['step_s']:.2f} | {vs} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | "
-                     f"{r['update_ms_per_1k_tokens']:.1f} | {r['decode_us_per_row_step']:.1f} | {r['rows_per_kept']:.2f} | {r['loss_computed_per_needed']:.2f} | {r['reward']:.3f} | "
+                     f"{r['update_ms_per_1k_tokens']:.1f} | {r['decode_us_per_row_step']:.1f} | "
+                     f"{r['rows_per_kept']:.2f} | {r['loss_computed_per_needed']:.2f} | {r['reward']:.3f} | "
                      f"{r['length']:.0f} | {r['memory_gb']:.1f} |")
     return "\n".join(lines)
 

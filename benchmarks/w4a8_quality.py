@@ -61,7 +61,7 @@ def w4a8(model, weights: bool, activations: bool, block: int = 0):
 
 def main(argv=None) -> int:
     from qerl.eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
-    from qerl.models import load_causal_lm, quantize_model
+    from qerl.models import ModelSpec, load_policy
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -72,11 +72,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
-    model, tokenizer = load_causal_lm(args.model, dtype=torch.float32, device="cpu")
-    ids = tokenizer(fidelity_text(args.problems), return_tensors="pt").input_ids
-    full = next_token_logprobs(model, ids)
-    keep = [k for k in args.keep_bf16.split(",") if k]
-    model = quantize_model(model, "nvfp4", keep_bf16=keep)
+    keep = tuple(k for k in args.keep_bf16.split(",") if k)
+    seen = {}
+
+    def before_quantize(model, tokenizer):  # the 16-bit model's log-probs, the reference of the first row
+        seen["ids"] = tokenizer(fidelity_text(args.problems), return_tensors="pt").input_ids
+        seen["full"] = next_token_logprobs(model, seen["ids"])
+
+    model, tokenizer = load_policy(ModelSpec(args.model, format="nvfp4", keep_bf16=keep, dtype="fp32", device="cpu"),
+                                   before_quantize=before_quantize)
+    ids, full = seen["ids"], seen["full"]
     ref = next_token_logprobs(model, ids)
     rows = [("16-bit model", compare_logprobs(ref, full, ids))]
     cases = [("weights to e4m3", True, False, 0), ("activations to e4m3", False, True, 0), ("W4A8", True, True, 0)]

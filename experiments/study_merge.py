@@ -22,7 +22,7 @@ def merge(results: list[dict]) -> list[dict]:
     """The runs of every study, checked: one settings dict, no (arm, seed) twice, and the runs of one arm that
     recorded their resolved config (`config` in result.json) made with the same one (the same config path can
     hold another file by then)."""
-    from qerl.bench.study import config_diffs
+    from qerl.study import config_diffs
 
     settings = results[0]["settings"]
     for i, r in enumerate(results[1:], 2):
@@ -55,7 +55,7 @@ def merge(results: list[dict]) -> list[dict]:
 def with_base_lr(runs: list[dict], base_lr: float) -> list[dict]:
     """The runs with every arm spelled with its learning rate: an arm without @LR ran at the optim.lr its result
     recorded, or, for results that recorded no config, at base_lr (the config file's rate now)."""
-    from qerl.bench.study_arms import parse_arm
+    from qerl.study import parse_arm
 
     out = []
     for run in runs:
@@ -96,10 +96,8 @@ def step_diagnostics_markdown(runs: list[dict], arms: list[str]) -> str:
 
 
 def main(argv=None) -> int:
-    from qerl.bench.study import scoped_override
-    from qerl.bench.study_claims import claims, claims_markdown, compare, diff_text, pooled_std
-    from qerl.bench.study_lr import best_lrs, lr_groups, lr_sweep_markdown
-    from qerl.bench.study_report import aggregate, markdown_table, plot_study
+    from qerl.study import (aggregate, best_lrs, claims, claims_markdown, compare, diff_text, lr_groups,
+                            lr_sweep_markdown, markdown_table, plot_study, pooled_std, scoped_override)
     from qerl.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -23,7 +23,7 @@ def parse_window(text: str) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    from qerl.bench.study_report import aggregate, plot_study
+    from qerl.study import aggregate, plot_study
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the study's --out directory (one sub-directory per job)")

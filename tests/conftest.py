@@ -8,13 +8,26 @@ torch.set_num_threads(min(4, os.cpu_count() or 1))
 _EXIT_STATUS = pytest.StashKey[int]()
 
 
+GPU_SKIP_REASON = "needs CUDA; run on the GPU machine"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA; run on the GPU machine")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Without CUDA, report every GPU test's skip at one place (this file), so `-ra` folds them into one
+    "SKIPPED [N] ... needs CUDA" line instead of one line per test function before the summary."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and isinstance(rep.longrepr, tuple) and rep.longrepr[2].endswith(GPU_SKIP_REASON):
+        rep.longrepr = (__file__, None, rep.longrepr[2])
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -91,3 +91,46 @@ def test_save_adapter_refuses_to_clobber(tmp_path):
         save_adapter(model, tmp_path / "a")
     assert (tmp_path / "a" / "adapter_model.safetensors").read_bytes() == before
     assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+def test_an_embedded_base_is_named_by_its_hub_id_and_qerl_keeps_its_own_name(tmp_path):
+    """PEFT (and vLLM, the hub) resolve `base_model_name_or_path`; an embedded name means nothing to them, so the
+    config names the upstream model and the weights' metadata keeps qerl's name, which qerl reads back."""
+    from peft import PeftConfig
+    from safetensors import safe_open
+
+    from qerl.models.adapter import adapter_base_mismatch, trained_base
+    from qerl.models.merge import adapter_base
+    from qerl.models.registry import EMBEDDED, upstream_name
+
+    model = quantize_model(tiny_model("llama"), "nvfp4", LoraConfig(r=4, alpha=8))
+    ids = _train_a_few_steps(model, steps=2)
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path="smollm2-135m-instruct")
+    assert PeftConfig.from_pretrained(tmp_path / "adapter").base_model_name_or_path == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        assert f.metadata()["qerl_base_model"] == "smollm2-135m-instruct"
+    assert trained_base(tmp_path / "adapter") == adapter_base(tmp_path / "adapter") == "smollm2-135m-instruct"
+    assert adapter_base_mismatch(tmp_path / "adapter", "smollm2-135m-instruct") is None
+    assert "smollm2-135m-instruct" in adapter_base_mismatch(tmp_path / "adapter", "qwen2.5-coder-1.5b-instruct")
+    # every embedded model names a hub id of the form owner/name; other names pass through
+    assert all(upstream_name(n).count("/") == 1 for n in EMBEDDED) and upstream_name("/some/dir") == "/some/dir"
+    # the real peft still loads it onto the base it is given, with the same logits
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+    base = dequantize_model(quantize_model(tiny_model("llama"), "nvfp4"))
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_from_another_tool_names_its_base_in_the_peft_config(tmp_path):
+    from qerl.models.adapter import trained_base
+
+    model = quantize_model(tiny_model("llama"), "nvfp4", LoraConfig(r=4, alpha=8))
+    save_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(weights), weights, metadata={"format": "pt"})  # no qerl_base_model
+    assert trained_base(tmp_path / "adapter") == "tiny"

@@ -423,8 +423,8 @@ def test_a_norm_folded_twice_carries_the_product():
     torch.testing.assert_close(layer.input_layernorm.weight, w0 / (s1 * s2))
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {"num_key_value_heads": 4}), ("qwen2", {"num_key_value_heads": 4}),
-                                            ("llama", {})])
+@pytest.mark.parametrize("arch,overrides", [("llama", {"num_key_value_heads": 4}),
+                                            ("qwen2", {"num_key_value_heads": 4}), ("llama", {})])
 def test_adapter_of_an_awq_base_is_written_for_the_unfolded_model(tmp_path, arch, overrides):
     """The adapter qerl writes for a model AWQ-folded in-process loads with real peft onto the unfolded
     (dequantized) base and gives the folded model's outputs; loading it back folds it again; a checkpoint

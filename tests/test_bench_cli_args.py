@@ -144,7 +144,7 @@ def _rollout_row(**kw):
 
 
 def test_rollout_profile_table_gives_kept_and_decoded_rates_and_the_speedup_over_static(tmp_path):
-    from qerl.bench.length_profiles import read_profile
+    from qerl.data.length_profiles import read_profile
     from qerl.bench.rollout import parse_args, profile_table
 
     _, args = parse_args(["--variants", "nvfp4+lora", "--batches", "16", "--lengths", _profile_file(tmp_path),
@@ -186,7 +186,7 @@ def test_rollout_profile_bench_alternates_schedulers_on_the_same_draws(tmp_path,
     import torch
 
     import qerl.bench.rollout as rollout
-    from qerl.bench.length_profiles import draw
+    from qerl.data.length_profiles import draw
 
     monkeypatch.setattr(rollout, "timed", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)

@@ -19,9 +19,16 @@ from transformers import Qwen2Config
 
 import qerl.rl.update as update_module
 import qerl.rollout.engine as engine_module
-from qerl.bench.step import StepRunner, build_random_policy, ceiling_table, parse_args, table
-from qerl.nn import QuantLinear
+from qerl.bench.step import StepRunner, ceiling_table, parse_args, table
+from qerl.models.random_weights import random_policy
+from qerl.nn import LoraConfig, QuantLinear
 from qerl.rl.distributed import DistContext
+
+
+def build_random_policy(config, fmt, lora_r, device):
+    """The random-weight policy the bench builds (`qerl.models.random_weights`), for a config of any size."""
+    return random_policy(config, fmt, LoraConfig(r=lora_r, alpha=2 * lora_r), device)
+
 
 ENGINE_READY = "force_lengths" in inspect.signature(engine_module.RolloutEngine.generate).parameters
 UPDATE_READY = "packing" in {f.name for f in dataclasses.fields(update_module.UpdateSettings)}
@@ -214,7 +221,8 @@ def test_table_gives_the_update_flops_and_the_busy_shares():
     header = _cells(text, "| model |")
     assert header[-3:] == ["update TFLOP", "update TFLOP/s", "GPU busy rollout / ref / loss"]
     cell = dict(zip(header, _cells(text, "| 7b | bf16 |")))
-    assert (cell["update TFLOP"], cell["update TFLOP/s"], cell["GPU busy rollout / ref / loss"]) == ("1843.2", "352", "-")
+    got = (cell["update TFLOP"], cell["update TFLOP/s"], cell["GPU busy rollout / ref / loss"])
+    assert got == ("1843.2", "352", "-")
     cell = dict(zip(header, _cells(text, "| 7b | nvfp4 |")))
     assert (cell["update TFLOP"], cell["update TFLOP/s"]) == ("370.0", "150")
     assert cell["GPU busy rollout / ref / loss"] == "34% / - / 72%"
@@ -314,7 +322,7 @@ def test_profile_rounds_time_every_variant_and_mode_on_the_same_draws(apis, tmp_
     """--lengths with two variants x --modes new,old: four cells, warm-up on a whole draw that no timed step
     uses (seed - 1, so every compaction width compiles before timing), then per repetition one draw (whole
     groups of the profile) given to every cell in every rotation."""
-    from qerl.bench.length_profiles import draw, load_profile, to_json, LengthProfile
+    from qerl.data.length_profiles import draw, load_profile, to_json, LengthProfile
     from qerl.bench.step import time_cells
 
     path = tmp_path / "prof.json"

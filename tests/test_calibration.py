@@ -158,8 +158,8 @@ def test_every_method_loads_in_transformers_with_compressed_tensors(tmp_path, me
     cal = torch.randint(3, 160, (8, 32), generator=torch.Generator().manual_seed(2))
     model = quantize_model(tiny_model("llama", dtype=torch.bfloat16), "nvfp4", method=method, calibration=cal)
     save_quantized(model, None, tmp_path / "q")
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q", quantization_config=CompressedTensorsConfig(dequantize=True),
-                                                  dtype=torch.bfloat16)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16,
+                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
     for name, layer in quant_layers(model).items():
         torch.testing.assert_close(theirs.get_submodule(name).weight, layer.dequantized_weight(torch.bfloat16),
                                    rtol=0, atol=0)
@@ -283,7 +283,8 @@ def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tin
     with pytest.raises(ConfigError, match="model.calibration.samples"):
         load_config(None, base + ["model.calibration.samples=0"])
     with pytest.raises(SystemExit) as e:  # a usage error, before anything loads
-        main(["quantize", str(tiny_dir), "--method", "gptq", "--calibration-samples", "0", "--out", str(tmp_path / "q")])
+        main(["quantize", str(tiny_dir), "--method", "gptq", "--calibration-samples", "0",
+              "--out", str(tmp_path / "q")])
     assert e.value.code == 2
     assert "argument --calibration-samples: must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()

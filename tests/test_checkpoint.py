@@ -28,7 +28,8 @@ def test_round_trip_is_exact(tmp_path, arch, fmt):
     want, got = model.state_dict(), loaded.state_dict()
     assert want.keys() == got.keys()
     for k in want:
-        assert want[k].dtype == got[k].dtype and torch.equal(want[k].view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)), k
+        bits = want[k].view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)
+        assert want[k].dtype == got[k].dtype and torch.equal(*bits), k
     torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=0)
     assert all(not p.requires_grad for p in loaded.parameters())
 

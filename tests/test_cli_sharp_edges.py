@@ -264,7 +264,8 @@ def test_literal_suffix_text_needs_its_prefix():
 def test_a_reward_module_in_the_current_directory_imports(tmp_path, monkeypatch):
     from qerl.rewards.resolve import resolve_reward
 
-    (tmp_path / "myrewards.py").write_text("def short(prompts, completions, **c):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "myrewards.py").write_text("def short(prompts, completions, **c):\n"
+                                           "    return [1.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     # the `qerl` console script's sys.path starts at its bin/ directory: no "" and no current directory
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])

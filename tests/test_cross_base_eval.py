@@ -1,4 +1,4 @@
-"""benchmarks/cross_base_eval.py on hand-made eval files: the per-arm table, the base and adapter differences
+"""experiments/cross_base_eval.py on hand-made eval files: the per-arm table, the base and adapter differences
 with their standard errors, mismatched problem sets refused, and the compact copy reading back the same."""
 
 import json
@@ -6,7 +6,7 @@ import math
 import statistics
 
 import pytest
-from bench_scripts import load_benchmark
+from bench_scripts import load_experiment
 
 
 def write_eval(path, rewards, questions=None):
@@ -34,7 +34,7 @@ def evals(tmp_path):
 
 
 def test_table_and_differences(evals, capsys):
-    cross = load_benchmark("cross_base_eval")
+    cross = load_experiment("cross_base_eval")
     directory, table = evals
     loaded = cross.load(directory, "")
     assert set(loaded) == set(table)
@@ -60,7 +60,7 @@ def test_table_and_differences(evals, capsys):
 
 
 def test_refuses_other_problems_and_compacts(evals, tmp_path):
-    cross = load_benchmark("cross_base_eval")
+    cross = load_experiment("cross_base_eval")
     directory, table = evals
     compact = tmp_path / "compact"
     assert cross.main([str(directory), "--compact", str(compact)]) == 0

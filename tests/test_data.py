@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from qerl.data import BOXED_SUFFIX, GSM8K_SUFFIX, DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
+from qerl.data import (BOXED_SUFFIX, GSM8K_SUFFIX, DatasetError, build_prompt, encode_prompt, filter_by_length,
+                       load_problems)
 from tiny import tiny_tokenizer
 
 
@@ -78,7 +79,8 @@ def _write_jsonl(path, lines):
 def test_local_jsonl_json_parquet(tmp_path):
     recs = [{"question": "What is 2+2?", "answer": "4", "level": 1}, {"question": "3*3?", "answer": 9, "level": 2}]
     jl = _write_jsonl(tmp_path / "a.jsonl", [json.dumps(r).encode() for r in recs])
-    expected = [{"question": "What is 2+2?", "answer": "4", "level": 1}, {"question": "3*3?", "answer": "9", "level": 2}]
+    expected = [{"question": "What is 2+2?", "answer": "4", "level": 1},
+                {"question": "3*3?", "answer": "9", "level": 2}]
     assert load_problems(jl) == expected
     (tmp_path / "a.json").write_text(json.dumps(recs))
     assert load_problems(str(tmp_path / "a.json")) == expected

@@ -110,7 +110,7 @@ def test_data_overlap_benchmark_prints_the_table(capsys):
 
 
 def test_study_evaluates_the_train_split_on_the_heldout_split_and_shows_the_overlap(capsys):
-    from qerl.bench import study
+    from qerl.study import runner as study
 
     assert study.default_test(GSM8K_TRAIN_OFFLINE) == GSM8K_HELDOUT
     assert study.default_test("reasoning-gym:chain_sum") == study.DEFAULT_TEST == "reasoning-gym:basic_arithmetic"

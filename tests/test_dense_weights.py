@@ -74,7 +74,7 @@ def test_nested_scopes_use_the_outer_one():
     assert len(outer) == 1
 
 
-def test_config_choices(tiny_dir, data_file, tmp_path):
+def test_config_choices(tiny_dir, data_file, tmp_path):  # noqa: F811  (the imported fixture)
     cfg = load_config(None, _overrides(tiny_dir, data_file, tmp_path / "a", **{"model.dense_weights": "all"}))
     assert cfg.model.dense_weights == "all"
     assert load_config(None, _overrides(tiny_dir, data_file, tmp_path / "b")).model.dense_weights == "off"
@@ -86,7 +86,8 @@ def test_config_choices(tiny_dir, data_file, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["update", "all"])
-def test_training_with_dense_weights_equals_training_without(tiny_dir, data_file, tmp_path, mode, monkeypatch):
+def test_training_with_dense_weights_equals_training_without(tiny_dir, data_file, tmp_path, mode,  # noqa: F811
+                                                              monkeypatch):
     """On the CPU both paths compute with the exact dequantization, so the runs agree step for step; the store
     is filled once (one copy per quantized weight or fused sibling group) and never remade."""
     def run(out, **extra):

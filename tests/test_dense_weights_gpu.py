@@ -11,7 +11,7 @@ from qerl.nn import QuantLinear
 from qerl.rollout.engine import RolloutEngine
 from qerl.rollout.sampling import SamplingParams
 
-from test_rollout_engine import completions, prompts_of, quantize_tiny, tiny_model
+from test_rollout_engine import prompts_of, quantize_tiny, tiny_model
 from test_training_gpu import _grads, _policy
 
 pytestmark = pytest.mark.gpu
@@ -39,9 +39,9 @@ def test_graph_rollouts_with_dense_copies(fmt):
         torch.testing.assert_close(a.logprobs, plain.logprobs, atol=0, rtol=0)
     else:  # the NVFP4 kernel accumulates the same weights in another order (bf16 rounding, then paths part)
         greedy = SamplingParams(temperature=0)
+        engine = RolloutEngine(model, max_seq_len=96, kv_block=32, dense_weights=store)
         with kernel_policy(dense_min_m=1):
-            g1 = RolloutEngine(model, max_seq_len=96, kv_block=32, dense_weights=store).generate(
-                prompts, 4, greedy, ignore_eos=True)
+            g1 = engine.generate(prompts, 4, greedy, ignore_eos=True)
         g2 = RolloutEngine(model, max_seq_len=96, kv_block=32).generate(prompts, 4, greedy, ignore_eos=True)
         torch.testing.assert_close(g1.logprobs[:, 0], g2.logprobs[:, 0], atol=0.05, rtol=0)  # the same first step
 
@@ -67,7 +67,6 @@ def test_a_kept_copy_is_read_from_dense_min_m_rows_and_the_4bit_kernels_below(fm
 
 def test_a_copy_is_never_made_inside_a_graph_capture():
     layer = QuantLinear.from_linear(torch.nn.Linear(64, 32), "nvfp4").cuda()
-    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     with dequantized_weights(store={}), pytest.raises(RuntimeError, match="inside a CUDA graph capture"):

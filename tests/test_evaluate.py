@@ -9,7 +9,8 @@ from qerl.eval import add_eval_arguments, evaluate, run_eval
 from qerl.rollout.sampling import SamplingParams
 from tiny import tiny_model, tiny_tokenizer
 
-ROWS = [{"question": "1+1?", "answer": "2"}, {"question": "2+3?", "answer": "#### 5"}, {"question": "7?", "answer": "7"}]
+ROWS = [{"question": "1+1?", "answer": "2"}, {"question": "2+3?", "answer": "#### 5"},
+        {"question": "7?", "answer": "7"}]
 
 
 def reward_by_length(prompts, completions, answer, **columns):

@@ -87,7 +87,8 @@ def check_rope(device: str, dtype=torch.bfloat16, seed: int = 1) -> list[str]:
         ref = rope_reference(x, cos, sin)
         out = rope_(x.clone(), cos, sin)
         if torch.isnan(out).any() or not torch.equal(out, ref):
-            fails.append(f"rope {device} {dtype} {(B, L, H, hd)}: max diff {(out.float() - ref.float()).abs().max().item():.3g}")
+            diff = (out.float() - ref.float()).abs().max().item()
+            fails.append(f"rope {device} {dtype} {(B, L, H, hd)}: max diff {diff:.3g}")
     return fails
 
 

@@ -6,7 +6,7 @@ level and inside functions (a lazy import that goes up is still a dependency tha
 a module, else to `pkg` (its `__init__`).
 
 Layers, lowest first (a module may import its own layer and lower ones):
-    formats -> quant -> kernels -> nn -> models -> config -> rollout -> rl -> eval, bench -> cli
+    formats -> quant -> kernels -> nn -> models -> config -> rollout -> rl -> eval, study, bench -> cli
 `data` and `rewards` are side inputs: any layer may import them, and they import no pipeline package. So are
 the package root `qerl/__init__.py` and the top-level single modules other than `cli` and `config` (leaves such as
 the config's allowed values, which import nothing).
@@ -21,7 +21,7 @@ PACKAGE = "qerl"
 LAYERS = {
     "formats": 1, "quant": 2, "kernels": 3, "nn": 4, "models": 5,
     "config": 6,  # a leaf over the pipeline's building blocks: formats, quant, nn, models helpers
-    "rollout": 7, "rl": 8, "eval": 9, "bench": 9, "cli": 10,
+    "rollout": 7, "rl": 8, "eval": 9, "study": 9, "bench": 9, "cli": 10,
 }
 SIDE = {"data", "rewards", ""}  # "" is the package root; side inputs sit below every layer
 SIDE_LAYER = 0

@@ -1,11 +1,11 @@
-"""Completion-length profiles (`qerl.bench.length_profiles`): files, validation, named profiles, group-wise draws,
+"""Completion-length profiles (`qerl.data.length_profiles`): files, validation, named profiles, group-wise draws,
 and the two tools that make profiles (`benchmarks/record_lengths.py` on a tiny model, `make_long_profile.py`)."""
 
 import json
 
 import pytest
 
-from qerl.bench.length_profiles import (NAMED, LengthProfile, ProfileError, describe, draw, load_profile,
+from qerl.data.length_profiles import (NAMED, LengthProfile, ProfileError, describe, draw, load_profile,
                                         packaged_path, read_profile, summary, to_json)
 
 from bench_scripts import load_benchmark as _bench
@@ -82,7 +82,7 @@ def test_unknown_names_list_the_known_ones():
 
 
 def test_a_named_profile_not_recorded_yet_says_how_to_record_it(monkeypatch, tmp_path):
-    import qerl.bench.length_profiles as lp
+    import qerl.data.length_profiles as lp
 
     monkeypatch.setattr(lp, "packaged_path", lambda name: tmp_path / f"{name}.json")  # an empty profiles folder
     with pytest.raises(ProfileError, match="not recorded yet .*benchmarks/record_lengths.py Qwen/Qwen2.5-Coder"):
@@ -168,7 +168,8 @@ def test_record_lengths_refuses_more_prompts_than_fit():
     mod = _bench("record_lengths")
     with pytest.raises(ValueError, match="--prompts 5 exceeds the 3 problems"):
         mod.pick_prompts([{"question": "q"}] * 3, 5, seed=0)
-    assert mod.pick_prompts([{"i": i} for i in range(10)], 4, 1) == mod.pick_prompts([{"i": i} for i in range(10)], 4, 1)
+    first, second = ([{"i": i} for i in range(10)] for _ in range(2))
+    assert mod.pick_prompts(first, 4, 1) == mod.pick_prompts(second, 4, 1)
 
 
 def test_the_long_profile_is_the_seeded_fit_to_its_published_figures(tmp_path):

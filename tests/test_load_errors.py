@@ -114,8 +114,8 @@ def test_unknown_targets_and_format():
 
 def test_cli_bad_input_exits_cleanly_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "qerl.cli", "quantize", str(tmp_path / "missing"), "--out", str(out)],
-                            capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "qerl.cli", "quantize", str(tmp_path / "missing"), "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 2
     assert "no such file or directory" in result.stderr
     assert not out.exists()

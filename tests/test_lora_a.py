@@ -177,8 +177,8 @@ def test_interpreter():
 
 
 def test_config_splits(monkeypatch):
-    """The automatic split on an H200-sized GPU (132 SMs): >= MIN_K_PER_SPLIT columns per program, at most 2 programs per
-    SM, a tail of at most RED_ROUNDS loads, no empty program; a forced split count is kept."""
+    """The automatic split on an H200-sized GPU (132 SMs): >= MIN_K_PER_SPLIT columns per program, at most 2 programs
+    per SM, a tail of at most RED_ROUNDS loads, no empty program; a forced split count is kept."""
     pytest.importorskip("triton")
     from qerl.kernels.triton import lora_a as tla
 

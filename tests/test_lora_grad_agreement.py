@@ -1,13 +1,13 @@
-"""benchmarks/lora_grad_agreement.py on a tiny random model: one LoRA initialisation on both bases, finite
+"""experiments/lora_grad_agreement.py on a tiny random model: one LoRA initialisation on both bases, finite
 cosines in [-1, 1], the solution tokens alone in the loss."""
 
 import pytest
-from bench_scripts import load_benchmark
+from bench_scripts import load_experiment
 from tiny import tiny_model, tiny_tokenizer
 
 
 def test_grad_agreement_table_on_a_tiny_model(tmp_path, capsys):
-    grads = load_benchmark("lora_grad_agreement")
+    grads = load_experiment("lora_grad_agreement")
     model, tok = tiny_model("llama"), tiny_tokenizer()
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")

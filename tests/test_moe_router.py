@@ -1,7 +1,6 @@
 """MoE routers (`moe.train_router`) and the load-balancing loss (`moe.aux_loss_coef`), CPU fp32, against
 transformers' `load_balancing_loss_func` / `output_router_logits` and peft's `modules_to_save`."""
 
-import copy
 import json
 
 import pytest

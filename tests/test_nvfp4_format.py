@@ -63,7 +63,8 @@ def test_bit_exact_with_compressed_tensors_float32():
     assert torch.equal(ours["weight_global_scale"], ref["weight_global_scale"])
     assert (ours["weight_scale"].float() < E4M3_TINY).any()  # the subnormal-scale path was exercised
     # dequantization: compressed-tensors' decompress (bf16 output) and its fp32 dequantize
-    assert torch.equal(dequantize_nvfp4(**ours, dtype=torch.bfloat16), NVFP4PackedCompressor.decompress(ref, scheme)["weight"])
+    theirs = NVFP4PackedCompressor.decompress(ref, scheme)["weight"]
+    assert torch.equal(dequantize_nvfp4(**ours, dtype=torch.bfloat16), theirs)
     codes = unpack_fp4_from_uint8(ref["weight_packed"], 64, 256, dtype=torch.float32)
     ref32 = ct_dequantize(codes, ref["weight_scale"].float(), args=scheme.weights,
                           global_scale=ref["weight_global_scale"], dtype=torch.float32)

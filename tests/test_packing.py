@@ -164,7 +164,8 @@ def test_plan_cuts_by_tokens_groups_by_prompt_and_counts_tokens():
     tiny = plan_micro_batches(*batch, 4)  # every row over the budget: one micro-batch each (the empty row joins one)
     assert [mb.rows for mb in tiny] == [slice(0, 1), slice(1, 3), *[slice(i, i + 1) for i in range(3, 8)]]
     # groups are found by their real tokens, not by a fixed G, and the padding width does not matter
-    wide = torch.cat([torch.zeros(8, 2, dtype=torch.long), pid], 1), torch.cat([torch.zeros(8, 2, dtype=torch.bool), pm], 1)
+    wide = (torch.cat([torch.zeros(8, 2, dtype=torch.long), pid], 1),
+            torch.cat([torch.zeros(8, 2, dtype=torch.bool), pm], 1))
     assert prompt_groups(*wide) == prompt_groups(pid, pm)
     with pytest.raises(ValueError, match="prefix"):
         plan_micro_batches(pid, pm, cid, cm.flip(1), ALL_IN_ONE)

@@ -1,5 +1,6 @@
-"""benchmarks/peers/serve_vllm.py on the CPU with a tiny random model (no vLLM here): the qerl way scores the adapter as `qerl eval` does, the
-vLLM way's merged model is made and its failure to import vLLM is a table row, not a crash; scoring of texts."""
+"""benchmarks/peers/serve_vllm.py on the CPU with a tiny random model (no vLLM here): the qerl way scores the adapter
+as `qerl eval` does, the vLLM way's merged model is made and its failure to import vLLM is a table row, not a crash;
+scoring of texts."""
 
 import json
 import subprocess

@@ -141,7 +141,8 @@ def test_trl_trains_on_the_prompts_qerl_draws_step_by_step(tiny_dir, tmp_path):
     prompts it is given: the same prompts in the same steps, past the end of an epoch (9 problems, 6 steps of 2),
     from the order file side_by_side.py writes; the TRL result names that file's digest."""
     pytest.importorskip("trl")
-    sbs, trl = load_peer("side_by_side"), load_peer("trl_grpo")
+    sbs = load_peer("side_by_side")
+    load_peer("trl_grpo")  # the script imports (its trl settings) before it runs as a process below
     (tmp_path / "order_probe.py").write_text(PROBE)
     job = tiny_job(tiny_dir, tmp_path)
     overrides = [*job[job.index("--set") + 1:], "seed=5", "rewards=[order_probe:record]"]

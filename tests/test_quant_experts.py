@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from qerl.formats import get_format
 from qerl.formats.fp4 import unpack_fp4
 from qerl.models.experts import dequantize_experts_into, quantize_experts
 from qerl.nn.quant_experts import QuantExperts

@@ -93,7 +93,8 @@ def test_searched_group_shares_one_global_scale_and_dequantizes_finite():
     assert torch.equal(out[0]["weight_global_scale"], out[1]["weight_global_scale"])
     for w, t in zip(ws, out):
         assert t["weight_packed"].dtype == torch.uint8 and t["weight_packed"].shape == (w.shape[0], w.shape[1] // 2)
-        assert t["weight_scale"].dtype == torch.float8_e4m3fn and t["weight_scale"].shape == (w.shape[0], w.shape[1] // 16)
+        assert t["weight_scale"].dtype == torch.float8_e4m3fn
+        assert t["weight_scale"].shape == (w.shape[0], w.shape[1] // 16)
         deq = dequantize_nvfp4(**t)
         assert torch.isfinite(deq).all()
         assert torch.equal(deq[1, 16:32], torch.zeros(16)) if w is ws[0] else True

@@ -27,7 +27,8 @@ TABLE = [
     ("gsm8k", "", (0, 0, 0, 0)),
     ("boxed", "So she makes $\\boxed{18}$.", (1, 1, 1, 1)),
     ("boxed", "#### 18", (1, 0, 1, 0)),
-    ("boxed", "First guess \\boxed{18}, but recounting gives \\boxed{17}", (0, 0, 1, 1)),  # format says nothing of right
+    # the format score says nothing of right
+    ("boxed", "First guess \\boxed{18}, but recounting gives \\boxed{17}", (0, 0, 1, 1)),
     # an unclosed box is no marker, and math-verify reads no answer from the text around it (behaviour of
     # math_reward as it stands: a completion cut off inside its box scores as having no answer)
     ("boxed", "The total is \\boxed{18", (0, 0, 0, 0)),

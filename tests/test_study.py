@@ -1,4 +1,4 @@
-"""The multi-arm, multi-seed study (qerl.bench.study, `qerl bench study`): arm parsing, aggregation,
+"""The multi-arm, multi-seed study (qerl.study, `qerl bench study`): arm parsing, aggregation,
 skipping finished jobs, the deadline, and one real end-to-end run on a tiny model on the CPU."""
 
 import json
@@ -12,8 +12,11 @@ import pytest
 import torch
 from tiny import tiny_model, tiny_tokenizer
 
-from qerl.bench import study, study_arms, study_jobs, study_report
-from qerl.bench.study import Arm, Job, StudyError
+from qerl.study import arms as study_arms
+from qerl.study import jobs as study_jobs
+from qerl.study import report as study_report
+from qerl.study import runner as study
+from qerl.study.runner import Arm, Job, StudyError
 from qerl.config import AQNSection, load_config
 
 # arms and seeds -----------------------------------------------------------------------------------
@@ -50,7 +53,8 @@ def test_arm_names_and_overrides():
     assert study_arms.parse_arm("nvfp4-rtn").name == "nvfp4"
     arm = study_arms.parse_arm("nvfp4-gptq+aqn@0.0002")
     assert (arm.name, arm.slug) == ("nvfp4-gptq+aqn@0.0002", "nvfp4-gptq_aqn_lr0.0002")
-    assert arm.overrides()[-1] == "optim.lr=0.0002" and "optim.lr" not in " ".join(study_arms.parse_arm("bf16").overrides())
+    assert arm.overrides()[-1] == "optim.lr=0.0002"
+    assert "optim.lr" not in " ".join(study_arms.parse_arm("bf16").overrides())
 
 
 def test_an_arm_init_sets_lora_init():
@@ -65,7 +69,8 @@ def test_an_arm_sigma_sets_the_aqn_schedule_at_the_papers_ratio():
     arm = study_arms.parse_arm("nvfp4-awq+aqn=0.1:linear@1e-4")
     assert (arm.name, arm.slug) == ("nvfp4-awq+aqn=0.1:linear@0.0001", "nvfp4-awq_aqn-s0.1_linear_lr0.0001")
     cfg = load_config(None, arm.overrides())
-    assert (cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.decay, cfg.optim.lr) == (0.1, pytest.approx(5e-3), "linear", 1e-4)
+    got = (cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.decay, cfg.optim.lr)
+    assert got == (0.1, pytest.approx(5e-3), "linear", 1e-4)
     default = load_config(None, study_arms.parse_arm("nvfp4+aqn").overrides())
     assert (default.aqn.sigma_start, default.aqn.sigma_end) == (AQNSection.sigma_start, AQNSection.sigma_end)
 
@@ -171,7 +176,8 @@ def test_aggregate_mean_and_sample_std():
 
 
 def test_mean_std_ignores_missing_values():
-    assert study_report.mean_std([1.0, None, float("nan"), 3.0]) == {"mean": 2.0, "std": pytest.approx(math.sqrt(2)), "n": 2}
+    want = {"mean": 2.0, "std": pytest.approx(math.sqrt(2)), "n": 2}
+    assert study_report.mean_std([1.0, None, float("nan"), 3.0]) == want
 
 
 def test_summarize_first_and_last_fifth():
@@ -383,7 +389,8 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path, capsys):
             shutil.rmtree(checkpoint)
     state = json.loads((job / "job_state.json").read_text())
     # (a job_state.json written before the strict scores existed: only the flexible "before")
-    old_state = {k: v for k, v in state.items() if k not in ("pass1_before_strict", "no_answer_before", "format_before")}
+    later = ("pass1_before_strict", "no_answer_before", "format_before")
+    old_state = {k: v for k, v in state.items() if k not in later}
     study_jobs.write_json_atomic(job / "job_state.json", {**old_state, "pass1_before": 0.125})
     assert study.main(argv) == 0
     resumed = json.loads((job / "result.json").read_text())

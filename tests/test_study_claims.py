@@ -1,8 +1,8 @@
-"""The claim-by-claim verdicts of a study (qerl.bench.study_claims) on hand-made runs."""
+"""The claim-by-claim verdicts of a study (qerl.study.claims) on hand-made runs."""
 
 import pytest
 
-from qerl.bench.study_claims import best_nvfp4_aqn, claims, claims_markdown, compare, paired, unpaired
+from qerl.study.claims import best_nvfp4_aqn, claims, claims_markdown, compare, paired, unpaired
 
 
 def run(arm, seed, before, after, first=0.2, last=0.5, entropy=0.3):
@@ -102,7 +102,8 @@ def test_a_start_below_the_margin_does_not_hold_and_missing_arms_are_not_measure
     runs = [run("bf16", 0, 0.31, 0.6), run("nvfp4+aqn", 0, 0.28, 0.6), run("nvfp4+aqn:linear", 0, 0.28, 0.5)]
     c = by_name(claims(runs))
     assert c["NVFP4 rtn starts no more than 0.01 below bf16 (held-out pass@1 before RL)"].verdict == "does not hold"
-    assert c["NVFP4 + AQN (best method) after RL >= NF4 QLoRA (held-out pass@1, paper Table 1)"].verdict == "not measured"
+    claim = "NVFP4 + AQN (best method) after RL >= NF4 QLoRA (held-out pass@1, paper Table 1)"
+    assert c[claim].verdict == "not measured"
     assert c["the exponential AQN decay at least as good as linear"].verdict == "holds"
     assert not any(name.startswith("AQN ") for name in c)  # no arm without AQN to compare with
     assert claims([]) and all(x.verdict == "not measured" for x in claims([]))

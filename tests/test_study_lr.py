@@ -1,6 +1,6 @@
-"""A learning-rate sweep read from a study's runs (qerl.bench.study_lr) on hand-made runs."""
+"""A learning-rate sweep read from a study's runs (qerl.study.lr) on hand-made runs."""
 
-from qerl.bench.study_lr import best_lrs, lr_groups, lr_sweep_markdown
+from qerl.study.lr import best_lrs, lr_groups, lr_sweep_markdown
 
 
 def run(arm, seed, reward_last, reward_first=0.2, after=None):

@@ -146,12 +146,17 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_dir, data_file, 
 
 
 # wall-clock metrics, and time_to_first_step: on the first step of each process (a resumed run has it again)
-TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_generate", "time_update", "time_step", "memory_gb", "reward/time_s",
-               "update_tflops", "time_to_first_step")
+TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_generate", "time_update", "time_step", "memory_gb",
+               "reward/time_s", "update_tflops", "time_to_first_step")
 
 
 def _deterministic(rows):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def _steps(run_dir):
+    """A run's metrics without its wall-clock keys."""
+    return _deterministic(read_metrics(run_dir / "metrics.jsonl"))
 
 
 # A checkpoint after every step; dropout draws RNG. The runs are compared metric for metric, so no outcome may
@@ -178,7 +183,8 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, data_file
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "qerl.cli", "train", *_overrides(tiny_dir, data_file, out, **KILL_RUN)],
+    cmd = [sys.executable, "-m", "qerl.cli", "train", *_overrides(tiny_dir, data_file, out, **KILL_RUN)]
+    proc = subprocess.Popen(cmd,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while True:
@@ -193,7 +199,7 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tiny_dir, data_file
     os.kill(proc.pid, signal.SIGKILL)  # no handler runs: mid-step, maybe mid-checkpoint (or after the end)
     proc.wait()
     assert main(["train", *_overrides(tiny_dir, data_file, out, **KILL_RUN), "--resume"]) == 0
-    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert _steps(out) == _steps(uninterrupted)
 
 
 def _metric_lines(run: Path) -> list[str]:
@@ -209,7 +215,7 @@ def test_killed_before_the_first_checkpoint_resume_starts_again(tiny_dir, data_f
     (out / "metrics.jsonl").write_text(_metric_lines(uninterrupted)[0])
     assert main(["train", *_overrides(tiny_dir, data_file, out, **KILL_RUN), "--resume"]) == 0
     assert "no complete checkpoint yet: starting again from step 0" in " ".join(capsys.readouterr().err.split())
-    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert _steps(out) == _steps(uninterrupted)
     # a directory that never held a run is still an error: a mistyped output_dir is not silently started
     assert main(["train", *_overrides(tiny_dir, data_file, tmp_path / "typo", **KILL_RUN), "--resume"]) == 2
     assert "no complete checkpoint to resume from" in " ".join(capsys.readouterr().err.split())
@@ -225,7 +231,7 @@ def test_a_metrics_line_cut_by_a_kill_is_redone_on_resume(tiny_dir, data_file, t
     lines = _metric_lines(uninterrupted)
     (out / "metrics.jsonl").write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])
     assert main(["train", *_overrides(tiny_dir, data_file, out, **KILL_RUN), "--resume"]) == 0
-    assert _deterministic(read_metrics(out / "metrics.jsonl")) == _deterministic(read_metrics(uninterrupted / "metrics.jsonl"))
+    assert _steps(out) == _steps(uninterrupted)
 
 
 def test_truncate_metrics_drops_later_steps_and_an_unfinished_line(tmp_path):
@@ -284,7 +290,8 @@ def test_out_of_memory_names_the_knobs(tiny_dir, data_file, tmp_path, monkeypatc
     trainer.engine_memory.keep = True  # as auto decides on a GPU where the engine fits
     with pytest.raises(TrainingAborted, match=r"kept through the update \(rollout.release_kv_cache=true frees"):
         trainer.train()
-    padded = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "padded", **{"optim.packing": False})))
+    padded = Trainer(load_config(None, _overrides(tiny_dir, data_file, tmp_path / "padded",
+                                                  **{"optim.packing": False})))
     monkeypatch.setattr(padded, "train_step", oom)
     with pytest.raises(TrainingAborted, match=r"optim.micro_batch_size \(now \d+\), rollout.prompts_per_step"):
         padded.train()

@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from qerl.bench.step import StepRunner, build_random_policy, parse_args, time_cells
+from qerl.bench.step import StepRunner, parse_args, time_cells
 from qerl.bench.update_profile import _union_ms, profile_table
 from qerl.rl.distributed import DistContext
 
 from kernel_testing import require_cuda
-from test_bench_step import TINY, _args
+from test_bench_step import TINY, _args, build_random_policy
 
 
 def test_busy_time_counts_overlapping_intervals_once():

@@ -1,12 +1,12 @@
-"""benchmarks/w4a8_weights.py: NVFP4 with power-of-two block scales converts to e4m3 (per-channel scale) exactly,
+"""experiments/w4a8_weights.py: NVFP4 with power-of-two block scales converts to e4m3 (per-channel scale) exactly,
 the standard NVFP4 weight does not, and the summary is consistent; benchmarks/w4a8_quality.py's emulation."""
 
 import torch
-from bench_scripts import load_benchmark
+from bench_scripts import load_benchmark, load_experiment
 
 from qerl.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
-w4a8 = load_benchmark("w4a8_weights")
+w4a8 = load_experiment("w4a8_weights")
 
 
 def test_power_of_two_block_scales_are_exact_in_e4m3_and_standard_ones_are_not():

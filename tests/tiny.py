@@ -1,7 +1,8 @@
 """Tiny random models and an offline tokenizer for fast unit tests (no hub access needed)."""
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}

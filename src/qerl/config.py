@@ -79,7 +79,8 @@ class ModelSection:
     compute: str = field(default="bf16", metadata={
         "help": "products of the nvfp4 / mxfp4 weights: bf16 (16-bit activations) or fp8 (W4A8: weights decoded to "
                 "e4m3, activations rounded to e4m3 per token; FP8 tensor cores on sm_89+, the same numerics emulated "
-                "in fp32 elsewhere; rollouts and loss pass alike, input gradients 16-bit; docs/formats.md)"})
+                "in fp32 elsewhere; one routing for the rollouts and the loss pass, which on a GPU keeps the decode's "
+                "small products (under 512 rows) on 16-bit activations; input gradients 16-bit; docs/formats.md)"})
     # where it runs
     dtype: str = field(default="auto", metadata={
         "help": "activations and unquantized tensors: auto = bf16 on a GPU, fp32 on the CPU (faster there)"})
@@ -316,7 +317,8 @@ _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_upd
              "data.max_prompt_tokens", "reward_timeout_s",
              "aqn.num_stages", "optim.max_bad_steps", "max_reward_failure_steps", "model.calibration.samples",
              "model.calibration.max_tokens", "data.limit")
-_OPTIONAL = ("model.calibration.samples", "optim.max_tokens_per_micro_batch", "data.limit")  # null means "choose for me" (documented at the field)
+# null means "choose for me" (documented at the field)
+_OPTIONAL = ("model.calibration.samples", "optim.max_tokens_per_micro_batch", "data.limit")
 _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_low", "algo.clip_high",
                  "rollout.temperature", "rollout.top_k", "optim.weight_decay", "optim.warmup_steps",
                  "optim.max_grad_norm", "algo.max_refills", "algo.overlong_buffer", "save_every", "keep_last",
@@ -345,7 +347,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
     if cfg.rollout.group_size < 2:
-        raise ConfigError(f"rollout.group_size must be >= 2 (group advantages need a comparison), got {cfg.rollout.group_size}")
+        raise ConfigError("rollout.group_size must be >= 2 (group advantages need a comparison), "
+                          f"got {cfg.rollout.group_size}")
     if cfg.lora.init == "eora" and cfg.lora.experts:
         raise ConfigError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs are "
                           "not collected); use lora.init loftq or turn lora.experts off")

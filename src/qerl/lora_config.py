@@ -27,7 +27,8 @@ class LoraConfig:
     init: str = field(default="zero", metadata={
         "help": "how a fresh adapter starts: zero (PEFT's: A random, B zero; the model starts as the quantized base) "
                 "| loftq (B A = the rank-r truncated SVD of the quantization residual W - Q(W), base kept as "
-                "quantized; expert stacks too) | eora (the residual's SVD in the eigenspace of each layer's input activations "
+                "quantized; expert stacks too) | eora (the residual's SVD in the eigenspace of each layer's input "
+                "activations "
                 "on the calibration text, model.calibration; not with lora.experts); qerl.models.lora_init"})
 
     def __post_init__(self):

@@ -96,7 +96,8 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
                 "tflops_fused": 2 * m * n * k / t["fused"] / 1e12,
                 "routed_vs_cublas": t["cublas"] / t["routed"], "routed_vs_deq": t["deq+cublas"] / t["routed"],
             })
-    del bf, q
+    for held in (bf, q):  # the timed lambdas hold these lists: empty them to free the weights
+        held.clear()
     torch.cuda.empty_cache()
     return rows
 
@@ -118,7 +119,8 @@ def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: in
         if cfg.split == 0:
             auto = tk.pick_config(m, out, red, sms)
             tiles = -(-out // cfg.bn) * -(-m // cfg.bm)
-            cfg = dataclasses.replace(cfg, split=tk._split_for(tiles, -(-red // cfg.bk), sms) if auto.split > 1 or m <= 64 else 1)
+            split = tk._split_for(tiles, -(-red // cfg.bk), sms) if auto.split > 1 or m <= 64 else 1
+            cfg = dataclasses.replace(cfg, split=split)
         fn = tk.nvfp4_linear_triton if kind == "forward" else tk.nvfp4_grad_input_triton
         try:
             t = _graph_time(lambda i: fn(x, **q[i % copies], config=cfg), copies * 2, replays)
@@ -180,7 +182,8 @@ def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) ->
                      "x_gemv": t["cublas"] / t["gemv"], "x_gemv_best": t["cublas"] / best[0],
                      "x_fused": t["cublas"] / t["fused"], "bw_gemv_best": (fp4_bytes + act) / best[0],
                      "bw_cublas": (2 * n * k + act) / t["cublas"]})
-    del bf, q
+    for held in (bf, q):  # the timed lambdas hold these lists: empty them to free the weights
+        held.clear()
     torch.cuda.empty_cache()
     return rows
 
@@ -238,7 +241,8 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
                      "x_swap": t["cublas"] / t["swap"], "x_swap_best": t["cublas"] / best[0],
                      "x_fused": t["cublas"] / t["fused"], "bw_swap": (fp4_bytes + act) / t["swap"],
                      "bw_cublas": (2 * n * k + act) / t["cublas"]})
-    del bf, q
+    for held in (bf, q):  # the timed lambdas hold these lists: empty them to free the weights
+        held.clear()
     torch.cuda.empty_cache()
     return rows
 
@@ -248,7 +252,8 @@ def _swap_markdown(rows: list[dict], meta: dict) -> str:
              f"command `{meta['command']}`", "",
              "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap mma.sync us (if not the "
              "default) | swap us | swap best us "
-             "(BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS swap | x cuBLAS swap best | swap TB/s | cuBLAS TB/s |",
+             "(BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS swap | x cuBLAS swap best | swap TB/s "
+             "| cuBLAS TB/s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         gemv = f"{r['t_gemv_us']:.1f}" if "t_gemv_us" in r else ""
@@ -282,8 +287,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
              "routed x deq | fused x cuBLAS | fused x deq | fused TB/s (% copy) | cuBLAS TB/s | fused TFLOP/s |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        routed = (f"{r['t_routed_us']:.1f} | {r['routed_vs_cublas']:.2f} | {r['routed_vs_deq']:.2f}" if "t_routed_us" in r
-                  else " | | ")
+        routed = (f"{r['t_routed_us']:.1f} | {r['routed_vs_cublas']:.2f} | {r['routed_vs_deq']:.2f}"
+                  if "t_routed_us" in r else " | | ")
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['kind']} | {r['M']} | "
                      f"{r['t_cublas_us']:.1f} | {r['t_deq+cublas_us']:.1f} | {r['t_fused_us']:.1f} | {routed} | "
                      f"{r['speedup_vs_cublas']:.2f} | {r['speedup_vs_deq']:.2f} | "

@@ -61,7 +61,8 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
                      **{f"x_{a}": t["cublas"] / t[a] for a in COLUMNS},
                      "tflops_cublas": 2 * m * n * k / t["cublas"] / 1e12,
                      "tflops_w4a8": 2 * m * n * k / t["w4a8"] / 1e12})
-    del bf, q, f8
+    for held in (bf, q, f8):  # the timed lambdas hold these lists: empty them to free the weights
+        held.clear()
     torch.cuda.empty_cache()
     return rows
 

@@ -6,18 +6,19 @@ A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step`), wit
 (GRPO, KL to the LoRA-disabled reference when --kl-beta > 0, gradient checkpointing), then AdamW. Completion lengths
 (EOS ignored):
 
-  forced lengths   (--completion N, the default 2048) every row exactly N tokens: the old benchmark.
-  --lengths P      a completion-length profile (`qerl.bench.length_profiles`: a name or a file): each step draws
+  forced lengths   (--completion N, the default 2048) every row exactly N tokens (equal lengths).
+  --lengths P      a completion-length profile (`qerl.data.length_profiles`: a name or a file): each step draws
                    every group's lengths from P's measured groups (seed --seed + repetition) and forces each row
                    to its drawn length; the rollout is called with P's budget as max_new_tokens, as a real step
                    is. Every cell of a repetition gets the same draw.
 
 Modes: `--schedulers continuous,static` (the engine's scheduler) x `--packing on,off` (the update packs rows into
 micro-batches of at most --max-tokens-per-micro-batch tokens, or pads micro-batches of --micro-batch rows);
-`--modes new,old` is the pair continuous+packed / static+padded. Every (variant, mode) is one cell, timed in the
-same counterbalanced rounds. Reported per cell: seconds per phase, step seconds, speedup vs the old mode
-(static+padded, same variant) and vs bf16 LoRA (same mode), kept tokens/s (real completion tokens per step
-second), decoded row-steps / kept tokens (rollout efficiency: 1 = no row decoded past its end), loss tokens
+`--modes new,old` is the pair continuous+packed (qerl train's defaults) / static+padded (the reference the packed
+paths are tested against; it frees the engine's memory after every rollout). Every (variant, mode) is one cell,
+timed in the same counterbalanced rounds. Reported per cell: seconds per phase, step seconds, speedup vs the
+static, padded reference (`old`, same variant) and vs bf16 LoRA (same mode), kept tokens/s (real completion tokens
+per step second), decoded row-steps / kept tokens (rollout efficiency: 1 = no row decoded past its end), loss tokens
 computed / needed (update efficiency), the update's useful FLOPs and its achieved TFLOP/s per GPU (`qerl.rl.flops`:
 forward and input gradient of the base and LoRA products, attention and LM head, LoRA's weight gradients; no
 recomputation), peak GPU memory; "OOM" when it does not fit. `--busy` adds one untimed step per cell profiled phase
@@ -33,9 +34,10 @@ memory excludes what the other resident variants hold (their weights, LoRA, opti
 `--order sequential` builds and times one variant at a time (for models whose variants do not fit together;
 its modes still alternate).
 
-The model is built layer by layer on the GPU (meta device, then one decoder layer materialised, randomly
-initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed does not depend on
-weight values.
+The model comes from the loader's random-weight source (`load_policy` of `random:qwen2.5-7b`,
+`qerl.models.random_weights`): built layer by layer on the GPU (meta device, then one decoder layer
+materialised, randomly initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed
+does not depend on weight values.
 
 Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the prompts (whole groups) and the
 LoRA gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
@@ -61,50 +63,29 @@ import torch
 
 from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
-from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
-from .shapes import MOE_SHAPES, QWEN25, moe_config, qwen25_config
+from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
+from ..models.shapes import MOE_SHAPES, QWEN25
 
 
 def model_config(size: str, layers: int | None = None):
-    """The random-weight config of a dense Qwen2.5 size or a `MOE_SHAPES` mixture of experts."""
-    if size in MOE_SHAPES:
-        return moe_config(size, layers)
-    if size not in QWEN25:
+    """The random-weight config of a dense Qwen2.5 size or a `MOE_SHAPES` mixture of experts (what `random_spec`
+    loads)."""
+    from ..models.random_weights import random_config, random_name
+
+    if size not in QWEN25 and size not in MOE_SHAPES:
         raise ValueError(f"unknown model size {size!r}; choose from {sorted(QWEN25) + sorted(MOE_SHAPES)}")
-    return qwen25_config(size, layers)
+    return random_config(random_name(size, layers))
 
 
-@torch.no_grad()
-def _init_(module: torch.nn.Module, generator: torch.Generator) -> None:
-    """HF-like random init in place: biases 0, other vectors (norm weights) 1, matrices N(0, 0.02)."""
-    for name, p in module.named_parameters():
-        if p.ndim == 1:
-            p.fill_(0.0 if name.endswith("bias") else 1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=generator)
-
-
-def build_random_policy(config, fmt: str, lora_r: int, device: torch.device, seed: int = 0):
-    """A random-weight causal LM whose decoder linears are QuantLinear(fmt) + LoRA r (fmt "bf16" = the
-    16-bit LoRA baseline through the same layer), built one decoder layer at a time on `device`."""
-    from ..models.stream import build_layer_by_layer
+def random_spec(size: str, fmt: str, lora_r: int, device, layers: int | None = None):
+    """The loader's spec of a random-weight policy (`qerl.models.random_weights`): decoder linears QuantLinear(fmt)
+    + LoRA r (fmt "bf16" = the 16-bit LoRA baseline through the same layer), bf16 activations, on `device`."""
+    from ..models.loader import ModelSpec
+    from ..models.random_weights import random_name
     from ..nn import LoraConfig
 
-    torch.manual_seed(seed)  # LoRA A is drawn from the default generators: identical on every rank
-    g = torch.Generator(device).manual_seed(seed)
-
-    def fill(module, prefix):
-        module.to_empty(device=device)
-        _init_(module, g)
-
-    model = build_layer_by_layer(config, fmt, LoraConfig(r=lora_r, alpha=2 * lora_r), fill, dtype=torch.bfloat16,
-                                 device=device)
-    with torch.no_grad():  # a trained-looking adapter (B = 0 would be as fast, but be honest)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 1e-3, generator=g)
-    model.config.use_cache = False
-    return model.eval()
+    return ModelSpec(random_name(size, layers), format=fmt, lora=LoraConfig(r=lora_r, alpha=2 * lora_r),
+                     dtype="bf16", device=device)
 
 
 class StepRunner:
@@ -113,31 +94,21 @@ class StepRunner:
     def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off", compute: str = "bf16"):
         from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
-        from ..rl.recompute import RecomputePlan
+        from ..rl.runtime import build_runtime
         from ..rl.update import UpdateSettings
-        from ..rollout.engine import RolloutEngine
 
         self.model, self.args, self.dist, self.sigma = model, args, dist_ctx, sigma
         enable_gradient_checkpointing(model)
-        # model.dense_weights, as the trainer does: one store for the loss pass and (all) the rollouts
-        self.dense_store = None if dense_weights == "off" else {}
-        self.engine = RolloutEngine(model, max_seq_len=args.prompt + args.budget,
-                                    dense_weights=self.dense_store if dense_weights == "all" else None)
-        self.engine_memory = EngineMemoryPolicy(RELEASE_SETTINGS[args.release_kv_cache], model.device,
-                                                dist_ctx.world > 1)
-        self.release_always = EngineMemoryPolicy(True, model.device)  # the old mode: free after every rollout
-        # model.compute, as the trainer sets it: the loss pass's layers hold the routing, the step runs in it
-        self.routing = None
-        if compute != "bf16":
-            from ..kernels.fp8_matmul import check_compute
-            from ..kernels.route import current_policy
-            from ..nn.quant_linear import set_routing_policy
-
-            check_compute(compute, model.device)
-            self.routing = dataclasses.replace(current_policy(), compute=compute)
-            set_routing_policy(model, self.routing)
-        # optim.gradient_checkpointing; auto plans against the engine memory policy of the new modes
-        self.recompute = RecomputePlan(model, CHECKPOINTING_SETTINGS[args.gradient_checkpointing], self.engine_memory)
+        # what the trainer builds around its model: the routing of model.compute, the model.dense_weights store,
+        # the engine and its memory policy (--release-kv-cache as rollout.release_kv_cache), the recompute plan
+        # (optim.gradient_checkpointing, planned against that memory policy)
+        runtime = build_runtime(model, max_seq_len=args.prompt + args.budget, compute=compute,
+                                dense_weights=dense_weights, release_kv_cache=RELEASE_SETTINGS[args.release_kv_cache],
+                                distributed=dist_ctx.world > 1,
+                                gradient_checkpointing=CHECKPOINTING_SETTINGS[args.gradient_checkpointing])
+        self.routing, self.dense_store, self.engine = runtime.routing, runtime.dense_store, runtime.engine
+        self.engine_memory, self.recompute = runtime.engine_memory, runtime.recompute
+        self.release_always = EngineMemoryPolicy(True, model.device)  # the static reference: free after every rollout
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
@@ -221,8 +192,8 @@ class StepRunner:
         on_gpu = self.model.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
-        # the old mode frees the engine's memory after every rollout, as qerl train did; the others follow
-        # --release-kv-cache as qerl train follows rollout.release_kv_cache (after an old-mode cell the graphs are
+        # the static, padded reference frees the engine's memory after every rollout; the other modes follow
+        # --release-kv-cache as qerl train follows rollout.release_kv_cache (after a reference cell the graphs are
         # gone anyway)
         from ..kernels.route import kernel_policy
 
@@ -276,10 +247,12 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
     lengths = torch.randint(T // 2, T + 1, (n,), generator=g)
     mask = torch.arange(T)[None] < lengths[:, None]
     rewards = torch.randint(0, 2, (n,), generator=g).float()
-    full = Experience(torch.randint(0, vocab, (n, args.prompt), generator=g), torch.ones(n, args.prompt, dtype=torch.bool),
+    full = Experience(torch.randint(0, vocab, (n, args.prompt), generator=g),
+                      torch.ones(n, args.prompt, dtype=torch.bool),
                       torch.randint(0, vocab, (n, T), generator=g), mask, torch.zeros(n, T), torch.zeros(n, T),
                       rewards, group_advantages(rewards, G), lengths, torch.zeros(n, dtype=torch.bool))
-    full = Experience(*(getattr(full, f).to(dev) for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
+    tensors = [f for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")]
+    full = Experience(*(getattr(full, f).to(dev) for f in tensors))
 
     def grads(exp, ctx, micro=args.micro_batch):
         sgd = torch.optim.SGD(runner.params, lr=0.0)  # lr 0: the weights stay, the gradient stays in .grad
@@ -293,7 +266,7 @@ def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
         raise RuntimeError("ranks hold different LoRA weights; the gradient check needs identical policies")
     one = grads(full, DistContext())
     share = torch.arange(n, device=dev).view(prompts, G)[rank::world].flatten()  # whole groups per rank
-    mine = Experience(*(getattr(full, f)[share] for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")))
+    mine = Experience(*(getattr(full, f)[share] for f in tensors))
     both = grads(mine, runner.dist)
     reshuffled = grads(full, DistContext(), micro=max(1, args.micro_batch // 2))
 
@@ -330,13 +303,15 @@ def _median(values):
     return statistics.median_high(values)
 
 
-def _build(config, variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
+def _build(variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
+    from ..models.loader import load_policy
+
     fmt, aqn, dense, compute = _variant(variant)
     cell = dict(model=size, variant=variant, world=dist_ctx.world)
     try:
         t = time.perf_counter()
-        model = build_random_policy(config, fmt, args.lora_r, device)
+        model, _ = load_policy(random_spec(size, fmt, args.lora_r, device, args.layers))
         if args.moe_reference:
             from ..nn.quant_experts import QuantExperts
 
@@ -487,12 +462,11 @@ def run(args, dist_ctx) -> list[dict]:
     results = []
     device = torch.device("cuda", dist_ctx.local_rank)
     for size in args.models:
-        config = model_config(size, args.layers)
         groups = [[v] for v in args.variants] if args.order == "sequential" else [list(args.variants)]
         for group in groups:
             runners, cells = {}, {}
             for variant in group:
-                cell, runner = _build(config, variant, args, dist_ctx, device, size)
+                cell, runner = _build(variant, args, dist_ctx, device, size)
                 if runner is None:
                     results.append(cell)
                     _report(results, args, dist_ctx)
@@ -570,7 +544,8 @@ def _busy_cell(r: dict) -> str:
     busy = r.get("busy")
     if not busy:
         return "-"
-    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in ("rollout", "reference", "loss_backward"))
+    phases = ("rollout", "reference", "loss_backward")
+    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in phases)
 
 
 def lengths_line(args) -> str:
@@ -679,7 +654,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b",
                     help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (4-bit MoE experts run as frozen "
-                         "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, eager)")
+                         "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, "
+                         "eager)")
     ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn",
                     help="FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in bf16,nf4,nvfp4,mxfp4,fp8 "
                          "(+dense: model.dense_weights=update, +denseall: =all; +w4a8: model.compute=fp8)")

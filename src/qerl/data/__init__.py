@@ -1,4 +1,5 @@
-"""Problems (hub, offline packages, reasoning-gym, local files) and prompt templates."""
+"""Problems (hub, offline packages, reasoning-gym, local files), prompt templates, calibration text and the
+completion-length profiles of real RL steps (`length_profiles`, which the benchmarks draw lengths from)."""
 
 from .datasets import DatasetError, filter_by_length, load_problems
 from .offline import gsm8k_test

@@ -167,7 +167,8 @@ def _read_json(path: Path) -> list:
             raise DatasetError(f"{path}: columns of different lengths {sorted(lengths)}")
         return [dict(zip(data, vals)) for vals in zip(*data.values())]
     if not isinstance(data, list):
-        raise DatasetError(f"{path}: expected a list of objects or an object of column lists, got {type(data).__name__}")
+        raise DatasetError(f"{path}: expected a list of objects or an object of column lists, "
+                           f"got {type(data).__name__}")
     return data
 
 
@@ -305,7 +306,8 @@ def load_reasoning_gym(spec: str, split: str, seed: int, limit: int | None) -> l
     try:
         import reasoning_gym
     except ImportError:
-        raise DatasetError("reasoning-gym sources need the `reasoning-gym` package (pip install reasoning-gym)") from None
+        raise DatasetError("reasoning-gym sources need the `reasoning-gym` package "
+                           "(pip install reasoning-gym)") from None
     task, _, query = spec.partition("?")
     task = task or DEFAULT_GYM_TASK
     if task not in reasoning_gym.factory.DATASETS:
@@ -360,8 +362,10 @@ def filter_by_length(rows: list[dict], tokenizer, max_prompt_tokens: int, suffix
     from .templates import GSM8K_SUFFIX, build_prompt, encode_prompt
 
     suffix = GSM8K_SUFFIX if suffix is None else suffix
-    kept = [r for r in rows
-            if len(encode_prompt(build_prompt(r["question"], tokenizer, suffix, system), tokenizer)) <= max_prompt_tokens]
+    def tokens(r):
+        return len(encode_prompt(build_prompt(r["question"], tokenizer, suffix, system), tokenizer))
+
+    kept = [r for r in rows if tokens(r) <= max_prompt_tokens]
     dropped = len(rows) - len(kept)
     if dropped:
         log.warning("dropped %d of %d problems whose prompt is longer than %d tokens", dropped, len(rows),

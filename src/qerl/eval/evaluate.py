@@ -180,7 +180,8 @@ def keep_bf16_arg(args) -> list[str]:
 
     keep = parse_keep_bf16(args.keep_bf16)
     if keep and args.format in (None, "bf16"):
-        raise ValueError("--keep-bf16 keeps layers of a quantized base in bf16: it needs --format nvfp4, mxfp4, nf4 or fp8")
+        raise ValueError("--keep-bf16 keeps layers of a quantized base in bf16: "
+                         "it needs --format nvfp4, mxfp4, nf4 or fp8")
     return keep
 
 
@@ -273,7 +274,8 @@ def run_eval(args) -> int:
         with atomic_file(out) as f:
             for p in result["per_problem"]:
                 f.write(json.dumps(p, ensure_ascii=False) + "\n")
-    console.print(summary_table(result, f"{args.model}{' + ' + args.adapter if args.adapter else ''} on {args.dataset}"))
+    title = f"{args.model}{' + ' + args.adapter if args.adapter else ''} on {args.dataset}"
+    console.print(summary_table(result, title))
     summary = {k: v for k, v in result.items() if k != "per_problem"}
     print(json.dumps({**summary, "seconds": round(seconds, 1), "dataset": args.dataset, "model": args.model,
                       "adapter": args.adapter, "out": args.out}))

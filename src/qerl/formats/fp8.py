@@ -38,7 +38,8 @@ def quantize_fp8(w: torch.Tensor, global_scale: torch.Tensor | None = None) -> d
     return {"weight": codes, "weight_scale": scale}
 
 
-def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The stored tensors -> W [N, K] in dtype (the product formed in fp32, then rounded once)."""
     return (weight.float() * weight_scale.float()).to(dtype)
 

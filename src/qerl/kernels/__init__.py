@@ -23,5 +23,5 @@ from .dispatch import quantized_linear, quantized_linear_grad_input
 from .mxfp4_matmul import mxfp4_linear, mxfp4_linear_grad_input
 from .nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
-__all__ = ["dense_weight_bytes", "dequantized_weights", "quantized_linear", "quantized_linear_grad_input", "nvfp4_linear", "nvfp4_linear_grad_input",
-           "mxfp4_linear", "mxfp4_linear_grad_input"]
+__all__ = ["dense_weight_bytes", "dequantized_weights", "quantized_linear", "quantized_linear_grad_input",
+           "nvfp4_linear", "nvfp4_linear_grad_input", "mxfp4_linear", "mxfp4_linear_grad_input"]

@@ -73,7 +73,8 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, L, H, hd], k [B, L, KV, hd]; cos, sin [B, L, hd] -> rotated (q, k), same shapes and dtype.
     On the Triton path q and k are rotated in place (they must be fresh tensors the caller owns)."""
     if use_triton(q) and cos.dtype == q.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1:

@@ -34,7 +34,8 @@ def mxfp4_linear(
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
-def mxfp4_linear_grad_input(grad_out: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def mxfp4_linear_grad_input(grad_out: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor
+                            ) -> torch.Tensor:
     """grad_out [..., N] -> grad_out @ W, [..., K] in grad_out.dtype."""
     backend = _backend("grad_input", grad_out, weight_packed)
     if backend == rt.TORCH_DEQUANTIZE:

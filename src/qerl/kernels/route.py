@@ -107,7 +107,7 @@ class KernelPolicy:
     wgmma_max_m_big: int = _TUNED["wgmma_max_m_big"]
     # the warp-specialized wgmma kernel: ws_min_m..ws_max_m rows, weights with >= ws_min_n rows and
     # >= ws_min_weight (2^27) elements (H100: docs/benchmarks.md section "Warp-specialized NVFP4 kernel",
-    # measured with `git show ba1dc43:benchmarks/wgmma_ws_ab.py`)
+    # measured with `wgmma_ws_ab.py` in docs/benchmarks.md's script list)
     ws_min_m: int = _TUNED["ws_min_m"]
     ws_max_m: int = _TUNED["ws_max_m"]
     ws_min_n: int = _TUNED["ws_min_n"]
@@ -115,7 +115,7 @@ class KernelPolicy:
     # NVFP4 input gradient dY @ W on sm_90: the Gluon kernel at grad_input_min_m..grad_input_max_m rows for
     # weights of >= grad_input_min_weight (2^26) elements, up to grad_input_max_m_big rows from
     # grad_input_big_weight (192 * 2^20) (H100: docs/benchmarks.md section "NVFP4 input gradient", measured with
-    # `git show 8441d0e:benchmarks/grad_input_ab.py`); grad_input_no_temporary: also at every other M that would
+    # `grad_input_ab.py` in docs/benchmarks.md's script list); grad_input_no_temporary: also at every other M that would
     # dequantize W into a temporary (slower from ~512 rows, but never holds an N x K 16-bit copy of W; the
     # training config's optim.grad_input_no_temporary)
     grad_input_min_m: int = _TUNED["grad_input_min_m"]
@@ -129,7 +129,7 @@ class KernelPolicy:
     big_weight: int = _TUNED["big_weight"]
     permute_x: bool | None = None  # wgmma form: force x staged (False) or pre-permuted (True); None: the rule
     # the wgmma form above swap_max_m rows on weights under big_weight (a 1.5B model's every linear; H200:
-    # docs/benchmarks.md "Small weights at rollout rows", `git show 8441d0e:benchmarks/small_weight_tiles.py`):
+    # docs/benchmarks.md "Small weights at rollout rows", `small_weight_tiles.py` in docs/benchmarks.md's script list):
     # activation rows per tile, the weight size (8 * 2^20) from which x is pre-permuted (staged below it), and,
     # above 32 rows, the fewest K tiles one split may take (each split adds an M x N fp32 partial; 128 / 0 / 1 =
     # the earlier rule)

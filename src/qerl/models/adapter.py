@@ -42,6 +42,7 @@ from ..nn import LoraConfig
 from ..quant.awq import FOLDED_SCALES, lora_between_bases
 from .atomic import atomic_directory
 from .lora_attach import add_lora, lora_parameters
+from .registry import upstream_name
 from .router import (PEFT_MODULES_TO_SAVE, module_parameters, prepare_routers, reset_routers, router_modules,
                      router_parameters)
 from .targets import quant_experts, quant_layers
@@ -113,13 +114,17 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
     """Write the model's LoRA weights as a PEFT adapter directory (atomic; `atomic_directory`'s overwrite rule,
     check_owner=False for a run's own adapter/). original_base: for a model AWQ-folded in this process, write
     the adapter of the unfolded model (False: as trained). notes: {key: text} written into the safetensors
-    metadata as `qerl_<key>` (e.g. a warning that the adapter was trained on rewards that all failed)."""
+    metadata as `qerl_<key>` (e.g. a warning that the adapter was trained on rewards that all failed).
+    base_model_name_or_path (default: the model's `_name_or_path`): the base as qerl names it; the PEFT config
+    gets the name other tools resolve (an embedded name's hub id, `registry.upstream_name`) and the safetensors
+    metadata keeps qerl's as `qerl_base_model` (`trained_base` reads it back)."""
     from peft import LoraConfig as PeftLoraConfig
 
     cfg = lora_config_of(model)
     bad = non_finite_parameters(model)
     if bad:  # nothing non-finite is ever saved: such an adapter would be accepted and silently score garbage
         raise ValueError(f"{out}: not written: {len(bad)} adapter tensors hold NaN or Inf (e.g. {bad[0]})")
+    base = base_model_name_or_path or getattr(model.config, "_name_or_path", None)
     lora = {k: v.detach() for k, v in lora_parameters(model).items()}
     scales = getattr(model, FOLDED_SCALES, None)
     if original_base and scales:
@@ -131,9 +136,11 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, use_rslora=cfg.use_rslora,
         target_modules=list(cfg.targets), bias="none", task_type="CAUSAL_LM", modules_to_save=to_save or None,
         target_parameters=expert_target_parameters(model) or None,
-        base_model_name_or_path=base_model_name_or_path or getattr(model.config, "_name_or_path", None),
+        base_model_name_or_path=upstream_name(base) if base else None,
     )
     metadata = {"format": "pt", **{f"qerl_{k}": str(v) for k, v in (notes or {}).items()}}
+    if base:
+        metadata[BASE_KEY] = str(base)
     with atomic_directory(out, overwrite, kind="adapter", check_owner=check_owner) as tmp:
         peft_cfg.save_pretrained(str(tmp))
         save_file(weights, tmp / "adapter_model.safetensors", metadata=metadata)
@@ -141,6 +148,23 @@ def save_adapter(model: nn.Module, out, base_model_name_or_path: str | None = No
 
 
 SOURCE_KEY = "qerl_source_model"  # config.json of a quantized directory: the model it was made from
+BASE_KEY = "qerl_base_model"  # adapter_model.safetensors metadata: the base as qerl names it (an embedded name)
+
+
+def trained_base(directory) -> str | None:
+    """The base model of the adapter in `directory` as qerl loads it: the `qerl_base_model` its weights file
+    records, else the PEFT config's `base_model_name_or_path` (adapters from other tools); None when neither
+    names one. OSError / ValueError when the directory's files cannot be read."""
+    from safetensors import safe_open
+
+    directory = Path(directory).expanduser()
+    weights = directory / "adapter_model.safetensors"
+    if weights.is_file():
+        with safe_open(str(weights), framework="pt") as f:
+            base = (f.metadata() or {}).get(BASE_KEY)
+        if base:
+            return base
+    return json.loads((directory / "adapter_config.json").read_text()).get("base_model_name_or_path")
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -160,9 +184,9 @@ def adapter_base_mismatch(directory, model_source: str) -> str | None:
     they agree or the adapter names none. The shapes may still fit (same architecture), so the load would
     succeed silently."""
     try:
-        base = json.loads((Path(directory) / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError):
-        return None  # load_adapter reports the broken directory
+        base = trained_base(directory)
+    except Exception:  # a broken file of any kind (safetensors raises its own error): load_adapter reports it
+        return None
     if not base:
         return None
     names = [str(model_source)]
@@ -223,7 +247,8 @@ def load_adapter(model: nn.Module, directory, original_base: bool = True) -> Lor
     cfg_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for f in (cfg_file, weights_file):
         if not f.is_file():
-            raise AdapterError(f"{f}: missing; an adapter directory needs adapter_config.json and adapter_model.safetensors")
+            raise AdapterError(f"{f}: missing; an adapter directory needs adapter_config.json and "
+                               "adapter_model.safetensors")
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:

@@ -210,11 +210,13 @@ def _warn_partial_groups(kept, names) -> None:
 def _format_of(qcfg: dict, path: Path) -> str:
     method = qcfg.get("quant_method")
     if method == "bitsandbytes":
-        if not qcfg.get("load_in_4bit") or qcfg.get("bnb_4bit_quant_type") != "nf4" or qcfg.get("bnb_4bit_use_double_quant"):
+        nf4 = qcfg.get("load_in_4bit") and qcfg.get("bnb_4bit_quant_type") == "nf4"
+        if not nf4 or qcfg.get("bnb_4bit_use_double_quant"):
             raise ModelLoadError(f"{path}: only single-quantized bitsandbytes NF4 4-bit checkpoints are supported")
         return "nf4"
     if method != "compressed-tensors":
-        raise ModelLoadError(f"{path}: quantization method {method!r} is not supported (compressed-tensors or bitsandbytes nf4)")
+        raise ModelLoadError(f"{path}: quantization method {method!r} is not supported "
+                             "(compressed-tensors or bitsandbytes nf4)")
     groups = qcfg.get("config_groups") or {}
     formats = {g.get("format") or qcfg.get("format") for g in groups.values()} or {qcfg.get("format")}
     by_ct = {v: k for k, v in CT_FORMATS.items()}

@@ -19,7 +19,9 @@ from ..lora_config import DEFAULT_TARGETS, LoraConfig
 class ModelSpec:
     """What to load and how to store its base.
 
-    name: embedded name, HF directory, GGUF file, hub id or quantized directory (`load_causal_lm`).
+    name: embedded name, HF directory, GGUF file, hub id or quantized directory (`load_causal_lm`), or random
+      weights of a known shape, `random:qwen2.5-7b[,layers=N]` (`random_weights`; built layer by layer, no
+      tokenizer).
     format: the base's weight format (nvfp4 | mxfp4 | nf4 | bf16); None keeps the model as stored (a 16-bit
       model stays plain, a quantized directory stays quantized). "bf16" is the quantized layer's 16-bit form:
       the same LoRA code path on unquantized weights.
@@ -65,6 +67,12 @@ def check_spec(spec: ModelSpec) -> None:
         check_method(spec.method, spec.format)
     if spec.method in CALIBRATED or (spec.lora is not None and spec.lora.init == "eora"):
         check_source(spec.calibration_source)
+    if spec.name.startswith("random:"):
+        from .random_weights import random_config
+
+        random_config(spec.name)  # an unknown shape
+        if spec.format is None:
+            raise ValueError(f"{spec.name}: random weights need a weight format (bf16 for 16-bit LoRA)")
     if spec.keep_bf16 and spec.format in (None, "bf16"):
         raise ValueError("keep_bf16 keeps layers of a quantized base in bf16: it needs a quantized format "
                          "(nvfp4, mxfp4, nf4 or fp8)")
@@ -88,6 +96,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     from .load import load_causal_lm, plain_hf_directory
     from .lora_attach import add_lora
     from .precision import describe_keep_bf16
+    from .random_weights import is_random, random_calibration, random_config, random_policy
     from .sources import compute_dtype
     from .stream import stream_quantized
     from .targets import quant_layers
@@ -112,8 +121,17 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
                                model=model, train_rows=train_rows)
 
     t0 = time.perf_counter()
-    directory = plain_hf_directory(spec.name) if fmt and before_quantize is None else None
-    if directory is not None:
+    directory = (plain_hf_directory(spec.name) if fmt and before_quantize is None and not is_random(spec.name)
+                 else None)
+    if is_random(spec.name):
+        config = random_config(spec.name)
+        ids = random_calibration(config, samples, spec.calibration_max_tokens) if calibrated else None
+        model, tokenizer = random_policy(config, fmt, lora, device, dtype=dtype, targets=spec.targets, method=method,
+                                         calibration=ids, keep_bf16=spec.keep_bf16,
+                                         show_progress=show_progress), None
+        if spec.embeddings:
+            quantize_input_embeddings(model, fmt)
+    elif directory is not None:
         ids = None
         if calibrated:
             from transformers import AutoTokenizer

@@ -7,20 +7,19 @@ On Qwen2.5-Coder-1.5B such an adapter scored as a bf16-trained one on the 16-bit
 its 4-bit training base (docs/results.md, "The gap is in the base").
 """
 
-import json
 from pathlib import Path
 
-from .adapter import AdapterError, read_adapter_weights
+from .adapter import AdapterError, read_adapter_weights, trained_base
 from .atomic import atomic_directory, check_output_dir
 
 
 def adapter_base(adapter) -> str:
-    """The model an adapter directory names as its base; FileNotFoundError when it is not a PEFT adapter
-    directory, ValueError when its config names no base."""
+    """The model an adapter directory names as its base, as qerl names it (`adapter.trained_base`);
+    FileNotFoundError when it is not a PEFT adapter directory, ValueError when it names no base."""
     config = Path(adapter).expanduser() / "adapter_config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{adapter}: no adapter_config.json (a PEFT adapter directory, e.g. RUN/adapter)")
-    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    base = trained_base(adapter)
     if not base:
         raise ValueError(f"{config}: names no base model; give it with --model")
     return base

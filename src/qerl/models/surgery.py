@@ -39,7 +39,8 @@ def shared_global_scales(linears: dict[str, nn.Linear], fmt: str) -> dict[str, t
     return scales
 
 
-def replace_linears(model: nn.Module, fmt: str, lora: LoraConfig | None = None, targets: Iterable[str] = DEFAULT_TARGETS,
+def replace_linears(model: nn.Module, fmt: str, lora: LoraConfig | None = None,
+                    targets: Iterable[str] = DEFAULT_TARGETS,
                     quantizer: WeightQuantizer | None = None, show_progress: bool = False,
                     covariances: dict[str, torch.Tensor] | None = None) -> None:
     """The surgery itself: every target linear of `model` (a whole model or one block) becomes a QuantLinear

@@ -1,4 +1,5 @@
-"""Layers: the quantized LoRA linear and its LoRA settings; the opt-in quantized input embedding; frozen 4-bit MoE experts."""
+"""Layers: the quantized LoRA linear and its LoRA settings; the opt-in quantized input embedding; frozen 4-bit MoE
+experts."""
 
 from .lora import DEFAULT_TARGETS, LoraConfig
 from .quant_embedding import QuantEmbedding

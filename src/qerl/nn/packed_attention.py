@@ -30,9 +30,9 @@ from transformers import AttentionInterface
 from .sinks import with_sink_column
 
 ATTN_NAME = "qerl_packed"
-# SDPA backends for the masked, padded segments. Not cuDNN: on an H200 (torch 2.11, bf16, 2026-11-26) its
-# backward gave non-finite LoRA gradients for a 1.5B model's packed micro-batches of ~500-token segments, where
-# the memory-efficient and math backends give finite ones that agree with the padded path (fp32: 1.6e-4)
+# SDPA backends for the masked, padded segments. Not cuDNN: its backward gave non-finite LoRA gradients on packed
+# micro-batches where these two give finite ones that agree with the padded path (docs/training.md, "Packed loss
+# passes")
 MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

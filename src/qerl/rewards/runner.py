@@ -5,8 +5,9 @@ None meaning "does not apply to this row". `RewardRunner.score` calls every func
 all functions concurrently, each in its own worker:
 
 * a picklable function (module-level function or object, e.g. `math_reward`, not defined in
-  `__main__`) runs in a persistent worker subprocess (`qerl.rewards.worker`); if it overruns `timeout_s` the process is killed (a hung sympy simplification
-  cannot be interrupted any other way) and a fresh one starts on the next call. In the worker the call
+  `__main__`) runs in a persistent worker subprocess (`qerl.rewards.worker`); if it overruns `timeout_s` the
+  process is killed (a hung sympy simplification cannot be interrupted any other way) and a fresh one starts on
+  the next call. In the worker the call
   runs on the main thread, so math-verify's own `signal.alarm` timeouts work there too (per item).
 * an unpicklable one (lambda, closure) runs in a daemon thread; past `timeout_s` it is abandoned (a
   thread cannot be killed: it may keep using a CPU until it returns) -- pass picklable functions.

@@ -11,7 +11,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     The std is the unbiased sample std, as in GRPO / TRL; a group with equal rewards gets all-zero advantages.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got {tuple(rewards.shape)}")
     groups = rewards.float().view(-1, group_size)
     adv = groups - groups.mean(dim=1, keepdim=True)
     if scale:

@@ -39,7 +39,8 @@ def set_rng_state(state: dict, generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, keep_last: int, name: str | None = None) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict, keep_last: int,
+                    name: str | None = None) -> Path:
     """Write checkpoints/step-NNNNNN (or checkpoints/<name>) atomically; prune to the last keep_last steps."""
     out = run_dir / "checkpoints" / (name or f"step-{step:06d}")
     with atomic_directory(out, overwrite=True, kind="checkpoint", check_owner=False) as tmp:
@@ -113,12 +114,14 @@ def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object
     key existed) are not changes; nor is the calibration text of a method that reads none."""
     old, new = _flatten(saved), _flatten(current)
     changes = [(k, old[k], v) for k, v in new.items() if k in old and old[k] != v]
-    if new.get("model.quant_method") not in CALIBRATED and old.get("model.quant_method") == new.get("model.quant_method"):
+    method = new.get("model.quant_method")
+    if method not in CALIBRATED and old.get("model.quant_method") == method:
         changes = [c for c in changes if not c[0].startswith("model.calibration.")]
     return changes
 
 
-def check_resume_changes(saved: dict, current: dict, checkpoint: Path, overrides=()) -> list[tuple[str, object, object]]:
+def check_resume_changes(saved: dict, current: dict, checkpoint: Path,
+                         overrides=()) -> list[tuple[str, object, object]]:
     """The config changes a resumed run may make -> their list; ValueError naming every other one.
 
     Keys in RESUME_KEYS (the model and the adapter's shape) can never change (`check_same_run`); keys in
@@ -132,7 +135,8 @@ def check_resume_changes(saved: dict, current: dict, checkpoint: Path, overrides
         raise ValueError(f"--override {' '.join(unknown)}: no such config key")
     unused = [k for k in overrides if k not in changed]
     if unused:
-        raise ValueError(f"--override {' '.join(unused)}: the config does not change {'it' if len(unused) == 1 else 'them'} "
+        them = "it" if len(unused) == 1 else "them"
+        raise ValueError(f"--override {' '.join(unused)}: the config does not change {them} "
                          "(nothing to override)")
     refused = [(k, a, b) for k, a, b in changes if k not in FUTURE_ONLY_KEYS and k not in overrides]
     if refused:
@@ -157,7 +161,8 @@ def load_trainer_state(checkpoint: Path) -> dict:
     try:
         state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
     except Exception as e:
-        raise ValueError(f"{checkpoint / 'trainer_state.pt'}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{checkpoint / 'trainer_state.pt'}: unreadable checkpoint "
+                         f"({type(e).__name__}: {e})") from None
     if state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{checkpoint}: checkpoint format {state.get('format_version')} != {FORMAT_VERSION} "
                          f"(written by qerl {state.get('qerl_version')})")

@@ -14,7 +14,8 @@ from ..rollout.sampling import logprob_temperature
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
-def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
     """hidden [n, D], lm_head weight [V, D], targets int64 [n] -> log softmax(h W^T / T)[target], fp32 [n]."""
     logits = F.linear(hidden, weight).float()
     if temperature != 1.0:
@@ -51,7 +52,8 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    hidden = out.last_hidden_state
     # the hidden state at position j predicts token j + 1
     h = hidden[:, P - 1:-1]
     tau = logprob_temperature(temperature)

@@ -48,9 +48,8 @@ class PackedMicroBatch:
 
 
 # token_budget: activation bytes a micro-batch may take with checkpointing (about 4 x layers x hidden bytes a
-# token), the floor (the budget before it was sized by model) and the ceiling beyond which a 1.5B step gains
-# nothing (random 1.5B-shaped bf16 LoRA, H100, GSM8K lengths: loss pass 3.51 s at 8192 tokens, 2.26 s at
-# 16384, 2.23 s at 32768)
+# token), the floor and the ceiling beyond which a 1.5B step gains nothing (the measurement: docs/training.md,
+# "Packed loss passes")
 ACTIVATION_BUDGET_BYTES = 6 * 2**30
 MIN_TOKEN_BUDGET, MAX_TOKEN_BUDGET = 8192, 16384
 
@@ -176,7 +175,8 @@ class _Rows:
                                 dev(target), dev(out), len(src), needed, tuple((p, n) for _, p, _, n in segments))
 
 
-def packed_logprobs(model, mb: PackedMicroBatch, completion_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def packed_logprobs(model, mb: PackedMicroBatch, completion_ids: torch.Tensor,
+                    temperature: float = 1.0) -> torch.Tensor:
     """log pi(completion token | prefix) of the rows `mb.rows`, fp32 [rows, T] (0 where masked): the same
     values and layout as `completion_logprobs` on those rows, from one packed forward.
 

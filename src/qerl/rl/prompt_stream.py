@@ -33,6 +33,7 @@ class PromptStream:
 
     def load_state(self, state: dict) -> None:
         if state["size"] != len(self.rows):
-            raise ValueError(f"the checkpoint's data position is for {state['size']} problems, this dataset has {len(self.rows)}")
+            raise ValueError(f"the checkpoint's data position is for {state['size']} problems, "
+                             f"this dataset has {len(self.rows)}")
         self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
         self._order = self._shuffled(self.epoch)

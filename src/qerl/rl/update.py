@@ -223,7 +223,8 @@ def _phase(timings: dict[str, float] | None, name: str, device: torch.device, ho
 
 
 def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_ctx: DistContext,
-            timings: dict[str, float] | None, hook, recompute: RecomputePlan | None, progress: dict) -> dict[str, float]:
+            timings: dict[str, float] | None, hook, recompute: RecomputePlan | None,
+            progress: dict) -> dict[str, float]:
     device = exp.completion_ids.device
     mask = exp.completion_mask
     batches = _micro_batches(exp, s)  # one plan for the reference, old and policy passes

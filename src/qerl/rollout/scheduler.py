@@ -33,9 +33,9 @@ from .stop_strings import decode_text
 # Compaction moves the live rows to the smallest batch bucket that holds them, never below MIN_COMPACT_WIDTH rows,
 # and only when that halves the width: each new width costs one decode-graph capture, per rollout where the
 # trainer frees the graphs before its backward (rollout.release_kv_cache true, data parallel), which a 7B step at
-# GSM8K lengths did not win back below about 8 rows or with 3 x 2^k widths in between (H200, 2026-11-26: 14 widths
-# made its rollout 1.2x slower than the static one); and below 8 rows a 7B decode step is no faster (its weights
-# dominate what it reads), so narrower widths would only lower the row-steps count
+# GSM8K lengths did not win back below about 8 rows or with 3 x 2^k widths in between (docs/benchmarks.md, "One RL
+# step on real completion lengths", the 14-width build); and below 8 rows a 7B decode step is no faster (its
+# weights dominate what it reads), so narrower widths would only lower the row-steps count
 MIN_COMPACT_WIDTH = 8
 COMPACT_WIDTHS = tuple(b for b in BATCH_BUCKETS if b >= MIN_COMPACT_WIDTH)
 

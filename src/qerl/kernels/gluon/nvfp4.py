@@ -151,7 +151,7 @@ def pick_config(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     (kernels/tuning/default.json, `route.tile_config`). Per row bucket the tile of `qerl bench kernels --swap`'s
     tile sweep (src/qerl/bench/kernels.py, `swap_candidates`) that was fastest most often over the
     Qwen2.5-7B/32B/72B shapes on an H200; programs per SM from the split sweep (docs/benchmarks.md,
-    "Investigation scripts no longer in the tree": `git show 8441d0e:benchmarks/split_sweep.py`)."""
+    "Investigation scripts no longer in the tree": `split_sweep.py`)."""
     return _swap_tile(tile_config(GLUON_MMA, m, n, k), k)
 
 
@@ -164,7 +164,7 @@ def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
     stages and 128 activation rows per tile for big weights, `KernelPolicy.wide_m_tile` (64) for the others. Set
     from H200 tile sweeps over BN x (BKH, NS) x programs per SM (docs/benchmarks.md; split_sweep.py timed the
     split, small_weight_tiles.py every tile and split at a small model's shapes, "Small weights at rollout rows";
-    both scripts: `git show 8441d0e:benchmarks/NAME.py`)."""
+    both scripts: `NAME.py` in docs/benchmarks.md's script list)."""
     xp = permute_x_rule(current_policy(), m, n, k)
     return _swap_tile(tile_config(GLUON_WGMMA, m, n, k, x_permuted=xp), k)
 

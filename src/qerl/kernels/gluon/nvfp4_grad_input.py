@@ -52,7 +52,7 @@ JB = gl.constexpr(JB_BYTES)
 
 def pick_config(m: int, k: int) -> tuple[int, int, int, int, int]:
     """(BM dY rows per tile, BNR weight rows per step, stages, consumer warpgroups, registers per consumer) by the
-    H100 sweep (docs/benchmarks.md, "NVFP4 input gradient"; `git show 8441d0e:benchmarks/grad_input_ab.py`): at
+    H100 sweep (docs/benchmarks.md, "NVFP4 input gradient"; `grad_input_ab.py` in docs/benchmarks.md's script list): at
     <= 64 rows four consumers of a 64-row tile (more warps decoding: the decode, not the MMA, is the limit there),
     at <= 128 a 128-row tile, above it 256 rows with 128 weight rows per step for outputs wider than 8192, else 64
     (the `gluon_grad_input` table, kernels/tuning/sm90.json, `route.tile_config`)."""

@@ -169,7 +169,8 @@ def permute_x_kernel(x_ptr, xp_ptr, M, K, stride_xm, BN: gl.constexpr, BM: gl.co
 
 
 @gluon.jit
-def _decode_tile(wq_s, ws_s, c, A: gl.constexpr, al: gl.constexpr, p: gl.constexpr, BN: gl.constexpr, BKH: gl.constexpr):
+def _decode_tile(wq_s, ws_s, c, A: gl.constexpr, al: gl.constexpr, p: gl.constexpr, BN: gl.constexpr,
+                 BKH: gl.constexpr):
     """Bytes + scales of one stage -> (lo, hi) bf16 [BN, BKH] in the wgmma A-operand layout (logical k)."""
     P: gl.constexpr = _phys_layout(al, p, BN, BKH)
     lo, hi = _decode_stage(wq_s, ws_s, c, P, P, BN, BKH)

@@ -16,7 +16,7 @@ The profile of the single-warpgroup form (docs/benchmarks.md, Known limits) show
 stall and three 4-warp programs per SM that each re-read their x tile. Here the only waits are on mbarriers and
 the two consumers share one 256-row x tile (a quarter of the x traffic per multiply of the 64 x 128 tile). What
 still costs (H100; docs/benchmarks.md, Known limits, the power-cap table, measured with
-`git show b6f0b1a:benchmarks/ws_clocks.py`): at 1024-4096 rows every variant runs at the 700 W power cap, and
+`ws_clocks.py` in docs/benchmarks.md's script list): at 1024-4096 rows every variant runs at the 700 W power cap, and
 the kernel does 0.84-0.94x the work per clock cycle of cuBLAS, with or without the decode (within 1%, 7% on one
 shape; a zero-weight variant of this kernel without the decode, measured once and not kept, ran faster because it
 drew less power: a higher clock).
@@ -50,7 +50,7 @@ RB = gl.constexpr(64)  # weight rows per consumer warpgroup (one wgmma M)
 def default_config() -> tuple[int, int, int, int]:
     """(BM x rows per tile, BKH, pipeline stages, registers per consumer): the `gluon_wgmma_ws` table
     (kernels/tuning/sm90.json, `route.tile_config`; H100, docs/benchmarks.md "Warp-specialized NVFP4 kernel",
-    measured with `git show ba1dc43:benchmarks/wgmma_ws_ab.py`)."""
+    measured with `wgmma_ws_ab.py` in docs/benchmarks.md's script list)."""
     t = tile_config(GLUON_WGMMA_WS, 0)
     return t["BM"], t["BKH"], t["NS"], t["CREGS"]
 

@@ -121,7 +121,7 @@ def _cached_tile_table(offsets: torch.Tensor, bm: int, slots: int):
 
 BN, BK = 128, 128  # weight tile (rows x columns): 128 divides every Qwen MoE hidden and expert width; BN 128
 # was the fastest of BN 32-128 x BK 128-256 x 4-8 warps x 2-4 stages at 8-256 tokens (docs/formats.md,
-# "Mixture-of-experts (first piece)"; `git show 8441d0e:benchmarks/moe_grouped_sweep.py`)
+# "Mixture-of-experts (first piece)"; `moe_grouped_sweep.py` in docs/benchmarks.md's script list)
 NUM_WARPS, NUM_STAGES = 4, 3  # read at each launch (the sweep at 8441d0e varies all four)
 
 

@@ -233,7 +233,8 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         out.stride(-2), out.stride(0) if partial else 0, per,
         HAS_GS=global_scale is not None, HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_K=k % cfg.bk == 0,
-        ASM=cfg.asm and asm_ok(x.device, x.dtype, mx, fits), INTERP=x.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
+        ASM=cfg.asm and asm_ok(x.device, x.dtype, mx, fits), INTERP=x.device.type != "cuda", num_warps=cfg.warps,
+        num_stages=cfg.stages)
     return splitk_reduce(out, bias, x.dtype) if partial else out
 
 
@@ -255,7 +256,8 @@ def fp4_grad_input(g: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
         out.stride(-2), out.stride(0) if partial else 0, per,
         HAS_GS=global_scale is not None, PARTIAL=partial,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=group, MX=mx, PREFETCH=cfg.prefetch, EVEN_N=n % cfg.bn == 0,
-        EVEN_K=k % cfg.bk == 0, ASM=cfg.asm and asm_ok(g.device, g.dtype, mx, fits), INTERP=g.device.type != "cuda", num_warps=cfg.warps, num_stages=cfg.stages)
+        EVEN_K=k % cfg.bk == 0, ASM=cfg.asm and asm_ok(g.device, g.dtype, mx, fits), INTERP=g.device.type != "cuda",
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return splitk_reduce(out, None, g.dtype) if partial else out
 
 
@@ -286,5 +288,6 @@ def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _fp4_dequant_kernel[grid](packed, scale, gs, out, n, k, packed.stride(0), scale.stride(0), out.stride(0),
                               HAS_GS=global_scale is not None, BN=bn, BK=bk, GROUP=group, MX=mx,
-                              ASM=asm_ok(packed.device, dtype, mx, fits), INTERP=packed.device.type != "cuda", num_warps=4)
+                              ASM=asm_ok(packed.device, dtype, mx, fits), INTERP=packed.device.type != "cuda",
+                              num_warps=4)
     return out

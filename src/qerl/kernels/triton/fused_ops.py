@@ -193,7 +193,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride() or hd % 2:
         raise ValueError("rope_ needs unit-stride head dims, an even head dim and cos/sin of one layout")
     _rope_kernel[(B * L,)](x, cos, sin, L, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
-                           HALF=hd // 2, BLOCK_J=triton.next_power_of_2(hd // 2), BLOCK_H=triton.next_power_of_2(H), INTERP=x.device.type != "cuda",
+                           HALF=hd // 2, BLOCK_J=triton.next_power_of_2(hd // 2), BLOCK_H=triton.next_power_of_2(H),
+                           INTERP=x.device.type != "cuda",
                            num_warps=4)
     return x
 

@@ -20,7 +20,7 @@ st.shared + bar.sync + ld.shared of the ticket; ld.global.cg of the partials.)
 Split choice (`config`): about PROGRAMS_PER_SM programs per SM, each streaming at least MIN_K_PER_SPLIT
 columns of K, and few enough splits that the last program of a tile reads all partials in at most
 RED_ROUNDS dependent rounds of RED_ELEMS elements: that tail is serial latency after the main loop. The
-constants come from a sweep on an H200 (`git show 8441d0e:benchmarks/lora_a_sweep.py`; docs/benchmarks.md,
+constants come from a sweep on an H200 (`lora_a_sweep.py`; docs/benchmarks.md,
 "Investigation scripts no longer in the tree"): the default is within 0.2 us of the best swept (splits, BR) at
 Qwen2.5-7B decode shapes; `splits` / `block_r` / `block_m` override them.
 """
@@ -35,7 +35,7 @@ from ..route import sm_count
 from ..workspace import alloc, has_persistent, persistent
 from .fp4_codes import round_to
 
-# Defaults set by the sweep of `git show 8441d0e:benchmarks/lora_a_sweep.py` (Qwen2.5-7B r16 decode shapes, M 1/8/64)
+# Defaults set by the sweep of `lora_a_sweep.py` (docs/benchmarks.md's script list; Qwen2.5-7B r16 decode, M 1/8/64)
 MIN_K_PER_SPLIT = 256  # a program streams at least this many K columns (fewer: the split overhead dominates)
 PROGRAMS_PER_SM = 2  # target programs per SM in one launch (latency-bound: enough loads in flight)
 BLOCK_M_MAX = 32  # rows per program; M = 33..64 gets 2 M tiles (halves the x bytes per program and the tail)

@@ -8,7 +8,7 @@
 
 A product that decodes in registers instead (each program turning its [BN, BK] tile into e4m3 before an FP8 tl.dot)
 measured 0.38-0.67x cuBLAS bf16 at 128-8192 rows on an H200 against 1.2-1.4x for decode + `_scaled_mm` from 2048
-rows (docs/benchmarks.md "W4A8"; `git show a4b27c2:src/qerl/kernels/triton/w4a8.py`): the per-element decode on the
+rows (docs/benchmarks.md "W4A8" names the commit): the per-element decode on the
 CUDA cores, repeated for every row tile, costs more than the FP8 math saves.
 
 Exactness: code x block scale has at most 6 significant bits and the shift is a power of two, so the fp32

@@ -6,8 +6,8 @@ channel (what a W4A8 kernel would multiply) therefore rounds some values a secon
 with every block scale a power of two (still a valid NVFP4 tensor; each value then has at most 2 significant
 bits and converts to e4m3 exactly while the row's range fits e4m3's), at the price of coarser block scales.
 
-    python benchmarks/w4a8_weights.py --model smollm2-135m-instruct
-    python benchmarks/w4a8_weights.py --model qwen2.5-coder-1.5b-instruct --out w4a8.json
+    python experiments/w4a8_weights.py --model smollm2-135m-instruct
+    python experiments/w4a8_weights.py --model qwen2.5-coder-1.5b-instruct --out w4a8.json
 
 Per model, over every target linear (sums over layers, so large layers weigh more), relative squared errors
 ||A - B||^2 / ||W||^2 against the 16-bit weight W:

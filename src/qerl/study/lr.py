@@ -13,8 +13,8 @@ reward is measured on the noisy rollouts.
 import dataclasses
 import statistics
 
-from .study_arms import parse_arm
-from .study_claims import DERIVED
+from .arms import parse_arm
+from .claims import DERIVED
 
 
 def _base(arm: str) -> str:

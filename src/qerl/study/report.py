@@ -4,7 +4,7 @@ import math
 import statistics
 from pathlib import Path
 
-from .study_arms import DEFAULT_DECAY, parse_arm
+from .arms import DEFAULT_DECAY, parse_arm
 
 # Quantities aggregated over seeds, with their table headers and decimals.
 AGGREGATED = (("pass1_before", "pass@1 before", 3), ("pass1_after", "pass@1 after", 3),

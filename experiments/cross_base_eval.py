@@ -1,8 +1,8 @@
 """Is a 4-bit arm's after-RL gap in the adapter it learned or in the base that carries it? Each trained adapter
 scored on its own base and on the other one, from `qerl eval --out` files.
 
-    python benchmarks/cross_base_eval.py DIR [--tag _t0.6n4] [--reference bf16]
-    python benchmarks/cross_base_eval.py DIR --compact OUT_DIR   # keep per-problem rewards only (for the repo)
+    python experiments/cross_base_eval.py DIR [--tag _t0.6n4] [--reference bf16]
+    python experiments/cross_base_eval.py DIR --compact OUT_DIR   # keep per-problem rewards only (for the repo)
 
 DIR holds one JSONL per (adapter, base), named `{arm}_s{seed}_on_{base}{tag}.jsonl`, as written by
 `qerl eval MODEL --adapter RUN/adapter --dataset gsm8k-offline:heldout --out FILE [--format nvfp4 --keep-bf16

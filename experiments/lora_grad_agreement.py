@@ -1,7 +1,7 @@
 """Does a 4-bit base change the first LoRA update? The LoRA gradient on a bf16 base against the one on a 4-bit
 base, same adapter initialisation, same text.
 
-    python benchmarks/lora_grad_agreement.py --model qwen2.5-coder-1.5b-instruct --format nvfp4 --keep-bf16 last:2
+    python experiments/lora_grad_agreement.py --model qwen2.5-coder-1.5b-instruct --format nvfp4 --keep-bf16 last:2
 
 The loss is the mean token log-likelihood of GSM8K training-split worked solutions given their questions (the
 chat template and the `gsm8k` suffix, as in training): the direction a policy-gradient step takes on correct
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     print(f"| bf16 base: set A vs set B (other problems) | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} | "
           f"{norm(b) / norm(a):.3f} |")
     a, b = grads[q, "A"], grads[q, "B"]
-    print(f"| {q} base: set A vs set B | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} | {norm(b) / norm(a):.3f} |")
+    print(f"| {q} base: set A vs set B | {cosine(a, b):.4f} | {median_module_cosine(a, b):.4f} "
+          f"| {norm(b) / norm(a):.3f} |")
     return 0
 
 

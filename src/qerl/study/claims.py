@@ -18,7 +18,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from .study_arms import DEFAULT_DECAY, parse_arm
+from .arms import DEFAULT_DECAY, parse_arm
 
 
 @dataclass
