@@ -19,7 +19,7 @@ import datetime
 
 import torch
 
-from qerl.bench.shapes import MOE_SHAPES
+from qerl.models.shapes import MOE_SHAPES
 
 SHAPES = {name: dict(num_experts=s["num_experts"], top_k=s["num_experts_per_tok"], hidden=s["hidden_size"],
                      inter=s["moe_intermediate_size"])

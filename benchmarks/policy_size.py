@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from qerl.bench.rollout import policy_bytes
-from qerl.bench.shapes import QWEN25, qwen25_config
+from qerl.models.shapes import QWEN25, qwen25_config
 from qerl.formats import get_format
 from qerl.models.memory import memory_report
 from qerl.models.targets import find_targets, set_module

@@ -232,7 +232,7 @@ def test_kernel_shapes_are_the_linears_of_the_models_the_step_benchmark_builds()
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from qerl.bench.kernels import MODEL_SHAPES, layer_shapes
-    from qerl.bench.shapes import QWEN25, SMOLLM2_135M, qwen25_config
+    from qerl.models.shapes import QWEN25, SMOLLM2_135M, qwen25_config
 
     configs = {size.upper(): qwen25_config(size, layers=1) for size in QWEN25}
     configs["SmolLM2"] = LlamaConfig(**dict(SMOLLM2_135M, num_hidden_layers=1))

@@ -57,7 +57,7 @@ def standin(tmp_path, monkeypatch):
     for i in range(len(SIZES)):
         write_wheel(wheels, i, piece(i))
     parts = tuple(Part(f"{p}=={VERSION}", m, s) for p, m, s in zip(PACKAGES, MEMBERS, SIZES))
-    entry = EmbeddedModel(NAME, parts, hashlib.sha256(GGUF_BYTES).hexdigest(), "standin.gguf")
+    entry = EmbeddedModel(NAME, parts, hashlib.sha256(GGUF_BYTES).hexdigest(), "standin.gguf", "example/standin")
     monkeypatch.setitem(EMBEDDED, NAME, entry)
     monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(registry.WHEEL_DIR_ENV, str(wheels))

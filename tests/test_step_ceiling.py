@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from qerl.bench.shapes import qwen25_config
+from qerl.models.shapes import qwen25_config
 from qerl.bench.step_ceiling import ceiling, decode_bytes, kv_cache_bytes, main
 
 

@@ -30,7 +30,7 @@ def random_model_dir(size: str, workdir: Path) -> Path:
     """A saved random-weight Qwen2.5 `size` model (bf16 safetensors and config; no tokenizer: prompts are ids)."""
     from transformers import AutoModelForCausalLM
 
-    from qerl.bench.shapes import qwen25_config
+    from qerl.models.shapes import qwen25_config
 
     path = workdir / f"qwen25-{size}-random"
     if not (path / "config.json").exists():
@@ -75,7 +75,7 @@ def nvfp4_dir(model_dir: Path, workdir: Path) -> Path:
 def rows_and_draws(args, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     """The prompt ids of every row (prompts x G, a prompt's rows adjacent) and the forced lengths per repeat: the
     same as `qerl bench rollout` (its `prompts_tensor` and `draw`, seed + repeat)."""
-    from qerl.bench.length_profiles import draw
+    from qerl.data.length_profiles import draw
     from qerl.bench.rollout import prompts_tensor
 
     batch = args.prompts * args.group
@@ -137,7 +137,7 @@ def run_qerl(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from qerl.bench.length_profiles import resolve_lengths
+    from qerl.data.length_profiles import resolve_lengths
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="1.5b,7b")

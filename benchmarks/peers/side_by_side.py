@@ -136,7 +136,7 @@ def qerl_importance_sampling(cfg) -> dict | None:
 
 @dataclass(frozen=True)
 class Job:
-    """What `qerl.bench.study_jobs.run_jobs` runs: a name, its directory, its log and the file that says it is done."""
+    """What `qerl.study.run_jobs` runs: a name, its directory, its log and the file that says it is done."""
 
     name: str
     dir: Path
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--report", action="store_true", help="only the table from what --out holds")
     args = ap.parse_args(argv)
-    from qerl.bench.study_jobs import run_jobs, write_json_atomic
+    from qerl.study import run_jobs, write_json_atomic
     from qerl.config import load_config
 
     names = [n.strip() for n in args.jobs.split(",") if n.strip()]

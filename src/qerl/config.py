@@ -72,8 +72,10 @@ class ModelSection:
         "help": "also store the input embedding in `format` (untied models only)"})
     dense_weights: str = field(default="off", metadata={
         "help": "keep a 16-bit copy of every 4-bit linear weight, made once and kept for the run, for the loss "
-                "pass (update) or the loss pass and rollouts (all). +2 bytes per weight for dense-matmul speed "
-                "where the 4-bit kernels lose (small models' updates; NF4, which has no fused kernel); the 4-bit "
+                "pass (update) or the loss pass and rollouts (all; on a GPU a decode step reads the copies from "
+                "kernels/tuning's dense_min_m rows, 128, and the NVFP4 / MXFP4 kernels below, where they win). +2 "
+                "bytes per weight for dense-matmul speed where the 4-bit kernels lose (small models' updates, wide "
+                "decode batches; NF4, which has no fused kernel); the 4-bit "
                 "weights stay what the policy is (the copy is their exact dequantization) and what is saved. "
                 "MoE experts keep their kernels."})
     compute: str = field(default="bf16", metadata={

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .graph_timing import graph_time as _graph_time
-from .shapes import QWEN25, SMOLLM2_135M, linear_shapes
+from ..models.shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
 # Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
 MODEL_SHAPES = {**{size.upper(): shape for size, shape in QWEN25.items()}, "SmolLM2": SMOLLM2_135M}

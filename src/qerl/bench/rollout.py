@@ -10,7 +10,7 @@ and -- as gpt-fast does -- the weight bandwidth achieved and the fraction of the
 HF `generate` runs far fewer new tokens (`--hf-new`): at ~60 ms per step a 512-token run per batch would
 cost minutes of device time; its decode rate is measured from the difference of two lengths.
 
-That is the "forced lengths" mode. With `--lengths P` (a completion-length profile, `qerl.bench.length_profiles`:
+That is the "forced lengths" mode. With `--lengths P` (a completion-length profile, `qerl.data.length_profiles`:
 a name or a file) a batch is batch / G prompts x G rows (`--group`, each prompt's rows share it, as in an RL
 step), every row forced to a length drawn from P, whole groups at a time (EOS ignored; max_new_tokens = P's
 budget, as a real step calls it), and the cell reports the rollout's seconds, kept tokens/s (real completion
@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from .length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
-from .shapes import QWEN25, qwen25_config
+from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
+from ..models.shapes import QWEN25, qwen25_config
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 

@@ -13,7 +13,7 @@ whole rollout scales with bytes read, though part of it is sampling, attention a
 import argparse
 import json
 
-from .shapes import qwen25_config
+from ..models.shapes import qwen25_config
 
 BF16_BYTES = 2
 

@@ -23,8 +23,6 @@ from rich.console import Console
 from ..config import TrainConfig, save_config, to_dict
 from ..data import DatasetError, build_prompt, encode_prompt, filter_by_length, load_problems
 from ..data.templates import resolve_suffix
-from ..kernels.fp8_matmul import check_compute
-from ..kernels.route import current_policy, kernel_policy
 from ..kernels.dequant_cache import dense_weight_bytes
 from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.adapter import check_adapter_files, non_finite_parameters
@@ -36,20 +34,17 @@ from ..models.registry import kernel_cache_dir
 from ..models.run_lock import RunLock
 from ..models.targets import quant_layers
 from ..nn.noisy_norm import median_abs_norm_weight
-from ..nn.quant_linear import set_routing_policy
 from ..rewards import RewardRunner
 from ..rewards.resolve import resolve_reward
-from ..rollout import RolloutEngine
-from ..rollout.memory import EngineMemoryPolicy
 from .checkpointing import (CONFIG_CHANGES_FILE, check_resume_changes, list_checkpoints, load_trainer_state,
                             record_config_changes, rng_state, save_checkpoint, set_rng_state)
 from .aqn import weak_noise_note
 from .collect import collect_experience, failed_rewards
 from .distributed import barrier, init_distributed, mean_metrics
 from .prompt_stream import PromptStream
-from .recompute import RecomputePlan
 from .step import rl_step
 from .stop import StopRequests, TrainingAborted, TrainingInterrupted  # noqa: F401 (re-exported)
+from .runtime import build_runtime
 from .run_log import RunLog, copy_metrics, is_run_metrics, plot_metrics, read_metrics, truncate_metrics
 from .step_metrics import add_time_metrics, add_update_metrics, experience_metrics, step_line
 from .settings import aqn_schedule, collect_settings, entropy_controller, lr_schedule, update_settings
@@ -204,21 +199,18 @@ class Trainer:
         if cfg.moe.aux_loss_coef > 0 and not cfg.moe.train_router:
             self.console.print("[yellow]moe.aux_loss_coef > 0 with a frozen router: the load-balancing loss reaches "
                                "only the LoRA weights below the routers (moe.train_router: true trains the routers)")
-        # the kernel routing of this run: the loss pass's layers hold it (`set_routing_policy`), the rollouts run in it
-        self.routing = None
-        if cfg.optim.grad_input_no_temporary or cfg.model.compute != "bf16":
-            check_compute(cfg.model.compute, self.device)
-            self.routing = dataclasses.replace(current_policy(), compute=cfg.model.compute,
-                                               grad_input_no_temporary=cfg.optim.grad_input_no_temporary)
-            set_routing_policy(self.model, self.routing)
-        # model.dense_weights: one store of 16-bit weight copies, shared by the loss pass and (all) the rollouts
-        self.dense_store = None if cfg.model.dense_weights == "off" else {}
-        self.engine = RolloutEngine(self.model, self.tokenizer,
-                                    max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                                    scheduler=cfg.rollout.scheduler,
-                                    dense_weights=self.dense_store if cfg.model.dense_weights == "all" else None)
-        self.engine_memory = EngineMemoryPolicy(cfg.rollout.release_kv_cache, self.device, self.dist.enabled)
-        self.recompute = RecomputePlan(self.model, cfg.optim.gradient_checkpointing, self.engine_memory)
+        # what the steps run on besides the model (`runtime.build_runtime`, as `qerl bench step` builds it): the
+        # kernel routing the loss pass's layers hold and the rollouts run in, the store of 16-bit weight copies
+        # (model.dense_weights), the engine, its memory policy and the recompute plan
+        runtime = build_runtime(self.model, self.tokenizer,
+                                max_seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                                scheduler=cfg.rollout.scheduler, compute=cfg.model.compute,
+                                grad_input_no_temporary=cfg.optim.grad_input_no_temporary,
+                                dense_weights=cfg.model.dense_weights, release_kv_cache=cfg.rollout.release_kv_cache,
+                                distributed=self.dist.enabled, gradient_checkpointing=cfg.optim.gradient_checkpointing)
+        self.runtime = runtime
+        self.routing, self.dense_store, self.engine = runtime.routing, runtime.dense_store, runtime.engine
+        self.engine_memory, self.recompute = runtime.engine_memory, runtime.recompute
         rows = filter_by_length(rows, self.tokenizer, cfg.data.max_prompt_tokens, suffix=cfg.data.suffix,
                                 system=cfg.data.system)
         self.stream = PromptStream(rows, cfg.seed)
@@ -290,9 +282,8 @@ class Trainer:
 
     def kernel_routing(self):
         """The run's kernel routing as a scope (model.compute, optim.grad_input_no_temporary) for work done with
-        its engine: the rollouts, and an evaluation through `self.engine` (the engine's products read the scope,
-        not the layers)."""
-        return contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing)
+        its engine: the rollouts, and an evaluation through `self.engine` (`Runtime.kernel_routing`)."""
+        return self.runtime.kernel_routing()
 
     # one step ---------------------------------------------------------------------------------
 
