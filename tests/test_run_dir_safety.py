@@ -157,7 +157,9 @@ def test_an_unwritable_output_path_is_refused_before_any_work(command, root, tin
 
 
 @pytest.mark.parametrize("item", ["optim.lr=inf", "optim.lr=5", "optim.max_grad_norm=inf",
-                                  "rollout.temperature=.inf", "reward_weights=[1.0, inf]"])
+                                  "rollout.temperature=.inf", "reward_weights=[1.0, inf]", "optim.weight_decay=3",
+                                  "aqn.sigma_start=2", "aqn.sigma_end=1.5", "rollout.temperature=50",
+                                  "algo.kl_beta=100", "algo.clip_high=20"])
 def test_infinite_or_absurd_hyper_parameters_are_refused_with_the_config_checks(item):
     with pytest.raises(ConfigError, match=item.split("=")[0].replace(".", r"\.")):
         load_config(None, [item, "rewards=[a, b]"] if item.startswith("reward_weights") else [item])

@@ -327,7 +327,13 @@ _NON_NEGATIVE = ("aqn.sigma_start", "aqn.sigma_end", "algo.kl_beta", "algo.clip_
                  "moe.aux_loss_coef")
 
 # Values no run means: past these the first update wrecks the adapter (AdamW moves every weight by ~lr per step).
-_ABSURD = (("optim.lr", 1.0, "AdamW moves each LoRA weight by about lr per step; LoRA RL uses 1e-6 to 1e-4"),)
+_ABSURD = (("optim.lr", 1.0, "AdamW moves each LoRA weight by about lr per step; LoRA RL uses 1e-6 to 1e-4"),
+           ("optim.weight_decay", 1.0, "AdamW shrinks each weight by lr * weight_decay per step; 0 to 0.1 is usual"),
+           ("aqn.sigma_start", 1.0, "the noise is relative to RMSNorm weights of about 1; the paper starts at 1e-2"),
+           ("aqn.sigma_end", 1.0, "the noise is relative to RMSNorm weights of about 1; the paper ends at 5e-4"),
+           ("rollout.temperature", 10.0, "past a few the sampled tokens are close to uniform over the vocabulary"),
+           ("algo.kl_beta", 10.0, "the KL penalty would outweigh every advantage; GRPO uses 0 to 0.1"),
+           ("algo.clip_high", 10.0, "the ratio clip 1 + clip_high would never bind; 0.2 to 0.28 is usual"))
 
 
 def _get(cfg, dotted: str):
