@@ -219,3 +219,26 @@ def test_a_non_finite_adapter_is_never_saved_and_eval_refuses_one(tiny_dir, data
     err = capsys.readouterr().err
     assert "model.adapter: " in err and "hold NaN or Inf" in err and "model ready" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_lock_is_taken_when_another_run_makes_the_directory_first(tmp_path, monkeypatch):
+    """Two runs started together both find no output_dir: the one whose mkdir loses the race still locks (and,
+    not having made the directory, never removes it); seen as "[Errno 17] File exists" on a 2-core machine."""
+    from qerl.models.run_lock import RunLock
+
+    out = tmp_path / "run"
+    real_mkdir = Path.mkdir
+
+    def beaten_to_it(self, *args, **kwargs):  # the other run's mkdir lands between our look and ours
+        if self == out:
+            real_mkdir(self)
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", beaten_to_it)
+    lock = RunLock(out).acquire()
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    try:
+        assert (out / ".qerl-lock").is_file()
+    finally:
+        lock.release()
+    assert out.is_dir()  # the other run's directory stays

@@ -37,9 +37,11 @@ class RunLock:
         self.stale_note = None  # set when a dead process's lock was taken over: the caller may say so
 
     def acquire(self) -> "RunLock":
-        if not self.directory.exists():
+        try:  # two runs may start together: exactly one of them makes the directory
             self.directory.mkdir(parents=True)
             self._made_dir = True
+        except FileExistsError:
+            pass
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
