@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("merge", help="merge a trained adapter into the 16-bit model (a Hugging Face directory)")
     m.add_argument("adapter", help="PEFT adapter directory (e.g. a `qerl train` run's adapter/)")
     m.add_argument("--out", required=True, help="output directory (written atomically)")
-    m.add_argument("--model", help="the 16-bit model to merge into (default: the adapter's base_model_name_or_path)")
+    m.add_argument("--model", help="the 16-bit model to merge into (default: the model qerl train loaded, which the "
+                                   "adapter records as qerl_base_model; else its base_model_name_or_path)")
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="dtype of the merged weights")
     m.add_argument("--device", default="cpu", help="where the merge runs (cpu, cuda, cuda:N)")
     m.add_argument("--overwrite", action="store_true",

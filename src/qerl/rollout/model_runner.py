@@ -9,7 +9,8 @@ adapter snapshot (`lora_snapshot`), and attention over the static KV cache (torc
 steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`, gpt-oss's sinks and windows
 included). On CUDA each residual add with the RMSNorm after it, RoPE on q/k (at decode, with the k/v cache
 write) and SiLU(gate) * up run as one Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and
-eps are read on every call, so AQN's in-place noise is seen); elsewhere the same ops run eagerly.
+eps are read on every call, so AQN's in-place noise is seen), and at decode rows the norm before q/k/v and before
+gate/up also computes their LoRA A product in its launch (`add_norm_lora_a`); elsewhere the same ops run eagerly.
 
 Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE: an `mlp` with `experts` and a router `gate`) run their
 sparse-MoE block as the model does, `mlp(x)` on the normed x [B, L, D] (router, top-k, experts -- HF's or
