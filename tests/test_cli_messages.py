@@ -14,13 +14,12 @@ import pytest
 from qerl.cli import main
 from qerl.config import ConfigError, load_config
 
+from tiny import write_arith
+
 
 @pytest.fixture
 def data_file(tmp_path):
-    path = tmp_path / "arith.jsonl"
-    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 3) for b in range(1, 2)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_arith(tmp_path / "arith.jsonl", range(1, 3), range(1, 2))
 
 
 def test_help_lists_every_bench_subcommand(capsys):

@@ -15,6 +15,8 @@ import yaml
 
 from qerl.cli import main
 
+from tiny import tiny_run_args, write_arith
+
 USER_FILES = {"thesis.txt": "four years of work", "figures/plot.txt": "data"}
 
 
@@ -56,19 +58,11 @@ def no_model_load(monkeypatch):
 
 @pytest.fixture
 def data_file(tmp_path):
-    path = tmp_path / "arith.jsonl"
-    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_arith(tmp_path / "arith.jsonl")
 
 
 def _train_args(tiny_dir, data_file, out, **extra):
-    base = {"model.name": str(tiny_dir), "data.train": str(data_file), "data.max_prompt_tokens": 32,
-            "data.suffix": "none", "rollout.prompts_per_step": 2, "rollout.group_size": 2,
-            "rollout.max_new_tokens": 4, "lora.r": 4, "lora.alpha": 8, "steps": 2, "save_every": 1,
-            "output_dir": str(out), "tensorboard": False, "plots": False, "reward_timeout_s": 30}
-    base.update(extra)
-    return ["train", *(f"{k}={v}" for k, v in base.items())]
+    return ["train", *tiny_run_args(tiny_dir, data_file, out, **extra)]
 
 
 # 1. output directories: --overwrite replaces only what qerl wrote -----------------------------------------------

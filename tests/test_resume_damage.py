@@ -2,30 +2,22 @@
 adapter in the newest checkpoint, no --config at hand, an override where the checkpoint's path would go, and
 a directory whose metrics.jsonl is the user's own."""
 
-import json
 
 import pytest
 
 from qerl.cli import main
 from qerl.rl.run_log import read_metrics
 
+from tiny import tiny_run_args, write_arith
+
 
 @pytest.fixture
 def data_file(tmp_path):
-    path = tmp_path / "arith.jsonl"
-    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_arith(tmp_path / "arith.jsonl")
 
 
 def _train(tiny_dir, data_file, out, **extra):
-    base = {"model.name": str(tiny_dir), "data.train": str(data_file), "data.max_prompt_tokens": 32,
-            "data.suffix": "none", "rollout.prompts_per_step": 2, "rollout.group_size": 2,
-            "rollout.max_new_tokens": 4, "lora.r": 4, "lora.alpha": 8, "steps": 2, "save_every": 1,
-            "output_dir": str(out), "tensorboard": False, "plots": False, "reward_timeout_s": 30,
-            "rewards": "[tiny_rewards:digit_reward]"}
-    base.update(extra)
-    return ["train", *(f"{k}={v}" for k, v in base.items())]
+    return ["train", *tiny_run_args(tiny_dir, data_file, out, **{"rewards": "[tiny_rewards:digit_reward]", **extra})]
 
 
 def _steps(run):

@@ -18,6 +18,8 @@ from qerl.config import ConfigError, load_config
 from qerl.rl.run_log import read_metrics
 from qerl.rl.trainer import Trainer
 
+from tiny import tiny_run_args, write_arith
+
 # A reward that takes its time, so that a run lasts long enough for a second one to start beside it.
 LOCK_FILE = ".qerl-lock"  # qerl.models.run_lock.LOCK_FILE; spelled here so each test fails on its own
 
@@ -33,20 +35,11 @@ SLOW_REWARD = textwrap.dedent('''
 
 @pytest.fixture
 def data_file(tmp_path):
-    path = tmp_path / "arith.jsonl"
-    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_arith(tmp_path / "arith.jsonl")
 
 
 def _overrides(tiny_dir, data_file, out, **extra):
-    base = {"model.name": str(tiny_dir), "data.train": str(data_file), "data.max_prompt_tokens": 32,
-            "data.suffix": "none", "rollout.prompts_per_step": 2, "rollout.group_size": 2,
-            "rollout.max_new_tokens": 4, "lora.r": 4, "lora.alpha": 8, "steps": 2, "save_every": 1,
-            "output_dir": str(out), "tensorboard": False, "plots": False, "reward_timeout_s": 30,
-            "rewards": "[tiny_rewards:digit_reward]"}
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+    return tiny_run_args(tiny_dir, data_file, out, **{"rewards": "[tiny_rewards:digit_reward]", **extra})
 
 
 def _env(*paths):

@@ -1,7 +1,6 @@
 """`qerl train` refuses to lie: a reward that always fails stops the run (with a checkpoint), a bad reward or
 data source is reported before the model loads, and the GPU's first-step compilation is announced."""
 
-import json
 import os
 import textwrap
 
@@ -13,6 +12,8 @@ from qerl.config import ConfigError, load_config
 from qerl.models.registry import persist_compiled_kernels
 from qerl.rl.run_log import read_metrics
 from qerl.rl.trainer import Trainer, compile_notice
+
+from tiny import write_arith
 
 # Reward functions of a user module, imported by name ("guard_rewards:always_raises") in the reward worker.
 GUARD_REWARDS = textwrap.dedent('''
@@ -37,10 +38,7 @@ GUARD_REWARDS = textwrap.dedent('''
 
 @pytest.fixture
 def data_file(tmp_path):
-    path = tmp_path / "arith.jsonl"
-    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in range(1, 6) for b in range(1, 6)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_arith(tmp_path / "arith.jsonl", range(1, 6), range(1, 6))
 
 
 @pytest.fixture

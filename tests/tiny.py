@@ -34,3 +34,22 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def write_arith(path, a_values=range(1, 5), b_values=range(1, 5)):
+    """A JSONL problem file of sums "a+b=?" (answer a + b) for every a, b given; returns path."""
+    import json
+
+    rows = [{"question": f"{a}+{b}=?", "answer": str(a + b)} for a in a_values for b in b_values]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny_run_args(tiny_dir, data_file, out, **extra) -> list[str]:
+    """`qerl train` KEY=VALUE overrides of a seconds-long run on the tiny model (2 prompts x 2, 4 new tokens, 2
+    steps, a checkpoint each), extra keys added or replacing these."""
+    base = {"model.name": str(tiny_dir), "data.train": str(data_file), "data.max_prompt_tokens": 32,
+            "data.suffix": "none", "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+            "rollout.max_new_tokens": 4, "lora.r": 4, "lora.alpha": 8, "steps": 2, "save_every": 1,
+            "output_dir": str(out), "tensorboard": False, "plots": False, "reward_timeout_s": 30, **extra}
+    return [f"{k}={v}" for k, v in base.items()]

@@ -50,16 +50,27 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, res_ptr, out_ptr, D, stride_h, str
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
+    _norm_row(h_ptr, d_ptr, w_ptr, res_ptr, out_ptr, row, offs, mask, mask, D, stride_h, stride_d, stride_r,
+              stride_o, eps, HAS_DELTA, INTERP)
+
+
+@triton.jit
+def _norm_row(h_ptr, d_ptr, w_ptr, res_ptr, out_ptr, row, offs, mask, store_mask, D, stride_h, stride_d, stride_r,
+              stride_o, eps, HAS_DELTA: tl.constexpr, INTERP: tl.constexpr):
+    """One row's s = h + d (rounded, stored to res) and out = w * round(s * rsqrt(mean(s^2) + eps)) (stored), both
+    where store_mask holds; returns out in the output dtype."""
     dtype = out_ptr.dtype.element_ty
     x = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         x += tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
         x = _rounded(x, dtype, INTERP)
-        tl.store(res_ptr + row * stride_r + offs, x.to(dtype), mask=mask)
+        tl.store(res_ptr + row * stride_r + offs, x.to(dtype), mask=store_mask)
     var = tl.sum(x * x, axis=0) / D
     y = _rounded(x * tl.math.rsqrt(var + eps), dtype, INTERP)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, round_to(w * y, dtype, INTERP), mask=mask)
+    out = round_to(w * y, dtype, INTERP)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=store_mask)
+    return out
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -100,20 +111,11 @@ def _add_rms_norm_lora_a_kernel(h_ptr, d_ptr, w_ptr, a_ptr, res_ptr, out_ptr, xa
     if PDL:  # launched early (`pdl`): every load of h / d and every store waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
-    dtype = out_ptr.dtype.element_ty
     keep = offs < tl.where(pid_r == 0, D, 0)  # the sum and the norm are stored by r block 0 only
-    x = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        x += tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _rounded(x, dtype, INTERP)
-        tl.store(res_ptr + row * stride_r + offs, x.to(dtype), mask=keep)
-    var = tl.sum(x * x, axis=0) / D
-    y = _rounded(x * tl.math.rsqrt(var + eps), dtype, INTERP)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out = round_to(w * y, dtype, INTERP)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=keep)
+    out = _norm_row(h_ptr, d_ptr, w_ptr, res_ptr, out_ptr, row, offs, mask, keep, D, stride_h, stride_d, stride_r,
+                    stride_o, eps, HAS_DELTA, INTERP)
     xa = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1)  # the product of the stored values
-    tl.store(xa_ptr + row * stride_xa + rr, round_to(xa, dtype, INTERP), mask=rmask)
+    tl.store(xa_ptr + row * stride_xa + rr, round_to(xa, out_ptr.dtype.element_ty, INTERP), mask=rmask)
 
 
 NORM_LORA_A_ELEMS = 8192  # a-tile elements per program: BR rows of a x the padded D, in registers
