@@ -32,8 +32,13 @@ def side_by_side(*args):
 def test_a_qerl_job_trains_is_scored_on_both_bases_and_is_not_run_again(tiny_dir, tmp_path):
     out = tmp_path / "peers"
     job = tiny_job(tiny_dir, tmp_path)
-    first = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", *job)
+    trained = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", "--no-eval", *job)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    assert (out / "qerl-nvfp4_s0" / "run" / "adapter" / "adapter_config.json").is_file()
+    assert not list((out / "qerl-nvfp4_s0").glob("eval_*"))  # --no-eval: trained only
+    first = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", "--eval-parallel", "2", *job)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "[start] qerl-nvfp4_s0 " not in first.stdout + first.stderr  # the finished training is kept
     row = json.loads((out / "side_by_side.json").read_text())["rows"][0]
     assert row["job"] == "qerl-nvfp4" and row["seeds"] == 1
     assert row["median_step_s"] > 0 and row["first_step_s"] > 0

@@ -298,7 +298,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0", help="comma-separated")
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--gpus", default="0", help="CUDA devices to spread the jobs over, e.g. 0,1,2,3")
-    ap.add_argument("--parallel", type=int, default=0, help="jobs at once (default: one per GPU)")
+    ap.add_argument("--parallel", type=int, default=0, help="training jobs at once (default: one per GPU)")
+    ap.add_argument("--eval-parallel", type=int, default=0,
+                    help="evaluations at once (default: --parallel); they time nothing, so several may share a GPU")
+    ap.add_argument("--no-eval", action="store_true", help="train only; a later run evaluates what is finished")
     ap.add_argument("--test", default="gsm8k-offline:heldout")
     ap.add_argument("--eval-limit", type=int, default=500)
     ap.add_argument("--out", required=True)
@@ -318,6 +321,8 @@ def main(argv=None) -> int:
         ap.error(f"--seeds {args.seeds!r}: comma-separated integers")
     if args.steps < 1 or args.eval_limit < 1 or not seeds:
         ap.error("--steps and --eval-limit must be >= 1, and --seeds must name one seed or more")
+    if args.parallel < 0 or args.eval_parallel < 0:
+        ap.error("--parallel and --eval-parallel must be >= 0 (0: the default)")
     cfg = load_config(args.config, args.set)
     out = Path(args.out)
     plan = {n: [train_job(out, n, s, args) for s in seeds] for n in names}
@@ -335,11 +340,13 @@ def main(argv=None) -> int:
             run_jobs(train, lambda j: list(j.argv), parallel=parallel, devices=gpus)
         evals = [e for name, jobs in plan.items() for j in jobs for e in eval_jobs(j, name, cfg, args)
                  if (args.dry_run or j.result_path.is_file()) and not e.result_path.is_file()]
+        if args.no_eval:
+            evals = []
         if args.dry_run:
             for e in evals:
                 print(shlex.join(e.argv))
             return 0
-        run_jobs(evals, lambda e: list(e.argv), parallel=parallel, devices=gpus)
+        run_jobs(evals, lambda e: list(e.argv), parallel=args.eval_parallel or parallel, devices=gpus)
     table = report(plan, cfg, args, seeds)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "side_by_side.json", {"config": args.config, "overrides": args.set, "steps": args.steps,
