@@ -18,8 +18,8 @@ import tempfile
 
 import torch
 
-from qerl.bench.graph_timing import graph_time
-from qerl.bench.kernels import _weights, copy_bandwidth, layer_shapes
+from qerl.bench.graph_timing import copy_bandwidth, graph_time
+from qerl.bench.kernels import _weights, layer_shapes
 
 
 SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)")  # "/*0070*/ @P0 IMAD.MOV ..."

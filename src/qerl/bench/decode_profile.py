@@ -327,7 +327,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from ..rollout.engine import RolloutEngine
-    from .rollout import build_model, copy_bandwidth, free
+    from .graph_timing import copy_bandwidth
+    from .rollout import build_model, free
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")

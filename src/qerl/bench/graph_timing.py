@@ -1,6 +1,8 @@
-"""Time a GPU function the way the kernel benchmarks do: many calls captured in one CUDA graph, replays timed."""
+"""Time a GPU function the way the kernel benchmarks do (many calls captured in one CUDA graph, replays timed), and
+the device-copy bandwidth every benchmark's floor divides by."""
 
 import statistics
+import time
 
 import torch
 
@@ -32,3 +34,20 @@ def graph_time(fn, calls: int, replays: int) -> float:
     """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
     g = capture_calls(fn, calls)
     return statistics.median(replay_seconds(g, calls) for _ in range(replays))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second: the floor's denominator in every benchmark
+    (`qerl bench rollout|kernels`, `decode_profile`)."""
+    x = torch.randn(512 * 2**20, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 4 * 10 / (time.perf_counter() - t)
+    del x, y
+    return bw

@@ -21,7 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from .graph_timing import graph_time as _graph_time
+from .graph_timing import copy_bandwidth, graph_time as _graph_time
 from ..models.shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
 # Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
@@ -33,14 +33,6 @@ BACKWARD_M = (16, 256, 1024, 4096)
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """{layer: (N, K)} for y[M, N] = x[M, K] @ W[N, K]^T."""
     return linear_shapes(MODEL_SHAPES[model])
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB buffers."""
-    a = torch.empty(1 << 29, dtype=torch.int16, device="cuda").random_()
-    b = torch.empty_like(a)
-    t = _graph_time(lambda i: b.copy_(a), 4, 10)
-    return 2 * a.numel() * a.element_size() / t
 
 
 def _weights(n: int, k: int, copies: int):

@@ -35,6 +35,7 @@ import torch
 
 from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
 from ..models.shapes import QWEN25, qwen25_config
+from .graph_timing import copy_bandwidth
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
@@ -77,22 +78,6 @@ def policy_bytes(model) -> tuple[int, int]:
     else:  # (the tie test also holds for a model built on the meta device, where every data_ptr is 0)
         emb_bytes = 0 if input_embeddings_tied(model) else emb.weight.numel() * emb.weight.element_size()
     return total - emb_bytes, total
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (the floor's denominator)."""
-    x = torch.randn(512 * 2**20, device="cuda")  # 2 GiB
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * 4 * 10 / (time.perf_counter() - t)
-    del x, y
-    return bw
 
 
 def timed(fn) -> float:
