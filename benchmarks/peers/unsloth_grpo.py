@@ -18,6 +18,7 @@ sampling applies as in the TRL job, which Unsloth's patched loss honours), the p
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = empty_output(args.out)
 
+    # its full messages in the job log: the one failure seen (its tokenizer patch, docs/peers.md) printed only a summary
+    os.environ.setdefault("UNSLOTH_ENABLE_LOGGING", "1")
     import unsloth  # first among the ML imports: it patches transformers, peft and trl as they import
     from unsloth import FastLanguageModel
 
