@@ -31,8 +31,9 @@ def _batch(groups=16, G=8, P=200, T=512, seed=0):
     return tuple(t.cuda() for t in (torch.stack(pid), torch.stack(pm), cid, mask))
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_pass_equals_padded_on_cuda(dtype):
+def test_packed_pass_equals_padded_on_cuda(dtype, attention):
     require_cuda()
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=1000, hidden_size=1536, intermediate_size=2048, num_hidden_layers=2,
@@ -54,7 +55,7 @@ def test_packed_pass_equals_padded_on_cuda(dtype):
         return logp.detach(), {n: p.grad.float() for n, p in lora_parameters(model).items()}
 
     ref_lp, ref_g = run(lambda: completion_logprobs(model, *batch))
-    plan = plan_micro_batches(*batch, 8192)
+    plan = plan_micro_batches(*batch, 8192, attention)
     assert len(plan) > 2
     lp, grads = run(lambda: torch.cat([packed_logprobs(model, mb, batch[2]) for mb in plan]))
     assert all(torch.isfinite(g).all() for g in grads.values()), "non-finite LoRA gradient"

@@ -26,6 +26,8 @@ OLD_LOGPROBS = ("recompute", "sampling")
 GRADIENT_CHECKPOINTING = ("auto", True, False)
 # optim.schedule: the learning-rate schedules after the warmup (`qerl.rl.lr_schedule`)
 SCHEDULES = ("constant", "cosine")
+# optim.packed_attention: the attention of the packed loss passes (`qerl.nn.packed_attention`)
+PACKED_ATTENTION = ("sdpa", "flex")
 # rollout.scheduler: the rollout engine's schedulers (`qerl.rollout.scheduler`)
 SCHEDULERS = ("continuous", "static")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from .choices import (ALGOS, COMPUTE, DECAYS, DENSE_WEIGHTS, FORMAT_NAMES, GRADIENT_CHECKPOINTING, LORA_INITS, METHODS,
-                      OLD_LOGPROBS, SCHEDULERS, SCHEDULES, check_keep_bf16)
+                      OLD_LOGPROBS, PACKED_ATTENTION, SCHEDULERS, SCHEDULES, check_keep_bf16)
 from .lora_config import DEFAULT_TARGETS, LoraConfig
 
 
@@ -226,6 +226,10 @@ class OptimSection:
     packing: bool = field(default=True, metadata={
         "help": "loss passes without padding: micro-batches cut by tokens, each group's prompt forwarded once "
                 "(docs/training.md)"})
+    packed_attention: str = field(default="sdpa", metadata={
+        "help": "the packed passes' attention: sdpa, each segment gathered into padded views for SDPA (the "
+                "reference), or flex, the stream attended in place by FlexAttention with a block mask (CUDA; not "
+                "for attention sinks)"})
     max_tokens_per_micro_batch: int | None = field(default=None, metadata={
         "help": "tokens per packed forward / backward (prompts once per micro-batch + completion tokens): "
                 "memory vs speed; with checkpointing ~0.4 MB a token at 7B, ~1.6 MB at 72B (the gradient is the "
@@ -312,6 +316,7 @@ _CHOICES = {
     "algo.name": ALGOS,
     "algo.old_logprobs": OLD_LOGPROBS,
     "optim.gradient_checkpointing": GRADIENT_CHECKPOINTING,
+    "optim.packed_attention": PACKED_ATTENTION,
     "optim.schedule": SCHEDULES,
 }
 _POSITIVE = ("rollout.prompts_per_step", "rollout.max_new_tokens", "algo.num_updates",

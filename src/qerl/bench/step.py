@@ -61,6 +61,7 @@ import time
 
 import torch
 
+from ..choices import PACKED_ATTENTION
 from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
 from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
@@ -116,7 +117,8 @@ class StepRunner:
 
         tokens = args.max_tokens_per_micro_batch or token_budget(model.config)  # None: qerl train's default
         self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.budget),
-                                       micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=tokens)
+                                       micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=tokens,
+                                       packed_attention=args.packed_attention)
         self.generator = torch.Generator(model.device).manual_seed(1 + dist_ctx.rank)
 
     def resident_bytes(self) -> int:
@@ -672,6 +674,8 @@ def parse_args(argv=None):
     ap.add_argument("--schedulers", default=None, help="comma list of the engine's schedulers: continuous, static "
                                                        "(default continuous)")
     ap.add_argument("--packing", default=None, help="comma list of on (packed micro-batches), off (padded); default on")
+    ap.add_argument("--packed-attention", default="sdpa", choices=PACKED_ATTENTION,
+                    help="the packed passes' attention (optim.packed_attention)")
     ap.add_argument("--modes", default=None, help="comma list of new (continuous + packing on), old (static + "
                                                   "packing off); instead of --schedulers / --packing")
     ap.add_argument("--warmup-completion", type=int, default=32,

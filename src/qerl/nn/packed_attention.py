@@ -10,7 +10,8 @@ similar-sized segments (`packed_layout`), then the outputs are put back in packe
 only inside attention, never in the linear layers, and every query sees at least key 0 (no fully masked
 softmax row). The shared prompt's gradient is the sum over its group's completions, as with G copies.
 Attention sinks (gpt-oss's per-head `s_aux` logits) enter as one extra zero key whose mask entry is the sink
-(`with_sink_column`); logit softcapping is refused.
+(`with_sink_column`); logit softcapping is refused. A layout built with attention="flex" holds no buckets: the
+stream is attended in place by FlexAttention (`packed_flex`, the same rule as a block mask).
 
 The implementation is selected on the model's config for the packed forward only and restored after it
 (`packed_attention`); gradient checkpointing replays each decoder layer in the backward, after that restore,
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+from .packed_flex import FlexLayout, flex_layout, flex_packed_forward
 from .sinks import with_sink_column
 
 ATTN_NAME = "qerl_packed"
@@ -145,10 +147,12 @@ class _Bucket:
 @dataclass
 class PackedLayout:
     """Who attends to whom in one packed stream of L tokens: buckets of segments, and `order`, the
-    permutation (a gather of [L]) that puts the buckets' concatenated real query outputs back in packed order."""
+    permutation (a gather of [L]) that puts the buckets' concatenated real query outputs back in packed order;
+    or, for the FlexAttention form (`packed_flex`), `flex` and no buckets."""
 
     buckets: list[_Bucket]
-    order: Gather
+    order: Gather | None
+    flex: FlexLayout | None = None
 
 
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -162,6 +166,11 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("packed attention does not support logit softcapping")
     sinks = kwargs.get("s_aux")  # gpt-oss: one learned logit per head in every softmax's denominator
+    if layout.flex is not None:
+        if sinks is not None or dropout:
+            raise NotImplementedError("optim.packed_attention: flex does not take attention sinks or attention "
+                                      "dropout; use packed_attention: sdpa for this model")
+        return flex_packed_forward(query, key, value, layout.flex, scaling, sliding_window), None
     H, KV = query.shape[1], key.shape[1]
     q, k, v = query[0], key[0], value[0]  # [H or KV, L, hd]
     outs = []
@@ -228,11 +237,19 @@ def replay_packed(model):
             m._gradient_checkpointing_func = f
 
 
-def packed_layout(segments: list[tuple[int, int, int, int]], device) -> PackedLayout:
-    """The attention layout of one packed stream of segments (prefix start, prefix length, own start, own length):
-    buckets of segments, largest first; a segment joins the open bucket while the padded area stays within twice
-    the real area, so padding inside attention is bounded and the number of SDPA calls stays small (about log2
-    of the length range)."""
+ATTENTION_FORMS = ("sdpa", "flex")
+
+
+def packed_layout(segments: list[tuple[int, int, int, int]], device, attention: str = "sdpa") -> PackedLayout:
+    """The attention layout of one packed stream of segments (prefix start, prefix length, own start, own length).
+    attention "sdpa": buckets of segments, largest first; a segment joins the open bucket while the padded area
+    stays within twice the real area, so padding inside attention is bounded and the number of SDPA calls stays
+    small (about log2 of the length range). "flex": the stream attended in place by FlexAttention
+    (`packed_flex`)."""
+    if attention not in ATTENTION_FORMS:
+        raise ValueError(f"unknown packed attention {attention!r}; choose one of {ATTENTION_FORMS}")
+    if attention == "flex":
+        return PackedLayout([], None, flex_layout(segments, device))
     buckets, current, lq, lk, area = [], [], 0, 0, 0
     for s in sorted(segments, key=lambda s: (s[3], s[1] + s[3]), reverse=True):
         q, k = s[3], s[1] + s[3]

@@ -90,14 +90,15 @@ def needed_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
 
 
 def plan_micro_batches(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                       completion_mask: torch.Tensor, max_tokens: int) -> list[PackedMicroBatch]:
+                       completion_mask: torch.Tensor, max_tokens: int,
+                       attention: str = "sdpa") -> list[PackedMicroBatch]:
     """Cut rows into contiguous ranges of at most `max_tokens` packed tokens and lay each out.
 
     prompt_ids / prompt_mask [N, P] (left-padded; any padding works), completion_ids [N, T], completion_mask
     [N, T] bool, the loss mask: a prefix of True per row (checked) or all False. A range's tokens are its
     groups' prompts (once per range) plus its loss tokens; a group may be split over ranges (its prompt is
     then repeated); one row over the budget gets a range of its own. Host work: one copy of the masks and
-    prompts to the host, index lists built there.
+    prompts to the host, index lists built there. attention: the layouts' form (`packed_layout`).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -115,7 +116,7 @@ def plan_micro_batches(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, comp
     if rows.n:
         ranges.append((start, rows.n))
     counted: set[int] = set()  # groups whose prompt was already counted as needed
-    return [rows.lay_out(a, b, counted) for a, b in ranges]
+    return [rows.lay_out(a, b, counted, attention) for a, b in ranges]
 
 
 class _Rows:
@@ -141,7 +142,7 @@ class _Rows:
     def lp(self, r: int) -> int:
         return len(self.prompt_cols[r])
 
-    def lay_out(self, a: int, b: int, counted: set[int]) -> PackedMicroBatch:
+    def lay_out(self, a: int, b: int, counted: set[int], attention: str = "sdpa") -> PackedMicroBatch:
         """The packed stream of rows a..b-1: per group its prompt, then its rows' loss tokens."""
         P, T = self.P, self.T
         src, pos, segments = [], [], []  # src: index into self.flat per stream token
@@ -171,8 +172,9 @@ class _Rows:
         dev = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
         ids = self.flat[dev(src)] if src else self.flat[:0]
         pred_gather = host_gather(torch.tensor(pred, dtype=torch.long), len(src), self.device)
-        return PackedMicroBatch(slice(a, b), ids, dev(pos), packed_layout(segments, self.device), pred_gather,
-                                dev(target), dev(out), len(src), needed, tuple((p, n) for _, p, _, n in segments))
+        layout = packed_layout(segments, self.device, attention)
+        return PackedMicroBatch(slice(a, b), ids, dev(pos), layout, pred_gather, dev(target), dev(out), len(src),
+                                needed, tuple((p, n) for _, p, _, n in segments))
 
 
 def packed_logprobs(model, mb: PackedMicroBatch, completion_ids: torch.Tensor,

@@ -43,6 +43,7 @@ def update_settings(cfg: TrainConfig, model_config=None) -> UpdateSettings:
         tokens = token_budget(model_config) if model_config is not None else UpdateSettings.max_tokens_per_micro_batch
     return UpdateSettings(
         loss=loss_settings(cfg), num_updates=cfg.algo.num_updates, packing=cfg.optim.packing,
+        packed_attention=cfg.optim.packed_attention,
         max_tokens_per_micro_batch=tokens, micro_batch_size=cfg.optim.micro_batch_size,
         max_grad_norm=cfg.optim.max_grad_norm, temperature=cfg.rollout.temperature,
         old_logprobs=cfg.algo.old_logprobs, tis_cap=cfg.algo.tis_cap, aux_loss_coef=cfg.moe.aux_loss_coef)

@@ -38,6 +38,7 @@ class UpdateSettings:
     loss: LossSettings = field(default_factory=LossSettings)
     num_updates: int = 1  # mu: optimizer steps on each rollout batch
     packing: bool = True  # padding-free micro-batches with each group's prompt once (qerl.rl.packing)
+    packed_attention: str = "sdpa"  # their attention: "sdpa" or "flex" (qerl.nn.packed_attention.packed_layout)
     # packed path: stream tokens per forward / backward. With gradient checkpointing the activations kept are
     # ~0.4 MB per token at 7B (each layer's bf16 input, 3584 x 2 B x 28 layers, plus one layer's recompute)
     # and ~1.6 MB at 72B, so 8192 tokens hold ~3 GB / ~13 GB: room beside the weights on one 80 GB card
@@ -65,7 +66,7 @@ def _micro_batches(exp: Experience, s: UpdateSettings) -> list[PackedMicroBatch 
     """One pass's micro-batches: packed ones, or row slices of `micro_batch_size` padded sequences."""
     if s.packing:
         return plan_micro_batches(exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask,
-                                  s.max_tokens_per_micro_batch)
+                                  s.max_tokens_per_micro_batch, s.packed_attention)
     n, size = len(exp.rewards), s.micro_batch_size
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
@@ -139,7 +140,7 @@ def _probe_forward(model, exp: Experience, s: UpdateSettings) -> Callable[[int],
         prompt, completion = ids[:, :PROBE_PROMPT_TOKENS], ids[:, PROBE_PROMPT_TOKENS:]
         pmask, cmask = torch.ones_like(prompt, dtype=torch.bool), torch.ones_like(completion, dtype=torch.bool)
         if s.packing:
-            mb = plan_micro_batches(prompt, pmask, completion, cmask, n)[0]
+            mb = plan_micro_batches(prompt, pmask, completion, cmask, n, s.packed_attention)[0]
             return packed_logprobs(model, mb, completion, s.temperature)
         return completion_logprobs(model, prompt, pmask, completion, cmask, s.temperature)
 
