@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+from ..choices import PACKED_ATTENTION
 from .packed_flex import FlexLayout, flex_layout, flex_packed_forward
 from .sinks import with_sink_column
 
@@ -237,17 +238,14 @@ def replay_packed(model):
             m._gradient_checkpointing_func = f
 
 
-ATTENTION_FORMS = ("sdpa", "flex")
-
-
 def packed_layout(segments: list[tuple[int, int, int, int]], device, attention: str = "sdpa") -> PackedLayout:
     """The attention layout of one packed stream of segments (prefix start, prefix length, own start, own length).
     attention "sdpa": buckets of segments, largest first; a segment joins the open bucket while the padded area
     stays within twice the real area, so padding inside attention is bounded and the number of SDPA calls stays
     small (about log2 of the length range). "flex": the stream attended in place by FlexAttention
     (`packed_flex`)."""
-    if attention not in ATTENTION_FORMS:
-        raise ValueError(f"unknown packed attention {attention!r}; choose one of {ATTENTION_FORMS}")
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(f"unknown packed attention {attention!r}; choose one of {PACKED_ATTENTION}")
     if attention == "flex":
         return PackedLayout([], None, flex_layout(segments, device))
     buckets, current, lq, lk, area = [], [], 0, 0, 0
