@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--sass", action="store_true", help="print the opcode mix of the compiled kernels")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the Gluon kernels it times run on sm_80 and newer)")
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     bw = copy_bandwidth()
