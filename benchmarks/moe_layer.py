@@ -19,6 +19,7 @@ import datetime
 
 import torch
 
+from qerl.bench.graph_timing import event_ms
 from qerl.models.shapes import MOE_SHAPES
 
 SHAPES = {name: dict(num_experts=s["num_experts"], top_k=s["num_experts_per_tok"], hidden=s["hidden_size"],
@@ -42,17 +43,8 @@ def experts_module(shape: dict, implementation: str):
 
 
 def timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """Median ms of fn() by CUDA events, after 3 untimed calls."""
+    return event_ms(fn, repeats, warmups=3)
 
 
 def graphed(fn):

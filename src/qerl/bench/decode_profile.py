@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import re
-import statistics
 
 import torch
 
@@ -188,16 +187,9 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
 
 def step_ms(run, steps: int, repeats: int = 5) -> float:
     """Median over `repeats` of the wall time of `steps` decode steps (+ sampling), per step, CUDA events."""
-    run()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / steps)
-    return statistics.median(times)
+    from .graph_timing import event_ms
+
+    return event_ms(run, repeats) / steps
 
 
 def kernel_events(run, steps: int) -> list[tuple[str, float, float]]:

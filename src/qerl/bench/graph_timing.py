@@ -36,6 +36,21 @@ def graph_time(fn, calls: int, replays: int) -> float:
     return statistics.median(replay_seconds(g, calls) for _ in range(replays))
 
 
+def event_ms(fn, repeats: int, warmups: int = 1) -> float:
+    """Median milliseconds of fn() over `repeats` calls, each timed by CUDA events (after `warmups` untimed calls)."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB, bytes read + written per second: the floor's denominator in every benchmark
     (`qerl bench rollout|kernels`, `decode_profile`)."""

@@ -12,13 +12,11 @@ Selected by `optim.packed_attention: flex`. Not for attention sinks, logit softc
 unfused (PyTorch's reference), which is what the CPU tests use.
 """
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-
-_COMPILED = {}
-
 
 @dataclass
 class FlexLayout:
@@ -83,14 +81,12 @@ def flex_layout(segments: list[tuple[int, int, int, int]], device) -> FlexLayout
     return FlexLayout(*(t.to(device, non_blocking=True) for t in (own, prefix, prefix_len, position)))
 
 
-def _flex():
-    """flex_attention compiled once per process on CUDA (its fused kernels, forward and backward); eager
-    elsewhere."""
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process (its fused kernels, forward and backward)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if "cuda" not in _COMPILED:
-        _COMPILED["cuda"] = torch.compile(flex_attention)
-    return _COMPILED["cuda"], flex_attention
+    return torch.compile(flex_attention)
 
 
 def flex_packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: FlexLayout,
@@ -98,15 +94,17 @@ def flex_packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """query [1, H, L, hd], key / value [1, KV, L, hd] (RoPE applied, KV dividing H) -> [1, L, H, hd]."""
     if query.shape[2] != layout.length:
         raise ValueError(f"the stream has {query.shape[2]} tokens, its layout {layout.length}")
-    compiled, eager = _flex()
     block_mask = layout.block_mask(sliding_window)
     gqa = query.shape[1] != key.shape[1]
     if query.is_cuda:
-        return compiled(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa).transpose(1, 2)
+        return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scaling,
+                                enable_gqa=gqa).transpose(1, 2)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise NotImplementedError("optim.packed_attention: flex trains on CUDA only (FlexAttention has no backward "
                                   f"on {query.device.type}); use packed_attention: sdpa")
+    from torch.nn.attention.flex_attention import flex_attention
+
     with warnings.catch_warnings():  # the unfused reference is what a forward off CUDA is meant to run
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = eager(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+        out = flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2)
