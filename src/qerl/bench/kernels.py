@@ -186,9 +186,10 @@ SWAP_M = (1, 2, 4, 8, 16, 32, 64)
 def swap_candidates(m: int):
     """(config, waves) pairs for the Gluon swap-AB kernel at m rows: tile shapes x programs per SM."""
     bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    tiles = [(128, bm, 128, 16, 4), (128, bm, 64, 16, 4), (64, bm, 128, 16, 4), (128, bm, 128, 16, 3),
-             (256, bm, 64, 16, 3)]
-    return [(t, w) for t in tiles for w in (1.0, 2.0, 4.0)]
+    tiles = [(128, bm, 128, 16, 4), (128, bm, 64, 16, 4), (64, bm, 128, 16, 4), (64, bm, 128, 16, 3),
+             (64, bm, 64, 16, 5), (128, bm, 128, 16, 3), (256, bm, 64, 16, 3)]
+    # 0.5 programs per SM: no split-K for the small products (one pass over K, no partials meeting)
+    return [(t, w) for t in tiles for w in (0.5, 1.0, 2.0, 4.0)]
 
 
 def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = True) -> list[dict]:

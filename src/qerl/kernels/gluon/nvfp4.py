@@ -58,13 +58,13 @@ def _stage_x(xl_s, xh_s, x_ptr, M, stride_xm, pid_m, k0, BM: gl.constexpr, BKH: 
 
 @gluon.jit
 def _mma_tile(acc, wq_s, ws_s, xl_s, xh_s, c, BN: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr,
-              NW: gl.constexpr):
+              NW: gl.constexpr, E4M3_CVT: gl.constexpr):
     """Bytes and scales from one pipeline stage (ld.shared straight into the A-operand layout), decode in
     registers, two mma.sync products against x_lo^T / x_hi^T."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
-    lo, hi = _decode_stage(wq_s, ws_s, c, A, gl.to_linear_layout(A, [BN, BKH]), BN, BKH)
+    lo, hi = _decode_stage(wq_s, ws_s, c, A, gl.to_linear_layout(A, [BN, BKH]), BN, BKH, E4M3_CVT)
     xlo = xl_s.permute((1, 0)).load(B)
     xhi = xh_s.permute((1, 0)).load(B)
     acc = mma_v2(lo, xlo, acc)
@@ -77,7 +77,7 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
                       ws_ptr, cnt_ptr, tiles_per_split, h_ptr, lb_ptr, stride_hm, R,
                       BN: gl.constexpr, BM: gl.constexpr, BKH: gl.constexpr, KW: gl.constexpr, NS: gl.constexpr,
                       PARTIAL: gl.constexpr, NW: gl.constexpr, SALIGN: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      RP: gl.constexpr, PDL: gl.constexpr = False):
+                      RP: gl.constexpr, PDL: gl.constexpr = False, E4M3_CVT: gl.constexpr = True):
     """Grid (cdiv(N, BN), cdiv(M, BM), S); K % (2 BKH) == 0; out bf16 [M, N] (row stride stride_om) = x @ W^T
     (+ bias [N] when HAS_BIAS). Program (., ., s) covers tiles [s T, min(K / BK, (s + 1) T)) of BK = 2 BKH
     columns, T = tiles_per_split; PARTIAL (S > 1): the splits meet in `_store_out` (fp32 workspace ws
@@ -86,7 +86,8 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
     permuted) into a double-buffered shared tile, one tile ahead.
     RP > 0: also add the LoRA term h[M, R] @ lb[N, R]^T (h row stride stride_hm, lb contiguous, both bf16;
     R <= RP, RP a power of two >= 16) as one more MMA in the epilogue of split 0.
-    PDL: launched early (`pdl`); the first weight stages are in flight before the wait for x."""
+    PDL: launched early (`pdl`); the first weight stages are in flight before the wait for x.
+    E4M3_CVT (sm_89+): the scale bytes convert two per instruction (`common._decode_stage`)."""
     BK: gl.constexpr = 2 * BKH
     G: gl.constexpr = BKH // 8
     pid_n = gl.program_id(0)
@@ -121,7 +122,7 @@ def nvfp4_swap_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, K, stri
                  j < n, BN, BKH, NW, SALIGN)
         _commit()
         acc = _mma_tile(acc, wqs.index(i % NS), wss.index(i % NS), xls.index(i % 2), xhs.index(i % 2), c,
-                        BN, BKH, KW, NW)
+                        BN, BKH, KW, NW, E4M3_CVT)
         if i + 1 < n:
             _stage_x(xls.index((i + 1) % 2), xhs.index((i + 1) % 2), x_ptr, M, stride_xm, pid_m,
                      k_lo + (i + 1) * BK, BM, BKH, NW)
@@ -224,7 +225,8 @@ def nvfp4_linear_swap(x: torch.Tensor, packed: torch.Tensor, scale_u8: torch.Ten
     out, ws, cnt = launch_buffers(x.device, m, n, s, grid[0] * grid[1])
     b = bias if bias is not None else out
     h, lb, stride_hm, r, rp = lora_operands(lora, m, n, out)
-    kernel, extra = nvfp4_swap_kernel, {}
+    # sm_80 / sm_86 have no E4M3 convert: their scales decode by bit operations
+    kernel, extra = nvfp4_swap_kernel, {"E4M3_CVT": torch.cuda.get_device_capability(x.device) >= (8, 9)}
     if wgmma:
         # imported here, not at the top: a Triton without the Hopper wgmma API still runs the mma.sync form
         from .nvfp4_wgmma import nvfp4_swap_wgmma_kernel, permute_x_kernel

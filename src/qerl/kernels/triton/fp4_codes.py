@@ -128,13 +128,16 @@ def _e2m1x8_to_bf16_asm(q, step2):
 
     The issue's bf16 trick: bits = s<<15 | mag3<<6 is the code value * 2^-126 (a bf16 subnormal for the
     small codes), and step2 (bf16, = step * 2^126) scales it back with one packed bf16x2 multiply per two
-    elements, so decoding and scaling take ~3 instructions per element instead of ~12 (fp32 path).
+    elements, so decoding and scaling take ~3 instructions per element instead of ~12 (fp32 path). The multiply
+    is written as an fma with -0 added (exact, and the sign of a zero product kept): mul.bf16x2 needs sm_90,
+    fma.bf16x2 sm_80; on sm_90 ptxas emits the same HMUL2.
     """
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 lo, hi, a, b, x, y, z;
+        .reg .b32 lo, hi, a, b, x, y, z, nz;
         mov.b32 z, 0;
+        mov.b32 nz, 0x80008000;
         and.b32 lo, $4, 0x0F0F0F0F;
         shr.b32 hi, $4, 4;
         and.b32 hi, hi, 0x0F0F0F0F;
@@ -143,25 +146,25 @@ def _e2m1x8_to_bf16_asm(q, step2):
         shl.b32 y, a, 12;
         and.b32 y, y, 0x80008000;
         lop3.b32 a, x, 0x01C001C0, y, 0xEA;
-        mul.rn.bf16x2 $0, a, $5;
+        fma.rn.bf16x2 $0, a, $5, nz;
         prmt.b32 b, lo, z, 0x4342;
         shl.b32 x, b, 6;
         shl.b32 y, b, 12;
         and.b32 y, y, 0x80008000;
         lop3.b32 b, x, 0x01C001C0, y, 0xEA;
-        mul.rn.bf16x2 $1, b, $6;
+        fma.rn.bf16x2 $1, b, $6, nz;
         prmt.b32 a, hi, z, 0x4140;
         shl.b32 x, a, 6;
         shl.b32 y, a, 12;
         and.b32 y, y, 0x80008000;
         lop3.b32 a, x, 0x01C001C0, y, 0xEA;
-        mul.rn.bf16x2 $2, a, $5;
+        fma.rn.bf16x2 $2, a, $5, nz;
         prmt.b32 b, hi, z, 0x4342;
         shl.b32 x, b, 6;
         shl.b32 y, b, 12;
         and.b32 y, y, 0x80008000;
         lop3.b32 b, x, 0x01C001C0, y, 0xEA;
-        mul.rn.bf16x2 $3, b, $6;
+        fma.rn.bf16x2 $3, b, $6, nz;
         }
         """,
         constraints="=r,=r,=r,=r,r,r,r",
