@@ -32,15 +32,17 @@ def fp4_bytes(n: int, k: int) -> int:
     return n * k // 2 + n * k // 16
 
 
-def time_call(n: int, k: int, m: int, copies: int, calls: int, replays: int = 7) -> float:
-    """Seconds per call of the routed swap-AB product over `copies` rotated weights."""
+def time_call(n: int, k: int, m: int, copies: int, calls: int, replays: int = 7, split: int | None = None) -> float:
+    """Seconds per call of the routed swap-AB product over `copies` rotated weights (split: K splits instead of
+    the launcher's choice)."""
     from qerl.kernels.gluon import nvfp4 as gk
     from qerl.kernels import route as rt
 
     _, q = _weights(n, k, copies)
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     wg = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability()) in (rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
-    t = graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], wgmma=wg), calls, replays)
+    t = graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], wgmma=wg, split=split), calls,
+                   replays)
     q.clear()
     torch.cuda.empty_cache()
     return t
@@ -116,10 +118,43 @@ def sass_table(rows: list[int], n: int, k: int) -> str:
     return "\n".join(out)
 
 
+def _calls(b: int, l2: int, bw: float) -> tuple[int, int]:
+    """(rotated copies, calls per graph) for a product of b bytes: copies spanning 2x L2, ~3 ms of calls."""
+    copies = min(16, max(1, -(-2 * l2 // b)))
+    calls = max(copies, min(200, int(3e-3 * bw // max(b, 1))))
+    return copies, calls - calls % copies
+
+
+def split_table(shapes: dict, rows: list[int], splits: list[int], l2: int, bw: float) -> None:
+    """Prints us per call of each product at each K split count (the launcher's tile and kernel form), and at the
+    launcher's own split."""
+    from qerl.kernels import route as rt
+    from qerl.kernels.gluon import nvfp4 as gk
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("| layer | N x K | rows | " + " | ".join(f"split {v} us" for v in splits) + " | launcher's split | us | "
+          "best / launcher's |")
+    print("|---|---|---:|" + "---:|" * (len(splits) + 3))
+    for m in rows:
+        for name, (n, k) in shapes.items():
+            b = fp4_bytes(n, k)
+            copies, calls = _calls(b, l2, bw)
+            wg = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability()) in (rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
+            cfg, waves = (gk.pick_config_wgmma if wg else gk.pick_config)(m, n, k)
+            own = gk.split_for(m, n, k, cfg, sms, waves)[0]
+            times = [time_call(n, k, m, copies, calls, split=v) for v in splits]
+            t_own = time_call(n, k, m, copies, calls)
+            cells = " | ".join(f"{t * 1e6:.2f}" for t in times)
+            print(f"| {name} | {n} x {k} | {m} | {cells} | {own} | {t_own * 1e6:.2f} | {min(times) / t_own:.2f} |",
+                  flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="7B", help="1.5B, 3B, 7B, 14B, 32B, 72B or SmolLM2")
     ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--splits", default="",
+                    help="comma list of K split counts: time each model product at each instead (DRAM-rotated)")
     ap.add_argument("--sass", action="store_true",
                     help="also print the K loop's instruction mix per row count (sm_90 SASS compiled here: no GPU "
                          "needed; with no GPU only this table is printed)")
@@ -138,6 +173,9 @@ def main(argv=None) -> int:
     l2 = props.L2_cache_size
     bw = copy_bandwidth()
     print(f"device: {props.name}, L2 {l2 / 2**20:.0f} MiB, copy bandwidth {bw / 1e12:.2f} TB/s")
+    if args.splits:
+        split_table(shapes, rows, [int(v) for v in args.splits.split(",")], l2, bw)
+        return 0
     # slices of the two large products that fit a partition's share of L2 (the grid shrinks with N; K stays)
     gate_up_n, gate_up_k = next(v for name, v in shapes.items() if "gate" in name)
     down_n = next(v for name, v in shapes.items() if "down" in name)[0]
@@ -147,9 +185,7 @@ def main(argv=None) -> int:
     for m in rows:
         for name, (n, k) in shapes.items():
             b = fp4_bytes(n, k)
-            copies = min(16, max(1, -(-2 * l2 // b)))
-            calls = max(copies, min(200, int(3e-3 * bw // max(b, 1))))
-            calls -= calls % copies
+            copies, calls = _calls(b, l2, bw)
             t_dram = time_call(n, k, m, copies, calls)
             t_l2 = time_call(n, k, m, 1, max(20, calls)) if b <= l2 // 4 else None
             l2_cols = (f"{t_l2 * 1e6:.2f} | {b / t_l2 / 1e9:.0f} | {t_dram / t_l2:.2f}" if t_l2 else "- | - | -")

@@ -208,6 +208,21 @@ def test_small_weights_above_64_rows_take_64_row_tiles_x_staged_and_few_k_splits
     assert gk.split_for(1, 64, 1024, (64, 8, 64, 16, 3), 132, 4.0, min_tiles_per_split=5) == (1, 8)
 
 
+def test_decode_rows_split_k_only_where_the_output_tiles_leave_sms_idle():
+    """1-8 rows on 132 SMs (`benchmarks/fp4_gemv_bound.py --splits` on an H200): a 7B model's q/k/v (72 tiles of 64
+    rows) in 7 splits of 2 K tiles, its down projection in 10; a gate/up of >= 264 tiles not split at all."""
+    pytest.importorskip("triton")
+    from qerl.kernels.gluon import nvfp4 as gk
+
+    def splits(m, n, k):
+        cfg, waves = gk.pick_config(m, n, k)
+        return gk.split_for(m, n, k, cfg, 132, waves)
+
+    assert splits(1, 4608, 3584) == (7, 2) and splits(8, 4608, 3584) == (7, 2)
+    assert splits(1, 3584, 18944) == (10, 8)
+    assert splits(8, 17920, 1536) == (1, 6) and splits(1, 37888, 3584) == (1, 14)
+
+
 def test_a_kept_dense_copy_is_read_where_the_4bit_kernels_lose():
     from qerl.kernels.route import KernelPolicy, reads_dense_copy
 

@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     job_arguments(ap, "unsloth.json", 0.6)  # 0.6: Unsloth's GRPO examples
     ap.add_argument("--weights", choices=("16bit", "4bit", "fp8"), default="16bit",
                     help="the frozen base: bf16 (16-bit LoRA), bitsandbytes 4-bit (QLoRA) or FP8")
+    ap.add_argument("--tokenizer-repair", choices=("on", "off"), default="on",
+                    help="Unsloth's tokenizer repair at load (its fix_tokenizer, on by default); off keeps the "
+                         "model directory's tokenizer as it is (docs/peers.md: the repair failed on this one)")
     args = ap.parse_args(argv)
     out = empty_output(args.out)
 
@@ -65,7 +68,10 @@ def main(argv=None) -> int:
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=model_dir, max_seq_length=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         load_in_4bit=args.weights == "4bit", load_in_fp8=args.weights == "fp8", fast_inference=True,
-        max_lora_rank=cfg.lora.r, gpu_memory_utilization=args.gpu_memory_utilization, random_state=cfg.seed)
+        max_lora_rank=cfg.lora.r, gpu_memory_utilization=args.gpu_memory_utilization, random_state=cfg.seed,
+        fix_tokenizer=args.tokenizer_repair == "on")
+    print(f"tokenizer after Unsloth's load: eos {tokenizer.eos_token!r} ({tokenizer.eos_token_id}), pad "
+          f"{tokenizer.pad_token!r} ({tokenizer.pad_token_id})", flush=True)
     model = FastLanguageModel.get_peft_model(
         model, r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
         target_modules=list(cfg.lora.targets), use_rslora=cfg.lora.use_rslora,
@@ -86,7 +92,8 @@ def main(argv=None) -> int:
         "versions": {"unsloth": unsloth.__version__, "trl": trl.__version__, "torch": torch.__version__},
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
         "config": args.config, "overrides": args.set, "model": model_dir, "micro_batch": args.micro_batch,
-        "gpu_memory_utilization": args.gpu_memory_utilization, "importance_sampling": importance_sampling(settings),
+        "gpu_memory_utilization": args.gpu_memory_utilization, "tokenizer_repair": args.tokenizer_repair,
+        "importance_sampling": importance_sampling(settings),
         "prompt_order_sha256": order_digest(rows), **timing_summary(record, trainer.state.log_history),
         "adapter": str(out / "adapter"),
     }

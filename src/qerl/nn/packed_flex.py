@@ -83,10 +83,12 @@ def flex_layout(segments: list[tuple[int, int, int, int]], device) -> FlexLayout
 
 @functools.cache
 def _compiled_flex():
-    """flex_attention compiled once per process (its fused kernels, forward and backward)."""
+    """flex_attention compiled once per process (its fused kernels, forward and backward). Dynamic from the first
+    call: every micro-batch has its own stream length and block count, and a static compile would recompile for
+    the second and third lengths it meets (forward and backward each) before turning dynamic."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def flex_packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: FlexLayout,

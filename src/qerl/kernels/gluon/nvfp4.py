@@ -173,10 +173,14 @@ def pick_config_wgmma(m: int, n: int, k: int) -> tuple[SwapConfig, float]:
 def split_for(m: int, n: int, k: int, cfg: SwapConfig, sms: int, waves: float = 2.0,
               min_tiles_per_split: int = 1) -> tuple[int, int]:
     """(number of K splits, K tiles per split): about `waves` programs per SM, each split taking at least
-    `min_tiles_per_split` K tiles (fewer splits where K is short)."""
+    `min_tiles_per_split` K tiles (fewer splits where K is short), and none where the output tiles alone give every
+    SM two programs (a split then only adds the partials' meeting: a 1.5B model's gate/up at 8 rows ran 10.4 us
+    whole against 12.6 us in two splits; `benchmarks/fp4_gemv_bound.py --splits`)."""
     bn, bm, bkh = cfg[:3]
     tiles = k // (2 * bkh)
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    if grid_nm >= 2 * sms:
+        return 1, tiles
     s = max(1, min(tiles // max(1, min_tiles_per_split), math.ceil(waves * sms / grid_nm)))
     per = triton.cdiv(tiles, s)
     return triton.cdiv(tiles, per), per
