@@ -229,7 +229,8 @@ class OptimSection:
     packed_attention: str = field(default="sdpa", metadata={
         "help": "the packed passes' attention: sdpa, each segment gathered into padded views for SDPA (the "
                 "reference), or flex, the stream attended in place by FlexAttention with a block mask (CUDA; not "
-                "for attention sinks)"})
+                "for attention sinks; for investigation: a 7B step does not finish in reasonable time yet, "
+                "docs/training.md)"})
     max_tokens_per_micro_batch: int | None = field(default=None, metadata={
         "help": "tokens per packed forward / backward (prompts once per micro-batch + completion tokens): "
                 "memory vs speed; with checkpointing ~0.4 MB a token at 7B, ~1.6 MB at 72B (the gradient is the "
