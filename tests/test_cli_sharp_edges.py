@@ -413,3 +413,20 @@ def test_library_import_noise_is_filtered(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "no such file or directory" in lines[0], proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="SIGUSR1 is POSIX")
+def test_sigusr1_prints_the_stacks_and_the_command_goes_on():
+    code = textwrap.dedent("""
+        import os, signal, time
+        from qerl.cli import dump_stacks_on_sigusr1
+        dump_stacks_on_sigusr1()
+        def waiting_here():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.3)
+            print("went on")
+        waiting_here()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "went on", done.stderr
+    assert "waiting_here" in done.stderr and "File" in done.stderr

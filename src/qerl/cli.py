@@ -273,9 +273,20 @@ def parse_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     return args
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to stderr and the command goes on: where a long step
+    that seems stuck is (a compile, a collective, a kernel wait). POSIX only."""
+    import faulthandler
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
 def main(argv=None) -> int:
     """Run one command; every failure a user can cause ends with one line and exit status 2, a stop signal
-    (SIGINT / SIGTERM, at any point, imports included) with one line and 128 + its number."""
+    (SIGINT / SIGTERM, at any point, imports included) with one line and 128 + its number; SIGUSR1 prints the
+    Python stacks (`dump_stacks_on_sigusr1`)."""
+    dump_stacks_on_sigusr1()
     quiet_libraries()
     from .models.registry import persist_compiled_kernels
 
