@@ -102,7 +102,7 @@ def offline_sass(m: int, n: int, k: int, capability: tuple[int, int] = (9, 0)) -
         f.flush()
         sass = subprocess.run([tool if os.path.exists(tool) else "cuobjdump", "-sass", f.name], capture_output=True,
                               text=True, check=True).stdout
-    return form, bn * 2 * bkh // 128, sass
+    return form, bn * 2 * bkh // (4 * 32), sass  # a stage's BN x 2 BKH weights over the 4 warps' threads
 
 
 def sass_table(rows: list[int], n: int, k: int) -> str:
