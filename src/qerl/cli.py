@@ -275,11 +275,15 @@ def parse_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` prints every thread's Python stack to stderr and the command goes on: where a long step
-    that seems stuck is (a compile, a collective, a kernel wait). POSIX only."""
+    that seems stuck is (a compile, a collective, a kernel wait). POSIX only, and only where stderr is a real file
+    (not under a notebook's or a test runner's captured stream)."""
     import faulthandler
 
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a stderr with no file descriptor
+            pass
 
 
 def main(argv=None) -> int:
