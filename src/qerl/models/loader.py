@@ -27,7 +27,7 @@ class ModelSpec:
       the same LoRA code path on unquantized weights.
     method / calibration_source / calibration_samples / calibration_max_tokens: how codes and scales are chosen
       (qerl.quant); the calibrated methods (gptq, awq) read calibration text (qerl.data.calibration);
-      calibration_samples None: by device (`calibrate.default_samples`).
+      calibration_samples None: by device (`calibration.default_samples`).
     keep_bf16: module names / patterns / last:N left 16-bit; targets: the linears quantized; embeddings: also
       store the input embedding in `format`.
     lora: fresh LoRA adapters to attach (None: none); adapter: a PEFT adapter directory to load on top.
@@ -89,9 +89,10 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     before it is quantized (a reference for a fidelity check); it turns streaming off. console: where to say
     what took time (quantization with a calibrated method, the layers kept in bf16).
     """
+    from ..formats import get_format
     from ..quant import CALIBRATED
     from .adapter import load_adapter
-    from .calibrate import calibration_ids, default_samples
+    from .calibration import calibration_ids, default_samples
     from .convert import quantize_input_embeddings, quantize_model
     from .load import load_causal_lm, plain_hf_directory
     from .lora_attach import add_lora
@@ -104,7 +105,8 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     check_spec(spec)
     device = spec.torch_device
     dtype = compute_dtype(spec.dtype, device)
-    fmt, method, trust = spec.format, spec.method, spec.trust_remote_code
+    fmt = None if spec.format is None else get_format(spec.format)  # resolved once, handed on as the object
+    method, trust = spec.method, spec.trust_remote_code
     lora = LoraConfig(**dataclasses.asdict(spec.lora)) if spec.lora else None  # each layer keeps a reference
     samples = default_samples(device) if spec.calibration_samples is None else spec.calibration_samples
 
@@ -161,7 +163,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
                            embeddings=spec.embeddings, method=method, calibration=calibration(tokenizer, model),
                            keep_bf16=spec.keep_bf16)
     if console is not None and fmt and method != "rtn":
-        console.print(f"quantized to {fmt} with {method} in {time.perf_counter() - t0:.1f} s")
+        console.print(f"quantized to {fmt.name} with {method} in {time.perf_counter() - t0:.1f} s")
     if console is not None and spec.keep_bf16:
         kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
         console.print(describe_keep_bf16(model, kept, fmt))

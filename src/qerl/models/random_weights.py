@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from ..formats import WeightFormat
 from ..lora_config import DEFAULT_TARGETS, LoraConfig
 from .shapes import MOE_SHAPES, QWEN25, SMOLLM2_135M, moe_config, qwen25_config
 
@@ -65,9 +66,9 @@ def init_random_(module: torch.nn.Module, generator: torch.Generator) -> None:
             p.normal_(0.0, 0.02, generator=generator)
 
 
-def random_policy(config, fmt: str, lora: LoraConfig | None, device, *, dtype: torch.dtype = torch.bfloat16,
-                  seed: int = 0, targets=DEFAULT_TARGETS, method: str = "rtn", calibration: torch.Tensor | None = None,
-                  keep_bf16=(), show_progress: bool = False):
+def random_policy(config, fmt: str | WeightFormat | None, lora: LoraConfig | None, device, *,
+                  dtype: torch.dtype = torch.bfloat16, seed: int = 0, targets=DEFAULT_TARGETS, method: str = "rtn",
+                  calibration: torch.Tensor | None = None, keep_bf16=(), show_progress: bool = False):
     """A random-weight causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`; fmt "bf16" =
     the 16-bit LoRA baseline through the same layer), built one decoder layer at a time on `device`; eval mode,
     no KV cache in the HF forward. method / calibration / keep_bf16 as for `stream.build_layer_by_layer`."""

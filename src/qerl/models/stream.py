@@ -15,9 +15,10 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
+from ..formats import WeightFormat, get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
-from .calibrated_quantize import calibrated_quantize
+from .calibration import calibrated_quantize
 from .convert import quantize_input_embeddings
 from .experts import quantize_experts
 from .lora_attach import add_expert_lora, add_lora_to
@@ -63,7 +64,7 @@ class _Checkpoint:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, targets=DEFAULT_TARGETS,
+def build_layer_by_layer(config, fmt: str | WeightFormat, lora: LoraConfig | None, fill, *, targets=DEFAULT_TARGETS,
                          dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False,
                          method: str = "rtn", calibration: torch.Tensor | None = None, keep_bf16=()):
     """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`) and whose experts stacks,
@@ -73,11 +74,12 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
     so at most one 16-bit layer exists. Only LoRA parameters require grad.
 
     method: a `qerl.quant` method; the calibrated ones (gptq, awq) need `calibration`, token ids int64
-    [S, T], which then flow through the layers as they are built (`qerl.models.calibrate`).
+    [S, T], which then flow through the layers as they are built (`qerl.models.calibration`).
     keep_bf16: as for `quantize_model`, resolved on the whole (meta) skeleton before any layer is read,
     so `last:N` and patterns spanning layers work; rtn / 4over6 only."""
     from transformers import AutoModelForCausalLM
 
+    fmt = get_format(fmt)
     check_method(method, fmt)
     eora = lora is not None and lora.init == "eora"
     if eora and calibration is None:
@@ -89,9 +91,10 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
     if method in CALIBRATED and config.model_type in MOE_ARCHITECTURES:
         raise ValueError(f"quantization method {method!r} does not handle mixture-of-experts layers yet; "
                          "use rtn or 4over6")
-    if lora is not None and lora.experts and (config.model_type not in ("qwen2_moe", "qwen3_moe") or fmt == "bf16"):
+    expert_lora_fits = config.model_type in ("qwen2_moe", "qwen3_moe") and fmt.name != "bf16"
+    if lora is not None and lora.experts and not expert_lora_fits:
         raise ValueError(f"lora.experts: expert LoRA needs a Qwen3-MoE / Qwen2-MoE model in a 4-bit format, not "
-                         f"model_type {config.model_type!r} in {fmt}; turn lora.experts off")
+                         f"model_type {config.model_type!r} in {fmt.name}; turn lora.experts off")
     device = torch.device(device or "cpu")
     targets = tuple(targets)
     with torch.device("meta"):
@@ -107,13 +110,13 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
                             show_progress=show_progress)
     else:
         with Progress(disable=not show_progress, transient=True) as progress:
-            task = progress.add_task(f"building + quantizing to {fmt}", total=len(body.layers))
+            task = progress.add_task(f"building + quantizing to {fmt.name}", total=len(body.layers))
             kept = {}
             for i, layer in enumerate(body.layers):
                 prefix = f"model.layers.{i}."
                 fill(layer, prefix)
                 layer_kept = quantize_keeping(layer, fmt, lora, targets, names_under(keep, prefix), method=method)
-                if fmt != "bf16":  # a mixture of experts: its 3-D expert stacks too (a no-op in dense layers)
+                if fmt.name != "bf16":  # a mixture of experts: its 3-D expert stacks too (a no-op in dense layers)
                     quantize_experts(layer, fmt, method, fit=lora)
                 kept.update({prefix + n: m for n, m in layer_kept.items()})
                 progress.advance(task)
@@ -127,11 +130,11 @@ def build_layer_by_layer(config, fmt: str, lora: LoraConfig | None, fill, *, tar
         fill(model.lm_head, "lm_head.")
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
-    model.config.qerl_weight_format = fmt
+    model.config.qerl_weight_format = fmt.name
     return model
 
 
-def stream_quantized(directory, fmt: str = "nvfp4", lora: LoraConfig | None = None,
+def stream_quantized(directory, fmt: str | WeightFormat = "nvfp4", lora: LoraConfig | None = None,
                      targets=DEFAULT_TARGETS, dtype=None, device=None, embeddings: bool = False,
                      trust_remote_code: bool = False, show_progress: bool = False, method: str = "rtn",
                      calibration: torch.Tensor | None = None, keep_bf16=()):
