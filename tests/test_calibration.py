@@ -12,7 +12,7 @@ from tiny import tiny_config, tiny_model, tiny_tokenizer
 from qerl.cli import main
 from qerl.config import load_config
 from qerl.data.calibration import CalibrationError, check_source, pack_tokens
-from qerl.models import quantize_model, save_quantized
+from qerl.models import Quantization, quantize_model, save_quantized
 from qerl.models.calibration import calibration_ids
 from qerl.models.targets import quant_layers
 from qerl.models.stream import build_layer_by_layer
@@ -115,8 +115,8 @@ def test_streamed_build_equals_whole_model_quantization(method, keep):
             for n, t in module.state_dict(keep_vars=True).items():
                 t.copy_(state[prefix + n])
 
-    streamed = build_layer_by_layer(tiny_config("llama"), "nvfp4", None, fill, dtype=torch.float32, method=method,
-                                    calibration=cal if method != "4over6" else None, keep_bf16=keep)
+    q = Quantization.of("nvfp4", method, calibration=cal if method != "4over6" else None, keep_bf16=keep)
+    streamed = build_layer_by_layer(tiny_config("llama"), q, fill, dtype=torch.float32)
     for (name, a), (_, b) in zip(quant_layers(whole).items(), quant_layers(streamed).items()):
         for t in a.quantized_tensors():
             assert torch.equal(getattr(a, t).view(torch.uint8), getattr(b, t).view(torch.uint8)), (name, t)

@@ -27,11 +27,11 @@ from ..data.calibration import (CalibrationError, check_source, file_rows, file_
                                 problem_texts)
 from ..data.templates import build_prompt
 from ..formats import WeightFormat
-from ..nn import DEFAULT_TARGETS, LoraConfig
-from ..quant import CALIBRATED, quantize_group
+from ..quant import quantize_group
 from ..quant.awq import FOLDED_SCALES, apply_awq, folded_covariances
 from .lora_attach import add_lora_to
 from .precision import names_under
+from .quantization import Quantization
 from .surgery import keep_dense_linears, method_quantizer, replace_linears, sibling_groups
 from .targets import find_targets
 
@@ -237,40 +237,36 @@ def awq_fake_quant(fmt: WeightFormat):
 # the layer-by-layer loop ----------------------------------------------------------------------------
 
 @torch.no_grad()
-def calibrated_quantize(model: nn.Module, fmt: WeightFormat, method: str, ids: torch.Tensor,
-                        lora: LoraConfig | None = None, targets: Iterable[str] = DEFAULT_TARGETS, device=None,
-                        fill=None, show_progress: bool = False, keep: Iterable[str] = ()) -> dict:
-    """Quantize every decoder layer of an HF causal LM with a calibrated method (gptq, awq), in order; also any
-    method when `lora.init` is eora, whose adapters are fitted on each layer's input covariance (`lora_init`). The
-    next layer's inputs then come from the quantized layer with its fitted adapter (the model RL starts from), so
-    with gptq the later layers' Hessians, and so their codes, differ from gptq with a zero-init adapter. With awq
+def calibrated_quantize(model: nn.Module, q: Quantization, *, device=None, fill=None, show_progress: bool = False,
+                        keep: Iterable[str] = ()) -> dict:
+    """Quantize every decoder layer of an HF causal LM as `q` with a calibrated method (gptq, awq), in order; also
+    any method when `q.lora.init` is eora, whose adapters are fitted on each layer's input covariance (`lora_init`).
+    The next layer's inputs then come from the quantized layer with its fitted adapter (the model RL starts from),
+    so with gptq the later layers' Hessians, and so their codes, differ from gptq with a zero-init adapter. With awq
     the eora fit is to the folded weights, on the covariances of the folded inputs (`awq.folded_covariances`).
 
-    fmt and method: checked by the caller (`check_method`). ids: int64 [S, T] calibration tokens. Per layer: its
-    inputs' Hessians and row
-    samples from the dense layer; AWQ folds its scales; the layer is quantized; the quantized layer makes
-    the next layer's inputs, so later layers absorb earlier layers' error. fill(module, prefix): materialise
-    each decoder layer from the meta device first (the streaming loader; the embedding and rotary module
-    must be real already). keep: full names of targets left 16-bit (`keep_bf16`); AWQ still folds into them
-    (exact), they are just not rounded. Returns {"tokens", "awq_scales": {module path: s fp32 [K]}}."""
-    eora = lora is not None and lora.init == "eora"
-    if method not in CALIBRATED and not eora:
-        raise ValueError(f"{method!r} needs no calibration; use quantize_model(method={method!r})")
-    targets = list(targets)
+    q.calibration: int64 [S, T] calibration tokens. Per layer: its inputs' Hessians and row samples from the dense
+    layer; AWQ folds its scales; the layer is quantized; the quantized layer makes the next layer's inputs, so
+    later layers absorb earlier layers' error. fill(module, prefix): materialise each decoder layer from the meta
+    device first (the layer-by-layer builder; the embedding and rotary module must be real already). keep: full
+    names of targets left 16-bit (`keep_bf16`, resolved); AWQ still folds into them (exact), they are just not
+    rounded. Returns {"tokens", "awq_scales": {module path: s fp32 [K]}}."""
+    if not q.calibrated:
+        raise ValueError(f"{q.method!r} needs no calibration; use quantize_model(method={q.method!r})")
+    ids = q.calibration
     device = torch.device(device or next(p.device for p in model.parameters() if not p.is_meta))
     compute = calibration_compute_dtype(device)
     body = model.model
     awq_scales = {}
     with Progress(disable=not show_progress, transient=True) as progress:
         batches = capture_layer_inputs(model, ids, device, compute)
-        task = progress.add_task(f"calibrating + quantizing to {fmt.name} ({method})", total=len(body.layers))
+        task = progress.add_task(f"calibrating + quantizing to {q.format.name} ({q.method})", total=len(body.layers))
         for i, layer in enumerate(body.layers):
             prefix = f"model.layers.{i}."
             if fill is not None:
                 fill(layer, prefix)
             with computing_in(layer, compute):
-                awq_scales.update(_calibrate_layer(layer, prefix, fmt, method, lora, targets, keep, batches, ids,
-                                                   device))
+                awq_scales.update(_calibrate_layer(layer, prefix, q, names_under(set(keep), prefix), batches, device))
                 batches = [(layer_output(layer, h, kw), kw) for h, kw in batches]
             progress.advance(task)
     for name, p in model.named_parameters():  # embeddings, norms, lm_head: frozen as in the rtn path
@@ -280,30 +276,28 @@ def calibrated_quantize(model: nn.Module, fmt: WeightFormat, method: str, ids: t
     return {"tokens": ids.numel(), "awq_scales": awq_scales}
 
 
-def _calibrate_layer(layer: nn.Module, prefix: str, fmt: WeightFormat, method: str, lora: LoraConfig | None,
-                     targets: list[str], keep: Iterable[str], batches, ids: torch.Tensor,
+def _calibrate_layer(layer: nn.Module, prefix: str, q: Quantization, kept_here: set[str], batches,
                      device) -> dict[str, torch.Tensor]:
-    """One decoder layer of `calibrated_quantize`: statistics, AWQ folding, quantization, in place.
-    Returns this layer's AWQ scales {full module path: s fp32 [K]} (empty for gptq)."""
-    kept_here = names_under(set(keep), prefix)
-    linears = find_targets(layer, targets)  # AWQ folds into these modules in place: they stay the ones to replace
+    """One decoder layer of `calibrated_quantize`: statistics, AWQ folding, quantization, in place; kept_here: the
+    targets left 16-bit, relative to the layer. Returns this layer's AWQ scales {full module path: s fp32 [K]}
+    (empty for gptq)."""
+    linears = find_targets(layer, q.targets)  # AWQ folds into these modules in place: they stay the ones to replace
     names = [n for n in linears if n not in kept_here]
     leaders = [g[0] for g in sibling_groups(names)]  # siblings share their input: one Hessian each
     # gptq: the Hessians; awq: row samples (it rounds without a Hessian: the folded weights see scaled inputs)
-    eora = lora is not None and lora.init == "eora"
-    hessians, samples = layer_statistics(layer, leaders, batches, ids.numel(), hessians=method == "gptq" or eora,
-                                         samples=method == "awq")
+    hessians, samples = layer_statistics(layer, leaders, batches, q.calibration.numel(),
+                                         hessians=q.method == "gptq" or q.eora, samples=q.method == "awq")
     awq_scales = {}
-    if method == "awq":
+    if q.method == "awq":
         leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
-        folds = apply_awq(layer, leaf_samples, awq_fake_quant(fmt))
+        folds = apply_awq(layer, leaf_samples, awq_fake_quant(q.format))
         awq_scales.update({prefix + name: s for name, s in folds.items()})
-        if eora:  # the adapters are fitted to the folded weights, whose inputs are the folded ones
+        if q.eora:  # the adapters are fitted to the folded weights, whose inputs are the folded ones
             hessians = folded_covariances(hessians, folds)
     kept = keep_dense_linears(layer, {n: linears[n] for n in sorted(kept_here)})
     if names:  # rtn (eora only): the default quantizer, as quantize_keeping's
-        quantizer = None if method == "rtn" else method_quantizer(layer, names, fmt, method, hessians)
-        covariances = {n: hessians[g[0]] for g in sibling_groups(names) for n in g} if eora else None
-        replace_linears(layer, {n: linears[n] for n in names}, fmt, lora, quantizer, covariances=covariances)
-    add_lora_to(kept, lora)
+        quantizer = None if q.method == "rtn" else method_quantizer(layer, names, q.format, q.method, hessians)
+        covariances = {n: hessians[g[0]] for g in sibling_groups(names) for n in g} if q.eora else None
+        replace_linears(layer, {n: linears[n] for n in names}, q.format, q.lora, quantizer, covariances=covariances)
+    add_lora_to(kept, q.lora)
     return awq_scales

@@ -16,12 +16,13 @@ from torch import nn
 from ..formats import WeightFormat, get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding
 from ..nn.quant_embedding import check_embedding_shape
-from ..quant import CALIBRATED, check_method
+from ..quant import CALIBRATED
 from .calibration import calibrated_quantize
 from .experts import check_experts, experts_modules, quantize_experts
 from .lora_attach import add_expert_lora, add_lora_to, check_expert_lora_possible
 from .precision import LAST, check_keep_bf16, names_under, resolve_keep_bf16
 from .precision import _matches as matches_pattern  # keep_bf16 pattern semantics (a module selects its insides)
+from .quantization import Quantization
 from .surgery import WeightQuantizer, quantize_keeping
 from .targets import quant_embeddings, quant_layers
 
@@ -59,37 +60,42 @@ def quantize_model(
     Refused before anything is changed: an unsupported experts layout, gptq / awq on a model with experts
     (unless experts=False), and a keep_bf16 pattern that names an experts module. Format bf16 leaves them dense.
     """
-    fmt = get_format(fmt)
-    check_method(method, fmt)
-    targets = tuple(targets)  # read more than once
-    with_experts = experts and _check_experts_quantizable(model, fmt, method, keep_bf16, name_prefix)
+    q = Quantization.of(fmt, method, targets=targets, keep_bf16=keep_bf16, embeddings=embeddings, lora=lora,
+                        calibration=calibration)
+    return quantize_as(model, q, quantizer=quantizer, show_progress=show_progress, name_prefix=name_prefix,
+                       experts=experts)
+
+
+def quantize_as(model: nn.Module, q: Quantization, *, quantizer: WeightQuantizer | None = None,
+                show_progress: bool = False, name_prefix: str = "", experts: bool = True) -> nn.Module:
+    """`quantize_model` with its settings resolved and checked once (`Quantization`); in place, returns `model`."""
+    fmt, method, lora = q.format, q.method, q.lora
+    with_experts = experts and _check_experts_quantizable(model, fmt, method, q.keep_bf16, name_prefix)
     if lora is not None and lora.experts:
         check_expert_lora_possible(model, with_experts)
         if lora.init == "eora":
             raise ValueError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs "
                              "are not collected); use lora.init loftq")
-    keep = resolve_keep_bf16(model, keep_bf16, targets, name_prefix) if keep_bf16 else set()
-    if embeddings:
+    keep = resolve_keep_bf16(model, q.keep_bf16, q.targets, name_prefix) if q.keep_bf16 else set()
+    if q.embeddings:
         check_input_embeddings_quantizable(model, fmt)
-    eora = lora is not None and lora.init == "eora"
-    if method in CALIBRATED or eora:
-        if calibration is None:
+    if q.calibrated:
+        if q.calibration is None:
             what = f"quantization method {method!r}" if method in CALIBRATED else "lora.init eora"
             raise ValueError(f"{what} needs calibration token ids [S, T] "
                              "(qerl.models.calibration.calibration_ids)")
         if quantizer is not None:
             raise ValueError(f"a custom quantizer cannot be combined with the calibrated method {method!r}")
-        calibrated_quantize(model, fmt, method, calibration, lora, targets, show_progress=show_progress,
+        calibrated_quantize(model, q, show_progress=show_progress,
                             keep={name_prefix + n for n in names_under(keep, name_prefix)})
     else:
-        kept = quantize_keeping(model, fmt, lora, targets, names_under(keep, name_prefix), quantizer, method,
-                                show_progress)
+        kept = quantize_keeping(model, q, names_under(keep, name_prefix), quantizer, show_progress)
         add_lora_to(kept, lora)
     if with_experts:
         quantize_experts(model, fmt, method, fit=lora)
         if lora is not None and lora.experts:
             add_expert_lora(model, lora)
-    if embeddings:
+    if q.embeddings:
         quantize_input_embeddings(model, fmt)
     if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
         model.config.qerl_weight_format = fmt.name

@@ -16,8 +16,7 @@ import re
 
 import torch
 
-from ..formats import WeightFormat
-from ..lora_config import DEFAULT_TARGETS, LoraConfig
+from .quantization import Quantization
 from .shapes import MOE_SHAPES, QWEN25, SMOLLM2_135M, moe_config, qwen25_config
 
 PREFIX = "random:"
@@ -66,17 +65,13 @@ def init_random_(module: torch.nn.Module, generator: torch.Generator) -> None:
             p.normal_(0.0, 0.02, generator=generator)
 
 
-def random_policy(config, fmt: str | WeightFormat | None, lora: LoraConfig | None, device, *,
-                  dtype: torch.dtype = torch.bfloat16, seed: int = 0, targets=DEFAULT_TARGETS, method: str = "rtn",
-                  calibration: torch.Tensor | None = None, keep_bf16=(), show_progress: bool = False):
-    """A random-weight causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`; fmt "bf16" =
-    the 16-bit LoRA baseline through the same layer), built one decoder layer at a time on `device`; eval mode,
-    no KV cache in the HF forward. method / calibration / keep_bf16 as for `stream.build_layer_by_layer`."""
+def random_policy(config, q: Quantization, device, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                  show_progress: bool = False):
+    """A random-weight causal LM for `config` quantized as `q` (`Quantization`; format "bf16" = the 16-bit LoRA
+    baseline through the same layer), built one decoder layer at a time on `device` (`stream.build_layer_by_layer`);
+    eval mode, no KV cache in the HF forward."""
     from .stream import build_layer_by_layer
 
-    if fmt is None:
-        raise ValueError("random weights are built layer by layer into a weight format: give one (bf16 for the "
-                         "16-bit LoRA baseline)")
     device = torch.device(device)
     torch.manual_seed(seed)  # LoRA A is drawn from the default generators: identical on every rank
     g = torch.Generator(device).manual_seed(seed)
@@ -85,9 +80,7 @@ def random_policy(config, fmt: str | WeightFormat | None, lora: LoraConfig | Non
         module.to_empty(device=device)
         init_random_(module, g)
 
-    model = build_layer_by_layer(config, fmt, lora, fill, targets=targets, dtype=dtype, device=device,
-                                 show_progress=show_progress, method=method, calibration=calibration,
-                                 keep_bf16=keep_bf16)
+    model = build_layer_by_layer(config, q, fill, dtype=dtype, device=device, show_progress=show_progress)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

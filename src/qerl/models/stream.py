@@ -15,15 +15,14 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
-from ..formats import WeightFormat, get_format
-from ..nn import DEFAULT_TARGETS, LoraConfig
-from ..quant import CALIBRATED, check_method
+from ..quant import CALIBRATED
 from .calibration import calibrated_quantize
 from .convert import quantize_input_embeddings
 from .experts import quantize_experts
 from .lora_attach import add_expert_lora, add_lora_to
 from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import names_under, resolve_keep_bf16
+from .quantization import Quantization
 from .surgery import quantize_keeping
 
 
@@ -64,29 +63,25 @@ class _Checkpoint:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-def build_layer_by_layer(config, fmt: str | WeightFormat, lora: LoraConfig | None, fill, *, targets=DEFAULT_TARGETS,
-                         dtype: torch.dtype = torch.bfloat16, device=None, show_progress: bool = False,
-                         method: str = "rtn", calibration: torch.Tensor | None = None, keep_bf16=()):
-    """A causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`) and whose experts stacks,
-    if any, are frozen QuantExperts(fmt), built one decoder layer at a time: `fill(module, prefix)` materialises a
-    part of the meta-device skeleton on `device` and gives it its values (from a checkpoint, or random:
-    `random_weights`); each layer is quantized right after,
-    so at most one 16-bit layer exists. Only LoRA parameters require grad.
+def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = torch.bfloat16, device=None,
+                         show_progress: bool = False):
+    """A causal LM for `config` quantized as `q`, built one decoder layer at a time: decoder linears
+    QuantLinear(q.format) (+ `q.lora`), experts stacks, if any, frozen QuantExperts. `fill(module, prefix)`
+    materialises a part of the meta-device skeleton on `device` and gives it its values (from a checkpoint, or
+    random: `random_weights`); each layer is quantized right after, so at most one 16-bit layer exists. Only LoRA
+    parameters require grad.
 
-    method: a `qerl.quant` method; the calibrated ones (gptq, awq) need `calibration`, token ids int64
-    [S, T], which then flow through the layers as they are built (`qerl.models.calibration`).
-    keep_bf16: as for `quantize_model`, resolved on the whole (meta) skeleton before any layer is read,
-    so `last:N` and patterns spanning layers work; rtn / 4over6 only."""
+    The calibrated methods (gptq, awq) and eora need `q.calibration`, which then flows through the layers as they
+    are built (`calibration`). q.keep_bf16: as for `quantize_model`, resolved on the whole (meta) skeleton before
+    any layer is read, so `last:N` and patterns spanning layers work."""
     from transformers import AutoModelForCausalLM
 
-    fmt = get_format(fmt)
-    check_method(method, fmt)
-    eora = lora is not None and lora.init == "eora"
-    if eora and calibration is None:
+    fmt, method, lora = q.format, q.method, q.lora
+    if q.eora and q.calibration is None:
         raise ValueError("lora.init eora needs calibration token ids")
-    if method in CALIBRATED and calibration is None:
+    if method in CALIBRATED and q.calibration is None:
         raise ValueError(f"quantization method {method!r} needs calibration token ids")
-    if eora and config.model_type in MOE_ARCHITECTURES:
+    if q.eora and config.model_type in MOE_ARCHITECTURES:
         raise ValueError("lora.init eora does not handle mixture-of-experts models yet; use lora.init loftq")
     if method in CALIBRATED and config.model_type in MOE_ARCHITECTURES:
         raise ValueError(f"quantization method {method!r} does not handle mixture-of-experts layers yet; "
@@ -96,18 +91,16 @@ def build_layer_by_layer(config, fmt: str | WeightFormat, lora: LoraConfig | Non
         raise ValueError(f"lora.experts: expert LoRA needs a Qwen3-MoE / Qwen2-MoE model in a 4-bit format, not "
                          f"model_type {config.model_type!r} in {fmt.name}; turn lora.experts off")
     device = torch.device(device or "cpu")
-    targets = tuple(targets)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    keep = resolve_keep_bf16(model, keep_bf16, targets) if keep_bf16 else set()
+    keep = resolve_keep_bf16(model, q.keep_bf16, q.targets) if q.keep_bf16 else set()
     body = model.model
     fill(body.embed_tokens, "model.embed_tokens.")
     # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
     with torch.device(device):
         body.rotary_emb = type(body.rotary_emb)(config=config)
-    if method in CALIBRATED or eora:
-        calibrated_quantize(model, fmt, method, calibration, lora, targets=targets, device=device, fill=fill, keep=keep,
-                            show_progress=show_progress)
+    if q.calibrated:
+        calibrated_quantize(model, q, device=device, fill=fill, keep=keep, show_progress=show_progress)
     else:
         with Progress(disable=not show_progress, transient=True) as progress:
             task = progress.add_task(f"building + quantizing to {fmt.name}", total=len(body.layers))
@@ -115,7 +108,7 @@ def build_layer_by_layer(config, fmt: str | WeightFormat, lora: LoraConfig | Non
             for i, layer in enumerate(body.layers):
                 prefix = f"model.layers.{i}."
                 fill(layer, prefix)
-                layer_kept = quantize_keeping(layer, fmt, lora, targets, names_under(keep, prefix), method=method)
+                layer_kept = quantize_keeping(layer, q, names_under(keep, prefix))
                 if fmt.name != "bf16":  # a mixture of experts: its 3-D expert stacks too (a no-op in dense layers)
                     quantize_experts(layer, fmt, method, fit=lora)
                 kept.update({prefix + n: m for n, m in layer_kept.items()})
@@ -130,17 +123,17 @@ def build_layer_by_layer(config, fmt: str | WeightFormat, lora: LoraConfig | Non
         fill(model.lm_head, "lm_head.")
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
+    if q.embeddings:
+        quantize_input_embeddings(model, fmt)
     model.config.qerl_weight_format = fmt.name
     return model
 
 
-def stream_quantized(directory, fmt: str | WeightFormat = "nvfp4", lora: LoraConfig | None = None,
-                     targets=DEFAULT_TARGETS, dtype=None, device=None, embeddings: bool = False,
-                     trust_remote_code: bool = False, show_progress: bool = False, method: str = "rtn",
-                     calibration: torch.Tensor | None = None, keep_bf16=()):
-    """(model, tokenizer) from a Hugging Face directory of safetensors, quantized to `fmt` while loading.
+def stream_quantized(directory, q: Quantization, *, dtype=None, device=None, trust_remote_code: bool = False,
+                     show_progress: bool = False):
+    """(model, tokenizer) from a Hugging Face directory of safetensors, quantized as `q` while loading.
 
-    Same result as `load_causal_lm(directory)` then `quantize_model(model, fmt, lora, targets,
+    Same result as `load_causal_lm(directory)` then `quantize_model(model, q.format, q.lora, q.targets,
     embeddings=..., keep_bf16=...)`, without ever holding the 16-bit model.
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -152,16 +145,13 @@ def stream_quantized(directory, fmt: str | WeightFormat = "nvfp4", lora: LoraCon
     check_architecture(config, directory)
     with ExitStack() as stack:
         ckpt = _Checkpoint(directory, stack)
-        model = build_layer_by_layer(config, fmt, lora, lambda module, prefix: ckpt.fill(module, prefix, device, dtype),
-                                     targets=targets, dtype=dtype, device=device, show_progress=show_progress,
-                                     method=method, calibration=calibration, keep_bf16=keep_bf16)
+        model = build_layer_by_layer(config, q, lambda module, prefix: ckpt.fill(module, prefix, device, dtype),
+                                     dtype=dtype, device=device, show_progress=show_progress)
         unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
-        unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # old checkpoints stored it
+        unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # older checkpoints store it
         if unused:
             raise ModelLoadError(f"{directory}: {len(unused)} checkpoint tensor(s) the model has no place for, "
                                  f"e.g. {unused[:3]}")
-    if embeddings:
-        quantize_input_embeddings(model, fmt)
     if (directory / "generation_config.json").is_file():  # EOS ids the engine stops on
         model.generation_config = GenerationConfig.from_pretrained(directory)
     try:

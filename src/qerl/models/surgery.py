@@ -18,6 +18,7 @@ from ..formats import WeightFormat, get_format
 from ..nn import LoraConfig, QuantLinear
 from ..quant import NVFP4_SEARCH, quantize_group
 from .lora_init import init_linear_lora_
+from .quantization import Quantization
 from .targets import FUSED_GROUPS, find_targets
 
 
@@ -124,18 +125,17 @@ def keep_dense_linears(model: nn.Module, linears: dict[str, nn.Linear]) -> dict[
     return kept
 
 
-def quantize_keeping(model: nn.Module, fmt: WeightFormat, lora: LoraConfig | None, targets: Iterable[str],
-                     keep: Iterable[str] = (), quantizer: WeightQuantizer | None = None, method: str = "rtn",
-                     show_progress: bool = False) -> dict[str, QuantLinear]:
-    """`replace_linears` (rtn / 4over6) on the targets of `model`, with those named in `keep` (relative to `model`)
-    left 16-bit.
+def quantize_keeping(model: nn.Module, q: Quantization, keep: Iterable[str] = (),
+                     quantizer: WeightQuantizer | None = None, show_progress: bool = False) -> dict[str, QuantLinear]:
+    """`replace_linears` (rtn / 4over6) on the targets `q.targets` of `model`, with those named in `keep` (relative
+    to `model`) left 16-bit.
 
     The kept linears become QuantLinear("bf16") first, so the quantizer never sees them and the quantized
     siblings left in a q/k/v or gate/up group share one global scale among themselves. Their LoRA is the
     caller's (`lora_attach.add_lora_to`, after every quantized layer's), so the whole-model and the layer-by-layer
     paths draw LoRA inits in the same order. Returns the kept layers by name."""
     keep = set(keep)
-    linears = find_targets(model, targets)
+    linears = find_targets(model, q.targets)
     unknown = sorted(keep - linears.keys())
     if unknown:
         raise ValueError(f"keep_bf16: {unknown[:3]} are not target linears of {type(model).__name__}")
@@ -144,7 +144,7 @@ def quantize_keeping(model: nn.Module, fmt: WeightFormat, lora: LoraConfig | Non
     for p in model.parameters():  # replace_linears freezes too, but is skipped when every target is kept
         p.requires_grad_(False)
     if rest:
-        if quantizer is None and method != "rtn":
-            quantizer = method_quantizer(model, rest, fmt, method)
-        replace_linears(model, rest, fmt, lora, quantizer, show_progress)
+        if quantizer is None and q.method != "rtn":
+            quantizer = method_quantizer(model, rest, q.format, q.method)
+        replace_linears(model, rest, q.format, q.lora, quantizer, show_progress)
     return kept
