@@ -107,9 +107,9 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     from .load import load_causal_lm, plain_hf_directory
     from .lora_attach import add_lora
     from .precision import describe_keep_bf16
-    from .random_weights import is_random, random_calibration, random_config, random_policy
+    from .random_weights import RandomLayers, is_random, random_calibration, random_config
     from .sources import compute_dtype
-    from .stream import stream_quantized
+    from .stream import CheckpointLayers, build_from
     from .targets import quant_layers
 
     q = check_spec(spec)
@@ -133,20 +133,20 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
             train_rows=train_rows))
 
     t0 = time.perf_counter()
-    directory = (plain_hf_directory(spec.name) if q and before_quantize is None and not is_random(spec.name)
-                 else None)
+    layers = None  # a source read one decoder layer at a time: random weights, or a 16-bit safetensors directory
     if is_random(spec.name):
-        config = random_config(spec.name)
-        if q.calibrated:
-            q = dataclasses.replace(q, calibration=random_calibration(config, samples, spec.calibration_max_tokens))
-        model, tokenizer = random_policy(config, q, device, dtype=dtype, show_progress=show_progress), None
-    elif directory is not None:
-        if q.calibrated:
-            from transformers import AutoTokenizer
-
-            q = calibrated(AutoTokenizer.from_pretrained(directory, trust_remote_code=trust))
-        model, tokenizer = stream_quantized(directory, q, dtype=dtype, device=device, trust_remote_code=trust,
-                                            show_progress=show_progress)
+        layers = RandomLayers(random_config(spec.name), device, dtype=dtype)
+    elif q is not None and before_quantize is None:
+        directory = plain_hf_directory(spec.name)
+        if directory is not None:
+            layers = CheckpointLayers(directory, dtype=dtype, device=device, trust_remote_code=trust)
+    if layers is not None:
+        if q.calibrated and is_random(spec.name):
+            q = dataclasses.replace(q, calibration=random_calibration(layers.config, samples,
+                                                                      spec.calibration_max_tokens))
+        elif q.calibrated:
+            q = calibrated(layers.tokenizer())
+        model, tokenizer = build_from(layers, q, show_progress=show_progress)
     else:
         model, tokenizer = load_causal_lm(spec.name, dtype=dtype, device=device, trust_remote_code=trust)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)

@@ -8,7 +8,7 @@ layer is materialised on the target device, filled from the memory-mapped safete
 `quantize_model` bit for bit (the fused q/k/v and gate/up groups that share a global scale live in one layer).
 """
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -129,6 +129,61 @@ def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = 
     return model
 
 
+class CheckpointLayers:
+    """A directory of 16-bit safetensors as a layer source for `build_from`: its config, its tokenizer, and while
+    `opened`, `fill(module, prefix)` from the memory-mapped files (cast to `dtype`, on `device`)."""
+
+    def __init__(self, directory, *, dtype=None, device=None, trust_remote_code: bool = False):
+        from transformers import AutoConfig
+
+        self.directory = Path(directory)
+        self.dtype, self.device = resolve_dtype(dtype), torch.device(device or "cpu")
+        self.trust_remote_code = trust_remote_code
+        self.config = AutoConfig.from_pretrained(self.directory, trust_remote_code=trust_remote_code)
+        check_architecture(self.config, self.directory)
+
+    def tokenizer(self):
+        """The directory's tokenizer; None where it has none transformers can read."""
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.directory, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError):
+            return None
+
+    @contextmanager
+    def opened(self):
+        """fill(module, prefix) while the files are open; once the model is built, every checkpoint tensor must have
+        found a place in it."""
+        with ExitStack() as stack:
+            ckpt = _Checkpoint(self.directory, stack)
+            yield lambda module, prefix: ckpt.fill(module, prefix, self.device, self.dtype)
+            unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
+            unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # older checkpoints store it
+            if unused:
+                raise ModelLoadError(f"{self.directory}: {len(unused)} checkpoint tensor(s) the model has no place "
+                                     f"for, e.g. {unused[:3]}")
+
+    def finish(self, model):
+        """(model, tokenizer) once built, with the directory's generation config (the EOS ids the engine stops on)."""
+        from transformers import GenerationConfig
+
+        if (self.directory / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(self.directory)
+        return model, self.tokenizer()
+
+
+def build_from(layers, q: Quantization, *, show_progress: bool = False):
+    """(model in eval mode, tokenizer): the decoder layers of a layer source (`CheckpointLayers`,
+    `random_weights.RandomLayers`: its config, dtype, device, `opened()` giving `fill`, `finish(model)`) built one at
+    a time and quantized as `q` (`build_layer_by_layer`)."""
+    with layers.opened() as fill:
+        model = build_layer_by_layer(layers.config, q, fill, dtype=layers.dtype, device=layers.device,
+                                     show_progress=show_progress)
+    model, tokenizer = layers.finish(model)
+    return model.eval(), tokenizer
+
+
 def stream_quantized(directory, q: Quantization, *, dtype=None, device=None, trust_remote_code: bool = False,
                      show_progress: bool = False):
     """(model, tokenizer) from a Hugging Face directory of safetensors, quantized as `q` while loading.
@@ -136,26 +191,5 @@ def stream_quantized(directory, q: Quantization, *, dtype=None, device=None, tru
     Same result as `load_causal_lm(directory)` then `quantize_model(model, q.format, q.lora, q.targets,
     embeddings=..., keep_bf16=...)`, without ever holding the 16-bit model.
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    directory = Path(directory)
-    device = torch.device(device or "cpu")
-    dtype = resolve_dtype(dtype)
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    check_architecture(config, directory)
-    with ExitStack() as stack:
-        ckpt = _Checkpoint(directory, stack)
-        model = build_layer_by_layer(config, q, lambda module, prefix: ckpt.fill(module, prefix, device, dtype),
-                                     dtype=dtype, device=device, show_progress=show_progress)
-        unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
-        unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # older checkpoints store it
-        if unused:
-            raise ModelLoadError(f"{directory}: {len(unused)} checkpoint tensor(s) the model has no place for, "
-                                 f"e.g. {unused[:3]}")
-    if (directory / "generation_config.json").is_file():  # EOS ids the engine stops on
-        model.generation_config = GenerationConfig.from_pretrained(directory)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
-        tokenizer = None
-    return model.eval(), tokenizer
+    layers = CheckpointLayers(directory, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return build_from(layers, q, show_progress=show_progress)
