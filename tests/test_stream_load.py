@@ -85,7 +85,7 @@ def test_hub_id_streams_from_its_snapshot(tmp_path, monkeypatch):
     when the snapshot cannot be fetched (offline) the caller falls back to load_causal_lm's path."""
     import huggingface_hub
 
-    from qerl.models import load
+    from qerl.models import pretrained
 
     snap = tmp_path / "snapshot"
     tiny_model("llama", dtype=torch.bfloat16).save_pretrained(snap)
@@ -99,8 +99,8 @@ def test_hub_id_streams_from_its_snapshot(tmp_path, monkeypatch):
         return str(snap)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    assert load.plain_hf_directory("org/tiny") == snap
-    assert calls == [("org/tiny", list(load.HUB_PATTERNS))]
-    assert load.plain_hf_directory("org/unreachable") is None
-    assert load.plain_hf_directory(str(tmp_path / "no-such-dir")) is None  # a path, never sent to the hub
+    assert pretrained.plain_hf_directory("org/tiny") == snap
+    assert calls == [("org/tiny", list(pretrained.HUB_PATTERNS))]
+    assert pretrained.plain_hf_directory("org/unreachable") is None
+    assert pretrained.plain_hf_directory(str(tmp_path / "no-such-dir")) is None  # a path, never sent to the hub
     assert len(calls) == 2

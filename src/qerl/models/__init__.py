@@ -4,7 +4,7 @@ from .adapter import AdapterError, load_adapter, save_adapter
 from .checkpoint import load_quantized, save_quantized
 from .convert import dequantize_model, quantize_input_embeddings, quantize_model
 from .experts import quantize_experts
-from .load import load_causal_lm
+from .pretrained import load_causal_lm
 from .loader import ModelSpec, load_policy
 from .lora_attach import add_lora, lora_parameters
 from .memory import memory_report

@@ -104,7 +104,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     from .adapter import load_adapter
     from .calibration import calibration_ids, default_samples
     from .convert import quantize_as, quantize_input_embeddings
-    from .load import load_causal_lm, plain_hf_directory
+    from .pretrained import load_causal_lm, plain_hf_directory
     from .lora_attach import add_lora
     from .precision import describe_keep_bf16
     from .random_weights import RandomLayers, is_random, random_calibration, random_config
