@@ -3,7 +3,7 @@
 The model is built by transformers on `meta`; every target linear becomes a real `QuantLinear` (+ LoRA) and,
 with the option, the input embedding a real `QuantEmbedding`, holding meta tensors of exactly the shapes and
 dtypes the format's quantizer returns (checked against a real quantization of one row). Then the same
-`memory_report` and `policy_bytes` as `qerl bench rollout` count the bytes.
+`memory_report` and `policy_bytes` (`qerl.models.memory`, as `qerl bench rollout` counts them) count the bytes.
 
     python benchmarks/policy_size.py --models 7b,14b,32b --formats nvfp4 --lora-r 16
 """
@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from qerl.bench.rollout import policy_bytes
+from qerl.models.memory import policy_bytes
 from qerl.models.shapes import QWEN25, qwen25_config
 from qerl.formats import get_format
 from qerl.models.memory import memory_report

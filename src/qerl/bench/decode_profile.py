@@ -320,7 +320,8 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU")
     from ..rollout.engine import RolloutEngine
     from .graph_timing import copy_bandwidth
-    from .rollout import build_model, free
+    from .options import free_gpu
+    from .rollout import build_model
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")
@@ -335,7 +336,7 @@ def main(argv=None) -> int:
                 results.append(dict(model=size, variant=variant, batch=batch, **cell))
                 print(format_cell(f"{size} {variant}, {batch} rows", cell, bw), flush=True)
             del engine, model
-            free()
+            free_gpu()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()), copy_bw=bw,
