@@ -285,11 +285,12 @@ def rank_lengths(lengths: list[int], group: int, dist_ctx) -> list[int]:
     return [n for g in groups[dist_ctx.rank::dist_ctx.world] for n in g]
 
 
-def step_lengths(args, prompts: int, repetition: int) -> list[int] | None:
-    """The whole step's per-row lengths of one repetition (None in forced-lengths mode)."""
+def step_lengths(args, prompts: int, repetition: int, dist_ctx) -> list[int] | None:
+    """This rank's per-row lengths of one repetition's whole step (`rank_lengths`; None in forced-lengths mode)."""
     if args.profile is None:
         return None
-    return draw(args.profile, prompts * args.group, args.group, args.seed + repetition)
+    whole = draw(args.profile, prompts * args.group, args.group, args.seed + repetition)
+    return rank_lengths(whole, args.group, dist_ctx)
 
 
 def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list[dict]:
@@ -310,8 +311,7 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
     warm = min(args.warmup_completion, args.budget)
     # a profile's warm-up is a whole draw the timed steps never use (seed - 1): ragged rows compact into every
     # width the timed steps reach, so no decode kernel compiles inside a timed step
-    warm_lengths = (None if args.profile is None
-                    else rank_lengths(step_lengths(args, prompts, -1), args.group, dist_ctx))
+    warm_lengths = step_lengths(args, prompts, -1, dist_ctx)
     alive = []
     for v, m in keys:  # compile, capture, autotune: every mode runs its own code
         try:
@@ -328,8 +328,7 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
     orders = [alive[o:] + alive[:o] for o in range(len(alive))]
     samples = {k: [] for k in alive}
     for rep in range(args.steps):
-        whole = step_lengths(args, prompts, rep)
-        lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
+        lengths = step_lengths(args, prompts, rep, dist_ctx)
         for o, order in enumerate(orders):
             for v, m in order:
                 if "error" in rows[(v, m)]:
@@ -340,27 +339,18 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
                                                                 lengths=lengths, mode=m)))
                 except torch.OutOfMemoryError:
                     _oom(runners[v], rows[(v, m)])
-    profiles, busy = {}, {}
-    if args.busy:  # one more step per cell, untimed, each phase under its own profiler session
-        for v, m in alive:
+    # --busy (each phase under its own profiler session), --profile-update (the update under the profiler): one
+    # more step per cell, untimed, so the profiler's own cost stays out of the medians
+    profiled = {k: {} for k in alive}
+    for flag, key in (("busy", "busy"), ("profile_update", "update_profile")):
+        for v, m in alive if getattr(args, flag) else []:
             if "error" not in rows[(v, m)]:
-                whole = step_lengths(args, prompts, 0)
-                lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
-                busy[(v, m)] = runners[v].step(mine, args.completion, lengths=lengths, mode=m, busy=True)["busy"]
-    if args.profile_update:  # one more step per cell, untimed: the profiler's own cost stays out of the medians
-        for v, m in alive:
-            if "error" not in rows[(v, m)]:
-                whole = step_lengths(args, prompts, 0)
-                lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
-                profiles[(v, m)] = runners[v].step(mine, args.completion, lengths=lengths, mode=m,
-                                                   profile_update=True)["update_profile"]
+                profiled[(v, m)][key] = runners[v].step(mine, args.completion, mode=m, **{flag: True},
+                                                        lengths=step_lengths(args, prompts, 0, dist_ctx))[key]
     for k in alive:
         if "error" in rows[k] or not samples[k]:
             continue
-        if k in profiles:
-            rows[k]["update_profile"] = profiles[k]
-        if k in busy:
-            rows[k]["busy"] = busy[k]
+        rows[k].update(profiled[k])
         steps = [t for _, t in samples[k]]
         rows[k].update({name: _median([s[name] for s in steps]) for name in steps[0]})
         rows[k]["steps_timed"] = len(steps)
@@ -410,9 +400,6 @@ def _report(results, args, dist_ctx):
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()),
                            torch=torch.__version__, args=args_json(args), results=results), f, indent=1)
-
-
-PHASES = ("rollout", "reference", "loss_backward", "optimizer", "step")
 
 
 def _by_order(r: dict, base: dict | None) -> str:
