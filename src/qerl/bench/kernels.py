@@ -21,7 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from .graph_timing import copy_bandwidth, graph_time as _graph_time
+from .graph_timing import calls_per_graph, copy_bandwidth, graph_time as _graph_time, rotated_copies
 from ..models.shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
 # Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
@@ -54,18 +54,14 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
     from qerl.kernels.triton import fp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies_fp4 = max(1, -(-2 * l2_bytes // fp4_bytes))
-    copies = min(copies_fp4, 16)
-    bf, q = _weights(n, k, copies)
+    fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
     rows = []
     for kind, m_list in (("forward", ms), ("grad_input", backward_ms)):
         for m in m_list:
             red, out = (k, n) if kind == "forward" else (n, k)
             xs = [torch.randn(m, red, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             act = 2 * m * (red + out)
-            # enough calls per graph to cycle all weight copies at least once, and >= ~2 ms of work
-            calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+            calls = calls_per_graph(fp4_bytes, copies)
             if kind == "forward":
                 fns = {
                     "cublas": lambda i: F.linear(xs[i % 2], bf[i % copies]),
@@ -101,9 +97,7 @@ def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: in
     from qerl.kernels.triton import fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
-    _, q = _weights(n, k, copies)
+    _, copies, _, q = _rotated_weights(n, k, l2_bytes)
     red, out = (k, n) if kind == "forward" else (n, k)
     x = torch.randn(m, red, device="cuda", dtype=torch.bfloat16)
     res = []
@@ -135,14 +129,14 @@ def gemv_candidates():
 def _rotated_weights(n: int, k: int, l2_bytes: int):
     """(FP4 bytes of one weight, copies, bf16 weights, NVFP4 weights): enough copies to exceed 2x L2."""
     fp4_bytes = n * k // 2 + n * k // 16
-    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
+    copies = rotated_copies(fp4_bytes, l2_bytes)
     return (fp4_bytes, copies, *_weights(n, k, copies))
 
 
 def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int):
     """Two activations [m, k] to alternate, and calls per graph: all weight copies, >= ~2 ms of work."""
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    return xs, copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+    return xs, calls_per_graph(fp4_bytes, copies)
 
 
 def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:
