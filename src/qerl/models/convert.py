@@ -18,10 +18,9 @@ from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding
 from ..nn.quant_embedding import check_embedding_shape
 from ..quant import CALIBRATED
 from .calibration import calibrated_quantize
-from .experts import check_experts, experts_modules, quantize_experts
+from .experts import experts_to_quantize, quantize_experts
 from .lora_attach import add_expert_lora, add_lora_to, check_expert_lora_possible
-from .precision import LAST, check_keep_bf16, names_under, resolve_keep_bf16
-from .precision import _matches as matches_pattern  # keep_bf16 pattern semantics (a module selects its insides)
+from .precision import names_under, resolve_keep_bf16
 from .quantization import Quantization
 from .surgery import WeightQuantizer, quantize_keeping
 from .targets import quant_embeddings, quant_layers
@@ -70,7 +69,7 @@ def quantize_as(model: nn.Module, q: Quantization, *, quantizer: WeightQuantizer
                 show_progress: bool = False, name_prefix: str = "", experts: bool = True) -> nn.Module:
     """`quantize_model` with its settings resolved and checked once (`Quantization`); in place, returns `model`."""
     fmt, method, lora = q.format, q.method, q.lora
-    with_experts = experts and _check_experts_quantizable(model, fmt, method, q.keep_bf16, name_prefix)
+    with_experts = experts and experts_to_quantize(model, fmt, method, q.keep_bf16, name_prefix)
     if lora is not None and lora.experts:
         check_expert_lora_possible(model, with_experts)
         if lora.init == "eora":
@@ -100,29 +99,6 @@ def quantize_as(model: nn.Module, q: Quantization, *, quantizer: WeightQuantizer
     if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
         model.config.qerl_weight_format = fmt.name
     return model
-
-
-def _check_experts_quantizable(model: nn.Module, fmt: WeightFormat, method: str, keep_bf16: Iterable[str],
-                               name_prefix: str) -> bool:
-    """True when `quantize_model` is to quantize experts stacks of `model` (it holds some, fmt is 4-bit);
-    ValueError, before anything is changed, where it could not."""
-    found = experts_modules(model)
-    if not found or fmt.name == "bf16":
-        return False
-    if method in CALIBRATED:
-        raise ValueError(f"quantization method {method!r}: gptq/awq do not handle MoE experts yet; use rtn or "
-                         f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
-                         f"e.g. {found[0][0]})")
-    for spec in check_keep_bf16(keep_bf16):
-        if spec.startswith(LAST):  # last:N selects target linears only; the experts there stay 4-bit
-            continue
-        hit = next((name_prefix + n for n, _ in found if matches_pattern(name_prefix + n, spec)), None)
-        if hit is not None:
-            raise ValueError(f"keep_bf16 entry {spec!r} matches the MoE experts module {hit}: keeping experts in "
-                             "16 bits is not supported; narrow the pattern to linears, or pass experts=False to "
-                             "leave every experts module dense")
-    check_experts(model, fmt, method)
-    return True
 
 
 def input_embeddings_tied(model: nn.Module) -> bool:

@@ -14,6 +14,7 @@ MLP of `nn.Linear`s and goes through `quantize_model` like any other linear; gpt
 """
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -22,8 +23,9 @@ from ..formats import WeightFormat, get_format
 from ..nn.quant_experts import QuantExperts
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from ..nn import LoraConfig
-from ..quant import check_method, quantize_group
+from ..quant import CALIBRATED, check_method, quantize_group
 from .lora_init import PENDING_FACTORS, expert_residual_factors
+from .precision import refuse_kept_experts
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,23 @@ def check_experts(model: nn.Module, fmt: str | WeightFormat, method: str = "rtn"
                 raise ValueError(f"experts module {name} ({type(module).__name__}): {weight} has {k} input "
                                  f"features, not a multiple of the {fmt.name} block size {block}")
     return found
+
+
+def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_bf16: Iterable[str] = (),
+                        name_prefix: str = "") -> bool:
+    """True when `quantize_model` is to quantize experts stacks of `model` (it holds some, fmt is 4-bit);
+    ValueError, before anything is changed, where it could not: a calibrated method, a keep_bf16 entry that names
+    an experts module (`precision.refuse_kept_experts`), a stack `check_experts` refuses."""
+    found = experts_modules(model)
+    if not found or fmt.name == "bf16":
+        return False
+    if method in CALIBRATED:
+        raise ValueError(f"quantization method {method!r}: gptq/awq do not handle MoE experts yet; use rtn or "
+                         f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
+                         f"e.g. {found[0][0]})")
+    refuse_kept_experts([name_prefix + n for n, _ in found], keep_bf16)
+    check_experts(model, fmt, method)
+    return True
 
 
 def _stack_method(fmt: WeightFormat, method: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -102,6 +102,18 @@ def resolve_keep_bf16(model: nn.Module, specs: Iterable[str], targets: Iterable[
     return set(match_keep_bf16(names, specs))
 
 
+def refuse_kept_experts(experts: Iterable[str], specs: Iterable[str]) -> None:
+    """ValueError when a keep_bf16 entry names one of `experts` (full names of MoE experts stacks): experts are
+    not kept in 16 bits. last:N selects target linears only; the experts there stay 4-bit."""
+    experts = list(experts)
+    for spec in check_keep_bf16(specs):
+        hit = None if spec.startswith(LAST) else next((n for n in experts if _matches(n, spec)), None)
+        if hit is not None:
+            raise ValueError(f"keep_bf16 entry {spec!r} matches the MoE experts module {hit}: keeping experts in "
+                             "16 bits is not supported; narrow the pattern to linears, or pass experts=False to "
+                             "leave every experts module dense")
+
+
 def names_under(kept: Iterable[str], prefix: str) -> set[str]:
     """The names in `kept` that lie under module `prefix` ("model.layers.3."), relative to it ("mlp.up_proj")."""
     return {n[len(prefix):] for n in kept if n.startswith(prefix)}
