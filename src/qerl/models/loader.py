@@ -89,27 +89,27 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     """(model, tokenizer) as `spec` describes, in eval mode.
 
     The stages: the source (random weights, `random_weights`; an embedded name, HF directory, GGUF file, hub id
-    or quantized directory, `load`), the calibration tokens when the method reads them (`calibration`), the
-    16-bit modules quantized as the spec's `Quantization` with LoRA attached (`stream` one decoder layer at a
-    time, or `convert` on a whole model; a quantized directory keeps its stored 4-bit state and gets LoRA from
-    `lora_attach`), on the spec's device, then a trained adapter (`adapter`).
+    or quantized directory, `pretrained`), the calibration tokens when the method reads them (`calibration`),
+    the 16-bit modules of a layer source built one decoder layer at a time on the spec's device and quantized as
+    the spec's `Quantization` with LoRA attached (`stream.build_from`), then a trained adapter (`adapter`). A
+    quantized directory keeps its stored 4-bit state and gets fresh LoRA from `lora_attach`.
 
-    A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is quantized
-    while it loads, one decoder layer at a time, so the 16-bit model is never held whole; other sources (GGUF,
-    quantized directories, mixtures of experts) load whole. train_rows: the run's problems (the calibration
+    A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is read tensor by
+    tensor, so the 16-bit model is never held whole; other sources (GGUF, mixtures of experts, a model looked at
+    first) load whole and are handed to the builder, which takes their tensors over layer by layer. train_rows: the run's problems (the calibration
     sources "train" and "auto" read them). before_quantize(model, tokenizer): called on the whole 16-bit model
     before it is quantized (a reference for a fidelity check); it turns streaming off. console: where to say
     what took time (quantization with a calibrated method, the layers kept in bf16).
     """
     from .adapter import load_adapter
     from .calibration import calibration_ids, default_samples
-    from .convert import quantize_as, quantize_input_embeddings
+    from .convert import quantize_input_embeddings
     from .pretrained import load_causal_lm, plain_hf_directory
     from .lora_attach import add_lora
     from .precision import describe_keep_bf16
     from .random_weights import RandomLayers, is_random, random_calibration, random_config
     from .sources import compute_dtype
-    from .stream import CheckpointLayers, build_from
+    from .stream import CheckpointLayers, LoadedLayers, build_from
     from .targets import quant_layers
 
     q = check_spec(spec)
@@ -136,18 +136,16 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     layers = None  # a source read one decoder layer at a time: random weights, or a 16-bit safetensors directory
     if is_random(spec.name):
         layers = RandomLayers(random_config(spec.name), device, dtype=dtype)
+        if q.calibrated:
+            q = dataclasses.replace(q, calibration=random_calibration(layers.config, samples,
+                                                                      spec.calibration_max_tokens))
     elif q is not None and before_quantize is None:
         directory = plain_hf_directory(spec.name)
         if directory is not None:
             layers = CheckpointLayers(directory, dtype=dtype, device=device, trust_remote_code=trust)
-    if layers is not None:
-        if q.calibrated and is_random(spec.name):
-            q = dataclasses.replace(q, calibration=random_calibration(layers.config, samples,
-                                                                      spec.calibration_max_tokens))
-        elif q.calibrated:
-            q = calibrated(layers.tokenizer())
-        model, tokenizer = build_from(layers, q, show_progress=show_progress)
-    else:
+            if q.calibrated:
+                q = calibrated(layers.tokenizer())
+    if layers is None:  # loaded whole: 16-bit modules, or a directory's stored 4-bit state
         model, tokenizer = load_causal_lm(spec.name, dtype=dtype, device=device, trust_remote_code=trust)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
             if spec.method != "rtn" or spec.keep_bf16:
@@ -163,7 +161,11 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
         elif q is not None:
             if before_quantize is not None:
                 before_quantize(model, tokenizer)
-            quantize_as(model, calibrated(tokenizer, model), show_progress=show_progress)
+            q = calibrated(tokenizer, model)
+            layers = LoadedLayers(model, tokenizer)
+            del model
+    if layers is not None:
+        model, tokenizer = build_from(layers, q, show_progress=show_progress)
     if console is not None and q is not None and q.method != "rtn":
         console.print(f"quantized to {q.format.name} with {q.method} in {time.perf_counter() - t0:.1f} s")
     if console is not None and spec.keep_bf16:

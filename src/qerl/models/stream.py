@@ -1,4 +1,7 @@
-"""Load a Hugging Face safetensors checkpoint straight into a quantized model, one decoder layer at a time.
+"""The layer-by-layer builder: a quantized model built one decoder layer at a time from a layer source.
+
+Layer sources: a Hugging Face safetensors directory (`CheckpointLayers`, read tensor by tensor), a model loaded
+whole (`LoadedLayers`), random weights (`random_weights.RandomLayers`); `build_from` builds any of them.
 
 `load_causal_lm` + `quantize_model` first hold the whole model in 16 bits: 145 GB for a 72B model, more than
 an H200 (141 GB) and more than many hosts. Here the model skeleton lives on the meta device; each decoder
@@ -15,10 +18,11 @@ import torch
 from rich.progress import Progress
 from torch import nn
 
+from ..nn.quant_base import QuantizedModule
 from ..quant import CALIBRATED
 from .calibration import calibrated_quantize
 from .convert import quantize_input_embeddings
-from .experts import quantize_experts
+from .experts import experts_to_quantize, quantize_experts
 from .lora_attach import add_expert_lora, add_lora_to
 from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import names_under, resolve_keep_bf16
@@ -94,6 +98,7 @@ def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     keep = resolve_keep_bf16(model, q.keep_bf16, q.targets) if q.keep_bf16 else set()
+    experts_to_quantize(model, fmt, method, q.keep_bf16)  # its refusals, before any layer is read
     body = model.model
     fill(body.embed_tokens, "model.embed_tokens.")
     # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
@@ -171,6 +176,47 @@ class CheckpointLayers:
         if (self.directory / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(self.directory)
         return model, self.tokenizer()
+
+
+class LoadedLayers:
+    """A causal LM loaded whole in 16 bits (`pretrained.load_causal_lm`: a GGUF file, a mixture of experts, a model
+    looked at before it is quantized) as a layer source for `build_from`: `fill(module, prefix)` moves the loaded
+    tensors under `prefix` into the skeleton's module and frees them in the loaded model, so the two hold about one
+    copy together. A part the loaded model already stores quantized (gpt-oss's released MXFP4 experts) is moved
+    over as it is."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self._tokenizer = model, tokenizer
+        self.config = model.config
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
+
+    def tokenizer(self):
+        return self._tokenizer
+
+    @contextmanager
+    def opened(self):
+        def fill(module: nn.Module, prefix: str) -> None:
+            loaded = self.model.get_submodule(prefix.rstrip("."))
+            stored = {n: m for n, m in loaded.named_modules() if n and isinstance(m, QuantizedModule)}
+            stored = {n: m for n, m in stored.items() if not any(n.startswith(f"{o}.") for o in stored)}
+            for name in stored:  # stored quantized: moved over as it is, not a 16-bit tensor to take
+                module.set_submodule(name, nn.Module())
+                loaded.set_submodule(name, nn.Module())
+            transient = {n for n, _ in module.named_buffers() if n not in module.state_dict()}
+            if transient:  # computed in __init__, not in a state dict; none of the supported layers has any
+                raise ModelLoadError(f"{prefix or 'model'}: computed buffers {sorted(transient)} cannot be moved")
+            module.load_state_dict(loaded.state_dict(), assign=True)  # the loaded tensors themselves, no copy
+            for name, part in stored.items():
+                module.set_submodule(name, part)
+            loaded.to_empty(device="meta")  # the loaded model lets go of them
+
+        yield fill
+
+    def finish(self, model):
+        """(model, tokenizer) once built, with the loaded model's generation config."""
+        model.generation_config = self.model.generation_config
+        return model, self._tokenizer
 
 
 def build_from(layers, q: Quantization, *, show_progress: bool = False):
