@@ -98,7 +98,10 @@ def check_experts(model: nn.Module, fmt: str | WeightFormat, method: str = "rtn"
     """Raise ValueError unless `quantize_experts(model, fmt, method)` can work; changes nothing.
 
     Returns the experts stacks [(name, module)] that it would replace."""
-    fmt = get_format(fmt)
+    return _checked_experts(model, get_format(fmt), method)
+
+
+def _checked_experts(model: nn.Module, fmt: WeightFormat, method: str) -> list[tuple[str, nn.Module]]:
     block = fmt.block
     if fmt.name == "bf16":
         raise ValueError("quantize_experts: fmt must be a 4-bit format (nvfp4, mxfp4, nf4), not bf16")
@@ -133,7 +136,7 @@ def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_b
                          f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
                          f"e.g. {found[0][0]})")
     refuse_kept_experts([name_prefix + n for n, _ in found], keep_bf16)
-    check_experts(model, fmt, method)
+    _checked_experts(model, fmt, method)
     return True
 
 
@@ -170,7 +173,7 @@ def quantize_experts(model: nn.Module, fmt: str | WeightFormat = "nvfp4", method
     fit: a LoraConfig with experts and init loftq: each stack's residual factors are computed before its 16-bit
     weights go and kept on it until `add_expert_lora` (`lora_init.PENDING_FACTORS`)."""
     fmt = get_format(fmt)
-    found = check_experts(model, fmt, method)
+    found = _checked_experts(model, fmt, method)
     replaced = {}
     for name, module in found:
         quant_cls = LAYOUTS[type(module).__name__].quant

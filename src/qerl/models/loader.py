@@ -96,10 +96,12 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
 
     A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is read tensor by
     tensor, so the 16-bit model is never held whole; other sources (GGUF, mixtures of experts, a model looked at
-    first) load whole and are handed to the builder, which takes their tensors over layer by layer. train_rows: the run's problems (the calibration
-    sources "train" and "auto" read them). before_quantize(model, tokenizer): called on the whole 16-bit model
-    before it is quantized (a reference for a fidelity check); it turns streaming off. console: where to say
-    what took time (quantization with a calibrated method, the layers kept in bf16).
+    first) load whole and are handed to the builder, which takes their tensors over layer by layer.
+
+    train_rows: the run's problems (the calibration sources "train" and "auto" read them).
+    before_quantize(model, tokenizer): called on the whole 16-bit model before it is quantized (a reference for
+    a fidelity check); it turns streaming off. console: where to say what took time (quantization with a
+    calibrated method, the layers kept in bf16).
     """
     from .adapter import load_adapter
     from .calibration import calibration_ids, default_samples

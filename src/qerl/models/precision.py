@@ -103,10 +103,10 @@ def resolve_keep_bf16(model: nn.Module, specs: Iterable[str], targets: Iterable[
 
 
 def refuse_kept_experts(experts: Iterable[str], specs: Iterable[str]) -> None:
-    """ValueError when a keep_bf16 entry names one of `experts` (full names of MoE experts stacks): experts are
-    not kept in 16 bits. last:N selects target linears only; the experts there stay 4-bit."""
+    """ValueError when a keep_bf16 entry (`specs`, syntax checked) names one of `experts` (full names of MoE experts
+    stacks): experts are not kept in 16 bits. last:N selects target linears only; the experts there stay 4-bit."""
     experts = list(experts)
-    for spec in check_keep_bf16(specs):
+    for spec in specs:
         hit = None if spec.startswith(LAST) else next((n for n in experts if _matches(n, spec)), None)
         if hit is not None:
             raise ValueError(f"keep_bf16 entry {spec!r} matches the MoE experts module {hit}: keeping experts in "

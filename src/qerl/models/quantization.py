@@ -10,6 +10,7 @@ from typing import Iterable
 
 import torch
 
+from ..choices import check_keep_bf16
 from ..formats import WeightFormat, get_format
 from ..lora_config import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED, check_method
@@ -35,9 +36,11 @@ class Quantization:
     def of(cls, fmt: str | WeightFormat, method: str = "rtn", *, targets: Iterable[str] = DEFAULT_TARGETS,
            keep_bf16: Iterable[str] = (), embeddings: bool = False, lora: LoraConfig | None = None,
            calibration: torch.Tensor | None = None) -> "Quantization":
-        """The format resolved from its name and the method checked against it (ValueError naming either)."""
+        """The format resolved from its name, the method checked against it and the keep_bf16 entries' syntax
+        (`choices.check_keep_bf16`): ValueError naming what is wrong."""
+        fmt = get_format(fmt)
         check_method(method, fmt)
-        return cls(get_format(fmt), method, tuple(targets), tuple(keep_bf16), embeddings, lora, calibration)
+        return cls(fmt, method, tuple(targets), tuple(check_keep_bf16(keep_bf16)), embeddings, lora, calibration)
 
     @property
     def eora(self) -> bool:

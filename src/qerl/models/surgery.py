@@ -47,7 +47,11 @@ def sibling_groups(names: Iterable[str]) -> list[list[str]]:
 
 def shared_global_scales(linears: dict[str, nn.Linear], fmt: str | WeightFormat) -> dict[str, torch.Tensor]:
     """{module path: fp32 [1]} for formats with a global scale: the minimum over each fused group."""
-    scale_of = get_format(fmt).global_scale
+    return _shared_global_scales(linears, get_format(fmt))
+
+
+def _shared_global_scales(linears: dict[str, nn.Linear], fmt: WeightFormat) -> dict[str, torch.Tensor]:
+    scale_of = fmt.global_scale
     if scale_of is None:
         return {}
     scales = {name: scale_of(lin.weight) for name, lin in linears.items()}
@@ -93,7 +97,7 @@ def replace_linears(model: nn.Module, linears: dict[str, nn.Linear], fmt: Weight
                 f"{name}: {lin.in_features} input features is not a multiple of the {fmt.name} block size "
                 f"{fmt.block}; leave this module out of --targets or choose another format"
             )
-    scales = shared_global_scales(linears, fmt)
+    scales = _shared_global_scales(linears, fmt)
     for p in model.parameters():
         p.requires_grad_(False)
     with Progress(disable=not show_progress, transient=True) as progress:

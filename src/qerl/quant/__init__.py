@@ -26,10 +26,11 @@ NVFP4_SEARCH = "mse"  # the scale candidates `4over6` tries (nvfp4_scales.candid
 
 
 def check_method(method: str, fmt: str | WeightFormat) -> None:
-    """ValueError for an unknown method or one that does not apply to `fmt`."""
+    """ValueError for an unknown method or one that does not apply to `fmt` (a format, or its name: an unknown
+    name is `get_format`'s to refuse)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
-    name = get_format(fmt).name
+    name = fmt if isinstance(fmt, str) else fmt.name
     if name not in SUPPORTED_FORMATS[method]:
         raise ValueError(f"quantization method {method!r} works on {', '.join(SUPPORTED_FORMATS[method])}, "
                          f"not {name!r}")
