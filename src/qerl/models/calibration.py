@@ -11,7 +11,7 @@
               layers absorb earlier layers' error
 
 Only one layer's statistics and the hidden states [S, T, D] are alive at a time, so the loop also works on the
-streaming loader's meta-device skeleton. `convert.quantize_model(method="gptq" | "awq")` and the layer-by-layer
+layer-by-layer builder's meta-device skeleton. `convert.quantize_model(method="gptq" | "awq")` and the layer-by-layer
 builder (`stream`) call it.
 """
 

@@ -1,6 +1,7 @@
-"""One way to load a model for any command: load the base, quantize it (while streaming, or whole and
-calibrated), attach LoRA or a trained adapter. `qerl train` (through `models.policy`), `qerl eval`,
-`qerl quantize`, `qerl merge` and the study all describe what they want as a `ModelSpec`.
+"""One way to load a model for any command, in stages: the source, its 16-bit modules (or a quantized directory's
+stored 4-bit state), quantized by method with LoRA attached as they are built, on the device, then a trained
+adapter (`load_policy`). `qerl train` (through `models.policy`), `qerl eval`, `qerl quantize`, `qerl merge`, the
+study and the benchmarks all describe what they want as a `ModelSpec`.
 """
 
 from __future__ import annotations

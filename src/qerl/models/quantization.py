@@ -1,8 +1,8 @@
 """What the quantize stage is asked to do, resolved and checked once: `Quantization`.
 
-`load_policy` builds one from its ModelSpec, `quantize_model`, `stream_quantized` and `random_policy` take one
-(`quantize_model` also builds it from names); the stages under them (the layer-by-layer builder, the
-calibration loop, the surgery) read its fields and check nothing again.
+`load_policy` builds one from its ModelSpec and `quantize_model` from its arguments; `stream.build_from`,
+`stream_quantized`, `random_policy` and `convert.quantize_as` take one, and the stages under them (the
+layer-by-layer builder, the calibration loop, the surgery) read its fields and check nothing again.
 """
 
 from dataclasses import dataclass

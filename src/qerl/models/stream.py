@@ -71,9 +71,9 @@ def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = 
                          show_progress: bool = False):
     """A causal LM for `config` quantized as `q`, built one decoder layer at a time: decoder linears
     QuantLinear(q.format) (+ `q.lora`), experts stacks, if any, frozen QuantExperts. `fill(module, prefix)`
-    materialises a part of the meta-device skeleton on `device` and gives it its values (from a checkpoint, or
-    random: `random_weights`); each layer is quantized right after, so at most one 16-bit layer exists. Only LoRA
-    parameters require grad.
+    materialises a part of the meta-device skeleton on `device` and gives it its values (a layer source's: from a
+    checkpoint, a model loaded whole, or random); each layer is quantized right after, so at most one 16-bit layer
+    exists. Only LoRA parameters require grad.
 
     The calibrated methods (gptq, awq) and eora need `q.calibration`, which then flows through the layers as they
     are built (`calibration`). q.keep_bf16: as for `quantize_model`, resolved on the whole (meta) skeleton before
