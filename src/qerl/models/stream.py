@@ -164,7 +164,7 @@ class CheckpointLayers:
             ckpt = _Checkpoint(self.directory, stack)
             yield lambda module, prefix: ckpt.fill(module, prefix, self.device, self.dtype)
             unused = sorted(set(ckpt.where) - ckpt.used - {"lm_head.weight"})
-            unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # older checkpoints store it
+            unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]  # computed, though some files hold it
             if unused:
                 raise ModelLoadError(f"{self.directory}: {len(unused)} checkpoint tensor(s) the model has no place "
                                      f"for, e.g. {unused[:3]}")
