@@ -174,7 +174,7 @@ def _merge(args) -> int:
 def _bench(args) -> int:
     import importlib
 
-    module = importlib.import_module("qerl.study" if args.what == "study" else f"qerl.bench.{args.what}")
+    module = importlib.import_module(f"qerl.bench.{args.what}")
     return module.main(args.rest) or 0
 
 
