@@ -90,10 +90,9 @@ class QuantEmbedding(QuantizedModule):
                 + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""))
 
 
-def check_embedding_shape(num_embeddings: int, embedding_dim: int, fmt: str | WeightFormat) -> None:
+def check_embedding_shape(num_embeddings: int, embedding_dim: int, fmt: WeightFormat) -> None:
     """Raise ValueError unless every row of a [V, D] table splits into whole blocks of the format (a row
     gather needs that; NF4's flattened 64-blocks must not span rows)."""
-    fmt = get_format(fmt)
     block = fmt.block
     if embedding_dim % block or embedding_dim % 2:
         raise ValueError(f"embedding dim {embedding_dim} is not a multiple of the {fmt.name} block size {block}; "
