@@ -90,7 +90,7 @@ def main():
     from qerl.data import load_problems
     from qerl.eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
     from qerl.models import load_causal_lm, quantize_model
-    from qerl.models.calibrate import calibration_ids
+    from qerl.models.calibration import calibration_ids
     from qerl.nn import LoraConfig
     from qerl.quant import CALIBRATED
 

@@ -3,7 +3,7 @@
 The model is built by transformers on `meta`; every target linear becomes a real `QuantLinear` (+ LoRA) and,
 with the option, the input embedding a real `QuantEmbedding`, holding meta tensors of exactly the shapes and
 dtypes the format's quantizer returns (checked against a real quantization of one row). Then the same
-`memory_report` and `policy_bytes` as `qerl bench rollout` count the bytes.
+`memory_report` and `policy_bytes` (`qerl.models.memory`, as `qerl bench rollout` counts them) count the bytes.
 
     python benchmarks/policy_size.py --models 7b,14b,32b --formats nvfp4 --lora-r 16
 """
@@ -12,11 +12,11 @@ import argparse
 
 import torch
 
-from qerl.bench.rollout import policy_bytes
+from qerl.models.memory import policy_bytes
 from qerl.models.shapes import QWEN25, qwen25_config
 from qerl.formats import get_format
 from qerl.models.memory import memory_report
-from qerl.models.targets import find_targets, set_module
+from qerl.models.targets import find_targets
 from qerl.nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding, QuantLinear
 from qerl.nn.quant_embedding import _PER_TENSOR
 
@@ -42,7 +42,7 @@ def meta_policy(size: str, fmt: str, lora_r: int, embeddings: bool):
     lora = LoraConfig(r=lora_r, alpha=2 * lora_r) if lora_r else None
     for name, lin in find_targets(model, DEFAULT_TARGETS).items():
         bias = None if lin.bias is None else torch.empty_like(lin.bias)
-        set_module(model, name, QuantLinear(lin.in_features, lin.out_features, fmt,
+        model.set_submodule(name, QuantLinear(lin.in_features, lin.out_features, fmt,
                                             meta_tensors(fmt, lin.out_features, lin.in_features), bias, lora))
     if embeddings:
         emb = model.get_input_embeddings()

@@ -43,10 +43,13 @@ def parse_row(row: str) -> tuple[str, str, str | None, list[str]]:
 
 def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.Module, float, dict]:
     """A fresh copy of `base` quantized as `row`; (model, seconds, info)."""
-    from qerl.models.calibrate import calibration_ids, method_quantizer
-    from qerl.models.calibrated_quantize import calibrated_quantize
+    from qerl.models.calibration import calibrated_quantize, calibration_ids
     from qerl.models.convert import quantize_model
     from qerl.models.precision import resolve_keep_bf16
+    from qerl.models.quantization import Quantization
+    from qerl.models.surgery import method_quantizer
+    from qerl.models.targets import find_targets
+    from qerl.nn import DEFAULT_TARGETS
     from qerl.quant import CALIBRATED
 
     model = copy.deepcopy(base)
@@ -61,12 +64,13 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
         info["kept_bf16"] = len(resolve_keep_bf16(model, keep))
     if "~" in method:  # nvfp4-4over6~4over6: the scale search with another candidate set (nvfp4_scales)
         method, _, search = method.partition("~")
-        quantize_model(model, fmt, quantizer=method_quantizer(model, fmt, method, search=search))
+        linears = find_targets(model, DEFAULT_TARGETS)
+        quantize_model(model, fmt, quantizer=method_quantizer(model, linears, fmt, method, search=search))
     elif method in CALIBRATED:
         ids = calibration_ids(source or cal_cfg["source"], tok, cal_cfg["samples"], cal_cfg["max_tokens"], model=base)
         info["calibration_s"] = time.perf_counter() - t0
         info["calibration_tokens"] = ids.numel()
-        out = calibrated_quantize(model, fmt, method, ids, device=device,
+        out = calibrated_quantize(model, Quantization.of(fmt, method, calibration=ids), device=device,
                                   keep=resolve_keep_bf16(model, keep) if keep else ())
         info["awq_scales"] = out["awq_scales"]
     else:

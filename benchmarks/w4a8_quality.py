@@ -47,16 +47,16 @@ class _W4A8(torch.nn.Module):
 @contextmanager
 def w4a8(model, weights: bool, activations: bool, block: int = 0):
     """The model with every NVFP4 QuantLinear replaced by its W4A8 emulation (restored on exit)."""
-    from qerl.models.targets import quant_layers, set_module
+    from qerl.models.targets import quant_layers
 
     layers = {n: m for n, m in quant_layers(model).items() if m.weight_format == "nvfp4"}
     try:
         for name, layer in layers.items():
-            set_module(model, name, _W4A8(layer, weights, activations, block))
+            model.set_submodule(name, _W4A8(layer, weights, activations, block))
         yield model
     finally:
         for name, layer in layers.items():
-            set_module(model, name, layer)
+            model.set_submodule(name, layer)
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ def count_ops(variant: str, layers: int, tokens: int) -> collections.Counter:
     from transformers import Qwen2Config
 
     from qerl.kernels import dequantized_weights
+    from qerl.models import Quantization
     from qerl.models.random_weights import random_policy
     from qerl.nn import LoraConfig
     from qerl.rl.logprobs import completion_logprobs
@@ -31,7 +32,8 @@ def count_ops(variant: str, layers: int, tokens: int) -> collections.Counter:
         raise SystemExit(f"unknown variant {variant!r}: FORMAT[+dense]")
     cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2)
-    model = random_policy(cfg, fmt, LoraConfig(r=8, alpha=16), torch.device("cpu")).to(torch.float32).train()
+    q = Quantization.of(fmt, lora=LoraConfig(r=8, alpha=16))
+    model = random_policy(cfg, q, torch.device("cpu")).to(torch.float32).train()
     g = torch.Generator().manual_seed(0)
     prompt, completion = (torch.randint(1, 500, (2, tokens), generator=g) for _ in range(2))
     mask = torch.ones_like(prompt, dtype=torch.bool)

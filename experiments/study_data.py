@@ -20,7 +20,7 @@ from pathlib import Path
 
 from qerl.data import load_problems
 from qerl.data.calibration import mixture_problems
-from qerl.models.calibrate import TOKENS_PER_PROBLEM
+from qerl.models.calibration import TOKENS_PER_PROBLEM
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -96,7 +96,7 @@ def measure(weights: dict[str, torch.Tensor]) -> dict:
 
 def model_weights(name: str) -> dict[str, torch.Tensor]:
     """The target linears' weights of a model (qerl's default targets), as stored (bf16 for the embedded ones)."""
-    from qerl.models.load import load_causal_lm
+    from qerl.models.pretrained import load_causal_lm
     from qerl.nn import DEFAULT_TARGETS
 
     model, _ = load_causal_lm(name, dtype="bf16", device="cpu")

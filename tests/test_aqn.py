@@ -275,8 +275,8 @@ def test_noise_writes_in_place_and_the_engine_keeps_its_graphs():
 @pytest.mark.slow
 def test_aqn_raises_sampling_entropy_on_the_real_model():
     """SmolLM2-135M-Instruct: noisy norms (one draw per batch) give a higher mean token entropy."""
-    load = pytest.importorskip("qerl.models.load")
-    model, tok = load.load_causal_lm("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
+    pretrained = pytest.importorskip("qerl.models.pretrained")
+    model, tok = pretrained.load_causal_lm("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
     engine = RolloutEngine(model, tokenizer=tok, max_seq_len=256)
     msgs = ["What is 12 + 35?", "Name a primary colour.", "Write one sentence about the sea.",
             "What is the capital of France?"]

@@ -492,7 +492,7 @@ def test_the_median_norm_weight_of_a_folded_model_is_the_unfolded_models():
 
 
 def test_folded_covariances_are_those_of_the_folded_layers_inputs():
-    from qerl.models.calibrate import capture_layer_inputs, layer_statistics
+    from qerl.models.calibration import capture_layer_inputs, layer_statistics
     from qerl.quant.awq import folded_covariances
 
     model = outlier_model("qwen2", num_key_value_heads=4)

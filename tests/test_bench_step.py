@@ -20,6 +20,7 @@ from transformers import Qwen2Config
 import qerl.rl.update as update_module
 import qerl.rollout.engine as engine_module
 from qerl.bench.step import StepRunner, ceiling_table, parse_args, table
+from qerl.models import Quantization
 from qerl.models.random_weights import random_policy
 from qerl.nn import LoraConfig, QuantLinear
 from qerl.rl.distributed import DistContext
@@ -27,7 +28,7 @@ from qerl.rl.distributed import DistContext
 
 def build_random_policy(config, fmt, lora_r, device):
     """The random-weight policy the bench builds (`qerl.models.random_weights`), for a config of any size."""
-    return random_policy(config, fmt, LoraConfig(r=lora_r, alpha=2 * lora_r), device)
+    return random_policy(config, Quantization.of(fmt, lora=LoraConfig(r=lora_r, alpha=2 * lora_r)), device)
 
 
 ENGINE_READY = "force_lengths" in inspect.signature(engine_module.RolloutEngine.generate).parameters

@@ -12,8 +12,8 @@ from tiny import tiny_config, tiny_model, tiny_tokenizer
 from qerl.cli import main
 from qerl.config import load_config
 from qerl.data.calibration import CalibrationError, check_source, pack_tokens
-from qerl.models import quantize_model, save_quantized
-from qerl.models.calibrate import calibration_ids
+from qerl.models import Quantization, quantize_model, save_quantized
+from qerl.models.calibration import calibration_ids
 from qerl.models.targets import quant_layers
 from qerl.models.stream import build_layer_by_layer
 from qerl.rl.trainer import Trainer
@@ -115,8 +115,8 @@ def test_streamed_build_equals_whole_model_quantization(method, keep):
             for n, t in module.state_dict(keep_vars=True).items():
                 t.copy_(state[prefix + n])
 
-    streamed = build_layer_by_layer(tiny_config("llama"), "nvfp4", None, fill, dtype=torch.float32, method=method,
-                                    calibration=cal if method != "4over6" else None, keep_bf16=keep)
+    q = Quantization.of("nvfp4", method, calibration=cal if method != "4over6" else None, keep_bf16=keep)
+    streamed = build_layer_by_layer(tiny_config("llama"), q, fill, dtype=torch.float32)
     for (name, a), (_, b) in zip(quant_layers(whole).items(), quant_layers(streamed).items()):
         for t in a.quantized_tensors():
             assert torch.equal(getattr(a, t).view(torch.uint8), getattr(b, t).view(torch.uint8)), (name, t)
@@ -239,7 +239,7 @@ def test_an_awq_directory_reloads_with_its_channel_scales_so_aqn_draws_the_same_
 
 
 def test_self_source_generates_in_float32_on_the_cpu_and_leaves_the_model_as_it_was(tmp_path):
-    from qerl.models.calibrate import greedy_answers
+    from qerl.models.calibration import greedy_answers
 
     model, tok = tiny_model("qwen2", dtype=torch.bfloat16), tiny_tokenizer()  # tied embeddings
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -257,8 +257,8 @@ def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tin
                                                                             capsys):
     """model.calibration.samples: null -> 64 sequences on the CPU (128 on a GPU); a number is kept; 0 is refused."""
     from qerl.config import ConfigError
-    from qerl.models import calibrate
-    from qerl.models.calibrate import default_samples
+    from qerl.models import calibration
+    from qerl.models.calibration import default_samples
 
     assert (default_samples("cpu"), default_samples("cuda"), default_samples(torch.device("cuda", 1))) == (64, 128, 128)
     seen = []
@@ -270,7 +270,7 @@ def test_calibration_samples_default_depends_on_where_the_model_is_quantized(tin
         seen.append(samples)
         raise Stop
 
-    monkeypatch.setattr(calibrate, "calibration_ids", record)
+    monkeypatch.setattr(calibration, "calibration_ids", record)
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+{a}=?", "answer": str(2 * a)}) + "\n" for a in range(9)))
     base = [f"model.name={tiny_dir}", "model.format=nvfp4", "model.quant_method=gptq",

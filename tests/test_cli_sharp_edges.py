@@ -43,15 +43,15 @@ def _evaluate_module():
 def no_model_load(monkeypatch):
     """Every way a command loads a model fails the test: a refusal must come before."""
     import qerl.models
-    import qerl.models.load
+    import qerl.models.pretrained
     import qerl.models.stream
     import qerl.rl.trainer
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
 
-    for module, name in ((qerl.models, "load_causal_lm"), (qerl.models.load, "load_causal_lm"),
-                         (qerl.models.load, "plain_hf_directory"), (qerl.models.stream, "stream_quantized"),
+    for module, name in ((qerl.models, "load_causal_lm"), (qerl.models.pretrained, "load_causal_lm"),
+                         (qerl.models.pretrained, "plain_hf_directory"), (qerl.models.stream, "build_from"),
                          (qerl.rl.trainer, "build_policy"), (_evaluate_module(), "prepare_model")):
         monkeypatch.setattr(module, name, loaded)
 
@@ -329,7 +329,7 @@ def test_a_stop_signal_during_the_model_load_ends_with_one_line(signum, tiny_dir
 
 
 def test_a_model_name_typo_gets_did_you_mean_at_once(no_model_load):
-    from qerl.models.load import check_near_miss
+    from qerl.models.pretrained import check_near_miss
     from qerl.models.sources import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="did you mean 'smollm2-135m-instruct'"):

@@ -18,7 +18,7 @@ from qerl.formats.mxfp4 import dequantize_mxfp4
 from qerl.models import lora_parameters, quant_layers, quantize_model
 from qerl.models.experts import dequantize_experts_into, quantize_experts
 from qerl.models.gpt_oss import load_gpt_oss_mxfp4, save_gpt_oss_mxfp4
-from qerl.models.load import load_causal_lm, plain_hf_directory
+from qerl.models.pretrained import load_causal_lm, plain_hf_directory
 from qerl.models.sources import ModelLoadError
 from qerl.nn import LoraConfig, QuantLinear
 from qerl.nn.quant_experts_gpt_oss import GptOssQuantExperts

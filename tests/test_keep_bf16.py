@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from tiny import tiny_model, tiny_tokenizer
 
 from qerl.formats import get_format
-from qerl.models import load_causal_lm, memory_report, quant_layers, quantize_model, save_quantized
+from qerl.models import Quantization, load_causal_lm, memory_report, quant_layers, quantize_model, save_quantized
 from qerl.models.checkpoint import KEEP_KEY
 from qerl.models.targets import find_targets
 from qerl.models.precision import (check_keep_bf16, describe_keep_bf16, keep_bf16_extra_bytes, match_keep_bf16,
@@ -212,7 +212,7 @@ def test_streamed_equals_load_then_quantize(tmp_path, arch, fmt, method):
     tiny_tokenizer().save_pretrained(tmp_path)
     expected, _ = load_causal_lm(tmp_path)
     quantize_model(expected, fmt, LORA, method=method, keep_bf16=MIXED)
-    got, _ = stream_quantized(tmp_path, fmt, LORA, method=method, keep_bf16=MIXED)
+    got, _ = stream_quantized(tmp_path, Quantization.of(fmt, method, lora=LORA, keep_bf16=MIXED))
     kinds = {n: m.weight_format for n, m in quant_layers(got).items()}
     assert kinds == {n: m.weight_format for n, m in quant_layers(expected).items()}
     assert {n for n, f in kinds.items() if f == "bf16"} == resolve_keep_bf16(tiny_model(arch), MIXED) \
@@ -235,7 +235,7 @@ def test_streamed_equals_load_then_quantize(tmp_path, arch, fmt, method):
 def test_streaming_checks_patterns_before_reading_weights(tmp_path):
     tiny_model("llama", dtype=torch.bfloat16).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'model.layers.5.\\*' matches no quantization target"):
-        stream_quantized(tmp_path, "nvfp4", keep_bf16=["model.layers.5.*"])
+        stream_quantized(tmp_path, Quantization.of("nvfp4", keep_bf16=["model.layers.5.*"]))
 
 
 # ------------------------------------------------------------------------------------------- checkpoints

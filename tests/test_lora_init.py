@@ -239,7 +239,7 @@ def test_loftq_on_expert_lora_through_quantize_model(fmt):
 def test_streamed_equals_load_then_quantize(tmp_path, init):
     from tiny import tiny_tokenizer
 
-    from qerl.models import load_causal_lm
+    from qerl.models import Quantization, load_causal_lm
     from qerl.models.stream import stream_quantized
 
     tiny_model("qwen2", tie_word_embeddings=True).save_pretrained(tmp_path)
@@ -251,7 +251,8 @@ def test_streamed_equals_load_then_quantize(tmp_path, init):
     expected, _ = load_causal_lm(tmp_path, dtype=torch.float32, device="cpu")
     quantize_model(expected, "nvfp4", lora, calibration=cal)
     torch.manual_seed(3)
-    got, _ = stream_quantized(tmp_path, "nvfp4", lora, dtype=torch.float32, device="cpu", calibration=cal)
+    got, _ = stream_quantized(tmp_path, Quantization.of("nvfp4", lora=lora, calibration=cal), dtype=torch.float32,
+                              device="cpu")
     a, b = expected.state_dict(), got.state_dict()
     assert a.keys() == b.keys()
     for k in a:

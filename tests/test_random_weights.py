@@ -5,7 +5,7 @@ cannot build before building anything."""
 import pytest
 import torch
 
-from qerl.models import ModelSpec, load_policy, quant_layers
+from qerl.models import ModelSpec, Quantization, load_policy, quant_layers
 from qerl.models.random_weights import random_config, random_name, random_policy, shape_names
 from qerl.models.shapes import QWEN25, SMOLLM2_135M
 from qerl.nn import LoraConfig
@@ -34,7 +34,8 @@ def test_the_loader_builds_what_the_bench_builds():
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
     assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # a trained-looking adapter
-    same = random_policy(random_config(spec.name), "nvfp4", LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    same = random_policy(random_config(spec.name), Quantization.of("nvfp4", lora=LoraConfig(r=4, alpha=8)),
+                         torch.device("cpu"))
     ours, theirs = model.state_dict(), same.state_dict()
     assert ours.keys() == theirs.keys()
     for k in ours:

@@ -269,8 +269,8 @@ def test_too_long_is_refused_and_unknown_arch_named():
 
 @pytest.mark.slow
 def test_greedy_matches_hf_generate_on_smollm2():
-    load = pytest.importorskip("qerl.models.load")
-    model, tok = load.load_causal_lm("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
+    pretrained = pytest.importorskip("qerl.models.pretrained")
+    model, tok = pretrained.load_causal_lm("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
     msgs = ["What is 7 times 8?", "Say hello in French.", "List three fruits."]
     prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
                                        tokenize=True) for m in msgs]

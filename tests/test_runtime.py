@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 from qerl.kernels.route import current_policy
+from qerl.models import Quantization
 from qerl.models.random_weights import random_policy
 from qerl.nn import LoraConfig, QuantLinear
 from qerl.rl.runtime import build_runtime
@@ -15,7 +16,8 @@ from transformers import Qwen2Config
 
 
 def _model():
-    return random_policy(Qwen2Config(**TINY), "nvfp4", LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    return random_policy(Qwen2Config(**TINY), Quantization.of("nvfp4", lora=LoraConfig(r=4, alpha=8)),
+                         torch.device("cpu"))
 
 
 def test_defaults_hold_no_routing_and_no_store():

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import tiny_model, tiny_tokenizer
 
-from qerl.models import ModelLoadError, load_causal_lm, quantize_model
+from qerl.models import ModelLoadError, Quantization, load_causal_lm, quantize_model
 from qerl.models.stream import stream_quantized
 from qerl.nn import LoraConfig
 
@@ -28,7 +28,7 @@ def test_streamed_equals_load_then_quantize(tmp_path, arch, fmt):
     expected, _ = load_causal_lm(tmp_path)
     quantize_model(expected, fmt, lora)
     torch.manual_seed(3)
-    got, tok = stream_quantized(tmp_path, fmt, lora)
+    got, tok = stream_quantized(tmp_path, Quantization.of(fmt, lora=lora))
     assert tok is not None and got.config.qerl_weight_format == fmt
     a, b = _base_state(expected), _base_state(got)
     assert a.keys() == b.keys()
@@ -56,11 +56,11 @@ def test_missing_or_extra_tensors_are_named(tmp_path):
     tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2)
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight"):
-        stream_quantized(tmp_path, "nvfp4")
+        stream_quantized(tmp_path, Quantization.of("nvfp4"))
     tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(128, 64, dtype=torch.bfloat16)
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="no place for, e.g. \\['model.layers.9.mlp.up_proj.weight'\\]"):
-        stream_quantized(tmp_path, "nvfp4")
+        stream_quantized(tmp_path, Quantization.of("nvfp4"))
 
 
 def test_cli_quantize_no_check_streams_the_same_directory(tmp_path):
@@ -85,7 +85,7 @@ def test_hub_id_streams_from_its_snapshot(tmp_path, monkeypatch):
     when the snapshot cannot be fetched (offline) the caller falls back to load_causal_lm's path."""
     import huggingface_hub
 
-    from qerl.models import load
+    from qerl.models import pretrained
 
     snap = tmp_path / "snapshot"
     tiny_model("llama", dtype=torch.bfloat16).save_pretrained(snap)
@@ -99,8 +99,8 @@ def test_hub_id_streams_from_its_snapshot(tmp_path, monkeypatch):
         return str(snap)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    assert load.plain_hf_directory("org/tiny") == snap
-    assert calls == [("org/tiny", list(load.HUB_PATTERNS))]
-    assert load.plain_hf_directory("org/unreachable") is None
-    assert load.plain_hf_directory(str(tmp_path / "no-such-dir")) is None  # a path, never sent to the hub
+    assert pretrained.plain_hf_directory("org/tiny") == snap
+    assert calls == [("org/tiny", list(pretrained.HUB_PATTERNS))]
+    assert pretrained.plain_hf_directory("org/unreachable") is None
+    assert pretrained.plain_hf_directory(str(tmp_path / "no-such-dir")) is None  # a path, never sent to the hub
     assert len(calls) == 2

@@ -7,7 +7,7 @@ import torch
 
 from qerl.config import load_config
 from qerl.models import load_adapter, lora_parameters
-from qerl.models.load import plain_hf_directory
+from qerl.models.pretrained import plain_hf_directory
 from qerl.models.policy import build_policy
 from qerl.nn import LoraConfig
 from qerl.nn.quant_experts import QuantExperts

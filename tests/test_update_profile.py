@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2Config
 
 from qerl.bench.step import StepRunner, parse_args, time_cells
-from qerl.bench.update_profile import _union_ms, profile_table
+from qerl.bench.update_profile import profile_table, union_ms
 from qerl.rl.distributed import DistContext
 
 from kernel_testing import require_cuda
@@ -14,8 +14,8 @@ from test_bench_step import TINY, _args, build_random_policy
 
 
 def test_busy_time_counts_overlapping_intervals_once():
-    assert _union_ms([]) == 0.0
-    assert _union_ms([(0, 1000), (500, 2000), (3000, 3500), (3100, 3200)]) == pytest.approx(2.5)  # us -> ms
+    assert union_ms([]) == 0.0
+    assert union_ms([(0, 1000), (500, 2000), (3000, 3500), (3100, 3200)]) == pytest.approx(2.5)  # us -> ms
 
 
 def _check(summary: dict, device: str) -> None:

@@ -36,7 +36,7 @@ def _quantize(args) -> int:
     from .eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
     from .models import memory_report, save_quantized
     from .models.atomic import check_output_dir
-    from .models.load import is_quantized_checkpoint
+    from .models.pretrained import is_quantized_checkpoint
     from .models.loader import ModelSpec, check_spec, load_policy
     from .models.precision import describe_keep_bf16, parse_keep_bf16
     from .models.targets import quant_layers

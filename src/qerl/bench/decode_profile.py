@@ -1,23 +1,7 @@
-"""Where a decode step's GPU time goes, against the floor: each kernel of the engine's decode step, its bytes and
-how far it is from moving them at the device-copy bandwidth.
-
-Builds a random-weight Qwen2.5-shaped model (as `qerl bench rollout`), prefills a batch of prompts, then runs
-`--steps` decode steps (the engine's step: one CUDA-graph replay, or eager with `--eager`) each followed by the
-engine's sampler. Per (variant, rows) it prints one table:
-
-  - per role (the q/k/v, o, gate/up, down and lm_head products, each LoRA A product, attention, norms, RoPE +
-    cache write, SwiGLU, sampling, the rest): calls and microseconds per step, the bytes the role must move at
-    least (weights, scales, LoRA factors, the KV cache it attends over, activations in and out), the rate that
-    makes (GB/s) and its own floor over its time (% floor: bytes / copy bandwidth / time);
-  - the sum of the kernel times, the step's time as the engine runs it, the gap between them (launch tails and
-    idle time between kernels; negative where launches overlap), and the step's floor (every role's bytes once,
-    at the measured copy bandwidth) with the step's % of it.
-
-Kernel times are measured with programmatic dependent launch (PDL) off, so each is the kernel's own (with PDL on
-a kernel is launched early and its wait for the previous one is charged to it); the step time is measured both
-ways, PDL on being what the engine does on sm_90+. Roles come from the kernels' order in a step, checked against
-the runner's structure (q/k/v, o, gate/up, down per layer, then lm_head); when they do not match (an MoE model,
-unfused siblings) kernels are grouped by name only and bytes are left out.
+"""Where a decode step's GPU time goes, against the floor: each kernel of the engine's decode step by role, its
+bytes and how far it is from moving them at the device-copy bandwidth, on a random-weight Qwen2.5-shaped model
+(as `qerl bench rollout`). What the table shows and how roles and bytes are found: docs/cli.md
+("python -m qerl.bench.decode_profile").
 
     python -m qerl.bench.decode_profile --models 7b --variants bf16+lora,nvfp4+lora --batches 1,8,64
 """
@@ -28,6 +12,8 @@ import json
 import re
 
 import torch
+
+from .update_profile import union_ms
 
 # first match wins; kernel names as CUPTI reports them
 MATMUL = r"nvfp4_swap|bf16_swap|_fp4_|fp4_gemv|_gemv_kernel|gemm|nvjet|cutlass|sm90_xmma|ampere_|w4a8"
@@ -209,14 +195,8 @@ def kernel_events(run, steps: int) -> list[tuple[str, float, float]]:
 
 
 def busy_us(events: list[tuple[str, float, float]]) -> float:
-    """Time at least one of `events` runs (the union of their intervals), us."""
-    total, end = 0.0, float("-inf")
-    for _, start, dur in events:
-        lo, hi = max(start, end), start + dur
-        if hi > lo:
-            total += hi - lo
-        end = max(end, hi)
-    return total
+    """Time at least one of `events` (name, start us, duration us) runs: the union of their intervals, us."""
+    return 1e3 * union_ms([(start, start + dur) for _, start, dur in events])
 
 
 def role_table(names_durs: list[tuple[str, float]], steps: int, runner, rows: int, attended: int,
@@ -320,7 +300,8 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU")
     from ..rollout.engine import RolloutEngine
     from .graph_timing import copy_bandwidth
-    from .rollout import build_model, free
+    from .options import free_gpu
+    from .rollout import build_model
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")
@@ -335,7 +316,7 @@ def main(argv=None) -> int:
                 results.append(dict(model=size, variant=variant, batch=batch, **cell))
                 print(format_cell(f"{size} {variant}, {batch} rows", cell, bw), flush=True)
             del engine, model
-            free()
+            free_gpu()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()), copy_bw=bw,

@@ -30,6 +30,17 @@ def replay_seconds(g, calls: int) -> float:
     return start.elapsed_time(end) / 1e3 / calls
 
 
+def rotated_copies(weight_bytes: int, l2_bytes: int) -> int:
+    """Copies of a weight a timed sequence cycles through so that it is read from HBM: enough to exceed twice the
+    L2 cache, at most 16."""
+    return min(16, max(1, -(-2 * l2_bytes // weight_bytes)))
+
+
+def calls_per_graph(weight_bytes: int, copies: int) -> int:
+    """Calls one captured graph makes: every weight copy at least once, and about 2 ms of work at 3 TB/s."""
+    return copies * max(1, min(8, int(2e-3 * 3e12 // (weight_bytes * copies))))
+
+
 def graph_time(fn, calls: int, replays: int) -> float:
     """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
     g = capture_calls(fn, calls)

@@ -21,7 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from .graph_timing import copy_bandwidth, graph_time as _graph_time
+from .graph_timing import calls_per_graph, copy_bandwidth, graph_time as _graph_time, rotated_copies
 from ..models.shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
 # Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
@@ -54,18 +54,14 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
     from qerl.kernels.triton import fp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies_fp4 = max(1, -(-2 * l2_bytes // fp4_bytes))
-    copies = min(copies_fp4, 16)
-    bf, q = _weights(n, k, copies)
+    fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
     rows = []
     for kind, m_list in (("forward", ms), ("grad_input", backward_ms)):
         for m in m_list:
             red, out = (k, n) if kind == "forward" else (n, k)
             xs = [torch.randn(m, red, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             act = 2 * m * (red + out)
-            # enough calls per graph to cycle all weight copies at least once, and >= ~2 ms of work
-            calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+            calls = calls_per_graph(fp4_bytes, copies)
             if kind == "forward":
                 fns = {
                     "cublas": lambda i: F.linear(xs[i % 2], bf[i % copies]),
@@ -101,9 +97,7 @@ def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: in
     from qerl.kernels.triton import fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
-    _, q = _weights(n, k, copies)
+    _, copies, _, q = _rotated_weights(n, k, l2_bytes)
     red, out = (k, n) if kind == "forward" else (n, k)
     x = torch.randn(m, red, device="cuda", dtype=torch.bfloat16)
     res = []
@@ -135,14 +129,14 @@ def gemv_candidates():
 def _rotated_weights(n: int, k: int, l2_bytes: int):
     """(FP4 bytes of one weight, copies, bf16 weights, NVFP4 weights): enough copies to exceed 2x L2."""
     fp4_bytes = n * k // 2 + n * k // 16
-    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
+    copies = rotated_copies(fp4_bytes, l2_bytes)
     return (fp4_bytes, copies, *_weights(n, k, copies))
 
 
 def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int):
     """Two activations [m, k] to alternate, and calls per graph: all weight copies, >= ~2 ms of work."""
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    return xs, copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * max(1, copies)))))
+    return xs, calls_per_graph(fp4_bytes, copies)
 
 
 def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:
@@ -336,42 +330,46 @@ def main(argv=None) -> int:
     if args.swap:
         return _run_swap(args, ms, l2, meta)
     rows = []
+    for model, layer, n, k in _shapes(args):
+        for r in bench_shape(n, k, ms, bms, l2, args.replays):
+            rows.append({"model": model, "layer": layer, **r})
+            print(f"{model} {layer} {r['kind']} M={r['M']}: cublas {r['t_cublas_us']:.1f} "
+                  f"deq {r['t_deq+cublas_us']:.1f} fused {r['t_fused_us']:.1f} routed {r['t_routed_us']:.1f} us "
+                  f"routed x{r['routed_vs_cublas']:.2f}", flush=True)
+    _write(args.out, meta, rows, _markdown)
+    return 0
+
+
+def _shapes(args):
+    """(model, layer, N, K) of every shape that --models x --layers selects, in order."""
     for model in args.models.split(","):
         for layer, (n, k) in layer_shapes(model).items():
-            if layer not in args.layers.split(","):
-                continue
-            for r in bench_shape(n, k, ms, bms, l2, args.replays):
-                rows.append({"model": model, "layer": layer, **r})
-                print(f"{model} {layer} {r['kind']} M={r['M']}: cublas {r['t_cublas_us']:.1f} "
-                      f"deq {r['t_deq+cublas_us']:.1f} fused {r['t_fused_us']:.1f} routed {r['t_routed_us']:.1f} us "
-                      f"routed x{r['routed_vs_cublas']:.2f}", flush=True)
-    md = _markdown(rows, meta)
-    with open(args.out + ".json", "w") as f:
+            if layer in args.layers.split(","):
+                yield model, layer, n, k
+
+
+def _write(prefix: str, meta: dict, rows: list[dict], markdown=None) -> None:
+    """<prefix>.json with the rows so far; given markdown(rows, meta), also <prefix>.md, printed."""
+    with open(prefix + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
-    return 0
+    if markdown is not None:
+        md = markdown(rows, meta)
+        with open(prefix + ".md", "w") as f:
+            f.write(md)
+        print(md)
 
 
 def _run_per_shape(args, meta, bench, kind: str, markdown) -> int:
     """Run bench(n, k) -> rows for every selected layer shape; progress lines, then <out>_<kind>.json/.md."""
-    rows = []
-    for model in args.models.split(","):
-        for layer, (n, k) in layer_shapes(model).items():
-            if layer not in args.layers.split(","):
-                continue
-            for r in bench(n, k):
-                rows.append({"model": model, "layer": layer, **r})
-                print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
-                      f"{kind} {r[f't_{kind}_us']:.1f} best {r[f't_{kind}_best_us']:.1f} {r['best_cfg']} "
-                      f"x{r[f'x_{kind}']:.2f} / best x{r[f'x_{kind}_best']:.2f}", flush=True)
-                with open(f"{args.out}_{'decode' if kind == 'gemv' else kind}.json", "w") as f:
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    md = markdown(rows, meta)
-    with open(f"{args.out}_{'decode' if kind == 'gemv' else kind}.md", "w") as f:
-        f.write(md)
-    print(md)
+    prefix, rows = f"{args.out}_{'decode' if kind == 'gemv' else kind}", []
+    for model, layer, n, k in _shapes(args):
+        for r in bench(n, k):
+            rows.append({"model": model, "layer": layer, **r})
+            print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
+                  f"{kind} {r[f't_{kind}_us']:.1f} best {r[f't_{kind}_best_us']:.1f} {r['best_cfg']} "
+                  f"x{r[f'x_{kind}']:.2f} / best x{r[f'x_{kind}_best']:.2f}", flush=True)
+            _write(prefix, meta, rows)
+    _write(prefix, meta, rows, markdown)
     return 0
 
 
@@ -382,21 +380,14 @@ def _run_fp8(args, l2, meta) -> int:
         raise SystemExit("qerl bench kernels --compute fp8 needs FP8 tensor cores (compute capability 8.9+)")
     ms = FP8_M_VALUES if args.m == ",".join(map(str, M_VALUES)) else [int(v) for v in args.m.split(",") if v]
     rows = []
-    for model in args.models.split(","):
-        for layer, (n, k) in layer_shapes(model).items():
-            if layer not in args.layers.split(","):
-                continue
-            for r in bench_fp8_shape(n, k, ms, l2, args.replays):
-                rows.append({"model": model, "layer": layer, **r})
-                print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} w4a16 {r['t_w4a16_us']:.1f} "
-                      f"w8a8 {r['t_w8a8_us']:.1f} w4a8 {r['t_w4a8_us']:.1f} routed {r['t_routed_fp8_us']:.1f}",
-                      flush=True)
-                with open(f"{args.out}_fp8.json", "w") as f:
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    md = fp8_markdown(rows, meta) + "\nMedian over the shapes, x cuBLAS bf16:\n\n" + fp8_summary(rows)
-    with open(f"{args.out}_fp8.md", "w") as f:
-        f.write(md)
-    print(md)
+    for model, layer, n, k in _shapes(args):
+        for r in bench_fp8_shape(n, k, ms, l2, args.replays):
+            rows.append({"model": model, "layer": layer, **r})
+            print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} w4a16 {r['t_w4a16_us']:.1f} "
+                  f"w8a8 {r['t_w8a8_us']:.1f} w4a8 {r['t_w4a8_us']:.1f} routed {r['t_routed_fp8_us']:.1f}", flush=True)
+            _write(f"{args.out}_fp8", meta, rows)
+    _write(f"{args.out}_fp8", meta, rows, lambda rows, meta: fp8_markdown(rows, meta)
+           + "\nMedian over the shapes, x cuBLAS bf16:\n\n" + fp8_summary(rows))
     return 0
 
 
@@ -421,17 +412,14 @@ def _run_sweep(args, ms, bms, l2) -> int:
     large = [T(128, 128, 64, 1, 8), T(128, 128, 64, 1, 8, prefetch=False), T(128, 256, 64, 1, 8),
              T(64, 128, 64, 1, 4), T(128, 128, 128, 1, 8), T(64, 256, 64, 1, 8)]
     out = []
-    for model in args.models.split(","):
-        for layer, (n, k) in layer_shapes(model).items():
-            if layer not in args.layers.split(","):
-                continue
-            for kind, mlist in (("forward", ms), ("grad_input", bms)):
-                for m in mlist:
-                    cands = small if m <= 16 else (mid if m <= 64 else large)
-                    res = sweep(n, k, m, kind, cands, l2, args.replays)
-                    line = f"{model} {layer} {kind} M={m}: " + "; ".join(f"{t:.1f}us {c}" for t, c in res[:4])
-                    print(line, flush=True)
-                    out.append(line)
+    for model, layer, n, k in _shapes(args):
+        for kind, mlist in (("forward", ms), ("grad_input", bms)):
+            for m in mlist:
+                cands = small if m <= 16 else (mid if m <= 64 else large)
+                res = sweep(n, k, m, kind, cands, l2, args.replays)
+                line = f"{model} {layer} {kind} M={m}: " + "; ".join(f"{t:.1f}us {c}" for t, c in res[:4])
+                print(line, flush=True)
+                out.append(line)
     with open(args.out + "_sweep.txt", "w") as f:
         f.write("\n".join(out) + "\n")
     return 0

@@ -30,10 +30,10 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
     from qerl.kernels.nvfp4_matmul import nvfp4_linear
     from qerl.kernels.route import kernel_policy
 
-    from .graph_timing import graph_time
+    from .graph_timing import calls_per_graph, graph_time, rotated_copies
 
     fp4_bytes = n * k // 2 + n * k // 16
-    copies = min(16, max(1, -(-2 * l2_bytes // fp4_bytes)))
+    copies = rotated_copies(fp4_bytes, l2_bytes)
     bf, q, f8 = [], [], []
     for _ in range(copies):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -48,7 +48,7 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
     rows = []
     for m in ms:
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        calls = copies * max(1, min(8, int(2e-3 * 3e12 // (fp4_bytes * copies))))
+        calls = calls_per_graph(fp4_bytes, copies)
         fns = {
             "cublas": lambda i: F.linear(xs[i % 2], bf[i % copies]),
             "w4a16": lambda i: nvfp4_linear(xs[i % 2], **q[i % copies]),

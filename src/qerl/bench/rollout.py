@@ -1,23 +1,7 @@
 """Rollout throughput: HF `generate` vs the qerl engine (bf16, bf16+LoRA, NVFP4+LoRA, ...) on random-weight
-Qwen2.5-shaped models (1.5B to 72B) built directly on the GPU (speed does not depend on weight values).
-
-Every run: prompt of `--prompt` random tokens, exactly `--new` new tokens (EOS ignored), sampling at
-temperature 1 (the engine's sampling cost is included). Reported per cell: end-to-end tokens/s (new tokens
-over prefill + decode), decode-only tokens/s, ms per decode step, peak GPU memory, policy weight bytes,
-and -- as gpt-fast does -- the weight bandwidth achieved and the fraction of the memory-bandwidth floor
-(weights + the KV cache a step reads, over the measured device copy bandwidth).
-
-HF `generate` runs far fewer new tokens (`--hf-new`): at ~60 ms per step a 512-token run per batch would
-cost minutes of device time; its decode rate is measured from the difference of two lengths.
-
-That is the "forced lengths" mode. With `--lengths P` (a completion-length profile, `qerl.data.length_profiles`:
-a name or a file) a batch is batch / G prompts x G rows (`--group`, each prompt's rows share it, as in an RL
-step), every row forced to a length drawn from P, whole groups at a time (EOS ignored; max_new_tokens = P's
-budget, as a real step calls it), and the cell reports the rollout's seconds, kept tokens/s (real completion
-tokens), tokens/s (rows decoded per second, finished rows still held in a batch included: the engine's
-`decoded_row_steps`), their ratio (row-steps / kept, 1 = no row decoded past its end) and the speedup over the
-static scheduler. `--schedulers continuous,static` times both engine schedulers on the same draws, alternating
-which goes first; `--repeats` draws (seed --seed + repeat) per cell, medians reported.
+Qwen2.5-shaped models (1.5B to 72B) loaded through the loader's random-weight source (speed does not depend on
+weight values). Forced lengths (`--new`) or a completion-length profile (`--lengths`); what each cell reports and
+how: docs/cli.md ("qerl bench rollout").
 
     qerl bench rollout --models 7b --batches 1,8,32,64,128 --out results.json
     qerl bench rollout --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 \\
@@ -26,58 +10,51 @@ which goes first; `--repeats` draws (seed --seed + repeat) per cell, medians rep
 
 import argparse
 import datetime
-import gc
 import json
 import statistics
 import time
 
 import torch
 
-from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
+from ..data.length_profiles import describe, draw, forced_label, lengths_label, resolve_lengths
 from ..models.shapes import QWEN25, qwen25_config
+from ..models.memory import policy_bytes
 from .graph_timing import copy_bandwidth
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, parse_policy
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
 
+def random_spec(size: str, fmt: str, lora_r: int | None, device, layers: int | None = None,
+                embeddings: bool = False):
+    """The loader's spec of a random-weight policy (`random:SHAPE`, `qerl.models.random_weights`): decoder linears
+    QuantLinear(fmt) + LoRA r (fmt "bf16" = the 16-bit LoRA baseline through the same layer; lora_r None: no
+    LoRA), bf16 activations, on `device`; embeddings: the input embedding stored in fmt too."""
+    from ..models.loader import ModelSpec
+    from ..models.random_weights import random_name
+    from ..nn import LoraConfig
+
+    lora = None if lora_r is None else LoraConfig(r=lora_r, alpha=2 * lora_r)
+    return ModelSpec(random_name(size, layers), format=fmt, lora=lora, embeddings=embeddings, dtype="bf16",
+                     device=device)
+
+
 def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int, embeddings: bool = False):
-    """Random bf16 model on the GPU; fmt None = plain HF modules, else qerl QuantLinear(fmt) + LoRA.
+    """Random bf16 model on the GPU, frozen, through the loader (`random_spec`); fmt None = plain HF modules (the
+    16-bit base as nn.Linear, no LoRA), else qerl QuantLinear(fmt) + LoRA.
 
     embeddings: also store the input embedding in fmt (`QuantEmbedding`; 4-bit formats only)."""
-    from transformers import AutoModelForCausalLM
+    from ..models.convert import dequantize_model
+    from ..models.loader import load_policy
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(qwen25_config(size, layers), dtype=torch.bfloat16)
-    model.eval().requires_grad_(False)
-    if fmt is not None:
-        from ..models.convert import quantize_model
-        from ..nn import LoraConfig
-
-        quantize_model(model, fmt=fmt, lora=LoraConfig(r=lora_r, alpha=2 * lora_r), embeddings=embeddings)
-        with torch.no_grad():  # a trained-looking adapter (B = 0 would be the same speed, but be honest)
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 1e-3)
+    model, _ = load_policy(random_spec(size, fmt or "bf16", None if fmt is None else lora_r, "cuda", layers,
+                                       embeddings))
+    if fmt is None:
+        dequantize_model(model, torch.bfloat16)
+        model.config.use_cache = True  # HF generate decodes with its KV cache
+    model.requires_grad_(False)
     torch.cuda.synchronize()
     return model
-
-
-def policy_bytes(model) -> tuple[int, int]:
-    """(bytes a decode step reads for weights: everything but the input embedding; total policy bytes).
-
-    A step looks up B rows of the input embedding, not the table, so an untied table is not counted as
-    read, whether dense (nn.Embedding) or 4-bit (QuantEmbedding: its packed codes and scales)."""
-    from ..models.convert import input_embeddings_tied
-    from ..nn import QuantEmbedding
-
-    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    emb = model.get_input_embeddings()
-    if isinstance(emb, QuantEmbedding):
-        emb_bytes = sum(t.numel() * t.element_size() for t in emb.buffers())
-    else:  # (the tie test also holds for a model built on the meta device, where every data_ptr is 0)
-        emb_bytes = 0 if input_embeddings_tied(model) else emb.weight.numel() * emb.weight.element_size()
-    return total - emb_bytes, total
 
 
 def timed(fn) -> float:
@@ -162,13 +139,6 @@ def bench_profile(engine, batch, args, schedulers) -> dict[str, dict]:
             for s, rs in runs.items()}
 
 
-def free(*objs):
-    for o in objs:
-        del o
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def _engine_rows(engine, batch, args) -> list[dict]:
     """The rows of one engine cell: one per scheduler (forced lengths: one after the other; --lengths:
     alternating on the same draws)."""
@@ -207,15 +177,11 @@ def run_size(size, args, copy_bw, results):
                     r.update(weight_gb_s=read_bytes / (r["step_ms"] / 1e3) / 1e9,
                              floor_frac=floor_s / (r["step_ms"] / 1e3))
                 r.update(model=size, variant=variant, batch=batch, policy_gb=total_bytes / 1e9,
-                         quantized_embeddings=embeddings, lengths=lengths_label(args))
+                         quantized_embeddings=embeddings, lengths=lengths_label(args.profile, args.new))
                 results.append(r)
                 print(json.dumps(r), flush=True)
         del engine, model
-        free()
-
-
-def lengths_label(args) -> str:
-    return forced_label(args.new) if args.profile is None else args.profile.label()
+        free_gpu()
 
 
 def _variant_name(r: dict) -> str:
@@ -286,9 +252,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=None,
                     help="forced lengths: every row exactly this many new tokens (default 512); not with --lengths")
-    ap.add_argument("--lengths", default=None,
-                    help=f"completion-length profile: a name ({', '.join(NAMED)}) or a file (JSON, or one int per "
-                         "line); rows are forced to lengths drawn from it, whole groups at a time")
+    add_lengths_option(ap)
     ap.add_argument("--group", type=int, default=8, help="--lengths: G rows per prompt")
     ap.add_argument("--seed", type=int, default=0, help="--lengths: repeat r draws with seed + r")
     ap.add_argument("--repeats", type=int, default=3, help="--lengths: timed draws per cell (median reported)")
@@ -305,17 +269,12 @@ def parse_args(argv=None):
     ap.add_argument("--disable", default="",
                     help="comma list of kernel backends to route around (qerl.kernels.route names, e.g. "
                          "gluon_wgmma_ws): an A/B of one kernel inside the engine")
-    ap.add_argument("--policy", default="",
-                    help="kernel routing thresholds for this run, FIELD=VALUE,... (qerl.kernels.route.KernelPolicy, "
-                         "e.g. permute_x=false or wgmma_max_m=64): an A/B of a routing rule inside the engine")
+    add_policy_option(ap, "permute_x=false or wgmma_max_m=64): an A/B of a routing rule inside the engine")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
-    from ..kernels.route import BACKENDS, parse_policy_overrides
+    from ..kernels.route import BACKENDS
 
-    try:
-        args.policy = parse_policy_overrides(args.policy)
-    except ValueError as e:
-        ap.error(str(e))
+    parse_policy(ap, args)
     args.disable = [b for b in args.disable.split(",") if b]
     unknown = sorted(set(args.disable) - set(BACKENDS))
     if unknown:
@@ -338,7 +297,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from ..kernels.route import kernel_policy, policy_overrides_json
+    from ..kernels.route import kernel_policy
 
     ap, args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -353,14 +312,9 @@ def main(argv=None) -> int:
             run_size(size, args, bw, results)
     print(table(results, device, bw, args.new) if args.profile is None else profile_table(results, device, args))
     if args.out:
-        saved = {k: v for k, v in vars(args).items() if k != "profile"}
-        saved["policy"] = policy_overrides_json(args.policy)
-        p = args.profile
-        saved["profile"] = None if p is None else dict(name=p.name, max_new_tokens=p.max_new_tokens, source=p.source,
-                                                       rows=len(p.lengths), group_size=p.group_size)
         with open(args.out, "w") as f:
             json.dump(dict(device=device, date=str(datetime.date.today()), copy_bw=bw, torch=torch.__version__,
-                           args=saved, results=results), f, indent=1)
+                           args=args_json(args), results=results), f, indent=1)
     return 0
 
 

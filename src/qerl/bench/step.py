@@ -1,47 +1,10 @@
 """End-to-end RL step: rollout -> reference / old log-probs -> loss + backward -> optimizer, on random-weight
 Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN).
 
-A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step`), with random 0/1 rewards: `prompts` x
-`group` completions after `--prompt`-token prompts (each prompt's G rows share it, as in GRPO), then one policy update
-(GRPO, KL to the LoRA-disabled reference when --kl-beta > 0, gradient checkpointing), then AdamW. Completion lengths
-(EOS ignored):
-
-  forced lengths   (--completion N, the default 2048) every row exactly N tokens (equal lengths).
-  --lengths P      a completion-length profile (`qerl.data.length_profiles`: a name or a file): each step draws
-                   every group's lengths from P's measured groups (seed --seed + repetition) and forces each row
-                   to its drawn length; the rollout is called with P's budget as max_new_tokens, as a real step
-                   is. Every cell of a repetition gets the same draw.
-
-Modes: `--schedulers continuous,static` (the engine's scheduler) x `--packing on,off` (the update packs rows into
-micro-batches of at most --max-tokens-per-micro-batch tokens, or pads micro-batches of --micro-batch rows);
-`--modes new,old` is the pair continuous+packed (qerl train's defaults) / static+padded (the reference the packed
-paths are tested against; it frees the engine's memory after every rollout). Every (variant, mode) is one cell,
-timed in the same counterbalanced rounds. Reported per cell: seconds per phase, step seconds, speedup vs the
-static, padded reference (`old`, same variant) and vs bf16 LoRA (same mode), kept tokens/s (real completion tokens
-per step second), decoded row-steps / kept tokens (rollout efficiency: 1 = no row decoded past its end), loss tokens
-computed / needed (update efficiency), the update's useful FLOPs and its achieved TFLOP/s per GPU (`qerl.rl.flops`:
-forward and input gradient of the base and LoRA products, attention and LM head, LoRA's weight gradients; no
-recomputation), peak GPU memory; "OOM" when it does not fit. `--busy` adds one untimed step per cell profiled phase
-by phase: the share of each phase's wall time the GPU was busy (rollout, reference, loss + backward).
-`--memory-cap-gib 78` limits this process's GPU memory (the usable memory of an 80 GB H100) to test fit.
-
-Order (`--order`). Which cell runs first changes its times (a process's first loss pass ran up to 40% slower
-than later ones), so by default every variant of a model is built once and the timed steps alternate in
-counterbalanced rounds: for cells A, B the rounds run A B, B A, A B, B A, ... (each rotation of the cell
-list once per repetition, `--steps` repetitions). Each cell reports the median over all its steps and, per
-rotation, the median of the steps in that rotation, so the speedup vs bf16 can be read in every order. Peak
-memory excludes what the other resident variants hold (their weights, LoRA, optimizer state).
-`--order sequential` builds and times one variant at a time (for models whose variants do not fit together;
-its modes still alternate).
-
-The model comes from the loader's random-weight source (`load_policy` of `random:qwen2.5-7b`,
-`qerl.models.random_weights`): built layer by layer on the GPU (meta device, then one decoder layer
-materialised, randomly initialised and quantized at a time), so a 72B NVFP4 model never exists in bf16. Speed
-does not depend on weight values.
-
-Data parallel: under `torchrun --nproc-per-node N` every rank runs 1/N of the prompts (whole groups) and the
-LoRA gradients are all-reduced (the trainer's code path); --check-dist additionally checks that the all-reduced
-gradient of a fixed batch equals the single-process gradient of the whole batch.
+A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step` on the runtime `qerl.rl.runtime` builds),
+with random 0/1 rewards, on a model the loader builds from random weights (`random:qwen2.5-7b`). Every (variant,
+mode) is one cell; the cells' timed steps alternate in counterbalanced rounds (`--order`). What a step runs, the
+completion lengths, the modes, the order and every reported column: docs/cli.md ("qerl bench step").
 
     qerl bench step --models 7b --variants bf16,nvfp4 --prompts 8 --completion 512 --out e2e.json
     qerl bench step --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 \\
@@ -54,7 +17,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import gc
 import json
 import statistics
 import time
@@ -64,29 +26,19 @@ import torch
 from ..choices import PACKED_ATTENTION
 from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
-from ..data.length_profiles import NAMED, describe, draw, forced_label, resolve_lengths
+from ..data.length_profiles import describe, draw, forced_label, lengths_label, resolve_lengths
 from ..models.shapes import MOE_SHAPES, QWEN25
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, parse_policy
 
 
 def model_config(size: str, layers: int | None = None):
-    """The random-weight config of a dense Qwen2.5 size or a `MOE_SHAPES` mixture of experts (what `random_spec`
-    loads)."""
+    """The random-weight config of a dense Qwen2.5 size or a `MOE_SHAPES` mixture of experts (what
+    `rollout.random_spec` loads)."""
     from ..models.random_weights import random_config, random_name
 
     if size not in QWEN25 and size not in MOE_SHAPES:
         raise ValueError(f"unknown model size {size!r}; choose from {sorted(QWEN25) + sorted(MOE_SHAPES)}")
     return random_config(random_name(size, layers))
-
-
-def random_spec(size: str, fmt: str, lora_r: int, device, layers: int | None = None):
-    """The loader's spec of a random-weight policy (`qerl.models.random_weights`): decoder linears QuantLinear(fmt)
-    + LoRA r (fmt "bf16" = the 16-bit LoRA baseline through the same layer), bf16 activations, on `device`."""
-    from ..models.loader import ModelSpec
-    from ..models.random_weights import random_name
-    from ..nn import LoraConfig
-
-    return ModelSpec(random_name(size, layers), format=fmt, lora=LoraConfig(r=lora_r, alpha=2 * lora_r),
-                     dtype="bf16", device=device)
 
 
 class StepRunner:
@@ -234,48 +186,22 @@ class StepRunner:
 
 
 def check_distributed(runner: StepRunner, prompts: int) -> tuple[float, float]:
-    """(error, noise floor) for a fixed global batch. error = ||g_dist - g_one|| / ||g_one||: the all-reduced
-    gradient over the ranks' shares against the single-process gradient of the whole batch (computed on
-    every rank; rank 0's is reported). noise floor = the same distance between two single-process
-    gradients of the whole batch that differ only in micro-batch size: what bf16 rounding alone moves."""
+    """`qerl.rl.update.data_parallel_gradient_check` of the runner's policy on a fixed random global batch of
+    `prompts` x G rows: (error, noise floor)."""
     from ..rl.advantages import group_advantages
     from ..rl.collect import Experience
-    from ..rl.distributed import DistContext, all_reduce_sum
-    from ..rl.update import policy_update
+    from ..rl.update import data_parallel_gradient_check
 
-    args, G, world, rank = runner.args, runner.args.group, runner.dist.world, runner.dist.rank
+    args, G = runner.args, runner.args.group
     g = torch.Generator().manual_seed(1234)
-    n, T, dev, vocab = prompts * G, args.budget, runner.model.device, runner.model.config.vocab_size
+    n, T, vocab = prompts * G, args.budget, runner.model.config.vocab_size
     lengths = torch.randint(T // 2, T + 1, (n,), generator=g)
-    mask = torch.arange(T)[None] < lengths[:, None]
     rewards = torch.randint(0, 2, (n,), generator=g).float()
-    full = Experience(torch.randint(0, vocab, (n, args.prompt), generator=g),
-                      torch.ones(n, args.prompt, dtype=torch.bool),
-                      torch.randint(0, vocab, (n, T), generator=g), mask, torch.zeros(n, T), torch.zeros(n, T),
-                      rewards, group_advantages(rewards, G), lengths, torch.zeros(n, dtype=torch.bool))
-    tensors = [f for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")]
-    full = Experience(*(getattr(full, f).to(dev) for f in tensors))
-
-    def grads(exp, ctx, micro=args.micro_batch):
-        sgd = torch.optim.SGD(runner.params, lr=0.0)  # lr 0: the weights stay, the gradient stays in .grad
-        settings = dataclasses.replace(runner.settings, micro_batch_size=micro, max_grad_norm=1e9)  # no clipping
-        policy_update(runner.model, exp, sgd, runner.params, settings, dist_ctx=ctx)
-        return torch.cat([p.grad.flatten().float() for p in runner.params])
-
-    flat = torch.cat([p.detach().flatten().float() for p in runner.params])
-    mean = all_reduce_sum(flat.clone(), runner.dist) / world
-    if not torch.equal(mean, flat):  # the check compares one policy's gradients, not several
-        raise RuntimeError("ranks hold different LoRA weights; the gradient check needs identical policies")
-    one = grads(full, DistContext())
-    share = torch.arange(n, device=dev).view(prompts, G)[rank::world].flatten()  # whole groups per rank
-    mine = Experience(*(getattr(full, f)[share] for f in tensors))
-    both = grads(mine, runner.dist)
-    reshuffled = grads(full, DistContext(), micro=max(1, args.micro_batch // 2))
-
-    def rel(a):
-        return float((a - one).norm() / one.norm().clamp(min=1e-30))
-
-    return rel(both), rel(reshuffled)
+    batch = Experience(torch.randint(0, vocab, (n, args.prompt), generator=g),
+                       torch.ones(n, args.prompt, dtype=torch.bool), torch.randint(0, vocab, (n, T), generator=g),
+                       torch.arange(T)[None] < lengths[:, None], torch.zeros(n, T), torch.zeros(n, T), rewards,
+                       group_advantages(rewards, G), lengths, torch.zeros(n, dtype=torch.bool))
+    return data_parallel_gradient_check(runner.model, runner.params, runner.settings, batch, G, runner.dist)
 
 
 DENSE_FLAGS = {"dense": "update", "denseall": "all"}  # variant flag -> model.dense_weights
@@ -295,11 +221,6 @@ def _variant(v: str) -> tuple[str, bool, str, str]:
     return fmt, "aqn" in flags, dense[0] if dense else "off", "fp8" if w4a8 else "bf16"
 
 
-def free_gpu():
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def _median(values):
     """The median; for an even count the upper of the two middle values (a value that was measured)."""
     return statistics.median_high(values)
@@ -308,6 +229,7 @@ def _median(values):
 def _build(variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
     from ..models.loader import load_policy
+    from .rollout import random_spec
 
     fmt, aqn, dense, compute = _variant(variant)
     cell = dict(model=size, variant=variant, world=dist_ctx.world)
@@ -356,10 +278,6 @@ def cell_label(variant: str, mode: tuple[str, bool], args) -> str:
     return variant if len(args.modes) == 1 else f"{variant} {mode_label(mode)}"
 
 
-def lengths_label(args) -> str:
-    return forced_label(args.completion) if args.profile is None else args.profile.label()
-
-
 def rank_lengths(lengths: list[int], group: int, dist_ctx) -> list[int]:
     """This rank's rows of a whole step's lengths: whole groups, every world-th from its rank (as the
     trainer and `check_distributed` split prompts)."""
@@ -367,11 +285,12 @@ def rank_lengths(lengths: list[int], group: int, dist_ctx) -> list[int]:
     return [n for g in groups[dist_ctx.rank::dist_ctx.world] for n in g]
 
 
-def step_lengths(args, prompts: int, repetition: int) -> list[int] | None:
-    """The whole step's per-row lengths of one repetition (None in forced-lengths mode)."""
+def step_lengths(args, prompts: int, repetition: int, dist_ctx) -> list[int] | None:
+    """This rank's per-row lengths of one repetition's whole step (`rank_lengths`; None in forced-lengths mode)."""
     if args.profile is None:
         return None
-    return draw(args.profile, prompts * args.group, args.group, args.seed + repetition)
+    whole = draw(args.profile, prompts * args.group, args.group, args.seed + repetition)
+    return rank_lengths(whole, args.group, dist_ctx)
 
 
 def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list[dict]:
@@ -382,8 +301,8 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
     step as [rotation, seconds]."""
     keys = [(v, m) for v in runners for m in args.modes]
     rows = {(v, m): {**cells[v], "scheduler": m[0], "packing": m[1], "mode": mode_label(m),
-                     "lengths": lengths_label(args), "prompts": prompts, "sequences": prompts * args.group}
-            for v, m in keys}
+                     "lengths": lengths_label(args.profile, args.completion), "prompts": prompts,
+                     "sequences": prompts * args.group} for v, m in keys}
     if prompts % dist_ctx.world:
         for row in rows.values():
             row["error"] = f"prompts not a multiple of {dist_ctx.world} ranks"
@@ -392,8 +311,7 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
     warm = min(args.warmup_completion, args.budget)
     # a profile's warm-up is a whole draw the timed steps never use (seed - 1): ragged rows compact into every
     # width the timed steps reach, so no decode kernel compiles inside a timed step
-    warm_lengths = (None if args.profile is None
-                    else rank_lengths(step_lengths(args, prompts, -1), args.group, dist_ctx))
+    warm_lengths = step_lengths(args, prompts, -1, dist_ctx)
     alive = []
     for v, m in keys:  # compile, capture, autotune: every mode runs its own code
         try:
@@ -410,8 +328,7 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
     orders = [alive[o:] + alive[:o] for o in range(len(alive))]
     samples = {k: [] for k in alive}
     for rep in range(args.steps):
-        whole = step_lengths(args, prompts, rep)
-        lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
+        lengths = step_lengths(args, prompts, rep, dist_ctx)
         for o, order in enumerate(orders):
             for v, m in order:
                 if "error" in rows[(v, m)]:
@@ -422,27 +339,18 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
                                                                 lengths=lengths, mode=m)))
                 except torch.OutOfMemoryError:
                     _oom(runners[v], rows[(v, m)])
-    profiles, busy = {}, {}
-    if args.busy:  # one more step per cell, untimed, each phase under its own profiler session
-        for v, m in alive:
+    # --busy (each phase under its own profiler session), --profile-update (the update under the profiler): one
+    # more step per cell, untimed, so the profiler's own cost stays out of the medians
+    profiled = {k: {} for k in alive}
+    for flag, key in (("busy", "busy"), ("profile_update", "update_profile")):
+        for v, m in alive if getattr(args, flag) else []:
             if "error" not in rows[(v, m)]:
-                whole = step_lengths(args, prompts, 0)
-                lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
-                busy[(v, m)] = runners[v].step(mine, args.completion, lengths=lengths, mode=m, busy=True)["busy"]
-    if args.profile_update:  # one more step per cell, untimed: the profiler's own cost stays out of the medians
-        for v, m in alive:
-            if "error" not in rows[(v, m)]:
-                whole = step_lengths(args, prompts, 0)
-                lengths = None if whole is None else rank_lengths(whole, args.group, dist_ctx)
-                profiles[(v, m)] = runners[v].step(mine, args.completion, lengths=lengths, mode=m,
-                                                   profile_update=True)["update_profile"]
+                profiled[(v, m)][key] = runners[v].step(mine, args.completion, mode=m, **{flag: True},
+                                                        lengths=step_lengths(args, prompts, 0, dist_ctx))[key]
     for k in alive:
         if "error" in rows[k] or not samples[k]:
             continue
-        if k in profiles:
-            rows[k]["update_profile"] = profiles[k]
-        if k in busy:
-            rows[k]["busy"] = busy[k]
+        rows[k].update(profiled[k])
         steps = [t for _, t in samples[k]]
         rows[k].update({name: _median([s[name] for s in steps]) for name in steps[0]})
         rows[k]["steps_timed"] = len(steps)
@@ -483,18 +391,6 @@ def run(args, dist_ctx) -> list[dict]:
     return results
 
 
-def args_json(args) -> dict:
-    """The run's arguments as JSON values: the profile as its name, budget, source and row count."""
-    from ..kernels.route import policy_overrides_json
-
-    out = {k: v for k, v in vars(args).items() if k != "profile"}
-    out["policy"] = policy_overrides_json(args.policy)
-    p = args.profile
-    out["profile"] = None if p is None else dict(name=p.name, max_new_tokens=p.max_new_tokens, source=p.source,
-                                                 rows=len(p.lengths), group_size=p.group_size)
-    return out
-
-
 def _report(results, args, dist_ctx):
     """Print the newest cell and rewrite --out with every cell so far (a run cut short keeps its cells)."""
     if not dist_ctx.is_main:
@@ -504,9 +400,6 @@ def _report(results, args, dist_ctx):
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()),
                            torch=torch.__version__, args=args_json(args), results=results), f, indent=1)
-
-
-PHASES = ("rollout", "reference", "loss_backward", "optimizer", "step")
 
 
 def _by_order(r: dict, base: dict | None) -> str:
@@ -667,9 +560,7 @@ def parse_args(argv=None):
     ap.add_argument("--completion", type=int, default=None,
                     help="forced lengths: every row exactly this many tokens (default 2048, the paper's budget); "
                          "not with --lengths")
-    ap.add_argument("--lengths", default=None,
-                    help=f"completion-length profile: a name ({', '.join(NAMED)}) or a file (JSON, or one int per "
-                         "line); rows are forced to lengths drawn from it, whole groups at a time")
+    add_lengths_option(ap)
     ap.add_argument("--seed", type=int, default=0, help="--lengths: repetition r draws with seed + r")
     ap.add_argument("--schedulers", default=None, help="comma list of the engine's schedulers: continuous, static "
                                                        "(default continuous)")
@@ -717,17 +608,10 @@ def parse_args(argv=None):
     ap.add_argument("--profile-update", action="store_true",
                     help="after the timed steps, one more step per cell with its policy update under the "
                          "profiler: the update's device kernels by time and how busy the GPU was")
-    ap.add_argument("--policy", default="",
-                    help="kernel routing thresholds for this run, FIELD=VALUE,... (qerl.kernels.route.KernelPolicy, "
-                         "e.g. permute_x=false; disabled=BACKEND+BACKEND)")
+    add_policy_option(ap, "permute_x=false; disabled=BACKEND+BACKEND)")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
-    from ..kernels.route import parse_policy_overrides
-
-    try:
-        args.policy = parse_policy_overrides(args.policy)
-    except ValueError as e:
-        ap.error(str(e))
+    parse_policy(ap, args)
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
     args.prompts = [int(p) for p in args.prompts.split(",")]

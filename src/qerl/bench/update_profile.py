@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 NAME_CHARS = 90  # kernel names carry whole template signatures; the start says which kernel it is
 
 
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
+def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Total length (ms) covered by (start_us, end_us) intervals, overlaps counted once."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
@@ -54,7 +54,7 @@ def summarize_events(events, wall_ms: float, device_type: str, top: int = 12) ->
         by_name[name] += us / 1e3
         calls[name] += 1
     kernel_ms = sum(by_name.values())
-    busy = _union_ms(intervals) if device_type == "cuda" else kernel_ms
+    busy = union_ms(intervals) if device_type == "cuda" else kernel_ms
     return {"wall_ms": wall_ms, "busy_ms": busy, "kernel_ms": kernel_ms, "kernels": sum(calls.values()),
             "top": [[n, ms, calls[n]] for n, ms in by_name.most_common(top)]}
 

@@ -5,7 +5,7 @@ Sources (`model.calibration.source`, `qerl quantize --calibration`):
                  written as a chat turn (question + the GSM8K answer-format suffix) and answered by its
                  reference answer; seeds apart from the train/test draws of `qerl.data.load_problems`.
   self           the same prompts answered by the model's own greedy completions (needs the 16-bit
-                 model whole; `qerl.models.calibrate` generates them); self:FILE takes the prompts of a
+                 model whole; `qerl.models.calibration` generates them); self:FILE takes the prompts of a
                  question/answer JSONL instead.
   train          the run's own training prompts (`qerl train` only), answered as for reasoning-gym.
   FILE           a .txt file (paragraphs) or a .jsonl with "text" or question/answer rows.

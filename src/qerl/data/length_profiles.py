@@ -86,6 +86,19 @@ def forced_label(completion: int) -> str:
 # loading ----------------------------------------------------------------------------------------------------
 
 
+def lengths_label(profile: LengthProfile | None, forced: int) -> str:
+    """How results name their completion lengths: the profile's label, or `forced_label(forced)` without one."""
+    return forced_label(forced) if profile is None else profile.label()
+
+
+def profile_record(profile: LengthProfile | None) -> dict | None:
+    """A profile as a run's JSON record names it: name, budget, source, row count, group size (None: none)."""
+    if profile is None:
+        return None
+    return dict(name=profile.name, max_new_tokens=profile.max_new_tokens, source=profile.source,
+                rows=len(profile.lengths), group_size=profile.group_size)
+
+
 def _from_json(text: str, where: str) -> LengthProfile:
     try:
         data = json.loads(text)

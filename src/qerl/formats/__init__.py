@@ -15,7 +15,7 @@ from . import fp8, mxfp4, nf4, nvfp4
 
 @dataclass(frozen=True)
 class WeightFormat:
-    name: str
+    name: str  # the name layers store (`QuantLinear.weight_format`) and kernels dispatch on
     block: int  # input features per scale block; K must be a multiple
     tensor_names: tuple[str, ...]
     # quantize(w [N, K] float, global_scale fp32 [1] | None) -> {tensor name: tensor}
@@ -52,8 +52,12 @@ FORMATS: dict[str, WeightFormat] = {
 }
 
 
-def get_format(name: str) -> WeightFormat:
+def get_format(fmt: "str | WeightFormat") -> WeightFormat:
+    """The format a name stands for; a WeightFormat is its own answer, so an entry point resolves a name once
+    and hands the object on."""
+    if isinstance(fmt, WeightFormat):
+        return fmt
     try:
-        return FORMATS[name]
+        return FORMATS[fmt]
     except KeyError:
-        raise ValueError(f"unknown weight format {name!r}; choose one of {sorted(FORMATS)}") from None
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {sorted(FORMATS)}") from None

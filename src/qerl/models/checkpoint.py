@@ -38,7 +38,7 @@ from .moe_checkpoint import check_saveable_experts, expert_tensors, has_expert_t
 from .router import router_modules
 from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
 from .precision import partial_sibling_groups
-from .targets import quant_experts, quant_layers, set_module
+from .targets import quant_experts, quant_layers
 
 MAX_SHARD_BYTES = 5 * 1024**3
 CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "fp8": "float-quantized"}
@@ -288,12 +288,12 @@ def load_quantized(path, dtype=None, device=None):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, mod in list(model.named_modules()):
         if is_experts_module(mod) and has_expert_tensors(state, name, fmt):
-            set_module(model, name, take_experts(state, name, mod, fmt, path))
+            model.set_submodule(name, take_experts(state, name, mod, fmt, path))
             continue
         if not isinstance(mod, nn.Linear):
             continue
         if name in keep:
-            set_module(model, name, _kept_layer(state, name, mod, dtype, path))
+            model.set_submodule(name, _kept_layer(state, name, mod, dtype, path))
             keep.discard(name)
             continue
         tensors = _take_layer_tensors(state, name, fmt)
@@ -302,7 +302,7 @@ def load_quantized(path, dtype=None, device=None):
         bias = state.pop(f"{name}.bias", None)
         layer = QuantLinear(mod.in_features, mod.out_features, fmt, tensors,
                             None if bias is None else bias.to(dtype))
-        set_module(model, name, layer)
+        model.set_submodule(name, layer)
     if keep:
         raise ModelLoadError(f"{path}: {KEEP_KEY} lists {sorted(keep)[:3]}, which are not linears of the model")
     if not any(isinstance(m, QuantLinear) and m.weight_format != "bf16" for m in model.modules()):
@@ -362,4 +362,4 @@ def materialize_rotary(model: nn.Module, device: torch.device) -> None:
         if any(b.is_meta for b in mod.buffers(recurse=False)) and "rotary" in type(mod).__name__.lower():
             with torch.device(device):
                 fresh = type(mod)(config=model.config)
-            set_module(model, name, fresh)
+            model.set_submodule(name, fresh)

@@ -4,7 +4,7 @@ its MoE experts stacks for 4-bit ones); `dequantize_model` goes back to dense mo
 Embeddings, norms and lm_head stay in 16 bits (opt-in: `embeddings=True` stores an untied input embedding
 in the same 4-bit format as a `QuantEmbedding`). How codes and scales are chosen is the `method`
 (`qerl.quant`): round-to-nearest by default, through the linear surgery (`surgery`); the calibrated methods
-run the model layer by layer over calibration tokens (`calibrated_quantize`). Everything is checked before the
+run the model layer by layer over calibration tokens (`calibration`). Everything is checked before the
 model is changed. LoRA attachment is `lora_attach`; memory reports are `memory`.
 """
 
@@ -13,22 +13,22 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..formats import get_format
+from ..formats import WeightFormat, get_format
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding
 from ..nn.quant_embedding import check_embedding_shape
-from ..quant import CALIBRATED, check_method
-from .calibrated_quantize import calibrated_quantize
-from .experts import check_experts, experts_modules, quantize_experts
+from ..quant import CALIBRATED
+from .calibration import calibrated_quantize
+from .experts import experts_to_quantize, quantize_experts
 from .lora_attach import add_expert_lora, add_lora_to, check_expert_lora_possible
-from .precision import LAST, check_keep_bf16, names_under, resolve_keep_bf16
-from .precision import _matches as matches_pattern  # keep_bf16 pattern semantics (a module selects its insides)
+from .precision import names_under, resolve_keep_bf16
+from .quantization import Quantization
 from .surgery import WeightQuantizer, quantize_keeping
-from .targets import quant_embeddings, quant_layers, set_module
+from .targets import quant_embeddings, quant_layers
 
 
 def quantize_model(
     model: nn.Module,
-    fmt: str = "nvfp4",
+    fmt: str | WeightFormat = "nvfp4",
     lora: LoraConfig | None = None,
     targets: Iterable[str] = DEFAULT_TARGETS,
     quantizer: WeightQuantizer | None = None,
@@ -45,7 +45,7 @@ def quantize_model(
     All remaining parameters are frozen; only LoRA weights keep requires_grad. Each dense weight is
     dropped as soon as its layer is quantized, so peak memory stays near one model copy.
     method: how codes and scales are chosen (`qerl.quant.METHODS`: rtn, 4over6, gptq, awq); gptq and awq
-    need `calibration`, token ids int64 [S, T] (`qerl.models.calibrate.calibration_ids`), and a whole HF
+    need `calibration`, token ids int64 [S, T] (`qerl.models.calibration.calibration_ids`), and a whole HF
     causal LM. quantizer: a custom per-weight quantizer instead of the method's (rtn / 4over6 only).
     embeddings=True also stores the input embedding in `fmt` (`quantize_input_embeddings`; untied models
     only, checked before anything is changed), always round-to-nearest.
@@ -59,63 +59,46 @@ def quantize_model(
     Refused before anything is changed: an unsupported experts layout, gptq / awq on a model with experts
     (unless experts=False), and a keep_bf16 pattern that names an experts module. Format bf16 leaves them dense.
     """
-    check_method(method, fmt)
-    targets = tuple(targets)  # read more than once
-    with_experts = experts and _check_experts_quantizable(model, fmt, method, keep_bf16, name_prefix)
+    q = Quantization.of(fmt, method, targets=targets, keep_bf16=keep_bf16, embeddings=embeddings, lora=lora,
+                        calibration=calibration)
+    return quantize_as(model, q, quantizer=quantizer, show_progress=show_progress, name_prefix=name_prefix,
+                       experts=experts)
+
+
+def quantize_as(model: nn.Module, q: Quantization, *, quantizer: WeightQuantizer | None = None,
+                show_progress: bool = False, name_prefix: str = "", experts: bool = True) -> nn.Module:
+    """`quantize_model` with its settings resolved and checked once (`Quantization`); in place, returns `model`."""
+    fmt, method, lora = q.format, q.method, q.lora
+    with_experts = experts and experts_to_quantize(model, fmt, method, q.keep_bf16, name_prefix)
     if lora is not None and lora.experts:
         check_expert_lora_possible(model, with_experts)
         if lora.init == "eora":
             raise ValueError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs "
                              "are not collected); use lora.init loftq")
-    keep = resolve_keep_bf16(model, keep_bf16, targets, name_prefix) if keep_bf16 else set()
-    if embeddings:
+    keep = resolve_keep_bf16(model, q.keep_bf16, q.targets, name_prefix) if q.keep_bf16 else set()
+    if q.embeddings:
         check_input_embeddings_quantizable(model, fmt)
-    eora = lora is not None and lora.init == "eora"
-    if method in CALIBRATED or eora:
-        if calibration is None:
+    if q.calibrated:
+        if q.calibration is None:
             what = f"quantization method {method!r}" if method in CALIBRATED else "lora.init eora"
             raise ValueError(f"{what} needs calibration token ids [S, T] "
-                             "(qerl.models.calibrate.calibration_ids)")
+                             "(qerl.models.calibration.calibration_ids)")
         if quantizer is not None:
             raise ValueError(f"a custom quantizer cannot be combined with the calibrated method {method!r}")
-        calibrated_quantize(model, fmt, method, calibration, lora, targets, show_progress=show_progress,
+        calibrated_quantize(model, q, show_progress=show_progress,
                             keep={name_prefix + n for n in names_under(keep, name_prefix)})
     else:
-        kept = quantize_keeping(model, fmt, lora, targets, names_under(keep, name_prefix), quantizer, method,
-                                show_progress)
+        kept = quantize_keeping(model, q, names_under(keep, name_prefix), quantizer, show_progress)
         add_lora_to(kept, lora)
     if with_experts:
         quantize_experts(model, fmt, method, fit=lora)
         if lora is not None and lora.experts:
             add_expert_lora(model, lora)
-    if embeddings:
+    if q.embeddings:
         quantize_input_embeddings(model, fmt)
     if hasattr(model, "config"):  # a whole HF model (a single block can be quantized too)
-        model.config.qerl_weight_format = fmt
+        model.config.qerl_weight_format = fmt.name
     return model
-
-
-def _check_experts_quantizable(model: nn.Module, fmt: str, method: str, keep_bf16: Iterable[str],
-                               name_prefix: str) -> bool:
-    """True when `quantize_model` is to quantize experts stacks of `model` (it holds some, fmt is 4-bit);
-    ValueError, before anything is changed, where it could not."""
-    found = experts_modules(model)
-    if not found or get_format(fmt).name == "bf16":
-        return False
-    if method in CALIBRATED:
-        raise ValueError(f"quantization method {method!r}: gptq/awq do not handle MoE experts yet; use rtn or "
-                         f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
-                         f"e.g. {found[0][0]})")
-    for spec in check_keep_bf16(keep_bf16):
-        if spec.startswith(LAST):  # last:N selects target linears only; the experts there stay 4-bit
-            continue
-        hit = next((name_prefix + n for n, _ in found if matches_pattern(name_prefix + n, spec)), None)
-        if hit is not None:
-            raise ValueError(f"keep_bf16 entry {spec!r} matches the MoE experts module {hit}: keeping experts in "
-                             "16 bits is not supported; narrow the pattern to linears, or pass experts=False to "
-                             "leave every experts module dense")
-    check_experts(model, fmt, method)
-    return True
 
 
 def input_embeddings_tied(model: nn.Module) -> bool:
@@ -127,8 +110,9 @@ def input_embeddings_tied(model: nn.Module) -> bool:
     return same or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
-def check_input_embeddings_quantizable(model: nn.Module, fmt: str) -> None:
+def check_input_embeddings_quantizable(model: nn.Module, fmt: str | WeightFormat) -> None:
     """Raise ValueError unless `quantize_input_embeddings(model, fmt)` can work; changes nothing."""
+    fmt = get_format(fmt)
     if not hasattr(model, "get_input_embeddings"):
         raise ValueError(f"{type(model).__name__} has no input embedding (get_input_embeddings) to quantize")
     emb = model.get_input_embeddings()
@@ -136,7 +120,7 @@ def check_input_embeddings_quantizable(model: nn.Module, fmt: str) -> None:
         return
     if not isinstance(emb, nn.Embedding):
         raise ValueError(f"input embedding is a {type(emb).__name__}, not an nn.Embedding; cannot quantize it")
-    if get_format(fmt).name == "bf16":
+    if fmt.name == "bf16":
         raise ValueError("quantized embeddings need a 4-bit format (nvfp4, mxfp4, nf4); format bf16 keeps them 16-bit")
     if input_embeddings_tied(model):
         raise ValueError(
@@ -144,10 +128,10 @@ def check_input_embeddings_quantizable(model: nn.Module, fmt: str) -> None:
             "need lm_head to use the 4-bit table too, but the loss and the rollout read `model.lm_head.weight` "
             "as a dense matrix. Quantized embeddings are for untied models (e.g. Qwen2.5-7B); leave the option off"
         )
-    check_embedding_shape(emb.num_embeddings, emb.embedding_dim, get_format(fmt).name)
+    check_embedding_shape(emb.num_embeddings, emb.embedding_dim, fmt)
 
 
-def quantize_input_embeddings(model: nn.Module, fmt: str = "nvfp4") -> QuantEmbedding:
+def quantize_input_embeddings(model: nn.Module, fmt: str | WeightFormat = "nvfp4") -> QuantEmbedding:
     """Replace the (untied) input embedding by a frozen `QuantEmbedding` in `fmt`, in place; returns it.
 
     Idempotent: an embedding that is already a QuantEmbedding is kept as it is (whatever its format).
@@ -170,7 +154,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
     dtype (the table the quantized model actually looked up).
     """
     for name, emb in quant_embeddings(model).items():
-        set_module(model, name, emb.to_embedding(dtype))
+        model.set_submodule(name, emb.to_embedding(dtype))
     for name, layer in quant_layers(model).items():
         weight = layer.dequantized_weight(dtype or torch.float32)
         dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
@@ -179,7 +163,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             dense.weight.copy_(weight)
             if layer.bias is not None:
                 dense.bias.copy_(layer.bias)
-        set_module(model, name, dense)
+        model.set_submodule(name, dense)
     if hasattr(model.config, "qerl_weight_format"):
         del model.config.qerl_weight_format
     return model

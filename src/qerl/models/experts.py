@@ -14,17 +14,18 @@ MLP of `nn.Linear`s and goes through `quantize_model` like any other linear; gpt
 """
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import nn
 
-from ..formats import get_format
+from ..formats import WeightFormat, get_format
 from ..nn.quant_experts import QuantExperts
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from ..nn import LoraConfig
-from ..quant import check_method, quantize_group
+from ..quant import CALIBRATED, check_method, quantize_group
 from .lora_init import PENDING_FACTORS, expert_residual_factors
-from .targets import set_module
+from .precision import refuse_kept_experts
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,16 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
 
-def check_experts(model: nn.Module, fmt: str, method: str = "rtn") -> list[tuple[str, nn.Module]]:
+def check_experts(model: nn.Module, fmt: str | WeightFormat, method: str = "rtn") -> list[tuple[str, nn.Module]]:
     """Raise ValueError unless `quantize_experts(model, fmt, method)` can work; changes nothing.
 
     Returns the experts stacks [(name, module)] that it would replace."""
-    block = get_format(fmt).block
-    if get_format(fmt).name == "bf16":
+    return _checked_experts(model, get_format(fmt), method)
+
+
+def _checked_experts(model: nn.Module, fmt: WeightFormat, method: str) -> list[tuple[str, nn.Module]]:
+    block = fmt.block
+    if fmt.name == "bf16":
         raise ValueError("quantize_experts: fmt must be a 4-bit format (nvfp4, mxfp4, nf4), not bf16")
     check_method(method, fmt)
     if method not in EXPERT_METHODS:
@@ -114,17 +119,34 @@ def check_experts(model: nn.Module, fmt: str, method: str = "rtn") -> list[tuple
         for weight, k in (("gate_up_proj", h), ("down_proj", i)):
             if k % block:  # NF4's block runs over the flattened matrix; K % 64 is its conservative per-row rule
                 raise ValueError(f"experts module {name} ({type(module).__name__}): {weight} has {k} input "
-                                 f"features, not a multiple of the {fmt} block size {block}")
+                                 f"features, not a multiple of the {fmt.name} block size {block}")
     return found
 
 
-def _stack_method(fmt: str, method: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_bf16: Iterable[str] = (),
+                        name_prefix: str = "") -> bool:
+    """True when `quantize_model` is to quantize experts stacks of `model` (it holds some, fmt is 4-bit);
+    ValueError, before anything is changed, where it could not: a calibrated method, a keep_bf16 entry that names
+    an experts module (`precision.refuse_kept_experts`), a stack `check_experts` refuses."""
+    found = experts_modules(model)
+    if not found or fmt.name == "bf16":
+        return False
+    if method in CALIBRATED:
+        raise ValueError(f"quantization method {method!r}: gptq/awq do not handle MoE experts yet; use rtn or "
+                         f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
+                         f"e.g. {found[0][0]})")
+    refuse_kept_experts([name_prefix + n for n, _ in found], keep_bf16)
+    _checked_experts(model, fmt, method)
+    return True
+
+
+def _stack_method(fmt: WeightFormat, method: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """weight [E, N, K] -> stacked tensors, each expert's matrix quantized alone by `method` (own global scale)."""
     per_expert = [quantize_group(fmt, method, [weight[e].detach()])[0] for e in range(weight.shape[0])]
     return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
 
 
-def _with_method(quant_cls: type, module: nn.Module, fmt: str, method: str) -> QuantExperts:
+def _with_method(quant_cls: type, module: nn.Module, fmt: WeightFormat, method: str) -> QuantExperts:
     """`quant_cls` built from `module` with each expert's matrices ([N, K], qerl's orientation) quantized by
     `method`."""
     e, h, i = quant_cls.hf_dims(module)
@@ -137,7 +159,7 @@ def _with_method(quant_cls: type, module: nn.Module, fmt: str, method: str) -> Q
                         _stack_method(fmt, method, module.down_proj))
 
 
-def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn",
+def quantize_experts(model: nn.Module, fmt: str | WeightFormat = "nvfp4", method: str = "rtn",
                      fit: LoraConfig | None = None) -> dict[str, QuantExperts]:
     """Replace every experts stack of `model` in place by a frozen `QuantExperts` in `fmt`; returns them by name.
 
@@ -150,7 +172,8 @@ def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn",
     holds no parameters (no LoRA on experts yet). `quantize_model` calls this for models holding experts.
     fit: a LoraConfig with experts and init loftq: each stack's residual factors are computed before its 16-bit
     weights go and kept on it until `add_expert_lora` (`lora_init.PENDING_FACTORS`)."""
-    found = check_experts(model, fmt, method)
+    fmt = get_format(fmt)
+    found = _checked_experts(model, fmt, method)
     replaced = {}
     for name, module in found:
         quant_cls = LAYOUTS[type(module).__name__].quant
@@ -162,7 +185,7 @@ def quantize_experts(model: nn.Module, fmt: str = "nvfp4", method: str = "rtn",
         if fit is not None and fit.experts and fit.init == "loftq" and type(quant) is QuantExperts:
             dense = {"gate_up_proj": module.gate_up_proj, "down_proj": module.down_proj}
             setattr(quant, PENDING_FACTORS, expert_residual_factors(quant, dense, fit.r, fit.scaling))
-        set_module(model, name, quant)
+        model.set_submodule(name, quant)
         module.gate_up_proj = None  # free the 16-bit weights even where the caller still holds the old module
         module.down_proj = None
         replaced[name] = quant

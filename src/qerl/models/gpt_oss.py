@@ -36,7 +36,7 @@ from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from .atomic import atomic_directory
 from .checkpoint import assign_remaining, directory_tokenizer, write_model_files
 from .sources import ModelLoadError, check_safetensors, resolve_dtype
-from .targets import quant_layers, set_module
+from .targets import quant_layers
 
 MODEL_TYPE = "gpt_oss"
 QUANT_METHOD = "mxfp4"
@@ -130,7 +130,7 @@ def load_gpt_oss_mxfp4(path, dtype=None, device=None):
         tensors = {k: state.pop(f"{name}.{k}") for k in keys}
         quant = experts_from_mxfp4(tensors, module.num_experts, module.hidden_size, module.intermediate_size,
                                    module.alpha, module.limit, dtype, where=f"{path}: {name}")
-        set_module(model, name, quant.to(device))
+        model.set_submodule(name, quant.to(device))
     assign_remaining(model, state, path, device, dtype)
     return model.eval(), directory_tokenizer(path)
 

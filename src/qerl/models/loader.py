@@ -1,6 +1,7 @@
-"""One way to load a model for any command: load the base, quantize it (while streaming, or whole and
-calibrated), attach LoRA or a trained adapter. `qerl train` (through `models.policy`), `qerl eval`,
-`qerl quantize`, `qerl merge` and the study all describe what they want as a `ModelSpec`.
+"""One way to load a model for any command, in stages: the source, its 16-bit modules (or a quantized directory's
+stored 4-bit state), quantized by method with LoRA attached as they are built, on the device, then a trained
+adapter (`load_policy`). `qerl train` (through `models.policy`), `qerl eval`, `qerl quantize`, `qerl merge`, the
+study and the benchmarks all describe what they want as a `ModelSpec`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..lora_config import DEFAULT_TARGETS, LoraConfig
+from ..quant import CALIBRATED
+from .quantization import Quantization
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class ModelSpec:
       the same LoRA code path on unquantized weights.
     method / calibration_source / calibration_samples / calibration_max_tokens: how codes and scales are chosen
       (qerl.quant); the calibrated methods (gptq, awq) read calibration text (qerl.data.calibration);
-      calibration_samples None: by device (`calibrate.default_samples`).
+      calibration_samples None: by device (`calibration.default_samples`).
     keep_bf16: module names / patterns / last:N left 16-bit; targets: the linears quantized; embeddings: also
       store the input embedding in `format`.
     lora: fresh LoRA adapters to attach (None: none); adapter: a PEFT adapter directory to load on top.
@@ -57,14 +60,17 @@ class ModelSpec:
         return torch.device(self.device)
 
 
-def check_spec(spec: ModelSpec) -> None:
+def check_spec(spec: ModelSpec) -> Quantization | None:
     """ValueError for a spec that cannot load, before anything is read: an unknown method or one the format
-    does not take, an unknown calibration source, keep_bf16 without a 4-bit format."""
+    does not take, an unknown calibration source, random weights of an unknown shape or without a format,
+    keep_bf16 without a 4-bit format. Returns how the base is to be quantized (its LoRA and calibration tokens
+    still to come; None: the model stays as stored)."""
     from ..data.calibration import check_source
-    from ..quant import CALIBRATED, check_method
 
+    q = None
     if spec.format is not None:
-        check_method(spec.method, spec.format)
+        q = Quantization.of(spec.format, spec.method, targets=spec.targets, keep_bf16=spec.keep_bf16,
+                            embeddings=spec.embeddings)
     if spec.method in CALIBRATED or (spec.lora is not None and spec.lora.init == "eora"):
         check_source(spec.calibration_source)
     if spec.name.startswith("random:"):
@@ -76,75 +82,76 @@ def check_spec(spec: ModelSpec) -> None:
     if spec.keep_bf16 and spec.format in (None, "bf16"):
         raise ValueError("keep_bf16 keeps layers of a quantized base in bf16: it needs a quantized format "
                          "(nvfp4, mxfp4, nf4 or fp8)")
+    return q
 
 
 def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_progress: bool = False,
                 before_quantize: Callable | None = None, console=None):
     """(model, tokenizer) as `spec` describes, in eval mode.
 
-    A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is quantized
-    while it loads, one decoder layer at a time, so the 16-bit model is never held whole; other sources (GGUF,
-    quantized directories, mixtures of experts) load whole. train_rows: the run's problems (the calibration
-    sources "train" and "auto" read them). before_quantize(model, tokenizer): called on the whole 16-bit model
-    before it is quantized (a reference for a fidelity check); it turns streaming off. console: where to say
-    what took time (quantization with a calibrated method, the layers kept in bf16).
+    The stages: the source (random weights, `random_weights`; an embedded name, HF directory, GGUF file, hub id
+    or quantized directory, `pretrained`), the calibration tokens when the method reads them (`calibration`),
+    the 16-bit modules of a layer source built one decoder layer at a time on the spec's device and quantized as
+    the spec's `Quantization` with LoRA attached (`stream.build_from`), then a trained adapter (`adapter`). A
+    quantized directory keeps its stored 4-bit state and gets fresh LoRA from `lora_attach`.
+
+    A 16-bit safetensors checkpoint (a local directory, the embedded model, a hub id's snapshot) is read tensor by
+    tensor, so the 16-bit model is never held whole; other sources (GGUF, mixtures of experts, a model looked at
+    first) load whole and are handed to the builder, which takes their tensors over layer by layer.
+
+    train_rows: the run's problems (the calibration sources "train" and "auto" read them).
+    before_quantize(model, tokenizer): called on the whole 16-bit model before it is quantized (a reference for
+    a fidelity check); it turns streaming off. console: where to say what took time (quantization with a
+    calibrated method, the layers kept in bf16).
     """
-    from ..quant import CALIBRATED
     from .adapter import load_adapter
-    from .calibrate import calibration_ids, default_samples
-    from .convert import quantize_input_embeddings, quantize_model
-    from .load import load_causal_lm, plain_hf_directory
+    from .calibration import calibration_ids, default_samples
+    from .convert import quantize_input_embeddings
+    from .pretrained import load_causal_lm, plain_hf_directory
     from .lora_attach import add_lora
     from .precision import describe_keep_bf16
-    from .random_weights import is_random, random_calibration, random_config, random_policy
+    from .random_weights import RandomLayers, is_random, random_calibration, random_config
     from .sources import compute_dtype
-    from .stream import stream_quantized
+    from .stream import CheckpointLayers, LoadedLayers, build_from
     from .targets import quant_layers
 
-    check_spec(spec)
+    q = check_spec(spec)
     device = spec.torch_device
     dtype = compute_dtype(spec.dtype, device)
-    fmt, method, trust = spec.format, spec.method, spec.trust_remote_code
+    trust = spec.trust_remote_code
     lora = LoraConfig(**dataclasses.asdict(spec.lora)) if spec.lora else None  # each layer keeps a reference
+    if q is not None:
+        q = dataclasses.replace(q, lora=lora)
     samples = default_samples(device) if spec.calibration_samples is None else spec.calibration_samples
 
-    eora = lora is not None and lora.init == "eora"  # its adapters are fitted on the calibration text's activations
-    calibrated = method in CALIBRATED or eora
-
-    def calibration(tokenizer, model=None):
-        if not calibrated:
-            return None
+    def calibrated(tokenizer, model=None) -> Quantization:
+        """q with its calibration tokens, when its method or lora.init reads them."""
+        if not q.calibrated:
+            return q
         if tokenizer is None:
-            what = f"--method {method}" if method in CALIBRATED else "lora.init eora"
+            what = f"--method {q.method}" if q.method in CALIBRATED else "lora.init eora"
             raise ValueError(f"{spec.name}: no tokenizer found; {what} needs one for calibration")
-        return calibration_ids(spec.calibration_source, tokenizer, samples, spec.calibration_max_tokens,
-                               model=model, train_rows=train_rows)
+        return dataclasses.replace(q, calibration=calibration_ids(
+            spec.calibration_source, tokenizer, samples, spec.calibration_max_tokens, model=model,
+            train_rows=train_rows))
 
     t0 = time.perf_counter()
-    directory = (plain_hf_directory(spec.name) if fmt and before_quantize is None and not is_random(spec.name)
-                 else None)
+    layers = None  # a source read one decoder layer at a time: random weights, or a 16-bit safetensors directory
     if is_random(spec.name):
-        config = random_config(spec.name)
-        ids = random_calibration(config, samples, spec.calibration_max_tokens) if calibrated else None
-        model, tokenizer = random_policy(config, fmt, lora, device, dtype=dtype, targets=spec.targets, method=method,
-                                         calibration=ids, keep_bf16=spec.keep_bf16,
-                                         show_progress=show_progress), None
-        if spec.embeddings:
-            quantize_input_embeddings(model, fmt)
-    elif directory is not None:
-        ids = None
-        if calibrated:
-            from transformers import AutoTokenizer
-
-            ids = calibration(AutoTokenizer.from_pretrained(directory, trust_remote_code=trust))
-        model, tokenizer = stream_quantized(directory, fmt, lora, targets=spec.targets, dtype=dtype, device=device,
-                                            embeddings=spec.embeddings, trust_remote_code=trust,
-                                            show_progress=show_progress, method=method, calibration=ids,
-                                            keep_bf16=spec.keep_bf16)
-    else:
+        layers = RandomLayers(random_config(spec.name), device, dtype=dtype)
+        if q.calibrated:
+            q = dataclasses.replace(q, calibration=random_calibration(layers.config, samples,
+                                                                      spec.calibration_max_tokens))
+    elif q is not None and before_quantize is None:
+        directory = plain_hf_directory(spec.name)
+        if directory is not None:
+            layers = CheckpointLayers(directory, dtype=dtype, device=device, trust_remote_code=trust)
+            if q.calibrated:
+                q = calibrated(layers.tokenizer())
+    if layers is None:  # loaded whole: 16-bit modules, or a directory's stored 4-bit state
         model, tokenizer = load_causal_lm(spec.name, dtype=dtype, device=device, trust_remote_code=trust)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
-            if method != "rtn" or spec.keep_bf16:
+            if spec.method != "rtn" or spec.keep_bf16:
                 raise ValueError(f"{spec.name} is already quantized; the quantization method and the layers kept "
                                  "in bf16 were chosen when it was quantized (qerl quantize --method, --keep-bf16)")
             if lora is not None:
@@ -154,17 +161,19 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
                 add_lora(model, lora)
             if spec.embeddings:
                 quantize_input_embeddings(model, model.config.qerl_weight_format)
-        elif fmt:
+        elif q is not None:
             if before_quantize is not None:
                 before_quantize(model, tokenizer)
-            quantize_model(model, fmt, lora, targets=spec.targets, show_progress=show_progress,
-                           embeddings=spec.embeddings, method=method, calibration=calibration(tokenizer, model),
-                           keep_bf16=spec.keep_bf16)
-    if console is not None and fmt and method != "rtn":
-        console.print(f"quantized to {fmt} with {method} in {time.perf_counter() - t0:.1f} s")
+            q = calibrated(tokenizer, model)
+            layers = LoadedLayers(model, tokenizer)
+            del model
+    if layers is not None:
+        model, tokenizer = build_from(layers, q, show_progress=show_progress)
+    if console is not None and q is not None and q.method != "rtn":
+        console.print(f"quantized to {q.format.name} with {q.method} in {time.perf_counter() - t0:.1f} s")
     if console is not None and spec.keep_bf16:
         kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
-        console.print(describe_keep_bf16(model, kept, fmt))
+        console.print(describe_keep_bf16(model, kept, q.format))
     if spec.adapter:
         load_adapter(model, spec.adapter)
     return model.eval(), tokenizer

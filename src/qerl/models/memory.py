@@ -1,10 +1,12 @@
 """Memory reports: the bytes a converted model holds, split into its quantized base, kept 16-bit layers, LoRA
-and the rest."""
+and the rest; and the bytes a decode step reads of it (`policy_bytes`)."""
 
 from typing import Iterable
 
 from torch import nn
 
+from ..nn import QuantEmbedding
+from .convert import input_embeddings_tied
 from .lora_attach import lora_parameters
 from .targets import quant_embeddings, quant_experts, quant_layers
 
@@ -47,3 +49,17 @@ def memory_report(model: nn.Module) -> dict[str, float]:
 
 def _buffer_bytes(modules: Iterable[nn.Module]) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in m.buffers())
+
+
+def policy_bytes(model) -> tuple[int, int]:
+    """(bytes a decode step reads for weights: everything but the input embedding; total policy bytes).
+
+    A step looks up B rows of the input embedding, not the table, so an untied table is not counted as
+    read, whether dense (nn.Embedding) or 4-bit (QuantEmbedding: its packed codes and scales)."""
+    total = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    emb = model.get_input_embeddings()
+    if isinstance(emb, QuantEmbedding):
+        emb_bytes = sum(t.numel() * t.element_size() for t in emb.buffers())
+    else:  # (the tie test also holds for a model built on the meta device, where every data_ptr is 0)
+        emb_bytes = 0 if input_embeddings_tied(model) else emb.weight.numel() * emb.weight.element_size()
+    return total - emb_bytes, total

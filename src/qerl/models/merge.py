@@ -32,7 +32,7 @@ def merge_adapter(adapter, out, model: str | None = None, dtype: str = "bf16", d
     only a directory qerl wrote, and never one of the inputs). dtype: of the loaded and written weights (bf16,
     fp16, fp32); the merge adds the adapter's product in that dtype. The adapter loads strictly (`_strict_load`).
     Returns the written directory."""
-    from .load import is_quantized_checkpoint
+    from .pretrained import is_quantized_checkpoint
     from .loader import ModelSpec, load_policy
     from .targets import quant_layers
 

@@ -28,7 +28,7 @@ from torch import nn
 
 # check_keep_bf16: the syntax check needs no model, so it lives in the torch-free `qerl.choices` (config validation)
 from ..choices import KEEP_BF16_LAST as LAST, check_keep_bf16, keep_bf16_last_count as _last_count  # noqa: F401
-from ..formats import get_format
+from ..formats import WeightFormat, get_format
 from ..nn import DEFAULT_TARGETS
 from .targets import FUSED_GROUPS, find_targets
 
@@ -102,6 +102,18 @@ def resolve_keep_bf16(model: nn.Module, specs: Iterable[str], targets: Iterable[
     return set(match_keep_bf16(names, specs))
 
 
+def refuse_kept_experts(experts: Iterable[str], specs: Iterable[str]) -> None:
+    """ValueError when a keep_bf16 entry (`specs`, syntax checked) names one of `experts` (full names of MoE experts
+    stacks): experts are not kept in 16 bits. last:N selects target linears only; the experts there stay 4-bit."""
+    experts = list(experts)
+    for spec in specs:
+        hit = None if spec.startswith(LAST) else next((n for n in experts if _matches(n, spec)), None)
+        if hit is not None:
+            raise ValueError(f"keep_bf16 entry {spec!r} matches the MoE experts module {hit}: keeping experts in "
+                             "16 bits is not supported; narrow the pattern to linears, or pass experts=False to "
+                             "leave every experts module dense")
+
+
 def names_under(kept: Iterable[str], prefix: str) -> set[str]:
     """The names in `kept` that lie under module `prefix` ("model.layers.3."), relative to it ("mlp.up_proj")."""
     return {n[len(prefix):] for n in kept if n.startswith(prefix)}
@@ -138,13 +150,13 @@ def _format_row_bytes(fmt: str, in_features: int) -> tuple[int, int]:
     return per_row, small - 64 * per_row
 
 
-def format_bytes(fmt: str, out_features: int, in_features: int) -> int:
+def format_bytes(fmt: str | WeightFormat, out_features: int, in_features: int) -> int:
     """Bytes a weight [out_features, in_features] takes in `fmt`: codes, block scales, global scales."""
     per_row, per_weight = _format_row_bytes(get_format(fmt).name, in_features)
     return out_features * per_row + per_weight
 
 
-def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: str) -> int:
+def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: str | WeightFormat) -> int:
     """Bytes the kept linears take in bf16 beyond what `fmt` would take for them (biases excluded: equal).
 
     model: before or after quantization (nn.Linear or QuantLinear, only in/out features are read);
@@ -160,8 +172,8 @@ def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: str) -> in
     return extra
 
 
-def describe_keep_bf16(model: nn.Module, kept: Iterable[str], fmt: str) -> str:
+def describe_keep_bf16(model: nn.Module, kept: Iterable[str], fmt: str | WeightFormat) -> str:
     """One line for the logs, e.g. "keep_bf16: 14 linears, +12.3 MiB over nvfp4"."""
-    kept = list(kept)
+    kept, fmt = list(kept), get_format(fmt)
     mib = keep_bf16_extra_bytes(model, kept, fmt) / 2**20
-    return f"keep_bf16: {len(kept)} linear{'s' * (len(kept) != 1)}, +{mib:.1f} MiB over {fmt}"
+    return f"keep_bf16: {len(kept)} linear{'s' * (len(kept) != 1)}, +{mib:.1f} MiB over {fmt.name}"

@@ -13,10 +13,11 @@ all from one generator seeded with `seed`, so every rank of a data-parallel run 
 """
 
 import re
+from contextlib import contextmanager
 
 import torch
 
-from ..lora_config import DEFAULT_TARGETS, LoraConfig
+from .quantization import Quantization
 from .shapes import MOE_SHAPES, QWEN25, SMOLLM2_135M, moe_config, qwen25_config
 
 PREFIX = "random:"
@@ -65,34 +66,46 @@ def init_random_(module: torch.nn.Module, generator: torch.Generator) -> None:
             p.normal_(0.0, 0.02, generator=generator)
 
 
-def random_policy(config, fmt: str, lora: LoraConfig | None, device, *, dtype: torch.dtype = torch.bfloat16,
-                  seed: int = 0, targets=DEFAULT_TARGETS, method: str = "rtn", calibration: torch.Tensor | None = None,
-                  keep_bf16=(), show_progress: bool = False):
-    """A random-weight causal LM for `config` whose decoder linears are QuantLinear(fmt) (+ `lora`; fmt "bf16" =
-    the 16-bit LoRA baseline through the same layer), built one decoder layer at a time on `device`; eval mode,
-    no KV cache in the HF forward. method / calibration / keep_bf16 as for `stream.build_layer_by_layer`."""
-    from .stream import build_layer_by_layer
+class RandomLayers:
+    """Random weights of `config` as a layer source for `stream.build_from`: while `opened`, `fill(module, prefix)`
+    materialises a module on `device` and initialises it (`init_random_`) from one generator seeded with `seed`;
+    `finish` draws LoRA B from it too. No tokenizer."""
 
-    if fmt is None:
-        raise ValueError("random weights are built layer by layer into a weight format: give one (bf16 for the "
-                         "16-bit LoRA baseline)")
-    device = torch.device(device)
-    torch.manual_seed(seed)  # LoRA A is drawn from the default generators: identical on every rank
-    g = torch.Generator(device).manual_seed(seed)
+    def __init__(self, config, device, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+        self.config, self.device, self.dtype, self.seed = config, torch.device(device), dtype, seed
 
-    def fill(module, prefix):
-        module.to_empty(device=device)
-        init_random_(module, g)
+    def tokenizer(self):
+        return None
 
-    model = build_layer_by_layer(config, fmt, lora, fill, targets=targets, dtype=dtype, device=device,
-                                 show_progress=show_progress, method=method, calibration=calibration,
-                                 keep_bf16=keep_bf16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 1e-3, generator=g)
-    model.config.use_cache = False
-    return model.eval()
+    @contextmanager
+    def opened(self):
+        torch.manual_seed(self.seed)  # LoRA A is drawn from the default generators: identical on every rank
+        self.generator = torch.Generator(self.device).manual_seed(self.seed)
+
+        def fill(module, prefix):
+            module.to_empty(device=self.device)
+            init_random_(module, self.generator)
+
+        yield fill
+
+    def finish(self, model):
+        """(model, None): LoRA B N(0, 1e-3) (a trained-looking adapter), no KV cache in the HF forward."""
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 1e-3, generator=self.generator)
+        model.config.use_cache = False
+        return model, None
+
+
+def random_policy(config, q: Quantization, device, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                  show_progress: bool = False):
+    """A random-weight causal LM for `config` quantized as `q` (`Quantization`; format "bf16" = the 16-bit LoRA
+    baseline through the same layer), built one decoder layer at a time on `device` (`RandomLayers`,
+    `stream.build_from`); eval mode, no KV cache in the HF forward."""
+    from .stream import build_from
+
+    return build_from(RandomLayers(config, device, dtype=dtype, seed=seed), q, show_progress=show_progress)[0]
 
 
 def random_calibration(config, samples: int, max_tokens: int, seed: int = 0) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Where things sit in a model: which linears are quantization targets (and which of them serving engines fuse),
-the quantized modules once converted, and replacing a submodule by its dotted path.
+and the quantized modules once converted (a submodule is replaced by torch's `Module.set_submodule`).
 
-Shared by the surgery (`surgery`, `convert`, `experts`), the calibration (`calibrate`), LoRA attachment, the
+Shared by the surgery (`surgery`, `convert`, `experts`), the calibration (`calibration`), LoRA attachment, the
 memory report and the loaders."""
 
 from typing import Iterable
@@ -27,12 +27,6 @@ def find_targets(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linea
             "check --targets against the model's module names"
         )
     return found
-
-
-def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
-    """Replace the submodule at dotted `path` (e.g. `model.layers.0.mlp.up_proj`) by `module`."""
-    parent_path, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent_path) if parent_path else model, leaf, module)
 
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear]:

@@ -18,7 +18,7 @@ init), never a lookup, so it is kept solely to rebuild an identical nn.Embedding
 import torch
 from torch import nn
 
-from ..formats import get_format
+from ..formats import WeightFormat, get_format
 from .quant_base import QuantizedModule
 
 # tensors that hold one value for the whole table; every other tensor has a leading row axis of V rows
@@ -28,13 +28,13 @@ _PER_TENSOR = ("weight_global_scale",)
 class QuantEmbedding(QuantizedModule):
     """Frozen 4-bit token embedding. Build with `QuantEmbedding.from_embedding(embedding, fmt)`."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: str, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.bfloat16, padding_idx: int | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: str | WeightFormat,
+                 tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, padding_idx: int | None = None):
         super().__init__()
         spec = get_format(fmt)
         if spec.name in ("bf16", "fp8"):
             raise ValueError(f"QuantEmbedding needs a 4-bit format (nvfp4, mxfp4, nf4), not {spec.name}")
-        check_embedding_shape(num_embeddings, embedding_dim, spec.name)
+        check_embedding_shape(num_embeddings, embedding_dim, spec)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight_format = spec.name
         self.dtype = dtype  # the output dtype of a lookup (the model's)
@@ -44,11 +44,12 @@ class QuantEmbedding(QuantizedModule):
             self.register_buffer(name, t)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, fmt: str) -> "QuantEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, fmt: str | WeightFormat) -> "QuantEmbedding":
         """Quantize nn.Embedding's table [V, D] (its own global scale, round-to-nearest)."""
         V, D = embedding.weight.shape
-        check_embedding_shape(V, D, get_format(fmt).name)
-        tensors = get_format(fmt).quantize(embedding.weight, None)
+        fmt = get_format(fmt)
+        check_embedding_shape(V, D, fmt)
+        tensors = fmt.quantize(embedding.weight, None)
         return cls(V, D, fmt, tensors, embedding.weight.dtype, embedding.padding_idx)
 
     @property
@@ -89,10 +90,10 @@ class QuantEmbedding(QuantizedModule):
                 + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""))
 
 
-def check_embedding_shape(num_embeddings: int, embedding_dim: int, fmt: str) -> None:
+def check_embedding_shape(num_embeddings: int, embedding_dim: int, fmt: WeightFormat) -> None:
     """Raise ValueError unless every row of a [V, D] table splits into whole blocks of the format (a row
     gather needs that; NF4's flattened 64-blocks must not span rows)."""
-    block = get_format(fmt).block
+    block = fmt.block
     if embedding_dim % block or embedding_dim % 2:
-        raise ValueError(f"embedding dim {embedding_dim} is not a multiple of the {fmt} block size {block}; "
+        raise ValueError(f"embedding dim {embedding_dim} is not a multiple of the {fmt.name} block size {block}; "
                          "its rows cannot be looked up block-wise")

@@ -51,14 +51,14 @@ import math
 import torch
 from torch import nn
 
-from ..formats import get_format
+from ..formats import WeightFormat, get_format
 from .lora import LoraConfig
 from .quant_base import QuantizedModule
 
 WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def _stack_quantized(fmt: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def _stack_quantized(fmt: str | WeightFormat, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """weight [E, N, K] -> {tensor name: stacked tensor [E, ...]}, one `quantize` per expert (own global scale)."""
     quantize = get_format(fmt).quantize
     per_expert = [quantize(weight[e]) for e in range(weight.shape[0])]
@@ -150,8 +150,8 @@ class QuantExperts(QuantizedModule):
     carries_lora = True  # expert LoRA (`add_lora`); `lora_disabled` switches it off
     grouped_kernel = True  # the grouped Triton path where it applies (see the module docstring)
 
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str, act_fn: nn.Module,
-                 gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor]):
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str | WeightFormat,
+                 act_fn: nn.Module, gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor]):
         super().__init__()
         fmt = get_format(fmt).name
         if fmt not in EXPERT_FORMATS:
@@ -173,7 +173,7 @@ class QuantExperts(QuantizedModule):
         self.scaling = 1.0
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, fmt: str) -> "QuantExperts":
+    def from_experts(cls, experts: nn.Module, fmt: str | WeightFormat) -> "QuantExperts":
         """Quantize an HF experts module with `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (no bias).
 
         Only the layout is checked here; `qerl.models.experts.quantize_experts` also checks the module class."""

@@ -24,6 +24,7 @@ SwiGLU, down + b, times the routing weight, `index_add_`), on weights dequantize
 import torch
 from torch import nn
 
+from ..formats import WeightFormat
 from .quant_experts import QuantExperts, _stack_quantized
 
 BIASES = ("gate_up_proj_bias", "down_proj_bias")
@@ -33,8 +34,8 @@ class GptOssQuantExperts(QuantExperts):
     """Frozen 4-bit gpt-oss experts. Build with `from_experts(GptOssExperts module, fmt)` (quantizes) or
     directly from already quantized tensors (`qerl.models.gpt_oss.experts_from_mxfp4`)."""
 
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str, alpha: float,
-                 limit: float, gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor],
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str | WeightFormat,
+                 alpha: float, limit: float, gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor],
                  gate_up_bias: torch.Tensor, down_bias: torch.Tensor):
         super().__init__(num_experts, hidden_dim, intermediate_dim, fmt, None, gate_up, down)
         if tuple(gate_up_bias.shape) != (num_experts, 2 * intermediate_dim) or \
@@ -64,7 +65,7 @@ class GptOssQuantExperts(QuantExperts):
         return e, h, two_i // 2
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, fmt: str) -> "GptOssQuantExperts":
+    def from_experts(cls, experts: nn.Module, fmt: str | WeightFormat) -> "GptOssQuantExperts":
         """Quantize a `GptOssExperts` (round-to-nearest, each expert's [2I, H] and [H, I] matrix as a dense
         QuantLinear would be); its biases are kept as they are."""
         e, h, i = cls.hf_dims(experts)

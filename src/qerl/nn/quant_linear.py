@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from ..formats import get_format
+from ..formats import WeightFormat, get_format
 from ..kernels import quantized_linear, quantized_linear_grad_input
 from ..kernels.route import KernelPolicy, current_policy, kernel_policy
 from .lora import LoraConfig, init_lora_, lora_hidden
@@ -69,7 +69,7 @@ class QuantLinear(QuantizedModule):
 
     carries_lora = True
 
-    def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, torch.Tensor],
+    def __init__(self, in_features: int, out_features: int, fmt: str | WeightFormat, tensors: dict[str, torch.Tensor],
                  bias: torch.Tensor | None = None, lora: LoraConfig | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -87,7 +87,7 @@ class QuantLinear(QuantizedModule):
             self.add_lora(lora)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str, lora: LoraConfig | None = None,
+    def from_linear(cls, linear: nn.Linear, fmt: str | WeightFormat, lora: LoraConfig | None = None,
                     global_scale: torch.Tensor | None = None) -> "QuantLinear":
         tensors = get_format(fmt).quantize(linear.weight, global_scale)
         return cls(linear.in_features, linear.out_features, fmt, tensors, linear.bias, lora)

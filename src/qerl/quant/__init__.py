@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from ..choices import METHODS  # the methods (and the config's model.quant_method)
-from ..formats import FORMATS, get_format
+from ..formats import FORMATS, WeightFormat, get_format
 from .gptq import HessianError, gptq_nvfp4
 from .nvfp4_scales import quantize_nvfp4_searched
 
@@ -25,16 +25,18 @@ SUPPORTED_FORMATS = {"rtn": tuple(FORMATS), "4over6": ("nvfp4",), "gptq": ("nvfp
 NVFP4_SEARCH = "mse"  # the scale candidates `4over6` tries (nvfp4_scales.candidate_scales)
 
 
-def check_method(method: str, fmt: str) -> None:
-    """ValueError for an unknown method or one that does not apply to `fmt`."""
+def check_method(method: str, fmt: str | WeightFormat) -> None:
+    """ValueError for an unknown method or one that does not apply to `fmt` (a format, or its name: an unknown
+    name is `get_format`'s to refuse)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
-    if get_format(fmt).name not in SUPPORTED_FORMATS[method]:
+    name = fmt if isinstance(fmt, str) else fmt.name
+    if name not in SUPPORTED_FORMATS[method]:
         raise ValueError(f"quantization method {method!r} works on {', '.join(SUPPORTED_FORMATS[method])}, "
-                         f"not {fmt!r}")
+                         f"not {name!r}")
 
 
-def quantize_group(fmt: str, method: str, ws: list[torch.Tensor], hessian: torch.Tensor | None = None,
+def quantize_group(fmt: str | WeightFormat, method: str, ws: list[torch.Tensor], hessian: torch.Tensor | None = None,
                    name: str = "", search: str = NVFP4_SEARCH) -> list[dict[str, torch.Tensor]]:
     """Quantize weights [N_i, K] that share one input (and, for NVFP4, one global scale) with `method`.
 
@@ -42,8 +44,8 @@ def quantize_group(fmt: str, method: str, ws: list[torch.Tensor], hessian: torch
     expected already scaled (`qerl.quant.awq.apply_awq`); the rounding is then the calibration-free best.
     search: the NVFP4 scale candidates of 4over6 / gptq / awq (`nvfp4_scales.candidate_scales`).
     Returns one tensor dict per weight, in the format's checkpoint names."""
-    check_method(method, fmt)
     spec = get_format(fmt)
+    check_method(method, spec)
     if method == "rtn" or (method == "awq" and spec.name != "nvfp4"):
         gs = None
         if spec.global_scale is not None:

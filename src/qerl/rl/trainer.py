@@ -27,7 +27,7 @@ from ..kernels.dequant_cache import dense_weight_bytes
 from ..models import load_adapter, lora_parameters, save_adapter
 from ..models.adapter import check_adapter_files, non_finite_parameters
 from ..models.atomic import check_apart_from_inputs, check_output_dir, check_writable
-from ..models.calibrate import default_samples
+from ..models.calibration import default_samples
 from ..models.policy import build_policy
 from ..models.router import router_parameters
 from ..models.registry import kernel_cache_dir

@@ -8,6 +8,7 @@ from the noisy policy. With old_logprobs="sampling" the ratio is pi_theta / mu d
 behaviour-policy ratio) and TIS is not applied.
 """
 
+import dataclasses
 import math
 import sys
 import time
@@ -318,3 +319,36 @@ def _update(model, exp: Experience, optimizer, params, s: UpdateSettings, dist_c
         "loss_tokens_needed": float(needed),
         **extra,
     }
+
+
+def data_parallel_gradient_check(model, params, settings: UpdateSettings, batch: Experience, group: int,
+                                 dist_ctx: DistContext) -> tuple[float, float]:
+    """(error, noise floor) of the data-parallel update on `batch`, the whole global batch (every rank holds it).
+    error = ||g_dist - g_one|| / ||g_one||: the gradient all-reduced over the ranks' shares (whole groups of `group`
+    rows, every world-th from the rank, as the trainer splits prompts) against the single-process gradient of the
+    whole batch (computed on every rank; rank 0's is reported). noise floor = the same distance between two
+    single-process gradients of the whole batch that differ only in micro-batch size: what bf16 rounding alone
+    moves. The weights do not change (SGD at lr 0); the gradients are left in .grad."""
+    tensors = [f for f in Experience.__dataclass_fields__ if f not in ("texts", "stats")]
+    device = next(iter(params)).device
+    full = Experience(*(getattr(batch, f).to(device) for f in tensors))
+
+    def grads(exp, ctx, micro=settings.micro_batch_size):
+        sgd = torch.optim.SGD(params, lr=0.0)  # lr 0: the weights stay, the gradient stays in .grad
+        once = dataclasses.replace(settings, micro_batch_size=micro, max_grad_norm=1e9)  # no clipping
+        policy_update(model, exp, sgd, params, once, dist_ctx=ctx)
+        return torch.cat([p.grad.flatten().float() for p in params])
+
+    flat = torch.cat([p.detach().flatten().float() for p in params])
+    if not torch.equal(all_reduce_sum(flat.clone(), dist_ctx) / dist_ctx.world, flat):
+        raise RuntimeError("ranks hold different LoRA weights; the gradient check needs identical policies")
+    one = grads(full, DistContext())
+    rows = len(full.rewards)
+    share = torch.arange(rows, device=device).view(rows // group, group)[dist_ctx.rank::dist_ctx.world].flatten()
+    both = grads(Experience(*(getattr(full, f)[share] for f in tensors)), dist_ctx)
+    reshuffled = grads(full, DistContext(), micro=max(1, settings.micro_batch_size // 2))
+
+    def rel(a):
+        return float((a - one).norm() / one.norm().clamp(min=1e-30))
+
+    return rel(both), rel(reshuffled)

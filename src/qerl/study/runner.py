@@ -338,7 +338,7 @@ def held_out_on_16bit_base(cfg, adapter: Path, rows: list[dict], args, seed: int
 
 def check_16bit_model(model: str) -> None:
     """StudyError when `model` is a local quantized checkpoint: --eval-16bit-base needs the 16-bit model."""
-    from ..models.load import is_quantized_checkpoint
+    from ..models.pretrained import is_quantized_checkpoint
 
     if is_quantized_checkpoint(model):
         raise StudyError(f"--eval-16bit-base: {model} is a quantized checkpoint; give the 16-bit model the arms "

@@ -1,6 +1,10 @@
-"""Load a causal LM from an embedded name, a local HF directory, a GGUF file, a hub id, a quantized
+"""Pretrained sources: an embedded name, a local HF directory, a GGUF file, a hub id, a quantized
 (compressed-tensors / bitsandbytes-NF4) directory written by qerl or llm-compressor, or a gpt-oss directory
 with MXFP4 experts as OpenAI released it (`gpt_oss`: the experts' codes and scales kept as stored).
+
+`plain_hf_directory` names the 16-bit safetensors directory of a source that can be read one decoder layer at a
+time (`stream.CheckpointLayers`); `load_causal_lm` loads any source whole: 16-bit modules, or the stored 4-bit
+state of a quantized directory (`checkpoint`, `gguf`, `gpt_oss` do the reading).
 
 Every failure names the file and the problem; nothing here runs code from a model directory unless
 `trust_remote_code=True` is passed.

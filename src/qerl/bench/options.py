@@ -1,0 +1,45 @@
+"""What `qerl bench rollout` and `qerl bench step` share: the completion-length profile and kernel-routing
+options, the run's arguments as its JSON record keeps them, and freeing the GPU between models."""
+
+import gc
+
+import torch
+
+from ..data.length_profiles import NAMED, profile_record
+
+
+def add_lengths_option(ap) -> None:
+    ap.add_argument("--lengths", default=None,
+                    help=f"completion-length profile: a name ({', '.join(NAMED)}) or a file (JSON, or one int per "
+                         "line); rows are forced to lengths drawn from it, whole groups at a time")
+
+
+def add_policy_option(ap, examples: str) -> None:
+    ap.add_argument("--policy", default="",
+                    help="kernel routing thresholds for this run, FIELD=VALUE,... (qerl.kernels.route.KernelPolicy, "
+                         f"e.g. {examples})")
+
+
+def parse_policy(ap, args) -> None:
+    """args.policy as the routing overrides it names (`kernels.route.parse_policy_overrides`); an error names it."""
+    from ..kernels.route import parse_policy_overrides
+
+    try:
+        args.policy = parse_policy_overrides(args.policy)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def args_json(args) -> dict:
+    """The run's arguments as JSON values: the profile as its name, budget, source and row count."""
+    from ..kernels.route import policy_overrides_json
+
+    out = {k: v for k, v in vars(args).items() if k != "profile"}
+    out["policy"] = policy_overrides_json(args.policy)
+    out["profile"] = profile_record(args.profile)
+    return out
+
+
+def free_gpu() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
