@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from qerl.bench.graph_timing import copy_bandwidth, graph_time
+from qerl.bench.graph_timing import copy_bandwidth, graph_time, rotated_copies
 from qerl.bench.kernels import _weights, layer_shapes
 
 
@@ -119,8 +119,9 @@ def sass_table(rows: list[int], n: int, k: int) -> str:
 
 
 def _calls(b: int, l2: int, bw: float) -> tuple[int, int]:
-    """(rotated copies, calls per graph) for a product of b bytes: copies spanning 2x L2, ~3 ms of calls."""
-    copies = min(16, max(1, -(-2 * l2 // b)))
+    """(rotated copies, calls per graph) for a product of b bytes: copies spanning 2x L2, ~3 ms of calls (up to 200,
+    so that the smallest launch's fixed cost is timed over many calls)."""
+    copies = rotated_copies(b, l2)
     calls = max(copies, min(200, int(3e-3 * bw // max(b, 1))))
     return copies, calls - calls % copies
 
