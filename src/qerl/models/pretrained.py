@@ -24,6 +24,13 @@ from .sources import (DENSE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelLoadErr
 HUB_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken")
 
 
+def _named_path(source: str) -> Path:
+    """The local path a model name stands for: an embedded name's cached 16-bit directory (converted once), else
+    the path as given; a near miss of an embedded name is refused first (`check_near_miss`)."""
+    check_near_miss(source)
+    return registry.embedded_hf_dir(source) if source in registry.EMBEDDED else Path(source).expanduser()
+
+
 def plain_hf_directory(name_or_path) -> Path | None:
     """The directory of the 16-bit Hugging Face checkpoint that `name_or_path` names, when qerl can stream it
     (`models.stream`): an embedded name, a local directory, or a hub id (its safetensors snapshot is
@@ -31,11 +38,8 @@ def plain_hf_directory(name_or_path) -> Path | None:
     mixtures of experts, unsupported architectures, a hub id that cannot be fetched -- which `load_causal_lm`
     handles or refuses with its own message."""
     source = str(name_or_path)
-    check_near_miss(source)
-    if source in registry.EMBEDDED:
-        path = registry.embedded_hf_dir(source)
-    else:
-        path = Path(source).expanduser()
+    path = _named_path(source)
+    if source not in registry.EMBEDDED:
         if not path.exists() and _looks_like_hub_id(source):
             path = _hub_snapshot(source)
             if path is None:
@@ -109,11 +113,7 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(name_or_path)
-    check_near_miss(source)
-    if source in registry.EMBEDDED:
-        path = registry.embedded_hf_dir(source)
-    else:
-        path = Path(source).expanduser()
+    path = _named_path(source)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be a .gguf; otherwise pass its directory")
