@@ -72,14 +72,19 @@ def _decode_ptx(scale_23: str) -> str:
 
 DECODE_PTX = gl.constexpr(_decode_ptx("$5"))  # one scale pair for the whole word (`_decode_asm`)
 DECODE_PTX_PAIRS = gl.constexpr(_decode_ptx("$6"))  # a scale pair per output register (the input-gradient kernel)
+# `_decode_asm`'s step operand registers: bf16 elements (two per 32-bit register) or `_step_pairs`' int32 words.
+# Passed explicitly at every call: Triton 3.6 hands a jit function's plain-str default to it unwrapped.
+STEP_BF16 = gl.constexpr("r,r")
+STEP_WORDS = gl.constexpr("r,r,r,r")
 
 
 @gluon.jit
-def _decode_asm(q, stepb, PTX: gl.constexpr = DECODE_PTX, STEP_REGS: gl.constexpr = "r,r"):
+def _decode_asm(q, stepb, PTX: gl.constexpr, STEP_REGS: gl.constexpr):
     """q: uint8 bytes (A layout), stepb: bf16 step*2^126 broadcast over each 8-byte group.
     Returns (lo, hi) bf16: lo[e] = value(low nibble of byte SIGMA(e)) * step, hi likewise (4-groups).
     PTX DECODE_PTX_PAIRS: stepb's elements 0, 1 scale outputs $0, $2 and elements 2, 3 outputs $1, $3 instead.
-    STEP_REGS "r,r,r,r": stepb is int32 (`_step_pairs`' (step, step) words, one per byte), so $5 is byte 0's word."""
+    STEP_REGS: STEP_BF16 for a bf16 stepb; STEP_WORDS for an int32 stepb (`_step_pairs`' (step, step) words,
+    one per byte), so that $5 is byte 0's word."""
     return gl.inline_asm_elementwise(
         asm=PTX,
         constraints="=r,=r,=r,=r,r," + STEP_REGS,
@@ -110,7 +115,7 @@ STEP_PAIR_PTX = gl.constexpr("""
 @gluon.jit
 def _step_pairs(s, c126):
     """uint8 E4M3 scale bytes -> int32 bit patterns of the bf16x2 (step, step), step * 2^126 = bf16(e4m3 * c126),
-    c126 = 2^126 / global_scale: the operand `_decode_asm` (STEP_REGS "r,r,r,r") multiplies both halves of a
+    c126 = 2^126 / global_scale: the operand `_decode_asm` (STEP_REGS STEP_WORDS) multiplies both halves of a
     decoded pair by.
     sm_89+ (one cvt converts two E4M3 bytes, exact: every finite E4M3 value is an fp16); two scales per call,
     ~3.5 instructions per scale against ~10 for `_step_bf16` + packing the pair. The same value as `_step_bf16`:
@@ -192,10 +197,10 @@ def _decode_stage(wq_s, ws_s, c, L: gl.constexpr, LL: gl.constexpr, BN: gl.const
     if E4M3_CVT:
         st = _step_pairs(ws_s.load(S), c * 5.764607523034235e17)  # * 2^59: 2^126 / global_scale
         stw = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([BN, G, 8], 0, gl.int32, L3))[0], [BN, BKH])
-        return _decode_asm(q, gl.convert_layout(stw, L, assert_trivial=True), DECODE_PTX, "r,r,r,r")
+        return _decode_asm(q, gl.convert_layout(stw, L, assert_trivial=True), DECODE_PTX, STEP_WORDS)
     st = _step_bf16(ws_s.load(S), c)
     stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([BN, G, 8], 0, gl.bfloat16, L3))[0], [BN, BKH])
-    return _decode_asm(q, gl.convert_layout(stb, L, assert_trivial=True))
+    return _decode_asm(q, gl.convert_layout(stb, L, assert_trivial=True), DECODE_PTX, STEP_BF16)
 
 
 @gluon.jit

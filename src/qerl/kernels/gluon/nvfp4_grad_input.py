@@ -42,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..operands import as_2d, global_scale_f32, scale_bytes, step_fits_bf16
 from ..route import GLUON_GRAD_INPUT, sm_count, tile_config
 from ..workspace import alloc, counters
-from .common import DECODE_PTX_PAIRS, _decode_asm, _split_group_layout, _step_bf16, _store_out
+from .common import DECODE_PTX_PAIRS, STEP_BF16, _decode_asm, _split_group_layout, _step_bf16, _store_out
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 RB = gl.constexpr(64)  # output columns k per consumer warpgroup (one wgmma M)
@@ -176,7 +176,7 @@ def _consumer(gys, wqs, ready, empty, s_ptr, gs_ptr, out_ptr, M, N, K, stride_s,
         # each 32-bit word of q holds rows (n, n + 8, n + 1, n + 9) of one byte column and stb their scales in the
         # order (n, n + 1, n + 8, n + 9): lo = (W[n, 2j], W[n + 1, 2j], W[n + 8, 2j], W[n + 9, 2j]) per word (the
         # element order SIGMA), hi the same at column 2j + 1
-        lo, hi = _decode_asm(q, gl.convert_layout(stb, P, assert_trivial=True), DECODE_PTX_PAIRS)
+        lo, hi = _decode_asm(q, gl.convert_layout(stb, P, assert_trivial=True), DECODE_PTX_PAIRS, STEP_BF16)
         a = gl.convert_layout(_to_operand(_unswap(lo, BNR, JB), _unswap(hi, BNR, JB), BNR), A)
         tok = warpgroup_mma(a, gys.index(s).permute((1, 0)), acc, is_async=True)
         acc, a = warpgroup_mma_wait(0, deps=(tok, a))

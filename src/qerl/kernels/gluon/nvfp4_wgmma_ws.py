@@ -39,7 +39,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..route import GLUON_WGMMA_WS, tile_config
 from ..workspace import alloc, counters
-from .common import _decode_asm, _lora_tile, _split_group_layout, _step_bf16, _store_out, lora_operands
+from .common import (DECODE_PTX, STEP_BF16, _decode_asm, _lora_tile, _split_group_layout, _step_bf16, _store_out,
+                     lora_operands)
 from .nvfp4 import call_on_stored_weight, split_for
 from .nvfp4_wgmma import _phys_layout, _pi_bits, _to_logical, permute_x_kernel
 
@@ -75,7 +76,7 @@ def _decode(wq_s, sb, c, A: gl.constexpr, P: gl.constexpr, L3: gl.constexpr, p: 
     q = wq_s.load(P)
     st = _step_bf16(sb, c)
     stb = gl.reshape(gl.broadcast(gl.expand_dims(st, 2), gl.full([RB, G, 8], 0, gl.bfloat16, L3))[0], [RB, BKH])
-    lo, hi = _decode_asm(q, gl.convert_layout(stb, P, assert_trivial=True))
+    lo, hi = _decode_asm(q, gl.convert_layout(stb, P, assert_trivial=True), DECODE_PTX, STEP_BF16)
     return gl.convert_layout(_to_logical(lo, p, RB, BKH), A), gl.convert_layout(_to_logical(hi, p, RB, BKH), A)
 
 
