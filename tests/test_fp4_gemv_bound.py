@@ -34,8 +34,7 @@ def test_the_sass_reader_counts_opcodes_and_finds_the_loop():
 def test_the_decode_kernel_compiles_here_with_its_designed_loop():
     """The 1-row q/k/v product of a 7B model, as the route sends it on an H100/H200: one K tile per iteration is
     64 weight rows x 256 columns, so per thread 128 weights, 16 mma.sync, 64 packed bf16 multiplies (the decode's
-    scaling, two weights each) and 4 E4M3-pair converts (8 scales); no subnormal-prone fp32 path; x's operand words
-    reach the mma.sync straight from 16-byte shared loads (x stored in `_pair_order`), not moved into place."""
+    scaling, two weights each) and 4 E4M3-pair converts (8 scales); no subnormal-prone fp32 path."""
     pytest.importorskip("triton.experimental.gluon._runtime", reason="a Triton without Gluon's compile entry")
     bound = load_benchmark("fp4_gemv_bound")
     form, weights, sass = bound.offline_sass(1, 4608, 3584)
@@ -44,7 +43,6 @@ def test_the_decode_kernel_compiles_here_with_its_designed_loop():
     assert form == "gluon_mma" and weights == 128
     assert count["HMMA.16816.F32.BF16"] == 16 and count["HMUL2.BF16_V2"] == 64
     assert count["F2FP.F16.E4M3.UNPACK_B"] == 4
-    assert count.get("IMAD.MOV.U32", 0) <= 2 and count["LDS.128"] >= 8, count
     assert 2.0 < len(ops) / weights < 4.0, f"{len(ops)} instructions for {weights} weights"
 
 

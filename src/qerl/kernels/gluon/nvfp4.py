@@ -50,58 +50,10 @@ from .common import (_barrier, _commit, _decode_stage, _issue_w, _load_x_split, 
 
 @gluon.jit
 def _stage_x(xl_s, xh_s, x_ptr, M, stride_xm, pid_m, k0, BM: gl.constexpr, BKH: gl.constexpr, NW: gl.constexpr):
-    """x[BM rows, k0 : k0 + 2 BKH] -> x_lo [BM, BKH], x_hi shared tiles, in the k order of the decode; with
-    BKH = 128 each tile in `_pair_order`."""
+    """x[BM rows, k0 : k0 + 2 BKH] -> x_lo [BM, BKH], x_hi shared tiles, in the k order of the decode."""
     xlo, xhi = _load_x_split(x_ptr, M, stride_xm, pid_m, k0, BM, BKH, NW)
-    if BKH == 128:
-        xl_s.store(_pair_order(xlo, BM))
-        xh_s.store(_pair_order(xhi, BM))
-    else:
-        xl_s.store(xlo)
-        xh_s.store(xhi)
-
-
-# Why x is stored permuted. Under k_width 16 the B operand (x^T [128, BM]) of a thread is k = 16 c + [0, 16) and
-# the same + 64 (lane c); one mma.sync takes a bf16x2 word from each half, so loaded in k order each 16-byte
-# shared load fills one word of four MMAs and ptxas moves every operand word into place first (27 moves in the
-# 442-instruction K loop at 1-8 rows). Stored with k + 64 next to k, one load fills two MMAs' operands in register
-# order: 420 instructions (`benchmarks/fp4_gemv_bound.py --sass`), 906 -> 845 at 16 rows and 1106 -> 997 at 32
-# on sm_89. Not with BKH = 64 (the > 32-row tile): there the plain order has no moves and this one adds them.
-@gluon.jit
-def _pair_order(x, BM: gl.constexpr):
-    """x [BM, 128], k = 64 h + 16 c + 8 b3 + 4 b2 + 2 b1 + b0 -> the same elements at position
-    32 c + 16 b3 + 8 b2 + 4 b1 + 2 h + b0."""
-    x7 = gl.reshape(x, [BM, 2, 4, 2, 2, 2, 2])
-    return gl.reshape(gl.permute(x7, [0, 2, 3, 4, 5, 1, 6]), [BM, 128])
-
-
-@gluon.constexpr_function
-def _pair_load_layout(bl):
-    """The B operand's linear layout over x^T [128, BM] (k order) -> the layout reading the same elements at their
-    `_pair_order` positions, each thread's registers in position order (so that the shared load is 16 bytes
-    wide): every k basis mapped to its position, the register bases sorted."""
-    bl = gl._unwrap_if_constexpr(bl) if hasattr(gl, "_unwrap_if_constexpr") else bl
-    to_p = {1: 1, 2: 4, 4: 8, 8: 16, 16: 32, 32: 64, 64: 2}  # k bits b0 b1 b2 b3 c0 c1 h -> position bits
-
-    def tr(b):
-        return [sum(to_p[1 << i] for i in range(7) if b[0] >> i & 1), b[1]]
-
-    regs = sorted((tr(b) for b in bl.reg_bases), key=lambda b: (b[0] == 0, b[0], b[1]))
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[tr(b) for b in bl.lane_bases],
-                                      warp_bases=[tr(b) for b in bl.warp_bases],
-                                      block_bases=[tr(b) for b in bl.block_bases], shape=[128, bl.shape[1]])
-
-
-@gluon.jit
-def _load_b(x_s, BM: gl.constexpr, BKH: gl.constexpr, B: gl.constexpr):
-    """x^T [BKH, BM] in layout B from a shared x tile [BM, BKH] written by `_stage_x`. With BKH = 128: a 16-byte
-    load per register run in position order, then the inverse of `_pair_order`, which only renames registers."""
-    if BKH == 128:
-        xt = x_s.permute((1, 0)).load(_pair_load_layout(gl.to_linear_layout(B, [BKH, BM])))
-        x7 = gl.reshape(xt, [4, 2, 2, 2, 2, 2, BM])  # positions [c, b3, b2, b1, h, b0] -> k [h, c, b3, b2, b1, b0]
-        return gl.convert_layout(gl.reshape(gl.permute(x7, [4, 0, 1, 2, 3, 5, 6]), [BKH, BM]), B)
-    else:
-        return x_s.permute((1, 0)).load(B)
+    xl_s.store(xlo)
+    xh_s.store(xhi)
 
 
 @gluon.jit
@@ -113,9 +65,8 @@ def _mma_tile(acc, wq_s, ws_s, xl_s, xh_s, c, BN: gl.constexpr, BKH: gl.constexp
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
     lo, hi = _decode_stage(wq_s, ws_s, c, A, gl.to_linear_layout(A, [BN, BKH]), BN, BKH, E4M3_CVT)
-    BM: gl.constexpr = xl_s.shape[0]
-    xlo = _load_b(xl_s, BM, BKH, B)
-    xhi = _load_b(xh_s, BM, BKH, B)
+    xlo = xl_s.permute((1, 0)).load(B)
+    xhi = xh_s.permute((1, 0)).load(B)
     acc = mma_v2(lo, xlo, acc)
     acc = mma_v2(hi, xhi, acc)
     return acc
