@@ -47,6 +47,9 @@ PY = sys.executable
 sys.path.insert(0, str(HERE))
 from trl_grpo import model_directory, order_digest, prompt_order, write_prompt_order  # noqa: E402
 
+# Unsloth's tokenizer repair (fix_tokenizer) rebuilds this model's tokenizer without its added tokens and then stops
+# in its pad-token check (docs/peers.md); off, Unsloth keeps the model directory's upstream tokenizer as TRL and qerl do
+_UNSLOTH_TOKENIZER = ("--tokenizer-repair", "off")
 # job -> (script or "qerl", extra arguments); the qerl jobs' arguments are config overrides
 JOBS = {
     "qerl-nvfp4": ("qerl", []),
@@ -54,9 +57,9 @@ JOBS = {
     "trl": ("trl_grpo.py", []),
     "trl-fast": ("trl_grpo.py", ["--liger", "--gpu-memory-utilization", "0.5"]),
     "trl-sleep": ("trl_grpo.py", ["--sleep"]),
-    "unsloth-16bit": ("unsloth_grpo.py", ["--weights", "16bit"]),
-    "unsloth-4bit": ("unsloth_grpo.py", ["--weights", "4bit"]),
-    "unsloth-fp8": ("unsloth_grpo.py", ["--weights", "fp8"]),
+    "unsloth-16bit": ("unsloth_grpo.py", ["--weights", "16bit", *_UNSLOTH_TOKENIZER]),
+    "unsloth-4bit": ("unsloth_grpo.py", ["--weights", "4bit", *_UNSLOTH_TOKENIZER]),
+    "unsloth-fp8": ("unsloth_grpo.py", ["--weights", "fp8", *_UNSLOTH_TOKENIZER]),
 }
 RESULT_FILE = {"trl_grpo.py": "trl.json", "unsloth_grpo.py": "unsloth.json"}
 

@@ -65,6 +65,12 @@ def main(argv=None) -> int:
 
     cfg = load_config(args.config, args.set)
     model_dir = model_directory(cfg.model.name)
+    # what Unsloth's own tokenizer loader makes of the directory, before its model load (which checks the pad token)
+    from unsloth.tokenizer_utils import load_correct_tokenizer
+
+    probe = load_correct_tokenizer(model_dir, fix_tokenizer=args.tokenizer_repair == "on")
+    print(f"Unsloth's tokenizer loader, repair {args.tokenizer_repair}: {type(probe).__name__}, {len(probe)} tokens, "
+          f"eos {probe.eos_token!r}, pad {probe.pad_token!r}", flush=True)
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=model_dir, max_seq_length=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         load_in_4bit=args.weights == "4bit", load_in_fp8=args.weights == "fp8", fast_inference=True,
