@@ -51,9 +51,16 @@ def test_a_qerl_job_trains_is_scored_on_both_bases_and_is_not_run_again(tiny_dir
     assert row["prompt_order"] == "qerl's stream"
     assert row["differs"] == list(load_peer("side_by_side").DIFFERS["qerl-nvfp4"])
     assert not (out / "prompts_s0.jsonl").exists()  # the peers' input: not written without a peer job
-    again = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", *job)
+    again = side_by_side("--out", str(out), "--jobs", "qerl-nvfp4", "--archive", str(tmp_path / "kept"), *job)
     assert again.returncode == 0 and "[start]" not in again.stdout + again.stderr
     assert json.loads((out / "side_by_side.json").read_text())["rows"][0] == row
+    # the kept form (no adapter, scores without completions) reads back as the same row
+    kept = tmp_path / "kept"
+    assert not (kept / "qerl-nvfp4_s0" / "run" / "adapter").exists()
+    assert (kept / "qerl-nvfp4_s0" / "eval_own" / "scores.jsonl").is_file()
+    back = side_by_side("--out", str(kept), "--jobs", "qerl-nvfp4", "--report", *job)
+    assert back.returncode == 0, back.stderr[-2000:]
+    assert json.loads((kept / "side_by_side.json").read_text())["rows"][0] == row
 
 
 def test_peer_commands_carry_the_seed_and_unknown_jobs_are_refused(tmp_path):

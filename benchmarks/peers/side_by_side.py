@@ -181,8 +181,15 @@ def eval_jobs(job: Job, name: str, cfg, args) -> list[Job]:
     return out
 
 
+# the kept form of a job (`--archive`): per-problem scores without completions, no adapter
+SCORES_FILE = "scores.jsonl"
+
+
 def eval_scores(path: Path) -> dict | None:
-    """pass@1 (flexible, the `math` reward) and strict from a `qerl eval --out` file, or None when absent."""
+    """pass@1 (flexible, the `math` reward) and strict from a `qerl eval --out` file (or its kept scores beside it),
+    or None when absent."""
+    if not path.is_file():
+        path = path.with_name(SCORES_FILE)
     if not path.is_file():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -190,9 +197,16 @@ def eval_scores(path: Path) -> dict | None:
     return {"pass1": mean("rewards"), "strict": mean("strict"), "problems": len(rows)}
 
 
-def train_summary(job: Job, script: str) -> dict | None:
-    """Step time, first step, peak memory and reward of a finished training job, from its own output."""
-    if not job.result_path.is_file():
+def qerl_metrics(job: Job) -> list[dict]:
+    """The per-step rows of a qerl job's metrics.jsonl ([] when absent)."""
+    path = job.dir / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def train_summary(job: Job, script: str, steps: int) -> dict | None:
+    """Step time, first step, peak memory and reward of a finished training job, from its own output (a qerl job
+    kept without its adapter counts as finished when its metrics hold all `steps` steps)."""
+    if not job.result_path.is_file() and (script != "qerl" or len(qerl_metrics(job)) < steps):
         return None
     if script != "qerl":
         r = json.loads(job.result_path.read_text())
@@ -200,7 +214,7 @@ def train_summary(job: Job, script: str) -> dict | None:
                 "peak_gb": r["peak_allocated_gb"], "device_used_gb": r.get("peak_device_used_gb"),
                 "reward": r["reward"], "versions": r.get("versions", {}),
                 "importance_sampling": applied(r), "prompt_order": r.get("prompt_order_sha256")}
-    rows = [json.loads(line) for line in (job.dir / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = qerl_metrics(job)
     steps = [r["time_step"] for r in rows]
     return {"median_step_s": statistics.median(steps[2:] or steps), "first_step_s": rows[0].get("time_to_first_step"),
             "peak_gb": max(r["memory_gb"] for r in rows), "device_used_gb": None,
@@ -225,6 +239,38 @@ def order_check(out: Path, seed: int, digest: str | None, rows: int) -> bool:
     return order_digest([json.loads(line) for line in path.read_text().splitlines()[:rows]]) == digest
 
 
+def archive(plan: dict, cfg, args, dest: Path) -> int:
+    """The kept form of every job in `plan` under `dest` (for docs/results): each job's logs, qerl's config and
+    per-step metrics or a peer's result file, and per evaluation its per-problem scores (SCORES_FILE: rewards, strict,
+    lengths; no completions, no adapters); then side_by_side.json. `--report` on `dest` reads it back. Files kept."""
+    import shutil
+
+    out, kept = Path(args.out), 0
+    for name, jobs in plan.items():
+        for job in jobs:
+            files = [job.log_path, job.dir / "run" / "config.yaml", job.dir / "run" / "metrics.jsonl"]
+            files += [job.dir / "run" / f for f in RESULT_FILE.values()]
+            for e in eval_jobs(job, name, cfg, args):
+                files.append(e.log_path)
+                if e.result_path.is_file():
+                    rows = [json.loads(line) for line in e.result_path.read_text().splitlines() if line.strip()]
+                    target = dest / e.dir.relative_to(out) / SCORES_FILE
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text("".join(json.dumps({"i": i, "rewards": r["rewards"], "strict": r["strict"],
+                                                          "lengths": r.get("lengths")}) + "\n"
+                                              for i, r in enumerate(rows)))
+                    kept += 1
+            for f in files:
+                if f.is_file():
+                    target = dest / f.relative_to(out)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(f, target)
+                    kept += 1
+    if (out / "side_by_side.json").is_file():
+        shutil.copyfile(out / "side_by_side.json", dest / "side_by_side.json")
+    return kept
+
+
 def mean_of(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.mean(values) if values else None
@@ -246,7 +292,7 @@ def report(plan: dict, cfg, args, seeds: list[int]) -> list[dict]:
     out, rows_fed = Path(args.out), args.steps * cfg.rollout.prompts_per_step
     for name, jobs in plan.items():
         script = JOBS[name][0]
-        runs = [(seed, train_summary(j, script), {e.name.split(":")[1]: eval_scores(e.result_path)
+        runs = [(seed, train_summary(j, script, args.steps), {e.name.split(":")[1]: eval_scores(e.result_path)
                                                   for e in eval_jobs(j, name, cfg, args)})
                 for seed, j in zip(seeds, jobs)]
         done = [(seed, t, e) for seed, t, e in runs if t is not None]
@@ -310,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--report", action="store_true", help="only the table from what --out holds")
+    ap.add_argument("--archive", metavar="DIR", help="also copy the kept form of every job here (logs, metrics, "
+                                                      "result files, per-problem scores; no completions or adapters)")
     args = ap.parse_args(argv)
     from qerl.study import run_jobs, write_json_atomic
     from qerl.config import load_config
@@ -355,6 +403,8 @@ def main(argv=None) -> int:
     write_json_atomic(out / "side_by_side.json", {"config": args.config, "overrides": args.set, "steps": args.steps,
                                                   "seeds": seeds, "test": args.test, "eval_limit": args.eval_limit,
                                                   "same_for_every_job": list(SAME), "rows": table})
+    if args.archive:
+        print(f"kept {archive(plan, cfg, args, Path(args.archive))} files in {args.archive}")
     return 0
 
 
