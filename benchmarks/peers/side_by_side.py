@@ -47,8 +47,8 @@ PY = sys.executable
 sys.path.insert(0, str(HERE))
 from trl_grpo import model_directory, order_digest, prompt_order, write_prompt_order  # noqa: E402
 
-# Unsloth's tokenizer repair (fix_tokenizer) rebuilds this model's tokenizer without its added tokens and then stops
-# in its pad-token check (docs/peers.md); off, Unsloth keeps the model directory's upstream tokenizer as TRL and qerl do
+# with its tokenizer repair (fix_tokenizer) on, Unsloth's load stops in its pad-token check on this model's upstream
+# tokenizer (docs/peers.md); off, its loader returns the directory's fast tokenizer as TRL and qerl load it
 _UNSLOTH_TOKENIZER = ("--tokenizer-repair", "off")
 # job -> (script or "qerl", extra arguments); the qerl jobs' arguments are config overrides
 JOBS = {
