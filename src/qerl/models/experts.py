@@ -23,7 +23,7 @@ from ..formats import WeightFormat, get_format
 from ..nn.quant_experts import QuantExperts
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from ..nn import LoraConfig
-from ..quant import CALIBRATED, check_method, quantize_group
+from ..quant import CALIBRATED, check_method, quantize_weights
 from .lora_init import PENDING_FACTORS, expert_residual_factors
 from .precision import refuse_kept_experts
 
@@ -98,14 +98,15 @@ def check_experts(model: nn.Module, fmt: str | WeightFormat, method: str = "rtn"
     """Raise ValueError unless `quantize_experts(model, fmt, method)` can work; changes nothing.
 
     Returns the experts stacks [(name, module)] that it would replace."""
-    return _checked_experts(model, get_format(fmt), method)
+    fmt = get_format(fmt)
+    check_method(method, fmt)
+    return _checked_experts(model, fmt, method)
 
 
 def _checked_experts(model: nn.Module, fmt: WeightFormat, method: str) -> list[tuple[str, nn.Module]]:
     block = fmt.block
     if fmt.name == "bf16":
         raise ValueError("quantize_experts: fmt must be a 4-bit format (nvfp4, mxfp4, nf4), not bf16")
-    check_method(method, fmt)
     if method not in EXPERT_METHODS:
         raise ValueError(f"quantize_experts: method {method!r} does not handle MoE experts yet; use "
                          f"{' or '.join(EXPERT_METHODS)}")
@@ -142,7 +143,7 @@ def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_b
 
 def _stack_method(fmt: WeightFormat, method: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """weight [E, N, K] -> stacked tensors, each expert's matrix quantized alone by `method` (own global scale)."""
-    per_expert = [quantize_group(fmt, method, [weight[e].detach()])[0] for e in range(weight.shape[0])]
+    per_expert = [quantize_weights(fmt, method, [weight[e].detach()])[0] for e in range(weight.shape[0])]
     return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
 
 
@@ -173,6 +174,13 @@ def quantize_experts(model: nn.Module, fmt: str | WeightFormat = "nvfp4", method
     fit: a LoraConfig with experts and init loftq: each stack's residual factors are computed before its 16-bit
     weights go and kept on it until `add_expert_lora` (`lora_init.PENDING_FACTORS`)."""
     fmt = get_format(fmt)
+    check_method(method, fmt)
+    return replace_experts(model, fmt, method, fit)
+
+
+def replace_experts(model: nn.Module, fmt: WeightFormat, method: str = "rtn",
+                    fit: LoraConfig | None = None) -> dict[str, QuantExperts]:
+    """`quantize_experts` for a format and method already checked together (`Quantization.of`)."""
     found = _checked_experts(model, fmt, method)
     replaced = {}
     for name, module in found:

@@ -28,7 +28,7 @@ from torch import nn
 
 # check_keep_bf16: the syntax check needs no model, so it lives in the torch-free `qerl.choices` (config validation)
 from ..choices import KEEP_BF16_LAST as LAST, check_keep_bf16, keep_bf16_last_count as _last_count  # noqa: F401
-from ..formats import WeightFormat, get_format
+from ..formats import FORMATS, WeightFormat
 from ..nn import DEFAULT_TARGETS
 from .targets import FUSED_GROUPS, find_targets
 
@@ -136,12 +136,11 @@ def partial_sibling_groups(kept: Iterable[str], names: Iterable[str]) -> list[li
 
 
 @lru_cache(maxsize=None)
-def _format_row_bytes(fmt: str, in_features: int) -> tuple[int, int]:
+def _format_row_bytes(fmt: WeightFormat, in_features: int) -> tuple[int, int]:
     """(bytes per output row, bytes per weight) of `fmt` at this input size, incl. every scale."""
-    spec = get_format(fmt)
 
     def stored(rows: int) -> int:  # quantize a small stand-in: the layout depends only on the shape
-        tensors = spec.quantize(torch.ones(rows, in_features), None)
+        tensors = fmt.quantize(torch.ones(rows, in_features), None)
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # 64 and 128 rows keep N*K a multiple of every block (NF4 blocks run over the flattened tensor)
@@ -150,13 +149,13 @@ def _format_row_bytes(fmt: str, in_features: int) -> tuple[int, int]:
     return per_row, small - 64 * per_row
 
 
-def format_bytes(fmt: str | WeightFormat, out_features: int, in_features: int) -> int:
+def format_bytes(fmt: WeightFormat, out_features: int, in_features: int) -> int:
     """Bytes a weight [out_features, in_features] takes in `fmt`: codes, block scales, global scales."""
-    per_row, per_weight = _format_row_bytes(get_format(fmt).name, in_features)
+    per_row, per_weight = _format_row_bytes(fmt, in_features)
     return out_features * per_row + per_weight
 
 
-def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: str | WeightFormat) -> int:
+def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: WeightFormat) -> int:
     """Bytes the kept linears take in bf16 beyond what `fmt` would take for them (biases excluded: equal).
 
     model: before or after quantization (nn.Linear or QuantLinear, only in/out features are read);
@@ -166,14 +165,14 @@ def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: str | Weig
         mod = model.get_submodule(name)
         n, k = mod.out_features, mod.in_features
         try:
-            extra += format_bytes("bf16", n, k) - format_bytes(fmt, n, k)
+            extra += format_bytes(FORMATS["bf16"], n, k) - format_bytes(fmt, n, k)
         except ValueError as e:  # e.g. in_features not a multiple of the block: no 4-bit size to compare
             raise ValueError(f"{name}: {e}") from None
     return extra
 
 
-def describe_keep_bf16(model: nn.Module, kept: Iterable[str], fmt: str | WeightFormat) -> str:
+def describe_keep_bf16(model: nn.Module, kept: Iterable[str], fmt: WeightFormat) -> str:
     """One line for the logs, e.g. "keep_bf16: 14 linears, +12.3 MiB over nvfp4"."""
-    kept, fmt = list(kept), get_format(fmt)
+    kept = list(kept)
     mib = keep_bf16_extra_bytes(model, kept, fmt) / 2**20
     return f"keep_bf16: {len(kept)} linear{'s' * (len(kept) != 1)}, +{mib:.1f} MiB over {fmt.name}"

@@ -109,9 +109,11 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
 
     name_or_path: an embedded name (`smollm2-135m-instruct`), a GGUF file, a directory (HF, quantized
     HF, or holding one GGUF), or a hub id such as `Qwen/Qwen2.5-7B-Instruct` (needs network).
+    dtype: a torch.dtype or its name (`sources.resolve_dtype`), resolved here once for every loader below.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype)
     source = str(name_or_path)
     path = _named_path(source)
     if path.is_file():
@@ -147,7 +149,7 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
             return load_gpt_oss_mxfp4(snapshot, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path) if local else source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+            str(path) if local else source, dtype=dtype, trust_remote_code=trust_remote_code
         )
         tokenizer = AutoTokenizer.from_pretrained(str(path) if local else source, trust_remote_code=trust_remote_code)
     except OSError as e:
