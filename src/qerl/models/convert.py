@@ -20,7 +20,7 @@ from ..quant import CALIBRATED
 from .calibration import calibrated_quantize
 from .experts import experts_to_quantize, replace_experts
 from .lora_attach import add_expert_lora, add_lora_to, check_expert_lora_possible
-from .precision import names_under, resolve_keep_bf16
+from .precision import names_under, resolve_checked_keep_bf16
 from .quantization import Quantization
 from .surgery import WeightQuantizer, quantize_keeping
 from .targets import quant_embeddings, quant_layers
@@ -75,7 +75,7 @@ def quantize_as(model: nn.Module, q: Quantization, *, quantizer: WeightQuantizer
         if lora.init == "eora":
             raise ValueError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs "
                              "are not collected); use lora.init loftq")
-    keep = resolve_keep_bf16(model, q.keep_bf16, q.targets, name_prefix) if q.keep_bf16 else set()
+    keep = resolve_checked_keep_bf16(model, q.keep_bf16, q.targets, name_prefix) if q.keep_bf16 else set()
     if q.embeddings:
         check_input_embeddings_quantizable(model, fmt)
     if q.calibrated:

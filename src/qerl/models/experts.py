@@ -127,8 +127,8 @@ def _checked_experts(model: nn.Module, fmt: WeightFormat, method: str) -> list[t
 def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_bf16: Iterable[str] = (),
                         name_prefix: str = "") -> bool:
     """True when `quantize_model` is to quantize experts stacks of `model` (it holds some, fmt is 4-bit);
-    ValueError, before anything is changed, where it could not: a calibrated method, a keep_bf16 entry that names
-    an experts module (`precision.refuse_kept_experts`), a stack `check_experts` refuses."""
+    ValueError, before anything is changed, where it could not: a calibrated method, a stack `check_experts`
+    refuses, a keep_bf16 entry that names an experts module (`precision.refuse_kept_experts`)."""
     found = experts_modules(model)
     if not found or fmt.name == "bf16":
         return False
@@ -136,8 +136,8 @@ def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_b
         raise ValueError(f"quantization method {method!r}: gptq/awq do not handle MoE experts yet; use rtn or "
                          f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
                          f"e.g. {found[0][0]})")
-    refuse_kept_experts([name_prefix + n for n, _ in found], keep_bf16)
     _checked_experts(model, fmt, method)
+    refuse_kept_experts([name_prefix + n for n, _ in found], keep_bf16)
     return True
 
 
@@ -151,13 +151,13 @@ def _with_method(quant_cls: type, module: nn.Module, fmt: WeightFormat, method: 
     """`quant_cls` built from `module` with each expert's matrices ([N, K], qerl's orientation) quantized by
     `method`."""
     e, h, i = quant_cls.hf_dims(module)
-    if quant_cls is GptOssQuantExperts:
-        return GptOssQuantExperts(e, h, i, fmt, module.alpha, module.limit,
-                                  _stack_method(fmt, method, module.gate_up_proj.transpose(1, 2)),
-                                  _stack_method(fmt, method, module.down_proj.transpose(1, 2)),
+    gpt_oss = quant_cls is GptOssQuantExperts  # stores [E, K, N]: each expert's matrix transposed first
+    gate_up, down = (_stack_method(fmt, method, w.transpose(1, 2) if gpt_oss else w)
+                     for w in (module.gate_up_proj, module.down_proj))
+    if gpt_oss:
+        return GptOssQuantExperts(e, h, i, fmt, module.alpha, module.limit, gate_up, down,
                                   module.gate_up_proj_bias.detach().clone(), module.down_proj_bias.detach().clone())
-    return QuantExperts(e, h, i, fmt, module.act_fn, _stack_method(fmt, method, module.gate_up_proj),
-                        _stack_method(fmt, method, module.down_proj))
+    return QuantExperts(e, h, i, fmt, module.act_fn, gate_up, down)
 
 
 def quantize_experts(model: nn.Module, fmt: str | WeightFormat = "nvfp4", method: str = "rtn",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import get_format
+from ..formats import FORMATS
 from ..lora_config import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED
 from .quantization import Quantization
@@ -161,7 +161,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
                                      "the 16-bit weights, which it does not hold; load the 16-bit model instead")
                 add_lora(model, lora)
             if spec.embeddings:
-                quantize_input_embeddings(model, get_format(model.config.qerl_weight_format))
+                quantize_input_embeddings(model, FORMATS[model.config.qerl_weight_format])
         elif q is not None:
             if before_quantize is not None:
                 before_quantize(model, tokenizer)

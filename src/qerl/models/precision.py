@@ -78,7 +78,11 @@ def match_keep_bf16(names: Iterable[str], specs: Iterable[str]) -> list[str]:
 
     ValueError for a malformed entry or one that selects nothing. `last:N` counts decoder layers among
     `names`, so `names` must be the whole model's targets."""
-    names, specs = list(names), check_keep_bf16(specs)
+    return _matched(list(names), check_keep_bf16(specs))
+
+
+def _matched(names: list[str], specs: list[str]) -> list[str]:
+    """`match_keep_bf16` for entries already checked."""
     chosen = set()
     for spec in specs:
         hit = _last_layers(names, spec) if spec.startswith(LAST) else {n for n in names if _matches(n, spec)}
@@ -94,12 +98,17 @@ def resolve_keep_bf16(model: nn.Module, specs: Iterable[str], targets: Iterable[
 
     model: a whole causal LM (a meta-device skeleton works: only names are read), or one block whose
     names get `name_prefix` (e.g. "model.layers.3."); `last:N` needs the whole model and is refused then."""
-    specs = check_keep_bf16(specs)
+    return resolve_checked_keep_bf16(model, check_keep_bf16(specs), targets, name_prefix)
+
+
+def resolve_checked_keep_bf16(model: nn.Module, specs: list[str], targets: Iterable[str] = DEFAULT_TARGETS,
+                              name_prefix: str = "") -> set[str]:
+    """`resolve_keep_bf16` for entries whose syntax is checked already (`Quantization.keep_bf16`)."""
     if name_prefix and any(s.startswith(LAST) for s in specs):
         raise ValueError("keep_bf16 last:N needs the whole model to count its layers; resolve it with "
                          "resolve_keep_bf16(whole model) and pass the resulting names")
     names = [name_prefix + n for n in find_targets(model, targets)]
-    return set(match_keep_bf16(names, specs))
+    return set(_matched(names, specs))
 
 
 def refuse_kept_experts(experts: Iterable[str], specs: Iterable[str]) -> None:

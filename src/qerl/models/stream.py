@@ -25,7 +25,7 @@ from .convert import quantize_input_embeddings
 from .experts import experts_to_quantize, replace_experts
 from .lora_attach import add_expert_lora, add_lora_to
 from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors
-from .precision import names_under, resolve_keep_bf16
+from .precision import names_under, resolve_checked_keep_bf16
 from .quantization import Quantization
 from .surgery import quantize_keeping
 
@@ -97,8 +97,8 @@ def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = 
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    keep = resolve_keep_bf16(model, q.keep_bf16, q.targets) if q.keep_bf16 else set()
     experts_to_quantize(model, fmt, method, q.keep_bf16)  # its refusals, before any layer is read
+    keep = resolve_checked_keep_bf16(model, q.keep_bf16, q.targets) if q.keep_bf16 else set()
     body = model.model
     fill(body.embed_tokens, "model.embed_tokens.")
     # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
