@@ -290,7 +290,8 @@ def _calibrate_layer(layer: nn.Module, prefix: str, q: Quantization, kept_here: 
     awq_scales = {}
     if q.method == "awq":
         leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
-        folds = apply_awq(layer, leaf_samples, awq_fake_quant(q.format))
+        fake_quant = awq_fake_quant(q.format)
+        folds = apply_awq(layer, leaf_samples, fake_quant)
         awq_scales.update({prefix + name: s for name, s in folds.items()})
         if q.eora:  # the adapters are fitted to the folded weights, whose inputs are the folded ones
             hessians = folded_covariances(hessians, folds)

@@ -108,7 +108,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     from .adapter import load_adapter
     from .calibration import calibration_ids, default_samples
     from .convert import quantize_input_embeddings
-    from .pretrained import load_causal_lm, plain_hf_directory
+    from .pretrained import load_pretrained, plain_hf_directory
     from .lora_attach import add_lora
     from .precision import describe_keep_bf16
     from .random_weights import RandomLayers, is_random, random_calibration, random_config
@@ -150,7 +150,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
             if q.calibrated:
                 q = calibrated(layers.tokenizer())
     if layers is None:  # loaded whole: 16-bit modules, or a directory's stored 4-bit state
-        model, tokenizer = load_causal_lm(spec.name, dtype=dtype, device=device, trust_remote_code=trust)
+        model, tokenizer = load_pretrained(spec.name, dtype, device, trust_remote_code=trust)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
             if spec.method != "rtn" or spec.keep_bf16:
                 raise ValueError(f"{spec.name} is already quantized; the quantization method and the layers kept "

@@ -13,6 +13,8 @@ Every failure names the file and the problem; nothing here runs code from a mode
 import json
 from pathlib import Path
 
+import torch
+
 from . import registry
 from .checkpoint import load_quantized
 from .gguf import load_gguf, to_device
@@ -109,11 +111,15 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
 
     name_or_path: an embedded name (`smollm2-135m-instruct`), a GGUF file, a directory (HF, quantized
     HF, or holding one GGUF), or a hub id such as `Qwen/Qwen2.5-7B-Instruct` (needs network).
-    dtype: a torch.dtype or its name (`sources.resolve_dtype`), resolved here once for every loader below.
+    dtype: a torch.dtype or its name (`sources.resolve_dtype`; None: bf16).
     """
+    return load_pretrained(name_or_path, resolve_dtype(dtype), device, trust_remote_code)
+
+
+def load_pretrained(name_or_path, dtype: torch.dtype, device=None, trust_remote_code: bool = False):
+    """`load_causal_lm` with the dtype resolved (the loader's compute dtype), handed to every loader below."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = resolve_dtype(dtype)
     source = str(name_or_path)
     path = _named_path(source)
     if path.is_file():
