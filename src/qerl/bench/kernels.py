@@ -1,17 +1,8 @@
 """Benchmark the fused NVFP4 kernels against cuBLAS bf16 on linear shapes (`qerl bench kernels`).
 
-For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-1.5B/7B/14B/32B/72B or SmolLM2-135M) and each M it
-times, side by side on one GPU:
-  cublas    F.linear with a bf16 weight (the 16-bit baseline);
-  deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
-  fused     the tl.dot kernel (`nvfp4_linear_triton`, the tile `pick_config` chooses);
-  routed    what `nvfp4_linear` dispatches to (`qerl.kernels.route`: the Gluon swap-AB kernels up to 64 rows,
-            and on sm_90 up to 128-256; else the kernels above), i.e. what a model's layers get;
-and the input gradient dY @ W (fused and routed vs deq+cublas vs cublas). Each timing is the median over CUDA-graph
-replays of a sequence of calls that cycles through enough weight copies to exceed twice the L2 cache, so
-weights come from HBM, as in a real model pass. Bandwidth = bytes of weights + activations moved / time,
-shown against the device's measured copy bandwidth. Writes <out>.json and <out>.md; prints the table.
-`--compute fp8` times the FP8 products instead (W4A8, W8A8 beside cuBLAS bf16 and W4A16; `qerl.bench.kernels_fp8`).
+What each column times: docs/cli.md ("qerl bench kernels | rollout | step"). Each timing is the median over CUDA-graph
+replays of calls cycling through weight copies that exceed twice the L2 cache, so weights come from HBM as in a
+model pass; bandwidth = bytes moved / time, beside the measured copy bandwidth. Writes <out>.json and <out>.md.
 """
 
 import argparse

@@ -84,21 +84,12 @@ class StepRunner:
 
     def step(self, prompts: int, completion: int, others_bytes: int = 0, lengths: list[int] | None = None,
              mode: tuple[str, bool] = ("continuous", True), profile_update: bool = False, busy: bool = False) -> dict:
-        """One step on this rank's `prompts` prompts x G rows.
+        """One step on this rank's `prompts` prompts x G rows; the row of the table (docs/cli.md, "qerl bench step").
 
-        completion: the forced length of every row when `lengths` is None; lengths: this rank's per-row forced
-        lengths (prompts x G ints, each prompt's rows adjacent; the rollout's max_new_tokens is then the budget
-        args.budget); mode: (engine scheduler, packed update); others_bytes: GPU memory held by other resident
-        runners (subtracted from the peak); profile_update: run the policy update under the profiler and add
-        its summary as "update_profile" (`bench.update_profile`; its phase times are then not comparable); busy:
-        run each phase under its own profiler session and add "busy", {phase: {"wall_ms", "busy_ms", "share"}}
-        (`update_profile.PhaseBusy`; phase times not comparable either). Returns
-        seconds per phase, peak memory (GB) and the whole step's
-        (all ranks') token counts: tokens (kept completion tokens), decoded_row_steps, prefill_tokens,
-        loss_tokens_computed, loss_tokens_needed, with the ratios kept_tok_s, rollout_efficiency
-        (row-steps / kept) and loss_efficiency (computed / needed); update_flops, the update's useful FLOPs (all
-        ranks; `qerl.rl.flops`; absent for a model it does not count), and update_tflops, per GPU per second of
-        the update (step - rollout)."""
+        completion: every row's forced length when `lengths` is None; lengths: this rank's per-row forced lengths
+        (prompts x G ints, a prompt's rows adjacent; max_new_tokens is then args.budget); mode: (engine scheduler,
+        packed update); others_bytes: GPU memory of the other resident runners (taken off the peak); profile_update
+        / busy: add "update_profile" / "busy" (`bench.update_profile`; the phase times are then not comparable)."""
         from ..nn.noisy_norm import NoisyNorms
         from ..rl.advantages import group_advantages
         from ..rl.collect import Experience
