@@ -1,7 +1,5 @@
 """Where a decode step's GPU time goes, against the floor: each kernel of the engine's decode step by role, its
-bytes and how far it is from moving them at the device-copy bandwidth, on a random-weight Qwen2.5-shaped model
-(as `qerl bench rollout`). What the table shows and how roles and bytes are found: docs/cli.md
-("python -m qerl.bench.decode_profile").
+bytes and its distance from the device-copy bandwidth (docs/cli.md, "python -m qerl.bench.decode_profile").
 
     python -m qerl.bench.decode_profile --models 7b --variants bf16+lora,nvfp4+lora --batches 1,8,64
 """
@@ -201,7 +199,7 @@ def busy_us(events: list[tuple[str, float, float]]) -> float:
 
 def role_table(names_durs: list[tuple[str, float]], steps: int, runner, rows: int, attended: int,
                copy_bw: float) -> tuple[list[dict], bool]:
-    """Per role of the step: calls, us per step, bytes, GB/s and % of its own floor (see the module docstring).
+    """Per role of the step: calls, us per step, bytes, GB/s and % of its own floor (bytes / copy bandwidth / time).
     names_durs: (kernel name, duration us) of `steps` steps in launch order."""
     per = len(names_durs) // steps
     names = [n for n, _ in names_durs[:per]]

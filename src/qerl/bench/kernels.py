@@ -1,9 +1,6 @@
-"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on linear shapes (`qerl bench kernels`).
-
-What each column times: docs/cli.md ("qerl bench kernels | rollout | step"). Each timing is the median over CUDA-graph
-replays of calls cycling through weight copies that exceed twice the L2 cache, so weights come from HBM as in a
-model pass; bandwidth = bytes moved / time, beside the measured copy bandwidth. Writes <out>.json and <out>.md.
-"""
+"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on linear shapes (`qerl bench kernels`): CUDA-graph
+replays cycling weight copies that exceed twice the L2 cache; the columns: docs/cli.md ("qerl bench kernels |
+rollout | step")."""
 
 import argparse
 import datetime

@@ -1,15 +1,6 @@
-"""`qerl bench kernels --compute fp8`: the products of model.compute fp8 and model.format fp8 beside cuBLAS bf16.
-
-For each layer shape and M, side by side on one GPU (timed as `qerl.bench.kernels` times: CUDA-graph replays
-cycling weight copies that exceed twice the L2 cache, medians):
-  cuBLAS bf16    F.linear on a bf16 weight;
-  W4A16          what `nvfp4_linear` routes an NVFP4 weight to (model.compute bf16);
-  W8A8           an fp8 weight (model.format fp8): x quantized per token, torch._scaled_mm with row scales;
-  W4A8           the NVFP4 weight decoded to an e4m3 temporary, x quantized per token, _scaled_mm
-                 (`qerl.kernels.fp8_matmul.w4a8_linear`);
-  routed fp8     what a model's layer gets under model.compute fp8 (`qerl.kernels.dispatch`: W4A16 below
-                 `w4a8_min_m` rows, W4A8 from there).
-Speedups are cuBLAS bf16's time over each. TFLOP/s counts 2 M N K per product.
+"""`qerl bench kernels --compute fp8`: the products of model.compute fp8 and model.format fp8 beside cuBLAS bf16
+(cuBLAS bf16, W4A16, W8A8, W4A8, routed fp8), timed as `qerl.bench.kernels` times; the columns: docs/cli.md
+("qerl bench kernels --compute fp8").
 """
 
 import statistics
@@ -22,7 +13,7 @@ COLUMNS = ("w4a16", "w8a8", "w4a8", "routed_fp8")
 
 
 def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dict]:
-    """Rows of microseconds per product for one [N, K] weight (see the module docstring)."""
+    """Rows of microseconds per product (and x cuBLAS bf16, TFLOP/s: 2 M N K) for one [N, K] weight."""
     from qerl.formats.fp8 import quantize_fp8
     from qerl.formats.nvfp4 import quantize_nvfp4
     from qerl.kernels import quantized_linear

@@ -1,11 +1,8 @@
 """Rollout throughput: HF `generate` vs the qerl engine (bf16, bf16+LoRA, NVFP4+LoRA, ...) on random-weight
-Qwen2.5-shaped models (1.5B to 72B) loaded through the loader's random-weight source (speed does not depend on
-weight values). Forced lengths (`--new`) or a completion-length profile (`--lengths`); what each cell reports and
-how: docs/cli.md ("qerl bench rollout").
+Qwen2.5-shaped models (1.5B to 72B), forced lengths (`--new`) or a completion-length profile (`--lengths`); what
+each cell reports and how: docs/cli.md ("qerl bench rollout").
 
-    qerl bench rollout --models 7b --batches 1,8,32,64,128 --out results.json
-    qerl bench rollout --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 \\
-        --lengths long-reasoning-4096 --schedulers continuous,static --out ragged.json
+    qerl bench rollout --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 --lengths long-reasoning-4096
 """
 
 import argparse
@@ -245,30 +242,25 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b", help=f"comma list of {','.join(QWEN25)} (Qwen2.5 shapes)")
     ap.add_argument("--variants", default="hf,bf16,bf16+lora,nvfp4+lora",
-                    help="hf (HF generate, bf16), bf16 (engine, plain HF modules), <fmt>+lora (QuantLinear), "
-                         "<fmt>+lora+dense (a kept 16-bit copy read from KernelPolicy.dense_min_m rows)")
+                    help="hf (HF generate), bf16 (engine, plain HF modules), <fmt>+lora, <fmt>+lora+dense")
     ap.add_argument("--batches", default="1,8,32,64,128", help="rows per rollout (--lengths: multiples of --group)")
     ap.add_argument("--hf-batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=None,
-                    help="forced lengths: every row exactly this many new tokens (default 512); not with --lengths")
+                    help="forced lengths: every row exactly this many new tokens (default 512)")
     add_lengths_option(ap)
     ap.add_argument("--group", type=int, default=8, help="--lengths: G rows per prompt")
     ap.add_argument("--seed", type=int, default=0, help="--lengths: repeat r draws with seed + r")
     ap.add_argument("--repeats", type=int, default=3, help="--lengths: timed draws per cell (median reported)")
-    ap.add_argument("--schedulers", default="continuous", help="comma list of the engine's schedulers: "
-                                                               "continuous, static")
+    ap.add_argument("--schedulers", default="continuous", help="comma list of continuous, static")
     ap.add_argument("--hf-new", type=int, default=24)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--eager-sampling", action="store_true",
-                    help="sample with torch ops instead of the one-launch Triton sampler")
-    ap.add_argument("--quantize-embeddings", action="store_true",
-                    help="<fmt>+lora variants with a 4-bit fmt also store the input embedding in fmt")
+    ap.add_argument("--eager-sampling", action="store_true", help="torch ops, not the one-launch Triton sampler")
+    ap.add_argument("--quantize-embeddings", action="store_true", help="4-bit <fmt>+lora: the input embedding too")
     ap.add_argument("--disable", default="",
-                    help="comma list of kernel backends to route around (qerl.kernels.route names, e.g. "
-                         "gluon_wgmma_ws): an A/B of one kernel inside the engine")
+                    help="comma list of kernel backends to route around (qerl.kernels.route names)")
     add_policy_option(ap, "permute_x=false or wgmma_max_m=64): an A/B of a routing rule inside the engine")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)

@@ -1,15 +1,8 @@
-"""End-to-end RL step: rollout -> reference / old log-probs -> loss + backward -> optimizer, on random-weight
-Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN).
+"""End-to-end RL step (`qerl train`'s `qerl.rl.step.rl_step` with random 0/1 rewards) on random-weight
+Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN). What a step runs, the
+lengths, modes, order (`--order`) and every column: docs/cli.md ("qerl bench step").
 
-A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step` on the runtime `qerl.rl.runtime` builds),
-with random 0/1 rewards, on a model the loader builds from random weights (`random:qwen2.5-7b`). Every (variant,
-mode) is one cell; the cells' timed steps alternate in counterbalanced rounds (`--order`). What a step runs, the
-completion lengths, the modes, the order and every reported column: docs/cli.md ("qerl bench step").
-
-    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 8 --completion 512 --out e2e.json
-    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 \\
-        --modes new,old --out e2e_ragged.json
-    qerl bench step --models 72b --variants nvfp4 --prompts 8 --order sequential --micro-batch 4
+    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 --modes new,old
     torchrun --nproc-per-node 2 -m qerl.bench.step --models 7b --variants nvfp4 --prompts 8 --check-dist
 """
 
@@ -538,67 +531,39 @@ def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="7b",
-                    help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (4-bit MoE experts run as frozen "
-                         "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, "
-                         "eager)")
+    ap.add_argument("--models", default="7b", help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])}")
     ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn",
-                    help="FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in bf16,nf4,nvfp4,mxfp4,fp8 "
-                         "(+dense: model.dense_weights=update, +denseall: =all; +w4a8: model.compute=fp8)")
+                    help="FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in bf16,nf4,nvfp4,mxfp4,fp8")
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=None,
-                    help="forced lengths: every row exactly this many tokens (default 2048, the paper's budget); "
-                         "not with --lengths")
+                    help="forced lengths: every row exactly this many tokens (default 2048); not with --lengths")
     add_lengths_option(ap)
     ap.add_argument("--seed", type=int, default=0, help="--lengths: repetition r draws with seed + r")
-    ap.add_argument("--schedulers", default=None, help="comma list of the engine's schedulers: continuous, static "
-                                                       "(default continuous)")
+    ap.add_argument("--schedulers", default=None, help="comma list of continuous, static (default continuous)")
     ap.add_argument("--packing", default=None, help="comma list of on (packed micro-batches), off (padded); default on")
-    ap.add_argument("--packed-attention", default="sdpa", choices=PACKED_ATTENTION,
-                    help="the packed passes' attention (optim.packed_attention)")
-    ap.add_argument("--modes", default=None, help="comma list of new (continuous + packing on), old (static + "
-                                                  "packing off); instead of --schedulers / --packing")
-    ap.add_argument("--warmup-completion", type=int, default=32,
-                    help="completion length of the untimed warm-up step (forced lengths; with --lengths the warm-up "
-                         "is a whole draw of the profile that no timed step uses)")
-    ap.add_argument("--steps", type=int, default=3,
-                    help="timed steps per cell and order (interleaved: repetitions of the counterbalanced "
-                         "rounds; sequential: timed steps); medians reported (the upper middle value for an even "
-                         "count: use 3 or more per order)")
-    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
-                    help="interleaved: all variants of a model resident, steps alternate in counterbalanced rounds "
-                         "(order-fair); sequential: one variant at a time (less memory)")
+    ap.add_argument("--packed-attention", default="sdpa", choices=PACKED_ATTENTION, help="optim.packed_attention")
+    ap.add_argument("--modes", default=None, help="comma list of new, old; instead of --schedulers / --packing")
+    ap.add_argument("--warmup-completion", type=int, default=32, help="length of the untimed warm-up step")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per cell and order (medians: use 3 or more)")
+    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the padded update")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
-                    help="tokens per micro-batch of the packed update (default: by model size, as qerl train "
-                         "chooses it: qerl.rl.packing.token_budget)")
+                    help="tokens per micro-batch of the packed update (default: qerl.rl.packing.token_budget)")
     ap.add_argument("--release-kv-cache", choices=tuple(RELEASE_SETTINGS), default="auto",
-                    help="after each rollout of a non-old mode: free the engine's KV cache and decode graphs "
-                         "(always), or keep them from the second step on when they fit (auto, qerl train's "
-                         "default: rollout.release_kv_cache). The old mode always frees them, so a cell after "
-                         "an old-mode cell captures its graphs again: --modes new alone times the kept engine")
+                    help="as rollout.release_kv_cache, for the non-old modes (old always frees)")
     ap.add_argument("--gradient-checkpointing", choices=tuple(CHECKPOINTING_SETTINGS), default="auto",
-                    help="which decoder layers recompute in the backward, as optim.gradient_checkpointing (auto plans "
-                         "from the free memory: run one variant per process to compare, a resident runner's "
-                         "weights count against the others' budget)")
-    ap.add_argument("--moe-reference", action="store_true",
-                    help="MoE models: run the 4-bit experts through the per-expert reference loop (each hit "
-                         "expert dequantized per call, eager decode) instead of the grouped kernel")
+                    help="as optim.gradient_checkpointing")
+    ap.add_argument("--moe-reference", action="store_true", help="MoE models: the per-expert reference loop")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
     ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke tests)")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="limit this process's GPU memory")
     ap.add_argument("--check-dist", action="store_true", help="under torchrun: check the all-reduced gradient")
-    ap.add_argument("--busy", action="store_true",
-                    help="after the timed steps, one more step per cell with each phase (rollout, reference, loss + "
-                         "backward, optimizer) under its own profiler session: the share of its wall time the GPU "
-                         "was busy (the table's GPU busy column, the rows' \"busy\")")
-    ap.add_argument("--profile-update", action="store_true",
-                    help="after the timed steps, one more step per cell with its policy update under the "
-                         "profiler: the update's device kernels by time and how busy the GPU was")
+    ap.add_argument("--busy", action="store_true", help="one more step per cell, each phase profiled: GPU busy")
+    ap.add_argument("--profile-update", action="store_true", help="one more step per cell, its update profiled")
     add_policy_option(ap, "permute_x=false; disabled=BACKEND+BACKEND)")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)

@@ -1,11 +1,6 @@
-"""How fast an NVFP4 LoRA step can be at most, against the bf16 LoRA step measured beside it (`qerl bench step`).
-
-A W4A16 kernel does the same bf16 tensor-core work as cuBLAS plus a decode, so on the passes that run
-thousands of rows per matmul (reference, loss + backward) it can at best tie bf16. Only the rollout can gain,
-and a decode step reads, per token, every weight but the input embedding plus the KV cache: its time falls
-at most by the ratio of those bytes. The ceiling keeps bf16's measured reference, loss+backward, optimizer
-and untimed glue, and divides bf16's measured rollout by that byte ratio (an upper bound: it assumes bf16's
-whole rollout scales with bytes read, though part of it is sampling, attention arithmetic and launches).
+"""How fast an NVFP4 LoRA step can be at most, against the bf16 LoRA step measured beside it (`qerl bench step`):
+bf16's reference, loss+backward, optimizer and glue kept, its rollout divided by the ratio of bytes a decode step
+reads; the argument in docs/cli.md ("The NVFP4 step's ceiling").
 
     python -m qerl.bench.step_ceiling docs/results/e2e_7b_h100_2026-11-25_interleaved.json
 """
