@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from .graph_timing import event_ms
 from .update_profile import union_ms
 
 # first match wins; kernel names as CUPTI reports them
@@ -169,13 +170,6 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
     return run
 
 
-def step_ms(run, steps: int, repeats: int = 5) -> float:
-    """Median over `repeats` of the wall time of `steps` decode steps (+ sampling), per step, CUDA events."""
-    from .graph_timing import event_ms
-
-    return event_ms(run, repeats) / steps
-
-
 def kernel_events(run, steps: int) -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of every CUDA kernel / memcpy of `steps` steps, in start order."""
     from torch.profiler import ProfilerActivity, profile
@@ -241,7 +235,7 @@ def profile_cell(engine, rows: int, prompt: int, steps: int, copy_bw: float) -> 
         engine.pdl = pdl
         engine.decode_graphs.reset()  # recapture with or without programmatic launches
         run = prepared_steps(engine, rows, prompt, steps)
-        ms = step_ms(run, steps)
+        ms = event_ms(run, 5) / steps  # per step (+ sampling): the median of 5 runs of `steps` steps
         ev = kernel_events(run, steps)
         key = "pdl" if pdl else "no_pdl"
         cell[f"step_us_{key}"] = 1e3 * ms

@@ -20,14 +20,19 @@ def capture_calls(fn, calls: int):
     return g
 
 
-def replay_seconds(g, calls: int) -> float:
-    """One timed replay of `capture_calls`'s graph: seconds per call."""
+def elapsed_ms(fn) -> float:
+    """Milliseconds of one fn() on the current stream, timed by CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    g.replay()
+    fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / calls
+    return start.elapsed_time(end)
+
+
+def replay_seconds(g, calls: int) -> float:
+    """One timed replay of `capture_calls`'s graph: seconds per call."""
+    return elapsed_ms(g.replay) / 1e3 / calls
 
 
 def rotated_copies(weight_bytes: int, l2_bytes: int) -> int:
@@ -51,15 +56,7 @@ def event_ms(fn, repeats: int, warmups: int = 1) -> float:
     """Median milliseconds of fn() over `repeats` calls, each timed by CUDA events (after `warmups` untimed calls)."""
     for _ in range(warmups):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median([elapsed_ms(fn) for _ in range(repeats)])
 
 
 def copy_bandwidth() -> float:

@@ -15,22 +15,16 @@ COLUMNS = ("w4a16", "w8a8", "w4a8", "routed_fp8")
 def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dict]:
     """Rows of microseconds per product (and x cuBLAS bf16, TFLOP/s: 2 M N K) for one [N, K] weight."""
     from qerl.formats.fp8 import quantize_fp8
-    from qerl.formats.nvfp4 import quantize_nvfp4
     from qerl.kernels import quantized_linear
     from qerl.kernels.fp8_matmul import fp8_linear, w4a8_linear
     from qerl.kernels.nvfp4_matmul import nvfp4_linear
     from qerl.kernels.route import kernel_policy
 
-    from .graph_timing import calls_per_graph, graph_time, rotated_copies
+    from .graph_timing import calls_per_graph, graph_time
+    from .kernels import free_weights, rotated_weights
 
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = rotated_copies(fp4_bytes, l2_bytes)
-    bf, q, f8 = [], [], []
-    for _ in range(copies):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        bf.append(w)
-        q.append(quantize_nvfp4(w))
-        f8.append(quantize_fp8(w))
+    fp4_bytes, copies, bf, q = rotated_weights(n, k, l2_bytes)
+    f8 = [quantize_fp8(w) for w in bf]
 
     def routed_fp8(i):
         with kernel_policy(compute="fp8"):
@@ -52,9 +46,7 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
                      **{f"x_{a}": t["cublas"] / t[a] for a in COLUMNS},
                      "tflops_cublas": 2 * m * n * k / t["cublas"] / 1e12,
                      "tflops_w4a8": 2 * m * n * k / t["w4a8"] / 1e12})
-    for held in (bf, q, f8):  # the timed lambdas hold these lists: empty them to free the weights
-        held.clear()
-    torch.cuda.empty_cache()
+    free_weights(bf, q, f8)
     return rows
 
 

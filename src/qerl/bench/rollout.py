@@ -17,7 +17,8 @@ from ..data.length_profiles import describe, draw, forced_label, lengths_label, 
 from ..models.shapes import QWEN25, qwen25_config
 from ..models.memory import policy_bytes
 from .graph_timing import copy_bandwidth
-from .options import add_lengths_option, add_policy_option, args_json, free_gpu, parse_policy
+from .step_ceiling import kv_bytes_per_token
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, or_error, parse_policy
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
@@ -65,11 +66,6 @@ def timed(fn) -> float:
 def prompts_tensor(batch: int, length: int, vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(batch)
     return torch.randint(0, vocab - 1000, (batch, length), generator=g)
-
-
-def kv_bytes_per_token(cfg) -> int:
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * hd * 2
 
 
 def bench_hf(model, batch, args) -> dict:
@@ -274,10 +270,7 @@ def parse_args(argv=None):
     args.variants = args.variants.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
-    try:
-        args.schedulers = parse_schedulers(args.schedulers)
-    except ValueError as e:
-        ap.error(str(e))
+    args.schedulers = or_error(ap, parse_schedulers, args.schedulers)
     # --new >= 2: the decode rate is (all - first token) / (new - 1)
     args.profile, args.new, args.budget = resolve_lengths(ap, args.lengths, args.new, "--new", 512, 2)
     if args.profile is not None:

@@ -21,7 +21,7 @@ from ..formats import FORMATS
 from ..rollout.memory import EngineMemoryPolicy
 from ..data.length_profiles import describe, draw, forced_label, lengths_label, resolve_lengths
 from ..models.shapes import MOE_SHAPES, QWEN25
-from .options import add_lengths_option, add_policy_option, args_json, free_gpu, parse_policy
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, or_error, parse_policy
 
 
 def model_config(size: str, layers: int | None = None):
@@ -40,6 +40,7 @@ class StepRunner:
     def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off", compute: str = "bf16"):
         from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
+        from ..rl.packing import token_budget
         from ..rl.runtime import build_runtime
         from ..rl.update import UpdateSettings
 
@@ -58,8 +59,6 @@ class StepRunner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
-        from ..rl.packing import token_budget
-
         tokens = args.max_tokens_per_micro_batch or token_budget(model.config)  # None: qerl train's default
         self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.budget),
                                        micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=tokens,
@@ -205,11 +204,6 @@ def _variant(v: str) -> tuple[str, bool, str, str]:
     return fmt, "aqn" in flags, dense[0] if dense else "off", "fp8" if w4a8 else "bf16"
 
 
-def _median(values):
-    """The median; for an even count the upper of the two middle values (a value that was measured)."""
-    return statistics.median_high(values)
-
-
 def _build(variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
     from ..models.loader import load_policy
@@ -336,12 +330,13 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
             continue
         rows[k].update(profiled[k])
         steps = [t for _, t in samples[k]]
-        rows[k].update({name: _median([s[name] for s in steps]) for name in steps[0]})
+        # medians: for an even count the upper of the two middle values (a value that was measured)
+        rows[k].update({name: statistics.median_high([s[name] for s in steps]) for name in steps[0]})
         rows[k]["steps_timed"] = len(steps)
         rows[k]["step_samples"] = [[o, t["step"]] for o, t in samples[k]]  # (rotation, seconds) in run order
         rows[k]["orders"] = [",".join(cell_label(v, m, args) for v, m in order) for order in orders]
         in_order = [[t["step"] for o2, t in samples[k] if o2 == o] for o in range(len(orders))]
-        rows[k]["step_by_order"] = [_median(s) if s else None for s in in_order]
+        rows[k]["step_by_order"] = [statistics.median_high(s) if s else None for s in in_order]
     if args.check_dist and dist_ctx.world > 1:
         checked = set()
         for v, m in alive:  # one check per variant: the gradient does not depend on the mode
@@ -580,14 +575,8 @@ def parse_args(argv=None):
     for size in args.models:
         model_config(size, 1)
     for v in args.variants:
-        try:
-            _variant(v)
-        except ValueError as e:
-            ap.error(str(e))
-    try:
-        args.modes = parse_modes(args.schedulers, args.packing, args.modes)
-    except ValueError as e:
-        ap.error(str(e))
+        or_error(ap, _variant, v)
+    args.modes = or_error(ap, parse_modes, args.schedulers, args.packing, args.modes)
     args.profile, args.completion, args.budget = resolve_lengths(ap, args.lengths, args.completion, "--completion",
                                                                  2048, 1)
     return ap, args
