@@ -18,10 +18,13 @@ import torch
 
 from ..choices import PACKED_ATTENTION
 from ..formats import FORMATS
+from ..kernels.route import kernel_policy
 from ..rollout.memory import EngineMemoryPolicy
 from ..data.length_profiles import describe, draw, forced_label, lengths_label, resolve_lengths
 from ..models.shapes import MOE_SHAPES, QWEN25
+from .rollout import parse_schedulers, prompts_tensor, random_spec
 from .options import add_lengths_option, add_policy_option, args_json, free_gpu, or_error, parse_policy
+from .update_profile import PhaseBusy, profile_call, profile_table
 
 
 def model_config(size: str, layers: int | None = None):
@@ -91,24 +94,19 @@ class StepRunner:
 
         args, G = self.args, self.args.group
         scheduler, packing = mode
-        vocab = self.model.config.vocab_size
-        ids = torch.randint(0, vocab - 1000, (prompts, args.prompt), generator=torch.Generator().manual_seed(prompts))
-        rows = ids.repeat_interleave(G, 0)
+        rows = prompts_tensor(prompts, args.prompt, self.model.config.vocab_size).repeat_interleave(G, 0)
+        limit = completion if lengths is None else args.budget  # max_new_tokens; a row that reaches it is at budget
         if lengths is not None and len(lengths) != len(rows):
             raise ValueError(f"{len(lengths)} forced lengths for {len(rows)} rows")
 
         def collect() -> Experience:  # the rollout (forced lengths, EOS ignored) with random 0/1 rewards
             aqn = NoisyNorms(self.model, self.sigma, generator=self.generator) if self.sigma > 0 else None
-            sp = SamplingParams(temperature=1.0)
-            if lengths is None:
-                r = self.engine.generate(rows, completion, sp, ignore_eos=True, generator=self.generator, aqn=aqn,
-                                         scheduler=scheduler)
-            else:  # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
-                r = self.engine.generate(rows, args.budget, sp, ignore_eos=True, force_lengths=lengths,
-                                         generator=self.generator, aqn=aqn, scheduler=scheduler)
+            # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
+            r = self.engine.generate(rows, limit, SamplingParams(temperature=1.0), ignore_eos=True,
+                                     force_lengths=lengths, generator=self.generator, aqn=aqn, scheduler=scheduler)
             rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
             got = r.completion_mask.sum(1)
-            at_budget = got >= (completion if lengths is None else args.budget)
+            at_budget = got >= limit
             work = {f"rollout_{k}": float(r.stats[k]) for k in ("decoded_row_steps", "prefill_tokens")}
             return Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
                               r.entropies, rewards, group_advantages(rewards, G), got, at_budget, stats=work)
@@ -116,24 +114,16 @@ class StepRunner:
         times = {}
 
         def profiled(update):
-            from .update_profile import profile_call
-
             stats, times["update_profile"] = profile_call(update, self.model.device)
             return stats
 
-        phases = None
-        if busy:
-            from .update_profile import PhaseBusy
-
-            phases = PhaseBusy(self.model.device)
+        phases = PhaseBusy(self.model.device) if busy else None
         on_gpu = self.model.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         # the static, padded reference frees the engine's memory after every rollout; the other modes follow
         # --release-kv-cache as qerl train follows rollout.release_kv_cache (after a reference cell the graphs are
         # gone anyway)
-        from ..kernels.route import kernel_policy
-
         with contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing):
             step = rl_step(collect, model=self.model, engine=self.engine,
                            memory=self.release_always if mode == OLD_MODE else self.engine_memory,
@@ -207,7 +197,6 @@ def _variant(v: str) -> tuple[str, bool, str, str]:
 def _build(variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
     from ..models.loader import load_policy
-    from .rollout import random_spec
 
     fmt, aqn, dense, compute = _variant(variant)
     cell = dict(model=size, variant=variant, world=dist_ctx.world)
@@ -508,8 +497,6 @@ def ceiling_table(results, device, args) -> str:
 def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) -> list[tuple[str, bool]]:
     """--modes new,old, or the product --schedulers x --packing (defaults continuous, on) -> [(scheduler, packed)].
     Raises ValueError for unknown or repeated values."""
-    from .rollout import parse_schedulers
-
     if modes is not None:
         if schedulers is not None or packing is not None:
             raise ValueError("--modes replaces --schedulers and --packing; give one or the other")
@@ -583,7 +570,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from ..kernels.route import kernel_policy
     from ..rl.distributed import barrier, init_distributed
 
     ap, args = parse_args(argv)
@@ -604,8 +590,6 @@ def main(argv=None) -> int:
         if bound:
             print("\n" + bound)
         if args.profile_update:
-            from .update_profile import profile_table
-
             print("\nthe policy update under the profiler (one untimed step per cell; the first repetition's "
                   "lengths):\n" + profile_table(results))
     if dist_ctx.enabled:
