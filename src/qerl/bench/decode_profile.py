@@ -11,7 +11,9 @@ import re
 
 import torch
 
-from .graph_timing import event_ms
+from .graph_timing import copy_bandwidth, event_ms
+from .options import free_gpu
+from .rollout import build_model, prompts_tensor
 from .update_profile import union_ms
 
 # first match wins; kernel names as CUPTI reports them
@@ -141,7 +143,6 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
     performs `steps` decode steps (the engine's step at a fixed attended length) each followed by the
     engine's sampler (one launch, `triton.sampling`, where it applies; else `next_token`), without a sync."""
     from ..rollout.sampling import SamplingParams, fused_sampling_applies, next_token
-    from .rollout import prompts_tensor
 
     ids = prompts_tensor(batch, prompt, engine.model.config.vocab_size)
     engine.warmup(batch, prompt + steps + 1)
@@ -291,9 +292,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from ..rollout.engine import RolloutEngine
-    from .graph_timing import copy_bandwidth
-    from .options import free_gpu
-    from .rollout import build_model
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")

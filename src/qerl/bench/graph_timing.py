@@ -9,17 +9,6 @@ import torch
 from ..kernels.workspace import capture_graph
 
 
-def capture_calls(fn, calls: int):
-    """A CUDA graph of `calls` invocations fn(0), ..., fn(calls - 1), replayed once (warm)."""
-    def all_calls():
-        for i in range(calls):
-            fn(i)
-
-    g, _ = capture_graph(all_calls, warmups=1)  # warm-up: compile, autotune caches, cuBLAS handles
-    g.replay()
-    return g
-
-
 def elapsed_ms(fn) -> float:
     """Milliseconds of one fn() on the current stream, timed by CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -28,11 +17,6 @@ def elapsed_ms(fn) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
-
-
-def replay_seconds(g, calls: int) -> float:
-    """One timed replay of `capture_calls`'s graph: seconds per call."""
-    return elapsed_ms(g.replay) / 1e3 / calls
 
 
 def rotated_copies(weight_bytes: int, l2_bytes: int) -> int:
@@ -47,9 +31,15 @@ def calls_per_graph(weight_bytes: int, copies: int) -> int:
 
 
 def graph_time(fn, calls: int, replays: int) -> float:
-    """Median seconds per call: capture `calls` invocations of fn(i) in a CUDA graph, time each replay."""
-    g = capture_calls(fn, calls)
-    return statistics.median(replay_seconds(g, calls) for _ in range(replays))
+    """Median seconds per call: fn(0), ..., fn(calls - 1) captured in one CUDA graph (after a warm-up: compile,
+    autotune caches, cuBLAS handles) and replayed once, then each of `replays` replays timed."""
+    def all_calls():
+        for i in range(calls):
+            fn(i)
+
+    g, _ = capture_graph(all_calls, warmups=1)
+    g.replay()
+    return statistics.median(elapsed_ms(g.replay) / 1e3 / calls for _ in range(replays))
 
 
 def event_ms(fn, repeats: int, warmups: int = 1) -> float:

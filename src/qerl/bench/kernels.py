@@ -3,9 +3,11 @@ replays cycling weight copies that exceed twice the L2 cache; the columns: docs/
 rollout | step")."""
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +62,6 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
 
 def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: int) -> list[tuple[float, object]]:
     """Time the fused kernel with each TileConfig (split 0 = the automatic split); (us, config), fastest first."""
-    import dataclasses
-
     from qerl.kernels.triton import fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -278,8 +278,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench kernels needs a CUDA GPU")
-    import sys
-
     import triton
 
     props = torch.cuda.get_device_properties(0)

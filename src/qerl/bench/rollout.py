@@ -132,14 +132,6 @@ def bench_profile(engine, batch, args, schedulers) -> dict[str, dict]:
             for s, rs in runs.items()}
 
 
-def _engine_rows(engine, batch, args) -> list[dict]:
-    """The rows of one engine cell: one per scheduler (forced lengths: one after the other; --lengths:
-    alternating on the same draws)."""
-    if args.profile is not None:
-        return [dict(r, scheduler=s) for s, r in bench_profile(engine, batch, args, args.schedulers).items()]
-    return [dict(bench_engine(engine, batch, args, s), scheduler=s) for s in args.schedulers]
-
-
 def run_size(size, args, copy_bw, results):
     from ..rollout.engine import RolloutEngine
 
@@ -157,9 +149,14 @@ def run_size(size, args, copy_bw, results):
                                                            fused_sampling=not args.eager_sampling,
                                                            dense_weights=dense)
         for batch in (args.hf_batches if variant == "hf" else args.batches):
-            try:
-                rows = [dict(bench_hf(model, batch, args), scheduler="-")] if variant == "hf" else \
-                    _engine_rows(engine, batch, args)
+            try:  # an engine cell: one row per scheduler
+                if variant == "hf":
+                    rows = [dict(bench_hf(model, batch, args), scheduler="-")]
+                elif args.profile is not None:  # the schedulers alternate on the same draws
+                    by_scheduler = bench_profile(engine, batch, args, args.schedulers)
+                    rows = [dict(r, scheduler=s) for s, r in by_scheduler.items()]
+                else:  # one scheduler after the other
+                    rows = [dict(bench_engine(engine, batch, args, s), scheduler=s) for s in args.schedulers]
             except torch.OutOfMemoryError:
                 rows = [dict(error="out of memory", scheduler=",".join(args.schedulers))]
                 torch.cuda.empty_cache()

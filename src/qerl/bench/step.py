@@ -22,6 +22,7 @@ from ..kernels.route import kernel_policy
 from ..rollout.memory import EngineMemoryPolicy
 from ..data.length_profiles import describe, draw, forced_label, lengths_label, resolve_lengths
 from ..models.shapes import MOE_SHAPES, QWEN25
+from ..nn.quant_experts import QuantExperts
 from .rollout import parse_schedulers, prompts_tensor, random_spec
 from .options import add_lengths_option, add_policy_option, args_json, free_gpu, or_error, parse_policy
 from .update_profile import PhaseBusy, profile_call, profile_table
@@ -203,12 +204,9 @@ def _build(variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "Step
     try:
         t = time.perf_counter()
         model, _ = load_policy(random_spec(size, fmt, args.lora_r, device, args.layers))
-        if args.moe_reference:
-            from ..nn.quant_experts import QuantExperts
-
-            for m in model.modules():
-                if isinstance(m, QuantExperts):
-                    m.grouped_kernel = False
+        for m in model.modules() if args.moe_reference else ():
+            if isinstance(m, QuantExperts):
+                m.grouped_kernel = False
         cell["build_s"] = time.perf_counter() - t
         cell["weights_gb"] = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()]) / 1e9
         return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0, dense_weights=dense,
