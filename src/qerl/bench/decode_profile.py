@@ -12,7 +12,7 @@ import re
 import torch
 
 from .graph_timing import copy_bandwidth, event_ms
-from .options import free_gpu
+from .options import free_gpu, md_header
 from .rollout import build_model, prompts_tensor
 from .update_profile import union_ms
 
@@ -255,8 +255,7 @@ def profile_cell(engine, rows: int, prompt: int, steps: int, copy_bw: float) -> 
 
 def format_cell(title: str, cell: dict, copy_bw: float) -> str:
     lines = [f"\n## {title}",
-             "| role | calls/step | us/step | MB/step | GB/s | % own floor | kernels |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             md_header("role | calls/step | us/step | MB/step | GB/s | % own floor | kernels", "lrrrrrl")]
     for r in cell["roles"]:
         mb = f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "-"
         rate = f"{r['gb_s']:.0f}" if "gb_s" in r else "-"

@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .options import md_header
 from .graph_timing import calls_per_graph, copy_bandwidth, graph_time as _graph_time, rotated_copies
 from ..models.shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
@@ -210,11 +211,9 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
 def _swap_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`", "",
-             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap mma.sync us (if not the "
-             "default) | swap us | swap best us "
-             "(BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS swap | x cuBLAS swap best | swap TB/s "
-             "| cuBLAS TB/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap mma.sync us (if "
+                       "not the default) | swap us | swap best us (BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS "
+                       "swap | x cuBLAS swap best | swap TB/s | cuBLAS TB/s", "ll" + "r" * 12)]
     for r in rows:
         gemv = f"{r['t_gemv_us']:.1f}" if "t_gemv_us" in r else ""
         mma = f"{r['t_swap_mma_sync_us']:.1f}" if "t_swap_mma_sync_us" in r else ""
@@ -228,9 +227,9 @@ def _swap_markdown(rows: list[dict], meta: dict) -> str:
 def _decode_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`", "",
-             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | gemv best us (cfg) | "
-             "x cuBLAS fused | x cuBLAS gemv | x cuBLAS gemv best | gemv best TB/s | cuBLAS TB/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | gemv best us (cfg) | "
+                       "x cuBLAS fused | x cuBLAS gemv | x cuBLAS gemv best | gemv best TB/s | cuBLAS TB/s",
+                       "ll" + "r" * 10)]
     for r in rows:
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['t_cublas_us']:.1f} | "
                      f"{r['t_fused_us']:.1f} | {r['t_gemv_us']:.1f} | {r['t_gemv_best_us']:.1f} {r['best_cfg']} | "
@@ -243,9 +242,9 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     copy = meta["copy_bw"]
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"copy bandwidth {copy / 1e12:.2f} TB/s; command `{meta['command']}`", "",
-             "| model | layer | kind | M | cuBLAS bf16 us | deq+cuBLAS us | fused us | routed us | routed x cuBLAS | "
-             "routed x deq | fused x cuBLAS | fused x deq | fused TB/s (% copy) | cuBLAS TB/s | fused TFLOP/s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer | kind | M | cuBLAS bf16 us | deq+cuBLAS us | fused us | routed us | routed x "
+                       "cuBLAS | routed x deq | fused x cuBLAS | fused x deq | fused TB/s (% copy) | cuBLAS TB/s | "
+                       "fused TFLOP/s", "lll" + "r" * 12)]
     for r in rows:
         routed = (f"{r['t_routed_us']:.1f} | {r['routed_vs_cublas']:.2f} | {r['routed_vs_deq']:.2f}"
                   if "t_routed_us" in r else " | | ")

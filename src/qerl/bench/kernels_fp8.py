@@ -8,6 +8,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from .options import md_header
+
 FP8_M_VALUES = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 COLUMNS = ("w4a16", "w8a8", "w4a8", "routed_fp8")
 
@@ -53,8 +55,8 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
 def fp8_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`. Microseconds per product; xN = cuBLAS bf16 time / this time.", "",
-             "| model | layer | M | cuBLAS bf16 | W4A16 | W8A8 | W4A8 | routed fp8 | TFLOP/s bf16 / W4A8 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer | M | cuBLAS bf16 | W4A16 | W8A8 | W4A8 | routed fp8 | TFLOP/s bf16 / W4A8",
+                       "ll" + "r" * 7)]
     for r in rows:
         cells = " | ".join(f"{r[f't_{a}_us']:.1f} (x{r[f'x_{a}']:.2f})" for a in COLUMNS)
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['t_cublas_us']:.1f} | {cells} | "
@@ -64,7 +66,7 @@ def fp8_markdown(rows: list[dict], meta: dict) -> str:
 
 def fp8_summary(rows: list[dict]) -> str:
     """Median speedups over cuBLAS bf16 per M across the shapes: the table a routing threshold is read from."""
-    out = ["| M | W4A16 | W8A8 | W4A8 | routed fp8 |", "|---:|---:|---:|---:|---:|"]
+    out = [md_header("M | W4A16 | W8A8 | W4A8 | routed fp8", "rrrrr")]
     for m in sorted({r["M"] for r in rows}):
         sel = [r for r in rows if r["M"] == m]
         out.append(f"| {m} | " + " | ".join(f"{statistics.median(r[f'x_{a}'] for r in sel):.2f}" for a in COLUMNS)

@@ -18,7 +18,7 @@ from ..models.shapes import QWEN25, qwen25_config
 from ..models.memory import policy_bytes
 from .graph_timing import copy_bandwidth
 from .step_ceiling import kv_bytes_per_token
-from .options import add_lengths_option, add_policy_option, args_json, free_gpu, or_error, parse_policy
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, md_header, or_error, parse_policy
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
@@ -185,9 +185,8 @@ def profile_table(results, device, args) -> str:
              f"draw(s) per cell (seed {args.seed} + repeat), medians",
              f"lengths: {describe(args.profile)}; rows forced to drawn lengths, max_new_tokens "
              f"{args.profile.max_new_tokens}; source: {args.profile.source}",
-             "| model | variant | scheduler | batch (prompts x G) | rollout s | kept tok/s | tok/s | row-steps / kept "
-             "| vs static | peak GB | policy GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             md_header("model | variant | scheduler | batch (prompts x G) | rollout s | kept tok/s | tok/s | row-steps "
+                       "/ kept | vs static | peak GB | policy GB")]
     for r in results:
         head = (f"| {r['model']} | {_variant_name(r)} | {r['scheduler']} | {r['batch']} "
                 f"({r['batch'] // args.group} x {args.group}) |")
@@ -208,9 +207,8 @@ def table(results, device, copy_bw, new: int | None = None) -> str:
     """The forced-lengths table (every row exactly `new` tokens)."""
     lines = [f"device: {device}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; {datetime.date.today()}"
              + (f"; lengths: {forced_label(new)}" if new else ""),
-             "| model | variant | scheduler | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % floor "
-             "| peak GB | policy GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             md_header("model | variant | scheduler | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % "
+                       "floor | peak GB | policy GB")]
     for r in results:
         sched = r.get("scheduler", "-")
         if "error" in r:

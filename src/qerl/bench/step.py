@@ -24,7 +24,7 @@ from ..data.length_profiles import describe, draw, forced_label, lengths_label, 
 from ..models.shapes import MOE_SHAPES, QWEN25
 from ..nn.quant_experts import QuantExperts
 from .rollout import parse_schedulers, prompts_tensor, random_spec
-from .options import add_lengths_option, add_policy_option, args_json, free_gpu, or_error, parse_policy
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, md_header, or_error, parse_policy
 from .update_profile import PhaseBusy, profile_call, profile_table
 
 
@@ -419,19 +419,17 @@ def lengths_line(args) -> str:
 
 def table(results, device, args) -> str:
     orders = next((r["orders"] for r in results if "orders" in r and len(r["orders"]) > 1), None)
+    tokens = args.max_tokens_per_micro_batch or "by model size (token_budget)"
     lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, LoRA r {args.lora_r}, "
-             f"micro-batch {args.micro_batch} rows (padded) / "
-             f"{args.max_tokens_per_micro_batch or 'by model size (token_budget)'} tokens (packed), "
-             f"KL beta {args.kl_beta}, gradient checkpointing {args.gradient_checkpointing}, "
-             f"GPUs {results[0]['world'] if results else 1}, order {args.order}, "
-             f"{args.steps} step(s) per rotation"
+             f"micro-batch {args.micro_batch} rows (padded) / {tokens} tokens (packed), KL beta {args.kl_beta}, "
+             f"gradient checkpointing {args.gradient_checkpointing}, GPUs {results[0]['world'] if results else 1}, "
+             f"order {args.order}, {args.steps} step(s) per rotation"
              + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
              lengths_line(args),
-             "| model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s "
-             "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept | recomputed layers "
-             "| loss tokens computed / needed | peak GB | weights GB | update TFLOP | update TFLOP/s "
-             "| GPU busy rollout / ref / loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             md_header("model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s "
+                       "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept | recomputed "
+                       "layers | loss tokens computed / needed | peak GB | weights GB | update TFLOP | update TFLOP/s "
+                       "| GPU busy rollout / ref / loss")]
     for r in results:
         head = f"| {r['model']} | {r['variant']} | {r.get('mode', '-')} | {r.get('prompts', '-')} x {args.group} |"
         if "error" in r:

@@ -9,6 +9,7 @@ import argparse
 import json
 
 from ..models.shapes import qwen25_config
+from .options import md_header
 
 BF16_BYTES = 2
 
@@ -65,10 +66,9 @@ def cells(report: dict) -> list[dict]:
 
 
 def table(reports: list[tuple[str, dict]]) -> str:
-    lines = ["| run | model | prompts x G | completion | bf16 step s | bf16 rollout s | bf16 rest s | KV GB/step "
-             "| bytes bf16 / NVFP4 | ceiling step s | **ceiling** | no-rollout ceiling | **measured** "
-             "| NVFP4 rollout / rest s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [md_header("run | model | prompts x G | completion | bf16 step s | bf16 rollout s | bf16 rest s | KV "
+                       "GB/step | bytes bf16 / NVFP4 | ceiling step s | **ceiling** | no-rollout ceiling | "
+                       "**measured** | NVFP4 rollout / rest s", "lll" + "r" * 10 + "l")]
     for name, report in reports:
         g = report["args"]["group"]
         for c in cells(report):

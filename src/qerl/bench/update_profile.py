@@ -11,6 +11,8 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from .options import md_header
+
 NAME_CHARS = 90  # kernel names carry whole template signatures; the start says which kernel it is
 
 
@@ -104,7 +106,7 @@ def profile_table(rows: list[dict]) -> str:
         head = (f"{r.get('model', '')} {r.get('variant', '')} {r.get('mode', '')}: update wall {p['wall_ms']:.0f} ms, "
                 f"device busy {p['busy_ms']:.0f} ms ({p['busy_ms'] / max(p['wall_ms'], 1e-9):.0%}), kernels "
                 f"{p['kernel_ms']:.0f} ms in {p['kernels']} launches")
-        lines = [head, "| kernel | ms | calls |", "|---|---:|---:|"]
+        lines = [head, md_header("kernel | ms | calls", "lrr")]
         lines += [f"| `{name}` | {ms:.1f} | {n} |" for name, ms, n in p["top"]]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
