@@ -178,12 +178,8 @@ def kernel_events(run, steps: int) -> list[tuple[str, float, float]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    ev = []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        dur = e.device_time if hasattr(e, "device_time") else e.cuda_time
-        ev.append((e.name, float(e.time_range.start), float(dur)))
+    ev = [(e.name, float(e.time_range.start), float(e.device_time if hasattr(e, "device_time") else e.cuda_time))
+          for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(ev, key=lambda x: x[1])
 
 
@@ -247,9 +243,8 @@ def profile_cell(engine, rows: int, prompt: int, steps: int, copy_bw: float) -> 
                                                         prompt + 1, copy_bw)
     engine.pdl = pdl_default
     engine.decode_graphs.reset()
-    floor_bytes = sum(r.get("bytes", 0) for r in cell["roles"])
-    cell["floor_bytes"] = floor_bytes
-    cell["floor_us"] = 1e6 * floor_bytes / copy_bw
+    cell["floor_bytes"] = sum(r.get("bytes", 0) for r in cell["roles"])
+    cell["floor_us"] = 1e6 * cell["floor_bytes"] / copy_bw
     return cell
 
 

@@ -17,7 +17,7 @@ from ..data.length_profiles import describe, draw, forced_label, lengths_label, 
 from ..models.shapes import QWEN25, qwen25_config
 from ..models.memory import policy_bytes
 from .graph_timing import copy_bandwidth
-from .step_ceiling import kv_bytes_per_token
+from .step_ceiling import kv_cache_bytes
 from .options import add_lengths_option, add_policy_option, args_json, free_gpu, md_header, or_error, parse_policy
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
@@ -39,9 +39,8 @@ def random_spec(size: str, fmt: str, lora_r: int | None, device, layers: int | N
 
 def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int, embeddings: bool = False):
     """Random bf16 model on the GPU, frozen, through the loader (`random_spec`); fmt None = plain HF modules (the
-    16-bit base as nn.Linear, no LoRA), else qerl QuantLinear(fmt) + LoRA.
-
-    embeddings: also store the input embedding in fmt (`QuantEmbedding`; 4-bit formats only)."""
+    16-bit base as nn.Linear, no LoRA), else qerl QuantLinear(fmt) + LoRA; embeddings: also store the input
+    embedding in fmt (`QuantEmbedding`; 4-bit formats only)."""
     from ..models.convert import dequantize_model
     from ..models.loader import load_policy
 
@@ -136,7 +135,6 @@ def run_size(size, args, copy_bw, results):
     from ..rollout.engine import RolloutEngine
 
     cfg = qwen25_config(size, args.layers)
-    kvb = kv_bytes_per_token(cfg)
     for variant in args.variants:
         fmt = None if variant in ("hf", "bf16") else variant.split("+")[0]
         embeddings = args.quantize_embeddings and fmt not in (None, "bf16")
@@ -162,8 +160,7 @@ def run_size(size, args, copy_bw, results):
                 torch.cuda.empty_cache()
             for r in rows:
                 if "step_ms" in r:
-                    avg_ctx = args.prompt + args.new / 2
-                    floor_s = (read_bytes + batch * avg_ctx * kvb) / copy_bw
+                    floor_s = (read_bytes + kv_cache_bytes(cfg, batch, args.prompt, args.new)) / copy_bw  # weights + KV
                     r.update(weight_gb_s=read_bytes / (r["step_ms"] / 1e3) / 1e9,
                              floor_frac=floor_s / (r["step_ms"] / 1e3))
                 r.update(model=size, variant=variant, batch=batch, policy_gb=total_bytes / 1e9,

@@ -324,13 +324,12 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
         rows[k]["orders"] = [",".join(cell_label(v, m, args) for v, m in order) for order in orders]
         in_order = [[t["step"] for o2, t in samples[k] if o2 == o] for o in range(len(orders))]
         rows[k]["step_by_order"] = [statistics.median_high(s) if s else None for s in in_order]
-    if args.check_dist and dist_ctx.world > 1:
-        checked = set()
-        for v, m in alive:  # one check per variant: the gradient does not depend on the mode
-            if "error" not in rows[(v, m)] and v not in checked:
-                checked.add(v)
-                rows[(v, m)]["dist_grad_rel_err"], rows[(v, m)]["dist_grad_noise_floor"] = check_distributed(
-                    runners[v], prompts)
+    firsts = {}  # one check per variant, on its first cell that ran: the gradient does not depend on the mode
+    for v, m in alive if args.check_dist and dist_ctx.world > 1 else ():
+        if "error" not in rows[(v, m)]:
+            firsts.setdefault(v, (v, m))
+    for v, k in firsts.items():
+        rows[k]["dist_grad_rel_err"], rows[k]["dist_grad_noise_floor"] = check_distributed(runners[v], prompts)
     return list(rows.values())
 
 
@@ -387,26 +386,20 @@ def _speedup(base: dict | None, r: dict) -> str:
 
 def _flops_cells(r: dict) -> str:
     """The update TFLOP and update TFLOP/s cells of a timed row ("- | -" for a model qerl.rl.flops does not count)."""
-    if r.get("update_flops") is None:
-        return "- | -"
-    return f"{r['update_flops'] / 1e12:.1f} | {r['update_tflops']:.0f}"
+    return "- | -" if r.get("update_flops") is None else f"{r['update_flops'] / 1e12:.1f} | {r['update_tflops']:.0f}"
 
 
 def _recomputed_cell(r: dict) -> str:
-    """'recomputed of layers', or '-' for a row without the count (results written before it existed, a model
-    without checkpointable layers)."""
-    if r.get("recomputed_layers", -1) < 0:  # absent, or a model without checkpointable layers
+    """'recomputed of layers', or '-' for a row without the count (absent, or a model without checkpointable layers)."""
+    if r.get("recomputed_layers", -1) < 0:
         return "-"
     return f"{r['recomputed_layers']:.0f} of {r['checkpointable_layers']:.0f}"
 
 
 def _busy_cell(r: dict) -> str:
     """The GPU-busy shares of the rollout, reference and loss + backward phases ("-" where not measured)."""
-    busy = r.get("busy")
-    if not busy:
-        return "-"
-    phases = ("rollout", "reference", "loss_backward")
-    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in phases)
+    busy, phases = r.get("busy"), ("rollout", "reference", "loss_backward")
+    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in phases) if busy else "-"
 
 
 def lengths_line(args) -> str:

@@ -14,16 +14,12 @@ from .options import md_header
 BF16_BYTES = 2
 
 
-def kv_bytes_per_token(config) -> int:
-    """Bytes of K and V (bf16) one cached position holds, over every layer."""
-    head_dim = config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * BF16_BYTES
-
-
 def kv_cache_bytes(config, sequences: int, prompt: int, completion: int) -> float:
     """Bytes of K and V (bf16) one decode step reads, averaged over the completion: every sequence attends to
     prompt + completion / 2 positions on average, through every layer's K and V."""
-    return sequences * (prompt + completion / 2) * kv_bytes_per_token(config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * BF16_BYTES
+    return sequences * (prompt + completion / 2) * per_position
 
 
 def decode_bytes(config, weights_gb: float) -> float:
