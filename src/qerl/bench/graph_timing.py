@@ -1,5 +1,6 @@
-"""Time a GPU function the way the kernel benchmarks do (many calls captured in one CUDA graph, replays timed), and
-the device-copy bandwidth every benchmark's floor divides by."""
+"""Time a GPU function the way the kernel benchmarks do (many calls captured in one CUDA graph, replays timed, over
+weight copies rotated through more than the L2 cache), and the device-copy bandwidth every benchmark's floor
+divides by."""
 
 import statistics
 import time
@@ -28,6 +29,24 @@ def rotated_copies(weight_bytes: int, l2_bytes: int) -> int:
 def calls_per_graph(weight_bytes: int, copies: int) -> int:
     """Calls one captured graph makes: every weight copy at least once, and about 2 ms of work at 3 TB/s."""
     return copies * max(1, min(8, int(2e-3 * 3e12 // (weight_bytes * copies))))
+
+
+def rotated_weights(n: int, k: int, l2_bytes: int):
+    """(FP4 bytes of one weight, copies, bf16 weights, NVFP4 weights): enough random [N, K] copies (never zeros)
+    to exceed 2x L2."""
+    from qerl.formats.nvfp4 import quantize_nvfp4
+
+    fp4_bytes = n * k // 2 + n * k // 16
+    copies = rotated_copies(fp4_bytes, l2_bytes)
+    bf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    return fp4_bytes, copies, bf, [quantize_nvfp4(w) for w in bf]
+
+
+def free_weights(*held: list) -> None:
+    """Empty the lists of weights the timed lambdas hold, so the weights are freed."""
+    for h in held:
+        h.clear()
+    torch.cuda.empty_cache()
 
 
 def graph_time(fn, calls: int, replays: int) -> float:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .options import md_header
-from .graph_timing import calls_per_graph, copy_bandwidth, graph_time as _graph_time, rotated_copies
+from .graph_timing import calls_per_graph, copy_bandwidth, free_weights, graph_time as _graph_time, rotated_weights
 from ..models.shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
 # Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
@@ -95,17 +95,6 @@ def gemv_candidates():
     return [G(256, 4, 4), G(512, 4, 4), G(256, 4, 8), G(512, 4, 8), G(256, 4, 4, waves=8), G(128, 4, 2)]
 
 
-def rotated_weights(n: int, k: int, l2_bytes: int):
-    """(FP4 bytes of one weight, copies, bf16 weights, NVFP4 weights): enough random [N, K] copies (never zeros)
-    to exceed 2x L2."""
-    from qerl.formats.nvfp4 import quantize_nvfp4
-
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = rotated_copies(fp4_bytes, l2_bytes)
-    bf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    return fp4_bytes, copies, bf, [quantize_nvfp4(w) for w in bf]
-
-
 def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int, replays: int):
     """Two activations [m, k] to alternate, and time(fn) -> median seconds per call of fn(i) over graphs of
     calls that read every weight copy and make >= ~2 ms of work."""
@@ -125,13 +114,6 @@ def _fastest(best: tuple, candidates, seconds, label=str) -> tuple:
         if t < best[0]:
             best = (t, c)
     return best
-
-
-def free_weights(*held: list) -> None:
-    """Empty the lists of weights the timed lambdas hold, so the weights are freed."""
-    for h in held:
-        h.clear()
-    torch.cuda.empty_cache()
 
 
 def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:

@@ -22,8 +22,7 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
     from qerl.kernels.nvfp4_matmul import nvfp4_linear
     from qerl.kernels.route import kernel_policy
 
-    from .graph_timing import calls_per_graph, graph_time
-    from .kernels import free_weights, rotated_weights
+    from .graph_timing import calls_per_graph, free_weights, graph_time, rotated_weights
 
     fp4_bytes, copies, bf, q = rotated_weights(n, k, l2_bytes)
     f8 = [quantize_fp8(w) for w in bf]
