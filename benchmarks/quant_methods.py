@@ -43,6 +43,7 @@ def parse_row(row: str) -> tuple[str, str, str | None, list[str]]:
 
 def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.Module, float, dict]:
     """A fresh copy of `base` quantized as `row`; (model, seconds, info)."""
+    from qerl.formats import get_format
     from qerl.models.calibration import calibrated_quantize, calibration_ids
     from qerl.models.convert import quantize_model
     from qerl.models.precision import resolve_keep_bf16
@@ -65,7 +66,7 @@ def quantize_row(base, tok, row: str, cal_cfg: dict, device) -> tuple[torch.nn.M
     if "~" in method:  # nvfp4-4over6~4over6: the scale search with another candidate set (nvfp4_scales)
         method, _, search = method.partition("~")
         linears = find_targets(model, DEFAULT_TARGETS)
-        quantize_model(model, fmt, quantizer=method_quantizer(model, linears, fmt, method, search=search))
+        quantize_model(model, fmt, quantizer=method_quantizer(model, linears, get_format(fmt), method, search=search))
     elif method in CALIBRATED:
         ids = calibration_ids(source or cal_cfg["source"], tok, cal_cfg["samples"], cal_cfg["max_tokens"], model=base)
         info["calibration_s"] = time.perf_counter() - t0

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tiny import tiny_model, tiny_tokenizer
 
-from qerl.formats import get_format
+from qerl.formats import FORMATS, get_format
 from qerl.models import Quantization, load_causal_lm, memory_report, quant_layers, quantize_model, save_quantized
 from qerl.models.checkpoint import KEEP_KEY
 from qerl.models.targets import find_targets
@@ -118,14 +118,15 @@ def test_memory_cost_matches_what_the_model_holds():
     kept = _names(0, "down") | _names(1, "q", "k", "v")
     # down [64, 128]: 16384 bytes in bf16, 64*128*4.5/8 + 4 in NVFP4; q [64, 64], k / v [32, 64] likewise
     want = sum(2 * n * k - (n * k * 9 // 16 + 4) for n, k in [(64, 128), (64, 64), (32, 64), (32, 64)])
-    assert keep_bf16_extra_bytes(tiny_model("llama"), kept, "nvfp4") == want
-    line = describe_keep_bf16(tiny_model("llama"), kept, "nvfp4")
+    assert keep_bf16_extra_bytes(tiny_model("llama"), kept, FORMATS["nvfp4"]) == want
+    line = describe_keep_bf16(tiny_model("llama"), kept, FORMATS["nvfp4"])
     assert line == f"keep_bf16: 4 linears, +{want / 2**20:.1f} MiB over nvfp4"
-    assert describe_keep_bf16(tiny_model("llama"), _names(0, "q"), "mxfp4").startswith("keep_bf16: 1 linear, +")
+    one = describe_keep_bf16(tiny_model("llama"), _names(0, "q"), FORMATS["mxfp4"])
+    assert one.startswith("keep_bf16: 1 linear, +")
 
     full = memory_report(quantize_model(tiny_model("llama", dtype=torch.bfloat16), "nvfp4"))
     model = quantize_model(tiny_model("llama", dtype=torch.bfloat16), "nvfp4", keep_bf16=sorted(kept))
-    assert keep_bf16_extra_bytes(model, kept, "nvfp4") == want  # QuantLinear works too
+    assert keep_bf16_extra_bytes(model, kept, FORMATS["nvfp4"]) == want  # QuantLinear works too
     report = memory_report(model)
     assert report["total_bytes"] - full["total_bytes"] == want
     assert report["kept_bf16_bytes"] == 2 * (64 * 128 + 64 * 64 + 2 * 32 * 64)

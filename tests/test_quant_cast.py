@@ -49,7 +49,7 @@ def test_quant_embedding_keeps_its_storage(fmt):
     emb = torch.nn.Embedding(16, 64)
     with torch.no_grad():
         emb.weight.mul_(1e-4)
-    q = QuantEmbedding.from_embedding(emb, fmt)
+    q = QuantEmbedding.from_embedding(emb, get_format(fmt))
     before = _snapshot(q)
     q.half()
     _assert_same(q, before)

@@ -47,7 +47,7 @@ def _embedding(table: torch.Tensor) -> torch.nn.Embedding:
 @pytest.mark.parametrize("vocab", [1, 7, 157, 1001])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_lookup_equals_embedding_of_the_dequantized_table(fmt, vocab, dtype):
-    q = QuantEmbedding.from_embedding(_embedding(_table(vocab, 128, dtype, seed=vocab)), fmt)
+    q = QuantEmbedding.from_embedding(_embedding(_table(vocab, 128, dtype, seed=vocab)), get_format(fmt))
     assert not list(q.parameters()) and all(not t.requires_grad for t in q.buffers())
     dense = q.dequantized_weight()
     assert dense.dtype == dtype and dense.shape == (vocab, 128)
@@ -67,7 +67,7 @@ def test_lookup_equals_embedding_of_the_dequantized_table(fmt, vocab, dtype):
 def test_forward_dequantizes_only_the_looked_up_rows(fmt, monkeypatch):
     import qerl.nn.quant_embedding as qe
 
-    q = QuantEmbedding.from_embedding(_embedding(_table(1001, 128)), fmt)
+    q = QuantEmbedding.from_embedding(_embedding(_table(1001, 128)), get_format(fmt))
     spec, seen = get_format(fmt), []
 
     class Spy:
@@ -82,9 +82,9 @@ def test_forward_dequantizes_only_the_looked_up_rows(fmt, monkeypatch):
 
 def test_shape_and_format_are_checked():
     with pytest.raises(ValueError, match="block size 64"):
-        QuantEmbedding.from_embedding(torch.nn.Embedding(10, 96), "nf4")  # 96 % 64: an NF4 block spans rows
+        QuantEmbedding.from_embedding(torch.nn.Embedding(10, 96), get_format("nf4"))  # 96 % 64: an NF4 block spans rows
     with pytest.raises(ValueError, match="4-bit format"):
-        QuantEmbedding.from_embedding(torch.nn.Embedding(10, 64), "bf16")
+        QuantEmbedding.from_embedding(torch.nn.Embedding(10, 64), get_format("bf16"))
     with pytest.raises(ValueError, match="4-bit format"):
         quantize_model(tiny_model("llama"), "bf16", embeddings=True)
 
@@ -111,7 +111,7 @@ def test_tied_model_is_refused_and_left_unchanged():
         quantize_model(model, "nvfp4", embeddings=True)
     assert not quant_layers(model) and isinstance(model.get_input_embeddings(), torch.nn.Embedding)
     with pytest.raises(ValueError, match="tied to lm_head"):
-        quantize_input_embeddings(model, "nvfp4")
+        quantize_input_embeddings(model, get_format("nvfp4"))
 
 
 def test_lora_gradients_still_flow():
@@ -152,8 +152,8 @@ def test_requantizing_the_dequantized_bf16_table_is_exact():
     scales and dequantized values (NVFP4 / MXFP4: a -0 code comes back as +0, same value)."""
     table = _table(4096, 256)
     for fmt in FORMATS:
-        q = QuantEmbedding.from_embedding(_embedding(table), fmt)
-        again = QuantEmbedding.from_embedding(_embedding(q.dequantized_weight()), fmt)
+        q = QuantEmbedding.from_embedding(_embedding(table), get_format(fmt))
+        again = QuantEmbedding.from_embedding(_embedding(q.dequantized_weight()), get_format(fmt))
         for name, t in q.quantized_tensors().items():
             if name != "weight_packed":
                 assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
@@ -175,8 +175,8 @@ def test_requantizing_nvfp4_blocks_with_a_subnormal_scale_can_move_them():
     g = torch.Generator().manual_seed(0)
     blocks = torch.exp(torch.empty(4096, 16, 1).uniform_(-16, 0, generator=g))
     table = (torch.randn(4096, 16, 16, generator=g) * blocks).reshape(4096, 256).bfloat16()
-    q = QuantEmbedding.from_embedding(_embedding(table), "nvfp4")
-    again = QuantEmbedding.from_embedding(_embedding(q.dequantized_weight()), "nvfp4")
+    q = QuantEmbedding.from_embedding(_embedding(table), get_format("nvfp4"))
+    again = QuantEmbedding.from_embedding(_embedding(q.dequantized_weight()), get_format("nvfp4"))
     moved = q.weight_scale.float() != again.weight_scale.float()
     assert moved.any() and (q.weight_scale.float()[moved] <= 2 ** -8).all()
     amax = q.dequantized_weight().abs().max()
@@ -204,7 +204,7 @@ def test_saved_directory_is_standard_and_reloads_to_the_same_lookups(tmp_path, f
     assert isinstance(loaded.get_input_embeddings(), torch.nn.Embedding)  # dense as stored
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=IDS).logits, model(input_ids=IDS).logits)
-    again = quantize_input_embeddings(loaded, loaded.config.qerl_weight_format)
+    again = quantize_input_embeddings(loaded, get_format(loaded.config.qerl_weight_format))
     ids = torch.arange(160)
     assert torch.equal(again(ids), emb(ids))
     with torch.no_grad():
@@ -241,7 +241,7 @@ def test_engine_greedy_matches_hf_generate_with_quantized_embedding():
     from qerl.rollout.sampling import SamplingParams
 
     model = quantize_tiny(engine_model("qwen2"))  # untied, fp32, NVFP4 + non-zero LoRA
-    quantize_input_embeddings(model, "nvfp4")
+    quantize_input_embeddings(model, get_format("nvfp4"))
     prompts = prompts_of([4, 11, 7], seed=3)
     engine = RolloutEngine(model, max_seq_len=64)
     assert engine.runner.dtype == torch.float32

@@ -34,6 +34,7 @@ def quiet_libraries() -> None:
 
 def _quantize(args) -> int:
     from .eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
+    from .formats import get_format
     from .models import memory_report, save_quantized
     from .models.atomic import check_output_dir
     from .models.pretrained import is_quantized_checkpoint
@@ -74,7 +75,8 @@ def _quantize(args) -> int:
     table.add_row("bytes per quantized weight", f"{report['base_bytes_per_param']:.4f} (incl. scales)")
     if keep:
         kept = [n for n, m in quant_layers(model).items() if m.weight_format == "bf16"]
-        table.add_row("kept in bf16", describe_keep_bf16(model, kept, args.format).removeprefix("keep_bf16: "))
+        line = describe_keep_bf16(model, kept, get_format(args.format))
+        table.add_row("kept in bf16", line.removeprefix("keep_bf16: "))
     table.add_row("model bytes (all tensors)", f"{report['total_bytes'] / 2**20:.1f} MiB")
     if reference:
         fid = compare_logprobs(reference["logprobs"], next_token_logprobs(model, reference["ids"]), reference["ids"])

@@ -1,7 +1,5 @@
 """Where a decode step's GPU time goes, against the floor: each kernel of the engine's decode step by role, its
-bytes and how far it is from moving them at the device-copy bandwidth, on a random-weight Qwen2.5-shaped model
-(as `qerl bench rollout`). What the table shows and how roles and bytes are found: docs/cli.md
-("python -m qerl.bench.decode_profile").
+bytes and its distance from the device-copy bandwidth (docs/cli.md, "python -m qerl.bench.decode_profile").
 
     python -m qerl.bench.decode_profile --models 7b --variants bf16+lora,nvfp4+lora --batches 1,8,64
 """
@@ -13,6 +11,9 @@ import re
 
 import torch
 
+from .graph_timing import copy_bandwidth, event_ms
+from .options import free_gpu, md_header
+from .rollout import build_model, prompts_tensor
 from .update_profile import union_ms
 
 # first match wins; kernel names as CUPTI reports them
@@ -142,7 +143,6 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
     performs `steps` decode steps (the engine's step at a fixed attended length) each followed by the
     engine's sampler (one launch, `triton.sampling`, where it applies; else `next_token`), without a sync."""
     from ..rollout.sampling import SamplingParams, fused_sampling_applies, next_token
-    from .rollout import prompts_tensor
 
     ids = prompts_tensor(batch, prompt, engine.model.config.vocab_size)
     engine.warmup(batch, prompt + steps + 1)
@@ -171,13 +171,6 @@ def prepared_steps(engine, batch: int, prompt: int, steps: int):
     return run
 
 
-def step_ms(run, steps: int, repeats: int = 5) -> float:
-    """Median over `repeats` of the wall time of `steps` decode steps (+ sampling), per step, CUDA events."""
-    from .graph_timing import event_ms
-
-    return event_ms(run, repeats) / steps
-
-
 def kernel_events(run, steps: int) -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of every CUDA kernel / memcpy of `steps` steps, in start order."""
     from torch.profiler import ProfilerActivity, profile
@@ -185,12 +178,8 @@ def kernel_events(run, steps: int) -> list[tuple[str, float, float]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    ev = []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        dur = e.device_time if hasattr(e, "device_time") else e.cuda_time
-        ev.append((e.name, float(e.time_range.start), float(dur)))
+    ev = [(e.name, float(e.time_range.start), float(e.device_time if hasattr(e, "device_time") else e.cuda_time))
+          for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(ev, key=lambda x: x[1])
 
 
@@ -201,7 +190,7 @@ def busy_us(events: list[tuple[str, float, float]]) -> float:
 
 def role_table(names_durs: list[tuple[str, float]], steps: int, runner, rows: int, attended: int,
                copy_bw: float) -> tuple[list[dict], bool]:
-    """Per role of the step: calls, us per step, bytes, GB/s and % of its own floor (see the module docstring).
+    """Per role of the step: calls, us per step, bytes, GB/s and % of its own floor (bytes / copy bandwidth / time).
     names_durs: (kernel name, duration us) of `steps` steps in launch order."""
     per = len(names_durs) // steps
     names = [n for n, _ in names_durs[:per]]
@@ -243,7 +232,7 @@ def profile_cell(engine, rows: int, prompt: int, steps: int, copy_bw: float) -> 
         engine.pdl = pdl
         engine.decode_graphs.reset()  # recapture with or without programmatic launches
         run = prepared_steps(engine, rows, prompt, steps)
-        ms = step_ms(run, steps)
+        ms = event_ms(run, 5) / steps  # per step (+ sampling): the median of 5 runs of `steps` steps
         ev = kernel_events(run, steps)
         key = "pdl" if pdl else "no_pdl"
         cell[f"step_us_{key}"] = 1e3 * ms
@@ -254,16 +243,14 @@ def profile_cell(engine, rows: int, prompt: int, steps: int, copy_bw: float) -> 
                                                         prompt + 1, copy_bw)
     engine.pdl = pdl_default
     engine.decode_graphs.reset()
-    floor_bytes = sum(r.get("bytes", 0) for r in cell["roles"])
-    cell["floor_bytes"] = floor_bytes
-    cell["floor_us"] = 1e6 * floor_bytes / copy_bw
+    cell["floor_bytes"] = sum(r.get("bytes", 0) for r in cell["roles"])
+    cell["floor_us"] = 1e6 * cell["floor_bytes"] / copy_bw
     return cell
 
 
 def format_cell(title: str, cell: dict, copy_bw: float) -> str:
     lines = [f"\n## {title}",
-             "| role | calls/step | us/step | MB/step | GB/s | % own floor | kernels |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             md_header("role | calls/step | us/step | MB/step | GB/s | % own floor | kernels", "lrrrrrl")]
     for r in cell["roles"]:
         mb = f"{r['bytes'] / 1e6:.1f}" if "bytes" in r else "-"
         rate = f"{r['gb_s']:.0f}" if "gb_s" in r else "-"
@@ -299,9 +286,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from ..rollout.engine import RolloutEngine
-    from .graph_timing import copy_bandwidth
-    from .options import free_gpu
-    from .rollout import build_model
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")

@@ -1,27 +1,19 @@
-"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on linear shapes (`qerl bench kernels`).
-
-For each layer shape (qkv fused, o, gate_up fused, down of Qwen2.5-1.5B/7B/14B/32B/72B or SmolLM2-135M) and each M it
-times, side by side on one GPU:
-  cublas    F.linear with a bf16 weight (the 16-bit baseline);
-  deq+cublas  one-pass Triton dequantize of the NVFP4 weight into a temporary, then F.linear;
-  fused     the tl.dot kernel (`nvfp4_linear_triton`, the tile `pick_config` chooses);
-  routed    what `nvfp4_linear` dispatches to (`qerl.kernels.route`: the Gluon swap-AB kernels up to 64 rows,
-            and on sm_90 up to 128-256; else the kernels above), i.e. what a model's layers get;
-and the input gradient dY @ W (fused and routed vs deq+cublas vs cublas). Each timing is the median over CUDA-graph
-replays of a sequence of calls that cycles through enough weight copies to exceed twice the L2 cache, so
-weights come from HBM, as in a real model pass. Bandwidth = bytes of weights + activations moved / time,
-shown against the device's measured copy bandwidth. Writes <out>.json and <out>.md; prints the table.
-`--compute fp8` times the FP8 products instead (W4A8, W8A8 beside cuBLAS bf16 and W4A16; `qerl.bench.kernels_fp8`).
-"""
+"""Benchmark the fused NVFP4 kernels against cuBLAS bf16 on linear shapes (`qerl bench kernels`): CUDA-graph
+replays cycling weight copies that exceed twice the L2 cache; the columns: docs/cli.md ("qerl bench kernels |
+rollout | step")."""
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from .graph_timing import calls_per_graph, copy_bandwidth, graph_time as _graph_time, rotated_copies
+from .options import md_header
+from .graph_timing import calls_per_graph, copy_bandwidth, free_weights, graph_time as _graph_time, rotated_weights
 from ..models.shapes import QWEN25, SMOLLM2_135M, linear_shapes
 
 # Qwen2.5 sizes (named 1.5B, ..., 72B here), and SmolLM2-135M (the embedded model)
@@ -35,18 +27,6 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     return linear_shapes(MODEL_SHAPES[model])
 
 
-def _weights(n: int, k: int, copies: int):
-    """`copies` random NVFP4 weights [N, K] and bf16 weights of the same shape (never zeros)."""
-    from qerl.formats.nvfp4 import quantize_nvfp4
-
-    bf, q = [], []
-    for _ in range(copies):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        bf.append(w)
-        q.append(quantize_nvfp4(w))
-    return bf, q
-
-
 def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, config=None) -> list[dict]:
     """cuBLAS bf16, dequantize + cuBLAS, the tl.dot kernel ("fused") and what `nvfp4_linear` /
     `nvfp4_linear_grad_input` route the product to ("routed": the swap-AB kernels, the CUDA-core gemv, the
@@ -54,7 +34,7 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
     from qerl.kernels.triton import fp4 as tk
     from qerl.kernels.nvfp4_matmul import nvfp4_linear, nvfp4_linear_grad_input
 
-    fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
+    fp4_bytes, copies, bf, q = rotated_weights(n, k, l2_bytes)
     rows = []
     for kind, m_list in (("forward", ms), ("grad_input", backward_ms)):
         for m in m_list:
@@ -62,20 +42,13 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
             xs = [torch.randn(m, red, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
             act = 2 * m * (red + out)
             calls = calls_per_graph(fp4_bytes, copies)
-            if kind == "forward":
-                fns = {
-                    "cublas": lambda i: F.linear(xs[i % 2], bf[i % copies]),
-                    "deq+cublas": lambda i: F.linear(xs[i % 2], tk.nvfp4_dequantize_triton(**q[i % copies])),
-                    "fused": lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies], config=config),
-                    "routed": lambda i: nvfp4_linear(xs[i % 2], **q[i % copies]),
-                }
-            else:
-                fns = {
-                    "cublas": lambda i: xs[i % 2] @ bf[i % copies],
-                    "deq+cublas": lambda i: xs[i % 2] @ tk.nvfp4_dequantize_triton(**q[i % copies]),
-                    "fused": lambda i: tk.nvfp4_grad_input_triton(xs[i % 2], **q[i % copies], config=config),
-                    "routed": lambda i: nvfp4_linear_grad_input(xs[i % 2], **q[i % copies]),
-                }
+            # forward: x @ W^T; grad_input: dY @ W (torch.matmul is what `@` runs)
+            dense, fused, routed = ((F.linear, tk.nvfp4_linear_triton, nvfp4_linear) if kind == "forward" else
+                                    (torch.matmul, tk.nvfp4_grad_input_triton, nvfp4_linear_grad_input))
+            fns = {"cublas": lambda i: dense(xs[i % 2], bf[i % copies]),
+                   "deq+cublas": lambda i: dense(xs[i % 2], tk.nvfp4_dequantize_triton(**q[i % copies])),
+                   "fused": lambda i: fused(xs[i % 2], **q[i % copies], config=config),
+                   "routed": lambda i: routed(xs[i % 2], **q[i % copies])}
             t = {name: _graph_time(fn, calls, replays) for name, fn in fns.items()}
             rows.append({
                 "kind": kind, "N": n, "K": k, "M": m, **{f"t_{a}_us": v * 1e6 for a, v in t.items()},
@@ -84,20 +57,16 @@ def bench_shape(n: int, k: int, ms, backward_ms, l2_bytes: int, replays: int, co
                 "tflops_fused": 2 * m * n * k / t["fused"] / 1e12,
                 "routed_vs_cublas": t["cublas"] / t["routed"], "routed_vs_deq": t["deq+cublas"] / t["routed"],
             })
-    for held in (bf, q):  # the timed lambdas hold these lists: empty them to free the weights
-        held.clear()
-    torch.cuda.empty_cache()
+    free_weights(bf, q)
     return rows
 
 
 def sweep(n: int, k: int, m: int, kind: str, configs, l2_bytes: int, replays: int) -> list[tuple[float, object]]:
     """Time the fused kernel with each TileConfig (split 0 = the automatic split); (us, config), fastest first."""
-    import dataclasses
-
     from qerl.kernels.triton import fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    _, copies, _, q = _rotated_weights(n, k, l2_bytes)
+    _, copies, _, q = rotated_weights(n, k, l2_bytes)
     red, out = (k, n) if kind == "forward" else (n, k)
     x = torch.randn(m, red, device="cuda", dtype=torch.bfloat16)
     res = []
@@ -126,17 +95,25 @@ def gemv_candidates():
     return [G(256, 4, 4), G(512, 4, 4), G(256, 4, 8), G(512, 4, 8), G(256, 4, 4, waves=8), G(128, 4, 2)]
 
 
-def _rotated_weights(n: int, k: int, l2_bytes: int):
-    """(FP4 bytes of one weight, copies, bf16 weights, NVFP4 weights): enough copies to exceed 2x L2."""
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = rotated_copies(fp4_bytes, l2_bytes)
-    return (fp4_bytes, copies, *_weights(n, k, copies))
-
-
-def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int):
-    """Two activations [m, k] to alternate, and calls per graph: all weight copies, >= ~2 ms of work."""
+def _decode_inputs(m: int, k: int, fp4_bytes: int, copies: int, replays: int):
+    """Two activations [m, k] to alternate, and time(fn) -> median seconds per call of fn(i) over graphs of
+    calls that read every weight copy and make >= ~2 ms of work."""
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    return xs, calls_per_graph(fp4_bytes, copies)
+    return xs, functools.partial(_graph_time, calls=calls_per_graph(fp4_bytes, copies), replays=replays)
+
+
+def _fastest(best: tuple, candidates, seconds, label=str) -> tuple:
+    """(seconds, candidate) of the fastest of best and each candidate, seconds(candidate) timing it; a candidate
+    that does not run (shared memory, registers) is printed and skipped."""
+    for c in candidates:
+        try:
+            t = seconds(c)
+        except Exception as e:
+            print(f"  {label(c)}: failed {type(e).__name__}: {str(e)[:100]}")
+            continue
+        if t < best[0]:
+            best = (t, c)
+    return best
 
 
 def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) -> list[dict]:
@@ -144,33 +121,23 @@ def bench_decode(n: int, k: int, ms, l2_bytes: int, replays: int, candidates) ->
     config, and the fastest of `candidates`), weights rotated through > 2x L2 as in `bench_shape`."""
     from qerl.kernels.triton import fp4 as tk
 
-    fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
+    fp4_bytes, copies, bf, q = rotated_weights(n, k, l2_bytes)
     rows = []
     for m in ms:
-        xs, calls = _decode_inputs(m, k, fp4_bytes, copies)
-        t = {"cublas": _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, replays),
-             "fused": _graph_time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies]), calls, replays),
-             "gemv": _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)}
-        best = (t["gemv"], None)
-        for cfg in candidates:
-            try:
-                tc = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies], config=cfg), calls,
-                                 replays)
-            except Exception as e:  # registers / resources
-                print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
-                continue
-            if tc < best[0]:
-                best = (tc, cfg)
-        act = 2 * m * (n + k)
+        xs, time = _decode_inputs(m, k, fp4_bytes, copies, replays)
+        t = {"cublas": time(lambda i: F.linear(xs[i % 2], bf[i % copies])),
+             "fused": time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies])),
+             "gemv": time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]))}
+        best = _fastest((t["gemv"], None), candidates,
+                        lambda c: time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies], config=c)))
+        act, c = 2 * m * (n + k), best[1]
         rows.append({"N": n, "K": k, "M": m, **{f"t_{a}_us": v * 1e6 for a, v in t.items()},
-                     "t_gemv_best_us": best[0] * 1e6, "best_cfg": None if best[1] is None else list(
-                         (best[1].bn, best[1].bkw, best[1].warps, best[1].split, best[1].waves)),
+                     "t_gemv_best_us": best[0] * 1e6,
+                     "best_cfg": None if c is None else [c.bn, c.bkw, c.warps, c.split, c.waves],
                      "x_gemv": t["cublas"] / t["gemv"], "x_gemv_best": t["cublas"] / best[0],
                      "x_fused": t["cublas"] / t["fused"], "bw_gemv_best": (fp4_bytes + act) / best[0],
                      "bw_cublas": (2 * n * k + act) / t["cublas"]})
-    for held in (bf, q):  # the timed lambdas hold these lists: empty them to free the weights
-        held.clear()
-    torch.cuda.empty_cache()
+    free_weights(bf, q)
     return rows
 
 
@@ -194,54 +161,41 @@ def bench_swap(n: int, k: int, ms, l2_bytes: int, replays: int, tiles: bool = Tr
     from qerl.kernels.triton import fp4 as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fp4_bytes, copies, bf, q = _rotated_weights(n, k, l2_bytes)
+    fp4_bytes, copies, bf, q = rotated_weights(n, k, l2_bytes)
     rows = []
     for m in ms:
-        xs, calls = _decode_inputs(m, k, fp4_bytes, copies)
+        xs, time = _decode_inputs(m, k, fp4_bytes, copies, replays)
         # the form the route picks here (on sm_90 the wgmma form from 9 rows, and 5-8 rows for the largest weights)
         wg = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability()) in (rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
-        t = {"cublas": _graph_time(lambda i: F.linear(xs[i % 2], bf[i % copies]), calls, replays),
-             "fused": _graph_time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies]), calls, replays),
-             "swap": _graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], wgmma=wg), calls,
-                                 replays)}
+        t = {"cublas": time(lambda i: F.linear(xs[i % 2], bf[i % copies])),
+             "fused": time(lambda i: tk.nvfp4_linear_triton(xs[i % 2], **q[i % copies])),
+             "swap": time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], wgmma=wg))}
         if m == 1:
-            t["gemv"] = _graph_time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]), calls, replays)
+            t["gemv"] = time(lambda i: tk.nvfp4_linear_gemv(xs[i % 2], **q[i % copies]))
         if wg:  # time the mma.sync form too
-            t["swap_mma_sync"] = _graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies]),
-                                             calls, replays)
-        best = (t["swap"], None)
-        for cfg, waves in swap_candidates(m) if tiles else []:
-            split = gk.split_for(m, n, k, cfg, sms, waves)[0] if k % (2 * cfg[2]) == 0 else None
-            if split is None:
-                continue
-            try:
-                tc = _graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], config=cfg,
-                                                                 split=split, wgmma=wg), calls, replays)
-            except Exception as e:  # shared memory / registers
-                print(f"  {cfg} waves {waves}: failed {type(e).__name__}: {str(e)[:100]}")
-                continue
-            if tc < best[0]:
-                best = (tc, [*cfg, split])
-        act = 2 * m * (n + k)
+            t["swap_mma_sync"] = time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies]))
+        # (config, waves, split) of the tiles whose K split exists
+        cands = [(cfg, waves, split) for cfg, waves in (swap_candidates(m) if tiles else [])
+                 for split in [gk.split_for(m, n, k, cfg, sms, waves)[0] if k % (2 * cfg[2]) == 0 else None]
+                 if split is not None]
+        best = _fastest((t["swap"], None), cands, lambda c: time(lambda i: gk.nvfp4_linear_gluon(
+            xs[i % 2], **q[i % copies], config=c[0], split=c[2], wgmma=wg)), lambda c: f"{c[0]} waves {c[1]}")
+        act, c = 2 * m * (n + k), best[1]
         rows.append({"N": n, "K": k, "M": m, **{f"t_{a}_us": v * 1e6 for a, v in t.items()},
-                     "t_swap_best_us": best[0] * 1e6, "best_cfg": best[1],
+                     "t_swap_best_us": best[0] * 1e6, "best_cfg": None if c is None else [*c[0], c[2]],
                      "x_swap": t["cublas"] / t["swap"], "x_swap_best": t["cublas"] / best[0],
                      "x_fused": t["cublas"] / t["fused"], "bw_swap": (fp4_bytes + act) / t["swap"],
                      "bw_cublas": (2 * n * k + act) / t["cublas"]})
-    for held in (bf, q):  # the timed lambdas hold these lists: empty them to free the weights
-        held.clear()
-    torch.cuda.empty_cache()
+    free_weights(bf, q)
     return rows
 
 
 def _swap_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`", "",
-             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap mma.sync us (if not the "
-             "default) | swap us | swap best us "
-             "(BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS swap | x cuBLAS swap best | swap TB/s "
-             "| cuBLAS TB/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | swap mma.sync us (if "
+                       "not the default) | swap us | swap best us (BN,BM,BKH,KW,NS,split) | x cuBLAS fused | x cuBLAS "
+                       "swap | x cuBLAS swap best | swap TB/s | cuBLAS TB/s", "ll" + "r" * 12)]
     for r in rows:
         gemv = f"{r['t_gemv_us']:.1f}" if "t_gemv_us" in r else ""
         mma = f"{r['t_swap_mma_sync_us']:.1f}" if "t_swap_mma_sync_us" in r else ""
@@ -255,9 +209,9 @@ def _swap_markdown(rows: list[dict], meta: dict) -> str:
 def _decode_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`", "",
-             "| model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | gemv best us (cfg) | "
-             "x cuBLAS fused | x cuBLAS gemv | x cuBLAS gemv best | gemv best TB/s | cuBLAS TB/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer (N x K) | M | cuBLAS bf16 us | fused tl.dot us | gemv us | gemv best us (cfg) | "
+                       "x cuBLAS fused | x cuBLAS gemv | x cuBLAS gemv best | gemv best TB/s | cuBLAS TB/s",
+                       "ll" + "r" * 10)]
     for r in rows:
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['t_cublas_us']:.1f} | "
                      f"{r['t_fused_us']:.1f} | {r['t_gemv_us']:.1f} | {r['t_gemv_best_us']:.1f} {r['best_cfg']} | "
@@ -270,9 +224,9 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     copy = meta["copy_bw"]
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"copy bandwidth {copy / 1e12:.2f} TB/s; command `{meta['command']}`", "",
-             "| model | layer | kind | M | cuBLAS bf16 us | deq+cuBLAS us | fused us | routed us | routed x cuBLAS | "
-             "routed x deq | fused x cuBLAS | fused x deq | fused TB/s (% copy) | cuBLAS TB/s | fused TFLOP/s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer | kind | M | cuBLAS bf16 us | deq+cuBLAS us | fused us | routed us | routed x "
+                       "cuBLAS | routed x deq | fused x cuBLAS | fused x deq | fused TB/s (% copy) | cuBLAS TB/s | "
+                       "fused TFLOP/s", "lll" + "r" * 12)]
     for r in rows:
         routed = (f"{r['t_routed_us']:.1f} | {r['routed_vs_cublas']:.2f} | {r['routed_vs_deq']:.2f}"
                   if "t_routed_us" in r else " | | ")
@@ -285,7 +239,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="qerl bench kernels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="qerl bench kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="7B,14B,32B,72B",
                    help=f"comma list of {','.join(MODEL_SHAPES)} (Qwen2.5 sizes, SmolLM2-135M)")
     p.add_argument("--layers", default="qkv,o,gate_up,down")
@@ -305,20 +259,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench kernels needs a CUDA GPU")
-    import sys
-
     import triton
 
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     meta = {"device": props.name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "triton": triton.__version__, "command": " ".join(["qerl bench kernels"] + sys.argv[1:] if argv is None else
-                                                             ["qerl bench kernels"] + list(argv)),
+            "triton": triton.__version__,
+            "command": " ".join(["qerl bench kernels", *(sys.argv[1:] if argv is None else argv)]),
             "copy_bw": copy_bandwidth(), "l2_bytes": l2}
-    if args.decode and args.m == ",".join(map(str, M_VALUES)):
-        args.m = ",".join(map(str, DECODE_M))
-    if args.swap and args.m == ",".join(map(str, M_VALUES)):
-        args.m = ",".join(map(str, SWAP_M))
+    if (args.decode or args.swap) and args.m == ",".join(map(str, M_VALUES)):  # --decode wins over --swap
+        args.m = ",".join(map(str, DECODE_M if args.decode else SWAP_M))
     if args.compute == "fp8":
         return _run_fp8(args, l2, meta)
     ms = [int(v) for v in args.m.split(",") if v]
@@ -326,18 +276,17 @@ def main(argv=None) -> int:
     if args.sweep:
         return _run_sweep(args, ms, bms, l2)
     if args.decode:
-        return _run_decode(args, ms, l2, meta)
+        cands = gemv_candidates()
+        return _run_per_shape(args, meta, lambda n, k: bench_decode(n, k, ms, l2, args.replays, cands),
+                              f"{args.out}_decode", _best_progress("gemv"), _decode_markdown)
     if args.swap:
-        return _run_swap(args, ms, l2, meta)
-    rows = []
-    for model, layer, n, k in _shapes(args):
-        for r in bench_shape(n, k, ms, bms, l2, args.replays):
-            rows.append({"model": model, "layer": layer, **r})
-            print(f"{model} {layer} {r['kind']} M={r['M']}: cublas {r['t_cublas_us']:.1f} "
-                  f"deq {r['t_deq+cublas_us']:.1f} fused {r['t_fused_us']:.1f} routed {r['t_routed_us']:.1f} us "
-                  f"routed x{r['routed_vs_cublas']:.2f}", flush=True)
-    _write(args.out, meta, rows, _markdown)
-    return 0
+        return _run_per_shape(args, meta, lambda n, k: bench_swap(n, k, ms, l2, args.replays, not args.no_tile_sweep),
+                              f"{args.out}_swap", _best_progress("swap"), _swap_markdown)
+    return _run_per_shape(args, meta, lambda n, k: bench_shape(n, k, ms, bms, l2, args.replays), args.out,
+                          lambda r: f"{r['kind']} M={r['M']}: cublas {r['t_cublas_us']:.1f} deq "
+                                    f"{r['t_deq+cublas_us']:.1f} fused {r['t_fused_us']:.1f} routed "
+                                    f"{r['t_routed_us']:.1f} us routed x{r['routed_vs_cublas']:.2f}",
+                          _markdown, partial=False)
 
 
 def _shapes(args):
@@ -359,18 +308,25 @@ def _write(prefix: str, meta: dict, rows: list[dict], markdown=None) -> None:
         print(md)
 
 
-def _run_per_shape(args, meta, bench, kind: str, markdown) -> int:
-    """Run bench(n, k) -> rows for every selected layer shape; progress lines, then <out>_<kind>.json/.md."""
-    prefix, rows = f"{args.out}_{'decode' if kind == 'gemv' else kind}", []
+def _run_per_shape(args, meta, bench, prefix: str, progress, markdown, partial: bool = True) -> int:
+    """bench(n, k) -> rows for every selected layer shape, a progress line per row ("MODEL LAYER " +
+    progress(row)); <prefix>.json rewritten after every row (partial), <prefix>.json and .md at the end."""
+    rows = []
     for model, layer, n, k in _shapes(args):
         for r in bench(n, k):
             rows.append({"model": model, "layer": layer, **r})
-            print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} "
-                  f"{kind} {r[f't_{kind}_us']:.1f} best {r[f't_{kind}_best_us']:.1f} {r['best_cfg']} "
-                  f"x{r[f'x_{kind}']:.2f} / best x{r[f'x_{kind}_best']:.2f}", flush=True)
-            _write(prefix, meta, rows)
+            print(f"{model} {layer} {progress(r)}", flush=True)
+            if partial:
+                _write(prefix, meta, rows)
     _write(prefix, meta, rows, markdown)
     return 0
+
+
+def _best_progress(kind: str):
+    """The progress line of a `bench_decode` (kind "gemv") or `bench_swap` ("swap") row."""
+    return lambda r: (f"M={r['M']}: cublas {r['t_cublas_us']:.1f} fused {r['t_fused_us']:.1f} {kind} "
+                      f"{r[f't_{kind}_us']:.1f} best {r[f't_{kind}_best_us']:.1f} {r['best_cfg']} "
+                      f"x{r[f'x_{kind}']:.2f} / best x{r[f'x_{kind}_best']:.2f}")
 
 
 def _run_fp8(args, l2, meta) -> int:
@@ -379,27 +335,11 @@ def _run_fp8(args, l2, meta) -> int:
     if torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("qerl bench kernels --compute fp8 needs FP8 tensor cores (compute capability 8.9+)")
     ms = FP8_M_VALUES if args.m == ",".join(map(str, M_VALUES)) else [int(v) for v in args.m.split(",") if v]
-    rows = []
-    for model, layer, n, k in _shapes(args):
-        for r in bench_fp8_shape(n, k, ms, l2, args.replays):
-            rows.append({"model": model, "layer": layer, **r})
-            print(f"{model} {layer} M={r['M']}: cublas {r['t_cublas_us']:.1f} w4a16 {r['t_w4a16_us']:.1f} "
-                  f"w8a8 {r['t_w8a8_us']:.1f} w4a8 {r['t_w4a8_us']:.1f} routed {r['t_routed_fp8_us']:.1f}", flush=True)
-            _write(f"{args.out}_fp8", meta, rows)
-    _write(f"{args.out}_fp8", meta, rows, lambda rows, meta: fp8_markdown(rows, meta)
-           + "\nMedian over the shapes, x cuBLAS bf16:\n\n" + fp8_summary(rows))
-    return 0
-
-
-def _run_decode(args, ms, l2, meta) -> int:
-    cands = gemv_candidates()
-    return _run_per_shape(args, meta, lambda n, k: bench_decode(n, k, ms, l2, args.replays, cands), "gemv",
-                          _decode_markdown)
-
-
-def _run_swap(args, ms, l2, meta) -> int:
-    return _run_per_shape(args, meta, lambda n, k: bench_swap(n, k, ms, l2, args.replays, not args.no_tile_sweep),
-                          "swap", _swap_markdown)
+    return _run_per_shape(args, meta, lambda n, k: bench_fp8_shape(n, k, ms, l2, args.replays), f"{args.out}_fp8",
+                          lambda r: f"M={r['M']}: cublas {r['t_cublas_us']:.1f} w4a16 {r['t_w4a16_us']:.1f} w8a8 "
+                                    f"{r['t_w8a8_us']:.1f} w4a8 {r['t_w4a8_us']:.1f} routed {r['t_routed_fp8_us']:.1f}",
+                          lambda rows, meta: fp8_markdown(rows, meta) + "\nMedian over the shapes, x cuBLAS bf16:\n\n"
+                          + fp8_summary(rows))
 
 
 def _run_sweep(args, ms, bms, l2) -> int:

@@ -1,15 +1,6 @@
-"""`qerl bench kernels --compute fp8`: the products of model.compute fp8 and model.format fp8 beside cuBLAS bf16.
-
-For each layer shape and M, side by side on one GPU (timed as `qerl.bench.kernels` times: CUDA-graph replays
-cycling weight copies that exceed twice the L2 cache, medians):
-  cuBLAS bf16    F.linear on a bf16 weight;
-  W4A16          what `nvfp4_linear` routes an NVFP4 weight to (model.compute bf16);
-  W8A8           an fp8 weight (model.format fp8): x quantized per token, torch._scaled_mm with row scales;
-  W4A8           the NVFP4 weight decoded to an e4m3 temporary, x quantized per token, _scaled_mm
-                 (`qerl.kernels.fp8_matmul.w4a8_linear`);
-  routed fp8     what a model's layer gets under model.compute fp8 (`qerl.kernels.dispatch`: W4A16 below
-                 `w4a8_min_m` rows, W4A8 from there).
-Speedups are cuBLAS bf16's time over each. TFLOP/s counts 2 M N K per product.
+"""`qerl bench kernels --compute fp8`: the products of model.compute fp8 and model.format fp8 beside cuBLAS bf16
+(cuBLAS bf16, W4A16, W8A8, W4A8, routed fp8), timed as `qerl.bench.kernels` times; the columns: docs/cli.md
+("qerl bench kernels --compute fp8").
 """
 
 import statistics
@@ -17,29 +8,24 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from .options import md_header
+
 FP8_M_VALUES = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 COLUMNS = ("w4a16", "w8a8", "w4a8", "routed_fp8")
 
 
 def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dict]:
-    """Rows of microseconds per product for one [N, K] weight (see the module docstring)."""
+    """Rows of microseconds per product (and x cuBLAS bf16, TFLOP/s: 2 M N K) for one [N, K] weight."""
     from qerl.formats.fp8 import quantize_fp8
-    from qerl.formats.nvfp4 import quantize_nvfp4
     from qerl.kernels import quantized_linear
     from qerl.kernels.fp8_matmul import fp8_linear, w4a8_linear
     from qerl.kernels.nvfp4_matmul import nvfp4_linear
     from qerl.kernels.route import kernel_policy
 
-    from .graph_timing import calls_per_graph, graph_time, rotated_copies
+    from .graph_timing import calls_per_graph, free_weights, graph_time, rotated_weights
 
-    fp4_bytes = n * k // 2 + n * k // 16
-    copies = rotated_copies(fp4_bytes, l2_bytes)
-    bf, q, f8 = [], [], []
-    for _ in range(copies):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        bf.append(w)
-        q.append(quantize_nvfp4(w))
-        f8.append(quantize_fp8(w))
+    fp4_bytes, copies, bf, q = rotated_weights(n, k, l2_bytes)
+    f8 = [quantize_fp8(w) for w in bf]
 
     def routed_fp8(i):
         with kernel_policy(compute="fp8"):
@@ -61,17 +47,15 @@ def bench_fp8_shape(n: int, k: int, ms, l2_bytes: int, replays: int) -> list[dic
                      **{f"x_{a}": t["cublas"] / t[a] for a in COLUMNS},
                      "tflops_cublas": 2 * m * n * k / t["cublas"] / 1e12,
                      "tflops_w4a8": 2 * m * n * k / t["w4a8"] / 1e12})
-    for held in (bf, q, f8):  # the timed lambdas hold these lists: empty them to free the weights
-        held.clear()
-    torch.cuda.empty_cache()
+    free_weights(bf, q, f8)
     return rows
 
 
 def fp8_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Device: {meta['device']}; date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"command `{meta['command']}`. Microseconds per product; xN = cuBLAS bf16 time / this time.", "",
-             "| model | layer | M | cuBLAS bf16 | W4A16 | W8A8 | W4A8 | routed fp8 | TFLOP/s bf16 / W4A8 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             md_header("model | layer | M | cuBLAS bf16 | W4A16 | W8A8 | W4A8 | routed fp8 | TFLOP/s bf16 / W4A8",
+                       "ll" + "r" * 7)]
     for r in rows:
         cells = " | ".join(f"{r[f't_{a}_us']:.1f} (x{r[f'x_{a}']:.2f})" for a in COLUMNS)
         lines.append(f"| {r['model']} | {r['layer']} {r['N']}x{r['K']} | {r['M']} | {r['t_cublas_us']:.1f} | {cells} | "
@@ -81,7 +65,7 @@ def fp8_markdown(rows: list[dict], meta: dict) -> str:
 
 def fp8_summary(rows: list[dict]) -> str:
     """Median speedups over cuBLAS bf16 per M across the shapes: the table a routing threshold is read from."""
-    out = ["| M | W4A16 | W8A8 | W4A8 | routed fp8 |", "|---:|---:|---:|---:|---:|"]
+    out = [md_header("M | W4A16 | W8A8 | W4A8 | routed fp8", "rrrrr")]
     for m in sorted({r["M"] for r in rows}):
         sel = [r for r in rows if r["M"] == m]
         out.append(f"| {m} | " + " | ".join(f"{statistics.median(r[f'x_{a}'] for r in sel):.2f}" for a in COLUMNS)

@@ -1,5 +1,5 @@
-"""What `qerl bench rollout` and `qerl bench step` share: the completion-length profile and kernel-routing
-options, the run's arguments as its JSON record keeps them, and freeing the GPU between models."""
+"""What the benchmarks share: the completion-length profile and kernel-routing options, usage errors, the run's
+arguments as its JSON record keeps them, freeing the GPU between models, and Markdown table headers."""
 
 import gc
 
@@ -20,14 +20,19 @@ def add_policy_option(ap, examples: str) -> None:
                          f"e.g. {examples})")
 
 
+def or_error(ap, fn, *args):
+    """fn(*args), a ValueError it raises reported as the parser's usage error (exit status 2)."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def parse_policy(ap, args) -> None:
     """args.policy as the routing overrides it names (`kernels.route.parse_policy_overrides`); an error names it."""
     from ..kernels.route import parse_policy_overrides
 
-    try:
-        args.policy = parse_policy_overrides(args.policy)
-    except ValueError as e:
-        ap.error(str(e))
+    args.policy = or_error(ap, parse_policy_overrides, args.policy)
 
 
 def args_json(args) -> dict:
@@ -38,6 +43,13 @@ def args_json(args) -> dict:
     out["policy"] = policy_overrides_json(args.policy)
     out["profile"] = profile_record(args.profile)
     return out
+
+
+def md_header(columns: str, align: str = "") -> str:
+    """A Markdown table's header and rule lines: columns "a | b | c"; align one letter per column, "r" for a
+    right-aligned column ("---:"), any other letter or none for the default."""
+    rule = "".join("---:|" if a == "r" else "---|" for a in align.ljust(len(columns.split(" | "))))
+    return f"| {columns} |\n|{rule}"
 
 
 def free_gpu() -> None:

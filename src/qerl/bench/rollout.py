@@ -1,11 +1,8 @@
 """Rollout throughput: HF `generate` vs the qerl engine (bf16, bf16+LoRA, NVFP4+LoRA, ...) on random-weight
-Qwen2.5-shaped models (1.5B to 72B) loaded through the loader's random-weight source (speed does not depend on
-weight values). Forced lengths (`--new`) or a completion-length profile (`--lengths`); what each cell reports and
-how: docs/cli.md ("qerl bench rollout").
+Qwen2.5-shaped models (1.5B to 72B), forced lengths (`--new`) or a completion-length profile (`--lengths`); what
+each cell reports and how: docs/cli.md ("qerl bench rollout").
 
-    qerl bench rollout --models 7b --batches 1,8,32,64,128 --out results.json
-    qerl bench rollout --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 \\
-        --lengths long-reasoning-4096 --schedulers continuous,static --out ragged.json
+    qerl bench rollout --models 7b --variants bf16+lora,nvfp4+lora --batches 64,128 --lengths long-reasoning-4096
 """
 
 import argparse
@@ -20,7 +17,8 @@ from ..data.length_profiles import describe, draw, forced_label, lengths_label, 
 from ..models.shapes import QWEN25, qwen25_config
 from ..models.memory import policy_bytes
 from .graph_timing import copy_bandwidth
-from .options import add_lengths_option, add_policy_option, args_json, free_gpu, parse_policy
+from .step_ceiling import kv_cache_bytes
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, md_header, or_error, parse_policy
 
 SCHEDULERS = ("continuous", "static")  # the engine's schedulers: continuous (its default) and the static reference
 
@@ -41,9 +39,8 @@ def random_spec(size: str, fmt: str, lora_r: int | None, device, layers: int | N
 
 def build_model(size: str, layers: int | None, fmt: str | None, lora_r: int, embeddings: bool = False):
     """Random bf16 model on the GPU, frozen, through the loader (`random_spec`); fmt None = plain HF modules (the
-    16-bit base as nn.Linear, no LoRA), else qerl QuantLinear(fmt) + LoRA.
-
-    embeddings: also store the input embedding in fmt (`QuantEmbedding`; 4-bit formats only)."""
+    16-bit base as nn.Linear, no LoRA), else qerl QuantLinear(fmt) + LoRA; embeddings: also store the input
+    embedding in fmt (`QuantEmbedding`; 4-bit formats only)."""
     from ..models.convert import dequantize_model
     from ..models.loader import load_policy
 
@@ -68,11 +65,6 @@ def timed(fn) -> float:
 def prompts_tensor(batch: int, length: int, vocab: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(batch)
     return torch.randint(0, vocab - 1000, (batch, length), generator=g)
-
-
-def kv_bytes_per_token(cfg) -> int:
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * hd * 2
 
 
 def bench_hf(model, batch, args) -> dict:
@@ -139,19 +131,10 @@ def bench_profile(engine, batch, args, schedulers) -> dict[str, dict]:
             for s, rs in runs.items()}
 
 
-def _engine_rows(engine, batch, args) -> list[dict]:
-    """The rows of one engine cell: one per scheduler (forced lengths: one after the other; --lengths:
-    alternating on the same draws)."""
-    if args.profile is not None:
-        return [dict(r, scheduler=s) for s, r in bench_profile(engine, batch, args, args.schedulers).items()]
-    return [dict(bench_engine(engine, batch, args, s), scheduler=s) for s in args.schedulers]
-
-
 def run_size(size, args, copy_bw, results):
     from ..rollout.engine import RolloutEngine
 
     cfg = qwen25_config(size, args.layers)
-    kvb = kv_bytes_per_token(cfg)
     for variant in args.variants:
         fmt = None if variant in ("hf", "bf16") else variant.split("+")[0]
         embeddings = args.quantize_embeddings and fmt not in (None, "bf16")
@@ -164,16 +147,20 @@ def run_size(size, args, copy_bw, results):
                                                            fused_sampling=not args.eager_sampling,
                                                            dense_weights=dense)
         for batch in (args.hf_batches if variant == "hf" else args.batches):
-            try:
-                rows = [dict(bench_hf(model, batch, args), scheduler="-")] if variant == "hf" else \
-                    _engine_rows(engine, batch, args)
+            try:  # an engine cell: one row per scheduler
+                if variant == "hf":
+                    rows = [dict(bench_hf(model, batch, args), scheduler="-")]
+                elif args.profile is not None:  # the schedulers alternate on the same draws
+                    by_scheduler = bench_profile(engine, batch, args, args.schedulers)
+                    rows = [dict(r, scheduler=s) for s, r in by_scheduler.items()]
+                else:  # one scheduler after the other
+                    rows = [dict(bench_engine(engine, batch, args, s), scheduler=s) for s in args.schedulers]
             except torch.OutOfMemoryError:
                 rows = [dict(error="out of memory", scheduler=",".join(args.schedulers))]
                 torch.cuda.empty_cache()
             for r in rows:
                 if "step_ms" in r:
-                    avg_ctx = args.prompt + args.new / 2
-                    floor_s = (read_bytes + batch * avg_ctx * kvb) / copy_bw
+                    floor_s = (read_bytes + kv_cache_bytes(cfg, batch, args.prompt, args.new)) / copy_bw  # weights + KV
                     r.update(weight_gb_s=read_bytes / (r["step_ms"] / 1e3) / 1e9,
                              floor_frac=floor_s / (r["step_ms"] / 1e3))
                 r.update(model=size, variant=variant, batch=batch, policy_gb=total_bytes / 1e9,
@@ -195,9 +182,8 @@ def profile_table(results, device, args) -> str:
              f"draw(s) per cell (seed {args.seed} + repeat), medians",
              f"lengths: {describe(args.profile)}; rows forced to drawn lengths, max_new_tokens "
              f"{args.profile.max_new_tokens}; source: {args.profile.source}",
-             "| model | variant | scheduler | batch (prompts x G) | rollout s | kept tok/s | tok/s | row-steps / kept "
-             "| vs static | peak GB | policy GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             md_header("model | variant | scheduler | batch (prompts x G) | rollout s | kept tok/s | tok/s | row-steps "
+                       "/ kept | vs static | peak GB | policy GB")]
     for r in results:
         head = (f"| {r['model']} | {_variant_name(r)} | {r['scheduler']} | {r['batch']} "
                 f"({r['batch'] // args.group} x {args.group}) |")
@@ -218,9 +204,8 @@ def table(results, device, copy_bw, new: int | None = None) -> str:
     """The forced-lengths table (every row exactly `new` tokens)."""
     lines = [f"device: {device}; copy bandwidth {copy_bw / 1e12:.2f} TB/s; {datetime.date.today()}"
              + (f"; lengths: {forced_label(new)}" if new else ""),
-             "| model | variant | scheduler | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % floor "
-             "| peak GB | policy GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             md_header("model | variant | scheduler | batch | e2e tok/s | decode tok/s | ms/step | weight GB/s | % "
+                       "floor | peak GB | policy GB")]
     for r in results:
         sched = r.get("scheduler", "-")
         if "error" in r:
@@ -245,30 +230,25 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="7b", help=f"comma list of {','.join(QWEN25)} (Qwen2.5 shapes)")
     ap.add_argument("--variants", default="hf,bf16,bf16+lora,nvfp4+lora",
-                    help="hf (HF generate, bf16), bf16 (engine, plain HF modules), <fmt>+lora (QuantLinear), "
-                         "<fmt>+lora+dense (a kept 16-bit copy read from KernelPolicy.dense_min_m rows)")
+                    help="hf (HF generate), bf16 (engine, plain HF modules), <fmt>+lora, <fmt>+lora+dense")
     ap.add_argument("--batches", default="1,8,32,64,128", help="rows per rollout (--lengths: multiples of --group)")
     ap.add_argument("--hf-batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=None,
-                    help="forced lengths: every row exactly this many new tokens (default 512); not with --lengths")
+                    help="forced lengths: every row exactly this many new tokens (default 512)")
     add_lengths_option(ap)
     ap.add_argument("--group", type=int, default=8, help="--lengths: G rows per prompt")
     ap.add_argument("--seed", type=int, default=0, help="--lengths: repeat r draws with seed + r")
     ap.add_argument("--repeats", type=int, default=3, help="--lengths: timed draws per cell (median reported)")
-    ap.add_argument("--schedulers", default="continuous", help="comma list of the engine's schedulers: "
-                                                               "continuous, static")
+    ap.add_argument("--schedulers", default="continuous", help="comma list of continuous, static")
     ap.add_argument("--hf-new", type=int, default=24)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke tests)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--eager-sampling", action="store_true",
-                    help="sample with torch ops instead of the one-launch Triton sampler")
-    ap.add_argument("--quantize-embeddings", action="store_true",
-                    help="<fmt>+lora variants with a 4-bit fmt also store the input embedding in fmt")
+    ap.add_argument("--eager-sampling", action="store_true", help="torch ops, not the one-launch Triton sampler")
+    ap.add_argument("--quantize-embeddings", action="store_true", help="4-bit <fmt>+lora: the input embedding too")
     ap.add_argument("--disable", default="",
-                    help="comma list of kernel backends to route around (qerl.kernels.route names, e.g. "
-                         "gluon_wgmma_ws): an A/B of one kernel inside the engine")
+                    help="comma list of kernel backends to route around (qerl.kernels.route names)")
     add_policy_option(ap, "permute_x=false or wgmma_max_m=64): an A/B of a routing rule inside the engine")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
@@ -282,10 +262,7 @@ def parse_args(argv=None):
     args.variants = args.variants.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.hf_batches = [int(b) for b in args.hf_batches.split(",")]
-    try:
-        args.schedulers = parse_schedulers(args.schedulers)
-    except ValueError as e:
-        ap.error(str(e))
+    args.schedulers = or_error(ap, parse_schedulers, args.schedulers)
     # --new >= 2: the decode rate is (all - first token) / (new - 1)
     args.profile, args.new, args.budget = resolve_lengths(ap, args.lengths, args.new, "--new", 512, 2)
     if args.profile is not None:

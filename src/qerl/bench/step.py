@@ -1,15 +1,8 @@
-"""End-to-end RL step: rollout -> reference / old log-probs -> loss + backward -> optimizer, on random-weight
-Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN).
+"""End-to-end RL step (`qerl train`'s `qerl.rl.step.rl_step` with random 0/1 rewards) on random-weight
+Qwen2.5-7B/14B/32B/72B-shaped models, for bf16 LoRA, NF4 LoRA and NVFP4 LoRA (+AQN). What a step runs, the
+lengths, modes, order (`--order`) and every column: docs/cli.md ("qerl bench step").
 
-A step is what `qerl train` does per step (the same `qerl.rl.step.rl_step` on the runtime `qerl.rl.runtime` builds),
-with random 0/1 rewards, on a model the loader builds from random weights (`random:qwen2.5-7b`). Every (variant,
-mode) is one cell; the cells' timed steps alternate in counterbalanced rounds (`--order`). What a step runs, the
-completion lengths, the modes, the order and every reported column: docs/cli.md ("qerl bench step").
-
-    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 8 --completion 512 --out e2e.json
-    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 \\
-        --modes new,old --out e2e_ragged.json
-    qerl bench step --models 72b --variants nvfp4 --prompts 8 --order sequential --micro-batch 4
+    qerl bench step --models 7b --variants bf16,nvfp4 --prompts 16 --lengths long-reasoning-4096 --modes new,old
     torchrun --nproc-per-node 2 -m qerl.bench.step --models 7b --variants nvfp4 --prompts 8 --check-dist
 """
 
@@ -25,10 +18,14 @@ import torch
 
 from ..choices import PACKED_ATTENTION
 from ..formats import FORMATS
+from ..kernels.route import kernel_policy
 from ..rollout.memory import EngineMemoryPolicy
 from ..data.length_profiles import describe, draw, forced_label, lengths_label, resolve_lengths
 from ..models.shapes import MOE_SHAPES, QWEN25
-from .options import add_lengths_option, add_policy_option, args_json, free_gpu, parse_policy
+from ..nn.quant_experts import QuantExperts
+from .rollout import parse_schedulers, prompts_tensor, random_spec
+from .options import add_lengths_option, add_policy_option, args_json, free_gpu, md_header, or_error, parse_policy
+from .update_profile import PhaseBusy, profile_call, profile_table
 
 
 def model_config(size: str, layers: int | None = None):
@@ -47,6 +44,7 @@ class StepRunner:
     def __init__(self, model, args, dist_ctx, sigma: float, dense_weights: str = "off", compute: str = "bf16"):
         from ..models.policy import enable_gradient_checkpointing
         from ..rl.losses import LossSettings
+        from ..rl.packing import token_budget
         from ..rl.runtime import build_runtime
         from ..rl.update import UpdateSettings
 
@@ -65,8 +63,6 @@ class StepRunner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6)
         # the trainer's defaults: one GRPO update, TIS cap 2; packing is set per cell (`step`)
-        from ..rl.packing import token_budget
-
         tokens = args.max_tokens_per_micro_batch or token_budget(model.config)  # None: qerl train's default
         self.settings = UpdateSettings(LossSettings("grpo", 0.2, 0.2, args.kl_beta, args.budget),
                                        micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=tokens,
@@ -84,21 +80,12 @@ class StepRunner:
 
     def step(self, prompts: int, completion: int, others_bytes: int = 0, lengths: list[int] | None = None,
              mode: tuple[str, bool] = ("continuous", True), profile_update: bool = False, busy: bool = False) -> dict:
-        """One step on this rank's `prompts` prompts x G rows.
+        """One step on this rank's `prompts` prompts x G rows; the row of the table (docs/cli.md, "qerl bench step").
 
-        completion: the forced length of every row when `lengths` is None; lengths: this rank's per-row forced
-        lengths (prompts x G ints, each prompt's rows adjacent; the rollout's max_new_tokens is then the budget
-        args.budget); mode: (engine scheduler, packed update); others_bytes: GPU memory held by other resident
-        runners (subtracted from the peak); profile_update: run the policy update under the profiler and add
-        its summary as "update_profile" (`bench.update_profile`; its phase times are then not comparable); busy:
-        run each phase under its own profiler session and add "busy", {phase: {"wall_ms", "busy_ms", "share"}}
-        (`update_profile.PhaseBusy`; phase times not comparable either). Returns
-        seconds per phase, peak memory (GB) and the whole step's
-        (all ranks') token counts: tokens (kept completion tokens), decoded_row_steps, prefill_tokens,
-        loss_tokens_computed, loss_tokens_needed, with the ratios kept_tok_s, rollout_efficiency
-        (row-steps / kept) and loss_efficiency (computed / needed); update_flops, the update's useful FLOPs (all
-        ranks; `qerl.rl.flops`; absent for a model it does not count), and update_tflops, per GPU per second of
-        the update (step - rollout)."""
+        completion: every row's forced length when `lengths` is None; lengths: this rank's per-row forced lengths
+        (prompts x G ints, a prompt's rows adjacent; max_new_tokens is then args.budget); mode: (engine scheduler,
+        packed update); others_bytes: GPU memory of the other resident runners (taken off the peak); profile_update
+        / busy: add "update_profile" / "busy" (`bench.update_profile`; the phase times are then not comparable)."""
         from ..nn.noisy_norm import NoisyNorms
         from ..rl.advantages import group_advantages
         from ..rl.collect import Experience
@@ -108,24 +95,19 @@ class StepRunner:
 
         args, G = self.args, self.args.group
         scheduler, packing = mode
-        vocab = self.model.config.vocab_size
-        ids = torch.randint(0, vocab - 1000, (prompts, args.prompt), generator=torch.Generator().manual_seed(prompts))
-        rows = ids.repeat_interleave(G, 0)
+        rows = prompts_tensor(prompts, args.prompt, self.model.config.vocab_size).repeat_interleave(G, 0)
+        limit = completion if lengths is None else args.budget  # max_new_tokens; a row that reaches it is at budget
         if lengths is not None and len(lengths) != len(rows):
             raise ValueError(f"{len(lengths)} forced lengths for {len(rows)} rows")
 
         def collect() -> Experience:  # the rollout (forced lengths, EOS ignored) with random 0/1 rewards
             aqn = NoisyNorms(self.model, self.sigma, generator=self.generator) if self.sigma > 0 else None
-            sp = SamplingParams(temperature=1.0)
-            if lengths is None:
-                r = self.engine.generate(rows, completion, sp, ignore_eos=True, generator=self.generator, aqn=aqn,
-                                         scheduler=scheduler)
-            else:  # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
-                r = self.engine.generate(rows, args.budget, sp, ignore_eos=True, force_lengths=lengths,
-                                         generator=self.generator, aqn=aqn, scheduler=scheduler)
+            # the same engine (and its graphs) serves every mode: the scheduler is chosen per call
+            r = self.engine.generate(rows, limit, SamplingParams(temperature=1.0), ignore_eos=True,
+                                     force_lengths=lengths, generator=self.generator, aqn=aqn, scheduler=scheduler)
             rewards = torch.randint(0, 2, (len(rows),), generator=self.generator, device=self.model.device).float()
             got = r.completion_mask.sum(1)
-            at_budget = got >= (completion if lengths is None else args.budget)
+            at_budget = got >= limit
             work = {f"rollout_{k}": float(r.stats[k]) for k in ("decoded_row_steps", "prefill_tokens")}
             return Experience(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.logprobs,
                               r.entropies, rewards, group_advantages(rewards, G), got, at_budget, stats=work)
@@ -133,24 +115,16 @@ class StepRunner:
         times = {}
 
         def profiled(update):
-            from .update_profile import profile_call
-
             stats, times["update_profile"] = profile_call(update, self.model.device)
             return stats
 
-        phases = None
-        if busy:
-            from .update_profile import PhaseBusy
-
-            phases = PhaseBusy(self.model.device)
+        phases = PhaseBusy(self.model.device) if busy else None
         on_gpu = self.model.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         # the static, padded reference frees the engine's memory after every rollout; the other modes follow
         # --release-kv-cache as qerl train follows rollout.release_kv_cache (after a reference cell the graphs are
         # gone anyway)
-        from ..kernels.route import kernel_policy
-
         with contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing):
             step = rl_step(collect, model=self.model, engine=self.engine,
                            memory=self.release_always if mode == OLD_MODE else self.engine_memory,
@@ -221,27 +195,18 @@ def _variant(v: str) -> tuple[str, bool, str, str]:
     return fmt, "aqn" in flags, dense[0] if dense else "off", "fp8" if w4a8 else "bf16"
 
 
-def _median(values):
-    """The median; for an even count the upper of the two middle values (a value that was measured)."""
-    return statistics.median_high(values)
-
-
 def _build(variant: str, args, dist_ctx, device, size: str) -> tuple[dict, "StepRunner | None"]:
     """(cell, runner) for one variant; runner None and cell["error"] set when the model does not fit."""
     from ..models.loader import load_policy
-    from .rollout import random_spec
 
     fmt, aqn, dense, compute = _variant(variant)
     cell = dict(model=size, variant=variant, world=dist_ctx.world)
     try:
         t = time.perf_counter()
         model, _ = load_policy(random_spec(size, fmt, args.lora_r, device, args.layers))
-        if args.moe_reference:
-            from ..nn.quant_experts import QuantExperts
-
-            for m in model.modules():
-                if isinstance(m, QuantExperts):
-                    m.grouped_kernel = False
+        for m in model.modules() if args.moe_reference else ():
+            if isinstance(m, QuantExperts):
+                m.grouped_kernel = False
         cell["build_s"] = time.perf_counter() - t
         cell["weights_gb"] = sum(x.numel() * x.element_size() for x in [*model.parameters(), *model.buffers()]) / 1e9
         return cell, StepRunner(model, args, dist_ctx, sigma=args.sigma if aqn else 0.0, dense_weights=dense,
@@ -352,19 +317,19 @@ def time_cells(runners: dict, cells: dict, prompts: int, args, dist_ctx) -> list
             continue
         rows[k].update(profiled[k])
         steps = [t for _, t in samples[k]]
-        rows[k].update({name: _median([s[name] for s in steps]) for name in steps[0]})
+        # medians: for an even count the upper of the two middle values (a value that was measured)
+        rows[k].update({name: statistics.median_high([s[name] for s in steps]) for name in steps[0]})
         rows[k]["steps_timed"] = len(steps)
         rows[k]["step_samples"] = [[o, t["step"]] for o, t in samples[k]]  # (rotation, seconds) in run order
         rows[k]["orders"] = [",".join(cell_label(v, m, args) for v, m in order) for order in orders]
         in_order = [[t["step"] for o2, t in samples[k] if o2 == o] for o in range(len(orders))]
-        rows[k]["step_by_order"] = [_median(s) if s else None for s in in_order]
-    if args.check_dist and dist_ctx.world > 1:
-        checked = set()
-        for v, m in alive:  # one check per variant: the gradient does not depend on the mode
-            if "error" not in rows[(v, m)] and v not in checked:
-                checked.add(v)
-                rows[(v, m)]["dist_grad_rel_err"], rows[(v, m)]["dist_grad_noise_floor"] = check_distributed(
-                    runners[v], prompts)
+        rows[k]["step_by_order"] = [statistics.median_high(s) if s else None for s in in_order]
+    firsts = {}  # one check per variant, on its first cell that ran: the gradient does not depend on the mode
+    for v, m in alive if args.check_dist and dist_ctx.world > 1 else ():
+        if "error" not in rows[(v, m)]:
+            firsts.setdefault(v, (v, m))
+    for v, k in firsts.items():
+        rows[k]["dist_grad_rel_err"], rows[k]["dist_grad_noise_floor"] = check_distributed(runners[v], prompts)
     return list(rows.values())
 
 
@@ -421,26 +386,20 @@ def _speedup(base: dict | None, r: dict) -> str:
 
 def _flops_cells(r: dict) -> str:
     """The update TFLOP and update TFLOP/s cells of a timed row ("- | -" for a model qerl.rl.flops does not count)."""
-    if r.get("update_flops") is None:
-        return "- | -"
-    return f"{r['update_flops'] / 1e12:.1f} | {r['update_tflops']:.0f}"
+    return "- | -" if r.get("update_flops") is None else f"{r['update_flops'] / 1e12:.1f} | {r['update_tflops']:.0f}"
 
 
 def _recomputed_cell(r: dict) -> str:
-    """'recomputed of layers', or '-' for a row without the count (results written before it existed, a model
-    without checkpointable layers)."""
-    if r.get("recomputed_layers", -1) < 0:  # absent, or a model without checkpointable layers
+    """'recomputed of layers', or '-' for a row without the count (absent, or a model without checkpointable layers)."""
+    if r.get("recomputed_layers", -1) < 0:
         return "-"
     return f"{r['recomputed_layers']:.0f} of {r['checkpointable_layers']:.0f}"
 
 
 def _busy_cell(r: dict) -> str:
     """The GPU-busy shares of the rollout, reference and loss + backward phases ("-" where not measured)."""
-    busy = r.get("busy")
-    if not busy:
-        return "-"
-    phases = ("rollout", "reference", "loss_backward")
-    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in phases)
+    busy, phases = r.get("busy"), ("rollout", "reference", "loss_backward")
+    return " / ".join(f"{busy[p]['share']:.0%}" if p in busy else "-" for p in phases) if busy else "-"
 
 
 def lengths_line(args) -> str:
@@ -453,19 +412,17 @@ def lengths_line(args) -> str:
 
 def table(results, device, args) -> str:
     orders = next((r["orders"] for r in results if "orders" in r and len(r["orders"]) > 1), None)
+    tokens = args.max_tokens_per_micro_batch or "by model size (token_budget)"
     lines = [f"device: {device}; {datetime.date.today()}; prompt {args.prompt}, G {args.group}, LoRA r {args.lora_r}, "
-             f"micro-batch {args.micro_batch} rows (padded) / "
-             f"{args.max_tokens_per_micro_batch or 'by model size (token_budget)'} tokens (packed), "
-             f"KL beta {args.kl_beta}, gradient checkpointing {args.gradient_checkpointing}, "
-             f"GPUs {results[0]['world'] if results else 1}, order {args.order}, "
-             f"{args.steps} step(s) per rotation"
+             f"micro-batch {args.micro_batch} rows (padded) / {tokens} tokens (packed), KL beta {args.kl_beta}, "
+             f"gradient checkpointing {args.gradient_checkpointing}, GPUs {results[0]['world'] if results else 1}, "
+             f"order {args.order}, {args.steps} step(s) per rotation"
              + (f", memory cap {args.memory_cap_gib} GiB" if args.memory_cap_gib else ""),
              lengths_line(args),
-             "| model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s "
-             "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept | recomputed layers "
-             "| loss tokens computed / needed | peak GB | weights GB | update TFLOP | update TFLOP/s "
-             "| GPU busy rollout / ref / loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             md_header("model | variant | mode | prompts x G | rollout s | reference s | loss+backward s | optimizer s "
+                       "| step s | vs old | vs bf16 | vs bf16 by order | kept tok/s | row-steps / kept | recomputed "
+                       "layers | loss tokens computed / needed | peak GB | weights GB | update TFLOP | update TFLOP/s "
+                       "| GPU busy rollout / ref / loss")]
     for r in results:
         head = f"| {r['model']} | {r['variant']} | {r.get('mode', '-')} | {r.get('prompts', '-')} x {args.group} |"
         if "error" in r:
@@ -529,8 +486,6 @@ def ceiling_table(results, device, args) -> str:
 def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) -> list[tuple[str, bool]]:
     """--modes new,old, or the product --schedulers x --packing (defaults continuous, on) -> [(scheduler, packed)].
     Raises ValueError for unknown or repeated values."""
-    from .rollout import parse_schedulers
-
     if modes is not None:
         if schedulers is not None or packing is not None:
             raise ValueError("--modes replaces --schedulers and --packing; give one or the other")
@@ -547,67 +502,39 @@ def parse_modes(schedulers: str | None, packing: str | None, modes: str | None) 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="qerl bench step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="7b",
-                    help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])} (4-bit MoE experts run as frozen "
-                         "QuantExperts: grouped kernels, decode in CUDA graphs; bf16 experts: transformers' loop, "
-                         "eager)")
+    ap.add_argument("--models", default="7b", help=f"comma list of {','.join([*QWEN25, *MOE_SHAPES])}")
     ap.add_argument("--variants", default="bf16,nf4,nvfp4,nvfp4+aqn",
-                    help="FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in bf16,nf4,nvfp4,mxfp4,fp8 "
-                         "(+dense: model.dense_weights=update, +denseall: =all; +w4a8: model.compute=fp8)")
+                    help="FORMAT[+aqn][+dense|+denseall][+w4a8], FORMAT in bf16,nf4,nvfp4,mxfp4,fp8")
     ap.add_argument("--prompts", default="2,4,8", help="prompts per step (global, over all ranks)")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=None,
-                    help="forced lengths: every row exactly this many tokens (default 2048, the paper's budget); "
-                         "not with --lengths")
+                    help="forced lengths: every row exactly this many tokens (default 2048); not with --lengths")
     add_lengths_option(ap)
     ap.add_argument("--seed", type=int, default=0, help="--lengths: repetition r draws with seed + r")
-    ap.add_argument("--schedulers", default=None, help="comma list of the engine's schedulers: continuous, static "
-                                                       "(default continuous)")
+    ap.add_argument("--schedulers", default=None, help="comma list of continuous, static (default continuous)")
     ap.add_argument("--packing", default=None, help="comma list of on (packed micro-batches), off (padded); default on")
-    ap.add_argument("--packed-attention", default="sdpa", choices=PACKED_ATTENTION,
-                    help="the packed passes' attention (optim.packed_attention)")
-    ap.add_argument("--modes", default=None, help="comma list of new (continuous + packing on), old (static + "
-                                                  "packing off); instead of --schedulers / --packing")
-    ap.add_argument("--warmup-completion", type=int, default=32,
-                    help="completion length of the untimed warm-up step (forced lengths; with --lengths the warm-up "
-                         "is a whole draw of the profile that no timed step uses)")
-    ap.add_argument("--steps", type=int, default=3,
-                    help="timed steps per cell and order (interleaved: repetitions of the counterbalanced "
-                         "rounds; sequential: timed steps); medians reported (the upper middle value for an even "
-                         "count: use 3 or more per order)")
-    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
-                    help="interleaved: all variants of a model resident, steps alternate in counterbalanced rounds "
-                         "(order-fair); sequential: one variant at a time (less memory)")
+    ap.add_argument("--packed-attention", default="sdpa", choices=PACKED_ATTENTION, help="optim.packed_attention")
+    ap.add_argument("--modes", default=None, help="comma list of new, old; instead of --schedulers / --packing")
+    ap.add_argument("--warmup-completion", type=int, default=32, help="length of the untimed warm-up step")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per cell and order (medians: use 3 or more)")
+    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the padded update")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
-                    help="tokens per micro-batch of the packed update (default: by model size, as qerl train "
-                         "chooses it: qerl.rl.packing.token_budget)")
+                    help="tokens per micro-batch of the packed update (default: qerl.rl.packing.token_budget)")
     ap.add_argument("--release-kv-cache", choices=tuple(RELEASE_SETTINGS), default="auto",
-                    help="after each rollout of a non-old mode: free the engine's KV cache and decode graphs "
-                         "(always), or keep them from the second step on when they fit (auto, qerl train's "
-                         "default: rollout.release_kv_cache). The old mode always frees them, so a cell after "
-                         "an old-mode cell captures its graphs again: --modes new alone times the kept engine")
+                    help="as rollout.release_kv_cache, for the non-old modes (old always frees)")
     ap.add_argument("--gradient-checkpointing", choices=tuple(CHECKPOINTING_SETTINGS), default="auto",
-                    help="which decoder layers recompute in the backward, as optim.gradient_checkpointing (auto plans "
-                         "from the free memory: run one variant per process to compare, a resident runner's "
-                         "weights count against the others' budget)")
-    ap.add_argument("--moe-reference", action="store_true",
-                    help="MoE models: run the 4-bit experts through the per-expert reference loop (each hit "
-                         "expert dequantized per call, eager decode) instead of the grouped kernel")
+                    help="as optim.gradient_checkpointing")
+    ap.add_argument("--moe-reference", action="store_true", help="MoE models: the per-expert reference loop")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--kl-beta", type=float, default=0.04, help="0 skips the reference pass")
     ap.add_argument("--sigma", type=float, default=1e-2, help="AQN sigma of +aqn variants")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke tests)")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="limit this process's GPU memory")
     ap.add_argument("--check-dist", action="store_true", help="under torchrun: check the all-reduced gradient")
-    ap.add_argument("--busy", action="store_true",
-                    help="after the timed steps, one more step per cell with each phase (rollout, reference, loss + "
-                         "backward, optimizer) under its own profiler session: the share of its wall time the GPU "
-                         "was busy (the table's GPU busy column, the rows' \"busy\")")
-    ap.add_argument("--profile-update", action="store_true",
-                    help="after the timed steps, one more step per cell with its policy update under the "
-                         "profiler: the update's device kernels by time and how busy the GPU was")
+    ap.add_argument("--busy", action="store_true", help="one more step per cell, each phase profiled: GPU busy")
+    ap.add_argument("--profile-update", action="store_true", help="one more step per cell, its update profiled")
     add_policy_option(ap, "permute_x=false; disabled=BACKEND+BACKEND)")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
@@ -624,21 +551,14 @@ def parse_args(argv=None):
     for size in args.models:
         model_config(size, 1)
     for v in args.variants:
-        try:
-            _variant(v)
-        except ValueError as e:
-            ap.error(str(e))
-    try:
-        args.modes = parse_modes(args.schedulers, args.packing, args.modes)
-    except ValueError as e:
-        ap.error(str(e))
+        or_error(ap, _variant, v)
+    args.modes = or_error(ap, parse_modes, args.schedulers, args.packing, args.modes)
     args.profile, args.completion, args.budget = resolve_lengths(ap, args.lengths, args.completion, "--completion",
                                                                  2048, 1)
     return ap, args
 
 
 def main(argv=None) -> int:
-    from ..kernels.route import kernel_policy
     from ..rl.distributed import barrier, init_distributed
 
     ap, args = parse_args(argv)
@@ -659,8 +579,6 @@ def main(argv=None) -> int:
         if bound:
             print("\n" + bound)
         if args.profile_update:
-            from .update_profile import profile_table
-
             print("\nthe policy update under the profiler (one untimed step per cell; the first repetition's "
                   "lengths):\n" + profile_table(results))
     if dist_ctx.enabled:

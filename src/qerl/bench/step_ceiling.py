@@ -1,11 +1,6 @@
-"""How fast an NVFP4 LoRA step can be at most, against the bf16 LoRA step measured beside it (`qerl bench step`).
-
-A W4A16 kernel does the same bf16 tensor-core work as cuBLAS plus a decode, so on the passes that run
-thousands of rows per matmul (reference, loss + backward) it can at best tie bf16. Only the rollout can gain,
-and a decode step reads, per token, every weight but the input embedding plus the KV cache: its time falls
-at most by the ratio of those bytes. The ceiling keeps bf16's measured reference, loss+backward, optimizer
-and untimed glue, and divides bf16's measured rollout by that byte ratio (an upper bound: it assumes bf16's
-whole rollout scales with bytes read, though part of it is sampling, attention arithmetic and launches).
+"""How fast an NVFP4 LoRA step can be at most, against the bf16 LoRA step measured beside it (`qerl bench step`):
+bf16's reference, loss+backward, optimizer and glue kept, its rollout divided by the ratio of bytes a decode step
+reads; the argument in docs/cli.md ("The NVFP4 step's ceiling").
 
     python -m qerl.bench.step_ceiling docs/results/e2e_7b_h100_2026-11-25_interleaved.json
 """
@@ -14,6 +9,7 @@ import argparse
 import json
 
 from ..models.shapes import qwen25_config
+from .options import md_header
 
 BF16_BYTES = 2
 
@@ -66,10 +62,9 @@ def cells(report: dict) -> list[dict]:
 
 
 def table(reports: list[tuple[str, dict]]) -> str:
-    lines = ["| run | model | prompts x G | completion | bf16 step s | bf16 rollout s | bf16 rest s | KV GB/step "
-             "| bytes bf16 / NVFP4 | ceiling step s | **ceiling** | no-rollout ceiling | **measured** "
-             "| NVFP4 rollout / rest s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [md_header("run | model | prompts x G | completion | bf16 step s | bf16 rollout s | bf16 rest s | KV "
+                       "GB/step | bytes bf16 / NVFP4 | ceiling step s | **ceiling** | no-rollout ceiling | "
+                       "**measured** | NVFP4 rollout / rest s", "lll" + "r" * 10 + "l")]
     for name, report in reports:
         g = report["args"]["group"]
         for c in cells(report):

@@ -1,18 +1,7 @@
 """Where one call's time goes: the call run once under `torch.profiler`, its device kernels summed by name, and
-how much of its wall time the device was busy (the union of the kernels' intervals; the rest is launches, host
-work and synchronisation). `qerl bench step --profile-update` runs one extra, untimed step per cell this way
-around the policy update, to tell a variant whose kernels are slower from one whose GPU waits on the host.
-
-`qerl bench step --busy` profiles one extra step per cell phase by phase instead (`PhaseBusy`: one profiler
-session per phase, each around a span that starts and ends with the device synchronised), for the GPU-busy
-share of the rollout, the reference pass and the loss + backward.
-
-On the CPU (tests) the "kernels" are the aten ops, by self time; busy is their sum.
-
-    result, summary = profile_call(fn, device)
-    summary: {"wall_ms", "busy_ms", "kernel_ms", "kernels" (launches), "top": [[name, ms, calls], ...]}
-    with profiled(device) as summary: ...   # the same for a block of code; summary filled on exit
-    profile_table(rows) -> Markdown, one block per profiled cell
+how much of its wall time the device was busy (`qerl bench step --profile-update`; `--busy` profiles phase by
+phase with `PhaseBusy`): docs/cli.md ("Profiling"). On the CPU (tests) the "kernels" are the aten ops, by self
+time; busy is their sum.
 """
 
 import collections
@@ -21,6 +10,8 @@ from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from .options import md_header
 
 NAME_CHARS = 90  # kernel names carry whole template signatures; the start says which kernel it is
 
@@ -37,7 +28,8 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def summarize_events(events, wall_ms: float, device_type: str, top: int = 12) -> dict:
-    """The profile summary from torch.profiler's FunctionEvents (see the module docstring)."""
+    """The profile summary from torch.profiler's FunctionEvents: {"wall_ms", "busy_ms", "kernel_ms", "kernels"
+    (launches), "top": [[name, ms, calls], ...]}."""
     by_name, calls, intervals = collections.Counter(), collections.Counter(), []
     for e in events:
         if device_type == "cuda":
@@ -62,7 +54,7 @@ def summarize_events(events, wall_ms: float, device_type: str, top: int = 12) ->
 @contextmanager
 def profiled(device: torch.device, top: int = 12):
     """The block run under the profiler (CUDA kernels on a GPU, aten ops on the CPU); yields a dict that holds
-    its summary (module docstring) once the block is done."""
+    its summary (`summarize_events`) once the block is done."""
     on_gpu = device.type == "cuda"
     # on a GPU the kernels alone: recording every host op too would stretch the wall time being explained
     activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
@@ -114,7 +106,7 @@ def profile_table(rows: list[dict]) -> str:
         head = (f"{r.get('model', '')} {r.get('variant', '')} {r.get('mode', '')}: update wall {p['wall_ms']:.0f} ms, "
                 f"device busy {p['busy_ms']:.0f} ms ({p['busy_ms'] / max(p['wall_ms'], 1e-9):.0%}), kernels "
                 f"{p['kernel_ms']:.0f} ms in {p['kernels']} launches")
-        lines = [head, "| kernel | ms | calls |", "|---|---:|---:|"]
+        lines = [head, md_header("kernel | ms | calls", "lrr")]
         lines += [f"| `{name}` | {ms:.1f} | {n} |" for name, ms, n in p["top"]]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)

@@ -27,7 +27,7 @@ from ..data.calibration import (CalibrationError, check_source, file_rows, file_
                                 problem_texts)
 from ..data.templates import build_prompt
 from ..formats import WeightFormat
-from ..quant import quantize_group
+from ..quant import quantize_weights
 from ..quant.awq import FOLDED_SCALES, apply_awq, folded_covariances
 from .lora_attach import add_lora_to
 from .precision import names_under
@@ -231,7 +231,7 @@ def awq_fake_quant(fmt: WeightFormat):
     global scale). Round-to-nearest, as AWQ searches: the search calls it 21 times per group, so the
     method's own dearer rounding is kept for the final weights."""
     def fake_quant(ws):
-        return [fmt.dequantize(**t, dtype=torch.float32) for t in quantize_group(fmt, "rtn", ws)]
+        return [fmt.dequantize(**t, dtype=torch.float32) for t in quantize_weights(fmt, "rtn", ws)]
     return fake_quant
 
 # the layer-by-layer loop ----------------------------------------------------------------------------
@@ -290,7 +290,8 @@ def _calibrate_layer(layer: nn.Module, prefix: str, q: Quantization, kept_here: 
     awq_scales = {}
     if q.method == "awq":
         leaf_samples = {n.rpartition(".")[2]: s.to(device) for n, s in samples.items()}
-        folds = apply_awq(layer, leaf_samples, awq_fake_quant(q.format))
+        fake_quant = awq_fake_quant(q.format)
+        folds = apply_awq(layer, leaf_samples, fake_quant)
         awq_scales.update({prefix + name: s for name, s in folds.items()})
         if q.eora:  # the adapters are fitted to the folded weights, whose inputs are the folded ones
             hessians = folded_covariances(hessians, folds)

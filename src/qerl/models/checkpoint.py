@@ -36,7 +36,7 @@ from ..quant.awq import channel_scales, set_channel_scales
 from .atomic import atomic_directory
 from .moe_checkpoint import check_saveable_experts, expert_tensors, has_expert_tensors, take_experts
 from .router import router_modules
-from .sources import ModelLoadError, check_architecture, check_safetensors, resolve_dtype
+from .sources import ModelLoadError, check_architecture, check_safetensors
 from .precision import partial_sibling_groups
 from .targets import quant_experts, quant_layers
 
@@ -262,7 +262,7 @@ def _kept_layer(state: dict, name: str, mod: nn.Linear, dtype: torch.dtype, path
                        None if bias is None else bias.to(dtype))
 
 
-def load_quantized(path, dtype=None, device=None):
+def load_quantized(path, dtype: torch.dtype = torch.bfloat16, device=None):
     """A quantized HF directory -> (model with QuantLinear layers and, for MoE, QuantExperts; no LoRA yet,
     tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -279,7 +279,6 @@ def load_quantized(path, dtype=None, device=None):
     keep = set(getattr(config, KEEP_KEY, None) or ())
     if hasattr(config, KEEP_KEY):
         delattr(config, KEEP_KEY)
-    dtype = resolve_dtype(dtype)
     device = torch.device(device or "cpu")
     state = {}
     for f in check_safetensors(path):

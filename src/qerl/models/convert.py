@@ -13,14 +13,14 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..formats import WeightFormat, get_format
+from ..formats import FORMATS, WeightFormat
 from ..nn import DEFAULT_TARGETS, LoraConfig, QuantEmbedding
 from ..nn.quant_embedding import check_embedding_shape
 from ..quant import CALIBRATED
 from .calibration import calibrated_quantize
-from .experts import experts_to_quantize, quantize_experts
+from .experts import experts_to_quantize, replace_experts
 from .lora_attach import add_expert_lora, add_lora_to, check_expert_lora_possible
-from .precision import names_under, resolve_keep_bf16
+from .precision import names_under, resolve_checked_keep_bf16
 from .quantization import Quantization
 from .surgery import WeightQuantizer, quantize_keeping
 from .targets import quant_embeddings, quant_layers
@@ -75,7 +75,7 @@ def quantize_as(model: nn.Module, q: Quantization, *, quantizer: WeightQuantizer
         if lora.init == "eora":
             raise ValueError("lora.init eora: not with expert LoRA (lora.experts) yet (each expert's routed inputs "
                              "are not collected); use lora.init loftq")
-    keep = resolve_keep_bf16(model, q.keep_bf16, q.targets, name_prefix) if q.keep_bf16 else set()
+    keep = resolve_checked_keep_bf16(model, q.keep_bf16, q.targets, name_prefix) if q.keep_bf16 else set()
     if q.embeddings:
         check_input_embeddings_quantizable(model, fmt)
     if q.calibrated:
@@ -91,7 +91,7 @@ def quantize_as(model: nn.Module, q: Quantization, *, quantizer: WeightQuantizer
         kept = quantize_keeping(model, q, names_under(keep, name_prefix), quantizer, show_progress)
         add_lora_to(kept, lora)
     if with_experts:
-        quantize_experts(model, fmt, method, fit=lora)
+        replace_experts(model, fmt, method, fit=lora)
         if lora is not None and lora.experts:
             add_expert_lora(model, lora)
     if q.embeddings:
@@ -110,9 +110,8 @@ def input_embeddings_tied(model: nn.Module) -> bool:
     return same or bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
-def check_input_embeddings_quantizable(model: nn.Module, fmt: str | WeightFormat) -> None:
+def check_input_embeddings_quantizable(model: nn.Module, fmt: WeightFormat) -> None:
     """Raise ValueError unless `quantize_input_embeddings(model, fmt)` can work; changes nothing."""
-    fmt = get_format(fmt)
     if not hasattr(model, "get_input_embeddings"):
         raise ValueError(f"{type(model).__name__} has no input embedding (get_input_embeddings) to quantize")
     emb = model.get_input_embeddings()
@@ -131,7 +130,7 @@ def check_input_embeddings_quantizable(model: nn.Module, fmt: str | WeightFormat
     check_embedding_shape(emb.num_embeddings, emb.embedding_dim, fmt)
 
 
-def quantize_input_embeddings(model: nn.Module, fmt: str | WeightFormat = "nvfp4") -> QuantEmbedding:
+def quantize_input_embeddings(model: nn.Module, fmt: WeightFormat = FORMATS["nvfp4"]) -> QuantEmbedding:
     """Replace the (untied) input embedding by a frozen `QuantEmbedding` in `fmt`, in place; returns it.
 
     Idempotent: an embedding that is already a QuantEmbedding is kept as it is (whatever its format).

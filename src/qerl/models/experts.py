@@ -23,7 +23,7 @@ from ..formats import WeightFormat, get_format
 from ..nn.quant_experts import QuantExperts
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from ..nn import LoraConfig
-from ..quant import CALIBRATED, check_method, quantize_group
+from ..quant import CALIBRATED, check_method, quantize_weights
 from .lora_init import PENDING_FACTORS, expert_residual_factors
 from .precision import refuse_kept_experts
 
@@ -98,14 +98,15 @@ def check_experts(model: nn.Module, fmt: str | WeightFormat, method: str = "rtn"
     """Raise ValueError unless `quantize_experts(model, fmt, method)` can work; changes nothing.
 
     Returns the experts stacks [(name, module)] that it would replace."""
-    return _checked_experts(model, get_format(fmt), method)
+    fmt = get_format(fmt)
+    check_method(method, fmt)
+    return _checked_experts(model, fmt, method)
 
 
 def _checked_experts(model: nn.Module, fmt: WeightFormat, method: str) -> list[tuple[str, nn.Module]]:
     block = fmt.block
     if fmt.name == "bf16":
         raise ValueError("quantize_experts: fmt must be a 4-bit format (nvfp4, mxfp4, nf4), not bf16")
-    check_method(method, fmt)
     if method not in EXPERT_METHODS:
         raise ValueError(f"quantize_experts: method {method!r} does not handle MoE experts yet; use "
                          f"{' or '.join(EXPERT_METHODS)}")
@@ -126,8 +127,8 @@ def _checked_experts(model: nn.Module, fmt: WeightFormat, method: str) -> list[t
 def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_bf16: Iterable[str] = (),
                         name_prefix: str = "") -> bool:
     """True when `quantize_model` is to quantize experts stacks of `model` (it holds some, fmt is 4-bit);
-    ValueError, before anything is changed, where it could not: a calibrated method, a keep_bf16 entry that names
-    an experts module (`precision.refuse_kept_experts`), a stack `check_experts` refuses."""
+    ValueError, before anything is changed, where it could not: a calibrated method, a stack `check_experts`
+    refuses, a keep_bf16 entry that names an experts module (`precision.refuse_kept_experts`)."""
     found = experts_modules(model)
     if not found or fmt.name == "bf16":
         return False
@@ -135,14 +136,14 @@ def experts_to_quantize(model: nn.Module, fmt: WeightFormat, method: str, keep_b
         raise ValueError(f"quantization method {method!r}: gptq/awq do not handle MoE experts yet; use rtn or "
                          f"4over6, or experts=False ({type(model).__name__} holds {len(found)} experts modules, "
                          f"e.g. {found[0][0]})")
-    refuse_kept_experts([name_prefix + n for n, _ in found], keep_bf16)
     _checked_experts(model, fmt, method)
+    refuse_kept_experts([name_prefix + n for n, _ in found], keep_bf16)
     return True
 
 
 def _stack_method(fmt: WeightFormat, method: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """weight [E, N, K] -> stacked tensors, each expert's matrix quantized alone by `method` (own global scale)."""
-    per_expert = [quantize_group(fmt, method, [weight[e].detach()])[0] for e in range(weight.shape[0])]
+    per_expert = [quantize_weights(fmt, method, [weight[e].detach()])[0] for e in range(weight.shape[0])]
     return {name: torch.stack([t[name] for t in per_expert]) for name in per_expert[0]}
 
 
@@ -150,13 +151,13 @@ def _with_method(quant_cls: type, module: nn.Module, fmt: WeightFormat, method: 
     """`quant_cls` built from `module` with each expert's matrices ([N, K], qerl's orientation) quantized by
     `method`."""
     e, h, i = quant_cls.hf_dims(module)
-    if quant_cls is GptOssQuantExperts:
-        return GptOssQuantExperts(e, h, i, fmt, module.alpha, module.limit,
-                                  _stack_method(fmt, method, module.gate_up_proj.transpose(1, 2)),
-                                  _stack_method(fmt, method, module.down_proj.transpose(1, 2)),
+    gpt_oss = quant_cls is GptOssQuantExperts  # stores [E, K, N]: each expert's matrix transposed first
+    gate_up, down = (_stack_method(fmt, method, w.transpose(1, 2) if gpt_oss else w)
+                     for w in (module.gate_up_proj, module.down_proj))
+    if gpt_oss:
+        return GptOssQuantExperts(e, h, i, fmt, module.alpha, module.limit, gate_up, down,
                                   module.gate_up_proj_bias.detach().clone(), module.down_proj_bias.detach().clone())
-    return QuantExperts(e, h, i, fmt, module.act_fn, _stack_method(fmt, method, module.gate_up_proj),
-                        _stack_method(fmt, method, module.down_proj))
+    return QuantExperts(e, h, i, fmt, module.act_fn, gate_up, down)
 
 
 def quantize_experts(model: nn.Module, fmt: str | WeightFormat = "nvfp4", method: str = "rtn",
@@ -173,6 +174,13 @@ def quantize_experts(model: nn.Module, fmt: str | WeightFormat = "nvfp4", method
     fit: a LoraConfig with experts and init loftq: each stack's residual factors are computed before its 16-bit
     weights go and kept on it until `add_expert_lora` (`lora_init.PENDING_FACTORS`)."""
     fmt = get_format(fmt)
+    check_method(method, fmt)
+    return replace_experts(model, fmt, method, fit)
+
+
+def replace_experts(model: nn.Module, fmt: WeightFormat, method: str = "rtn",
+                    fit: LoraConfig | None = None) -> dict[str, QuantExperts]:
+    """`quantize_experts` for a format and method already checked together (`Quantization.of`)."""
     found = _checked_experts(model, fmt, method)
     replaced = {}
     for name, module in found:

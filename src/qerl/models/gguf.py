@@ -2,13 +2,14 @@
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from .sources import ModelLoadError, check_architecture, check_gguf, resolve_dtype
+from .sources import ModelLoadError, check_architecture, check_gguf
 
 
-def load_gguf(path, dtype=None, device=None):
-    """A GGUF file -> (plain bf16 HF model with dense weights, tokenizer). Dequantizes GGUF blocks."""
+def load_gguf(path, dtype: torch.dtype = torch.bfloat16, device=None):
+    """A GGUF file -> (plain HF model with dense weights in `dtype`, tokenizer). Dequantizes GGUF blocks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -16,7 +17,7 @@ def load_gguf(path, dtype=None, device=None):
         raise ModelLoadError(f"{path}: no such GGUF file")
     check_gguf(path)
     kwargs = dict(gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=resolve_dtype(dtype), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype, **kwargs)
     check_architecture(model.config, path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     # The weights are dense now: forget the GGUF quantizer so the model saves and trains like any other.

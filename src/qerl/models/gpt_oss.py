@@ -35,7 +35,7 @@ from torch import nn
 from ..nn.quant_experts_gpt_oss import GptOssQuantExperts
 from .atomic import atomic_directory
 from .checkpoint import assign_remaining, directory_tokenizer, write_model_files
-from .sources import ModelLoadError, check_safetensors, resolve_dtype
+from .sources import ModelLoadError, check_safetensors
 from .targets import quant_layers
 
 MODEL_TYPE = "gpt_oss"
@@ -102,7 +102,7 @@ def _read_state(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_gpt_oss_mxfp4(path, dtype=None, device=None):
+def load_gpt_oss_mxfp4(path, dtype: torch.dtype = torch.bfloat16, device=None):
     """A gpt-oss directory with MXFP4 experts -> (GptOssForCausalLM with GptOssQuantExperts, tokenizer or None).
 
     The model is built on the meta device; each layer's experts are made from the file's blocks and scales
@@ -113,7 +113,6 @@ def load_gpt_oss_mxfp4(path, dtype=None, device=None):
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     del config.quantization_config  # build the plain model: its experts are replaced below
-    dtype = resolve_dtype(dtype)
     device = torch.device(device or "cpu")
     state = _read_state(path, device)
     with torch.device("meta"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats import FORMATS
 from ..lora_config import DEFAULT_TARGETS, LoraConfig
 from ..quant import CALIBRATED
 from .quantization import Quantization
@@ -107,7 +108,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
     from .adapter import load_adapter
     from .calibration import calibration_ids, default_samples
     from .convert import quantize_input_embeddings
-    from .pretrained import load_causal_lm, plain_hf_directory
+    from .pretrained import load_pretrained, plain_hf_directory
     from .lora_attach import add_lora
     from .precision import describe_keep_bf16
     from .random_weights import RandomLayers, is_random, random_calibration, random_config
@@ -149,7 +150,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
             if q.calibrated:
                 q = calibrated(layers.tokenizer())
     if layers is None:  # loaded whole: 16-bit modules, or a directory's stored 4-bit state
-        model, tokenizer = load_causal_lm(spec.name, dtype=dtype, device=device, trust_remote_code=trust)
+        model, tokenizer = load_pretrained(spec.name, dtype, device, trust_remote_code=trust)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)
             if spec.method != "rtn" or spec.keep_bf16:
                 raise ValueError(f"{spec.name} is already quantized; the quantization method and the layers kept "
@@ -160,7 +161,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
                                      "the 16-bit weights, which it does not hold; load the 16-bit model instead")
                 add_lora(model, lora)
             if spec.embeddings:
-                quantize_input_embeddings(model, model.config.qerl_weight_format)
+                quantize_input_embeddings(model, FORMATS[model.config.qerl_weight_format])
         elif q is not None:
             if before_quantize is not None:
                 before_quantize(model, tokenizer)

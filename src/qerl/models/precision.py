@@ -28,7 +28,7 @@ from torch import nn
 
 # check_keep_bf16: the syntax check needs no model, so it lives in the torch-free `qerl.choices` (config validation)
 from ..choices import KEEP_BF16_LAST as LAST, check_keep_bf16, keep_bf16_last_count as _last_count  # noqa: F401
-from ..formats import WeightFormat, get_format
+from ..formats import FORMATS, WeightFormat
 from ..nn import DEFAULT_TARGETS
 from .targets import FUSED_GROUPS, find_targets
 
@@ -78,7 +78,11 @@ def match_keep_bf16(names: Iterable[str], specs: Iterable[str]) -> list[str]:
 
     ValueError for a malformed entry or one that selects nothing. `last:N` counts decoder layers among
     `names`, so `names` must be the whole model's targets."""
-    names, specs = list(names), check_keep_bf16(specs)
+    return _matched(list(names), check_keep_bf16(specs))
+
+
+def _matched(names: list[str], specs: list[str]) -> list[str]:
+    """`match_keep_bf16` for entries already checked."""
     chosen = set()
     for spec in specs:
         hit = _last_layers(names, spec) if spec.startswith(LAST) else {n for n in names if _matches(n, spec)}
@@ -94,12 +98,17 @@ def resolve_keep_bf16(model: nn.Module, specs: Iterable[str], targets: Iterable[
 
     model: a whole causal LM (a meta-device skeleton works: only names are read), or one block whose
     names get `name_prefix` (e.g. "model.layers.3."); `last:N` needs the whole model and is refused then."""
-    specs = check_keep_bf16(specs)
+    return resolve_checked_keep_bf16(model, check_keep_bf16(specs), targets, name_prefix)
+
+
+def resolve_checked_keep_bf16(model: nn.Module, specs: list[str], targets: Iterable[str] = DEFAULT_TARGETS,
+                              name_prefix: str = "") -> set[str]:
+    """`resolve_keep_bf16` for entries whose syntax is checked already (`Quantization.keep_bf16`)."""
     if name_prefix and any(s.startswith(LAST) for s in specs):
         raise ValueError("keep_bf16 last:N needs the whole model to count its layers; resolve it with "
                          "resolve_keep_bf16(whole model) and pass the resulting names")
     names = [name_prefix + n for n in find_targets(model, targets)]
-    return set(match_keep_bf16(names, specs))
+    return set(_matched(names, specs))
 
 
 def refuse_kept_experts(experts: Iterable[str], specs: Iterable[str]) -> None:
@@ -136,12 +145,11 @@ def partial_sibling_groups(kept: Iterable[str], names: Iterable[str]) -> list[li
 
 
 @lru_cache(maxsize=None)
-def _format_row_bytes(fmt: str, in_features: int) -> tuple[int, int]:
+def _format_row_bytes(fmt: WeightFormat, in_features: int) -> tuple[int, int]:
     """(bytes per output row, bytes per weight) of `fmt` at this input size, incl. every scale."""
-    spec = get_format(fmt)
 
     def stored(rows: int) -> int:  # quantize a small stand-in: the layout depends only on the shape
-        tensors = spec.quantize(torch.ones(rows, in_features), None)
+        tensors = fmt.quantize(torch.ones(rows, in_features), None)
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # 64 and 128 rows keep N*K a multiple of every block (NF4 blocks run over the flattened tensor)
@@ -150,13 +158,13 @@ def _format_row_bytes(fmt: str, in_features: int) -> tuple[int, int]:
     return per_row, small - 64 * per_row
 
 
-def format_bytes(fmt: str | WeightFormat, out_features: int, in_features: int) -> int:
+def format_bytes(fmt: WeightFormat, out_features: int, in_features: int) -> int:
     """Bytes a weight [out_features, in_features] takes in `fmt`: codes, block scales, global scales."""
-    per_row, per_weight = _format_row_bytes(get_format(fmt).name, in_features)
+    per_row, per_weight = _format_row_bytes(fmt, in_features)
     return out_features * per_row + per_weight
 
 
-def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: str | WeightFormat) -> int:
+def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: WeightFormat) -> int:
     """Bytes the kept linears take in bf16 beyond what `fmt` would take for them (biases excluded: equal).
 
     model: before or after quantization (nn.Linear or QuantLinear, only in/out features are read);
@@ -166,14 +174,14 @@ def keep_bf16_extra_bytes(model: nn.Module, kept: Iterable[str], fmt: str | Weig
         mod = model.get_submodule(name)
         n, k = mod.out_features, mod.in_features
         try:
-            extra += format_bytes("bf16", n, k) - format_bytes(fmt, n, k)
+            extra += format_bytes(FORMATS["bf16"], n, k) - format_bytes(fmt, n, k)
         except ValueError as e:  # e.g. in_features not a multiple of the block: no 4-bit size to compare
             raise ValueError(f"{name}: {e}") from None
     return extra
 
 
-def describe_keep_bf16(model: nn.Module, kept: Iterable[str], fmt: str | WeightFormat) -> str:
+def describe_keep_bf16(model: nn.Module, kept: Iterable[str], fmt: WeightFormat) -> str:
     """One line for the logs, e.g. "keep_bf16: 14 linears, +12.3 MiB over nvfp4"."""
-    kept, fmt = list(kept), get_format(fmt)
+    kept = list(kept)
     mib = keep_bf16_extra_bytes(model, kept, fmt) / 2**20
     return f"keep_bf16: {len(kept)} linear{'s' * (len(kept) != 1)}, +{mib:.1f} MiB over {fmt.name}"

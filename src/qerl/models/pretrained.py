@@ -13,6 +13,8 @@ Every failure names the file and the problem; nothing here runs code from a mode
 import json
 from pathlib import Path
 
+import torch
+
 from . import registry
 from .checkpoint import load_quantized
 from .gguf import load_gguf, to_device
@@ -109,7 +111,13 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
 
     name_or_path: an embedded name (`smollm2-135m-instruct`), a GGUF file, a directory (HF, quantized
     HF, or holding one GGUF), or a hub id such as `Qwen/Qwen2.5-7B-Instruct` (needs network).
+    dtype: a torch.dtype or its name (`sources.resolve_dtype`; None: bf16).
     """
+    return load_pretrained(name_or_path, resolve_dtype(dtype), device, trust_remote_code)
+
+
+def load_pretrained(name_or_path, dtype: torch.dtype, device=None, trust_remote_code: bool = False):
+    """`load_causal_lm` with the dtype resolved (the loader's compute dtype), handed to every loader below."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = str(name_or_path)
@@ -147,7 +155,7 @@ def load_causal_lm(name_or_path, dtype=None, device=None, trust_remote_code: boo
             return load_gpt_oss_mxfp4(snapshot, dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path) if local else source, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
+            str(path) if local else source, dtype=dtype, trust_remote_code=trust_remote_code
         )
         tokenizer = AutoTokenizer.from_pretrained(str(path) if local else source, trust_remote_code=trust_remote_code)
     except OSError as e:

@@ -22,10 +22,10 @@ from ..nn.quant_base import QuantizedModule
 from ..quant import CALIBRATED
 from .calibration import calibrated_quantize
 from .convert import quantize_input_embeddings
-from .experts import experts_to_quantize, quantize_experts
+from .experts import experts_to_quantize, replace_experts
 from .lora_attach import add_expert_lora, add_lora_to
-from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors, resolve_dtype
-from .precision import names_under, resolve_keep_bf16
+from .sources import MOE_ARCHITECTURES, ModelLoadError, check_architecture, check_safetensors
+from .precision import names_under, resolve_checked_keep_bf16
 from .quantization import Quantization
 from .surgery import quantize_keeping
 
@@ -97,8 +97,8 @@ def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = 
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    keep = resolve_keep_bf16(model, q.keep_bf16, q.targets) if q.keep_bf16 else set()
     experts_to_quantize(model, fmt, method, q.keep_bf16)  # its refusals, before any layer is read
+    keep = resolve_checked_keep_bf16(model, q.keep_bf16, q.targets) if q.keep_bf16 else set()
     body = model.model
     fill(body.embed_tokens, "model.embed_tokens.")
     # rotary tables are computed in __init__ (non-persistent buffers): build that module on the device
@@ -115,7 +115,7 @@ def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = 
                 fill(layer, prefix)
                 layer_kept = quantize_keeping(layer, q, names_under(keep, prefix))
                 if fmt.name != "bf16":  # a mixture of experts: its 3-D expert stacks too (a no-op in dense layers)
-                    quantize_experts(layer, fmt, method, fit=lora)
+                    replace_experts(layer, fmt, method, fit=lora)
                 kept.update({prefix + n: m for n, m in layer_kept.items()})
                 progress.advance(task)
             add_lora_to(kept, lora)  # after every quantized layer's, as quantize_model does
@@ -138,11 +138,11 @@ class CheckpointLayers:
     """A directory of 16-bit safetensors as a layer source for `build_from`: its config, its tokenizer, and while
     `opened`, `fill(module, prefix)` from the memory-mapped files (cast to `dtype`, on `device`)."""
 
-    def __init__(self, directory, *, dtype=None, device=None, trust_remote_code: bool = False):
+    def __init__(self, directory, *, dtype: torch.dtype = torch.bfloat16, device=None, trust_remote_code: bool = False):
         from transformers import AutoConfig
 
         self.directory = Path(directory)
-        self.dtype, self.device = resolve_dtype(dtype), torch.device(device or "cpu")
+        self.dtype, self.device = dtype, torch.device(device or "cpu")
         self.trust_remote_code = trust_remote_code
         self.config = AutoConfig.from_pretrained(self.directory, trust_remote_code=trust_remote_code)
         check_architecture(self.config, self.directory)
@@ -230,8 +230,8 @@ def build_from(layers, q: Quantization, *, show_progress: bool = False):
     return model.eval(), tokenizer
 
 
-def stream_quantized(directory, q: Quantization, *, dtype=None, device=None, trust_remote_code: bool = False,
-                     show_progress: bool = False):
+def stream_quantized(directory, q: Quantization, *, dtype: torch.dtype = torch.bfloat16, device=None,
+                     trust_remote_code: bool = False, show_progress: bool = False):
     """(model, tokenizer) from a Hugging Face directory of safetensors, quantized as `q` while loading.
 
     Same result as `load_causal_lm(directory)` then `quantize_model(model, q.format, q.lora, q.targets,

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..formats import WeightFormat, get_format
 from ..nn import LoraConfig, QuantLinear
-from ..quant import NVFP4_SEARCH, quantize_group
+from ..quant import NVFP4_SEARCH, quantize_weights
 from .lora_init import init_linear_lora_
 from .quantization import Quantization
 from .targets import FUSED_GROUPS, find_targets
@@ -62,10 +62,10 @@ def _shared_global_scales(linears: dict[str, nn.Linear], fmt: WeightFormat) -> d
     return scales
 
 
-def method_quantizer(module: nn.Module, names: Iterable[str], fmt: str | WeightFormat, method: str,
+def method_quantizer(module: nn.Module, names: Iterable[str], fmt: WeightFormat, method: str,
                      hessians: dict[str, torch.Tensor] | None = None, search: str = NVFP4_SEARCH) -> WeightQuantizer:
     """A `replace_linears` quantizer that quantizes each sibling group among `names` (target linears of `module`,
-    relative to it) together with `method`.
+    relative to it) together with `method`, already checked against `fmt` (`quant.check_method`).
 
     hessians: {module name: fp32 [K, K]} for gptq, keyed by any member of a group; search: the NVFP4 scale
     candidates (`nvfp4_scales.candidate_scales`)."""
@@ -78,7 +78,7 @@ def method_quantizer(module: nn.Module, names: Iterable[str], fmt: str | WeightF
             group = group_of[name]
             ws = [module.get_submodule(n).weight.detach() for n in group]
             h = next((hessians[n] for n in fused_siblings(group[0]) if n in hessians), None)
-            done.update(zip(group, quantize_group(fmt, method, ws, h, name=group[0], search=search)))
+            done.update(zip(group, quantize_weights(fmt, method, ws, h, name=group[0], search=search)))
         return done.pop(name)
 
     return quantize

@@ -44,10 +44,9 @@ class QuantEmbedding(QuantizedModule):
             self.register_buffer(name, t)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, fmt: str | WeightFormat) -> "QuantEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, fmt: WeightFormat) -> "QuantEmbedding":
         """Quantize nn.Embedding's table [V, D] (its own global scale, round-to-nearest)."""
         V, D = embedding.weight.shape
-        fmt = get_format(fmt)
         check_embedding_shape(V, D, fmt)
         tensors = fmt.quantize(embedding.weight, None)
         return cls(V, D, fmt, tensors, embedding.weight.dtype, embedding.padding_idx)

@@ -153,7 +153,7 @@ class QuantExperts(QuantizedModule):
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, fmt: str | WeightFormat,
                  act_fn: nn.Module, gate_up: dict[str, torch.Tensor], down: dict[str, torch.Tensor]):
         super().__init__()
-        fmt = get_format(fmt).name
+        fmt = fmt if isinstance(fmt, str) else fmt.name  # only the name is stored; EXPERT_FORMATS checks it
         if fmt not in EXPERT_FORMATS:
             raise ValueError(f"QuantExperts holds a 4-bit format ({', '.join(EXPERT_FORMATS)}), not {fmt}"
                              + ("; bf16 experts need no surgery" if fmt == "bf16" else ""))

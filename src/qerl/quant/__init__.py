@@ -38,19 +38,26 @@ def check_method(method: str, fmt: str | WeightFormat) -> None:
 
 def quantize_group(fmt: str | WeightFormat, method: str, ws: list[torch.Tensor], hessian: torch.Tensor | None = None,
                    name: str = "", search: str = NVFP4_SEARCH) -> list[dict[str, torch.Tensor]]:
-    """Quantize weights [N_i, K] that share one input (and, for NVFP4, one global scale) with `method`.
+    """`quantize_weights` for a format or its name, the method checked against it first (`check_method`)."""
+    fmt = get_format(fmt)
+    check_method(method, fmt)
+    return quantize_weights(fmt, method, ws, hessian, name, search)
+
+
+def quantize_weights(fmt: WeightFormat, method: str, ws: list[torch.Tensor], hessian: torch.Tensor | None = None,
+                     name: str = "", search: str = NVFP4_SEARCH) -> list[dict[str, torch.Tensor]]:
+    """Quantize weights [N_i, K] that share one input (and, for NVFP4, one global scale) with `method`, already
+    checked against `fmt` (`check_method`, as `Quantization.of` does once for a whole load).
 
     hessian: fp32 [K, K] calibration Hessian of the shared input (gptq only). For awq the weights are
     expected already scaled (`qerl.quant.awq.apply_awq`); the rounding is then the calibration-free best.
     search: the NVFP4 scale candidates of 4over6 / gptq / awq (`nvfp4_scales.candidate_scales`).
     Returns one tensor dict per weight, in the format's checkpoint names."""
-    spec = get_format(fmt)
-    check_method(method, spec)
-    if method == "rtn" or (method == "awq" and spec.name != "nvfp4"):
+    if method == "rtn" or (method == "awq" and fmt.name != "nvfp4"):
         gs = None
-        if spec.global_scale is not None:
-            gs = torch.stack([spec.global_scale(w) for w in ws]).amin(0)
-        return [spec.quantize(w, None if gs is None else gs.clone()) for w in ws]
+        if fmt.global_scale is not None:
+            gs = torch.stack([fmt.global_scale(w) for w in ws]).amin(0)
+        return [fmt.quantize(w, None if gs is None else gs.clone()) for w in ws]
     if method == "gptq":
         if hessian is None:
             raise ValueError(f"{name or 'gptq'}: no calibration Hessian (gptq needs calibration data)")
