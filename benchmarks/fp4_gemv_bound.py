@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 from qerl.bench.graph_timing import copy_bandwidth, graph_time, rotated_copies
-from qerl.bench.kernels import _weights, layer_shapes
+from qerl.bench.kernels import layer_shapes
 
 
 # "/*0070*/ @P0 IMAD.MOV.U32 R1, RZ, RZ, R2 ;": address, opcode, operands
@@ -38,7 +38,9 @@ def time_call(n: int, k: int, m: int, copies: int, calls: int, replays: int = 7,
     from qerl.kernels.gluon import nvfp4 as gk
     from qerl.kernels import route as rt
 
-    _, q = _weights(n, k, copies)
+    from qerl.formats.nvfp4 import quantize_nvfp4
+
+    q = [quantize_nvfp4(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     wg = rt.route("nvfp4", m, n, k, torch.cuda.get_device_capability()) in (rt.GLUON_WGMMA, rt.GLUON_WGMMA_XP)
     t = graph_time(lambda i: gk.nvfp4_linear_gluon(xs[i % 2], **q[i % copies], wgmma=wg, split=split), calls,
