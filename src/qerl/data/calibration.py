@@ -17,6 +17,7 @@ templates: neither is ever used for calibration.
 import json
 import random
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,8 @@ MIXTURE_TASKS = ("basic_arithmetic", "chain_sum", "products", "decimal_arithmeti
                  "gcd", "lcm", "leg_counting", "time_intervals", "prime_factorization")
 CALIBRATION_SEED = 7_000_001  # apart from train (seed) and test (seed + 1,000,003) draws
 MIN_TOKENS = 1024
+TOKENS_PER_PROBLEM = 40  # a lower bound with a chat template: problems to draw for samples x max_tokens
+TOKENS_PER_COMPLETION = 120  # the model's own answers are longer than reference answers
 EVAL_ONLY = ("gsm8k-offline", "gsm8k", "aime2025", "reasoning-gym:gsm_symbolic")
 
 
@@ -132,3 +135,30 @@ def problem_texts(rows: list[dict], tokenizer, answers: list[str] | None = None)
     """Chat texts for problems, answered by `answers` (e.g. the model's completions) or by reference."""
     answers = answers or [problem_answer_text(r) for r in rows]
     return [chat_text(r["question"], a, tokenizer) for r, a in zip(rows, answers)]
+
+
+def calibration_texts(source: str, tokenizer, samples: int, max_tokens: int, *,
+                      answer: Callable[[list[dict]], list[str]] | None = None,
+                      train_rows: list[dict] | None = None) -> list[str]:
+    """The texts of a source, enough for `samples` x `max_tokens` tokens once packed (`pack_tokens`).
+
+    answer(rows) -> the 16-bit model's answers to question rows (sources "self" and "self:FILE"; None where the
+    model is not loaded whole); train_rows: the run's training problems (source "train", and added to "auto")."""
+    check_source(source)
+    n_problems = samples * max_tokens // TOKENS_PER_PROBLEM
+    if source == "auto":
+        return problem_texts(mixture_problems(n_problems) + (train_rows or [])[:n_problems], tokenizer)
+    if source == "reasoning-gym":
+        return problem_texts(mixture_problems(n_problems), tokenizer)
+    if source == "self" or source.startswith("self:"):
+        if answer is None:
+            raise CalibrationError("calibration source 'self' needs the 16-bit model loaded whole (not streamed)")
+        n_self = samples * max_tokens // TOKENS_PER_COMPLETION
+        path = source.partition(":")[2]
+        rows = mixture_problems(n_self) if not path else file_rows(Path(path))[:n_self]
+        return problem_texts(rows, tokenizer, answer(rows))
+    if source == "train":
+        if not train_rows:
+            raise CalibrationError("calibration source 'train' is the run's training prompts: only for qerl train")
+        return problem_texts(train_rows[:n_problems], tokenizer)
+    return file_texts(Path(source), tokenizer)

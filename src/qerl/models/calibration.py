@@ -16,15 +16,13 @@ builder (`stream`) call it.
 """
 
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterable
 
 import torch
 from rich.progress import Progress
 from torch import nn
 
-from ..data.calibration import (CalibrationError, check_source, file_rows, file_texts, mixture_problems, pack_tokens,
-                                problem_texts)
+from ..data.calibration import calibration_texts, pack_tokens
 from ..data.templates import build_prompt
 from ..formats import WeightFormat
 from ..quant import quantize_weights
@@ -41,7 +39,6 @@ BATCH_TOKENS = 8192  # calibration tokens per layer call
 
 # calibration tokens -------------------------------------------------------------------------------
 
-TOKENS_PER_PROBLEM = 40  # a lower bound with a chat template: problems to draw for samples x max_tokens
 # calibration sequences when none are asked for: the statistics pass costs CPU time in proportion to the
 # tokens while GPTQ's rounding does not; on SmolLM2 64 and 128 sequences of 256 give the same KL (0.103 /
 # 0.106) and 64 keeps GPTQ under two minutes on two cores (docs/formats.md)
@@ -88,27 +85,8 @@ def calibration_ids(source: str, tokenizer, samples: int = DEFAULT_SAMPLES["cuda
 
     model: the 16-bit model, whole (source "self", or "self:FILE" for the prompts of a question/answer JSONL);
     train_rows: the run's training problems (source "train", and added to "auto" when given)."""
-    check_source(source)
-    n_problems = samples * max_tokens // TOKENS_PER_PROBLEM
-    if source == "auto":
-        texts = problem_texts(mixture_problems(n_problems), tokenizer)
-        if train_rows:
-            texts += problem_texts(train_rows[:n_problems], tokenizer)
-    elif source == "reasoning-gym":
-        texts = problem_texts(mixture_problems(n_problems), tokenizer)
-    elif source == "self" or source.startswith("self:"):
-        if model is None:
-            raise CalibrationError("calibration source 'self' needs the 16-bit model loaded whole (not streamed)")
-        n_self = samples * max_tokens // 120  # completions are longer than reference answers
-        path = source.partition(":")[2]
-        rows = mixture_problems(n_self) if not path else file_rows(Path(path))[:n_self]
-        texts = problem_texts(rows, tokenizer, greedy_answers(model, tokenizer, rows))
-    elif source == "train":
-        if not train_rows:
-            raise CalibrationError("calibration source 'train' is the run's training prompts: only for qerl train")
-        texts = problem_texts(train_rows[:n_problems], tokenizer)
-    else:
-        texts = file_texts(Path(source), tokenizer)
+    answer = None if model is None else (lambda rows: greedy_answers(model, tokenizer, rows))
+    texts = calibration_texts(source, tokenizer, samples, max_tokens, answer=answer, train_rows=train_rows)
     return pack_tokens(texts, tokenizer, samples, max_tokens, where=source)
 
 # layer statistics ---------------------------------------------------------------------------------

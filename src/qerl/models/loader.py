@@ -148,7 +148,7 @@ def load_policy(spec: ModelSpec, *, train_rows: list[dict] | None = None, show_p
         if directory is not None:
             layers = CheckpointLayers(directory, dtype=dtype, device=device, trust_remote_code=trust)
             if q.calibrated:
-                q = calibrated(layers.tokenizer())
+                q = calibrated(layers.tokenizer)
     if layers is None:  # loaded whole: 16-bit modules, or a directory's stored 4-bit state
         model, tokenizer = load_pretrained(spec.name, dtype, device, trust_remote_code=trust)
         if quant_layers(model):  # an already quantized directory (its embedding is stored dense)

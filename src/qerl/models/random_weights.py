@@ -71,11 +71,10 @@ class RandomLayers:
     materialises a module on `device` and initialises it (`init_random_`) from one generator seeded with `seed`;
     `finish` draws LoRA B from it too. No tokenizer."""
 
+    tokenizer = None
+
     def __init__(self, config, device, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
         self.config, self.device, self.dtype, self.seed = config, torch.device(device), dtype, seed
-
-    def tokenizer(self):
-        return None
 
     @contextmanager
     def opened(self):

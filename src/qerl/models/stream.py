@@ -134,6 +134,16 @@ def build_layer_by_layer(config, q: Quantization, fill, *, dtype: torch.dtype = 
     return model
 
 
+def _directory_tokenizer(directory: Path, trust_remote_code: bool):
+    """A directory's tokenizer; None where it has none transformers can read."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
 class CheckpointLayers:
     """A directory of 16-bit safetensors as a layer source for `build_from`: its config, its tokenizer, and while
     `opened`, `fill(module, prefix)` from the memory-mapped files (cast to `dtype`, on `device`)."""
@@ -143,18 +153,9 @@ class CheckpointLayers:
 
         self.directory = Path(directory)
         self.dtype, self.device = dtype, torch.device(device or "cpu")
-        self.trust_remote_code = trust_remote_code
         self.config = AutoConfig.from_pretrained(self.directory, trust_remote_code=trust_remote_code)
+        self.tokenizer = _directory_tokenizer(self.directory, trust_remote_code)
         check_architecture(self.config, self.directory)
-
-    def tokenizer(self):
-        """The directory's tokenizer; None where it has none transformers can read."""
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(self.directory, trust_remote_code=self.trust_remote_code)
-        except (OSError, ValueError):
-            return None
 
     @contextmanager
     def opened(self):
@@ -175,7 +176,7 @@ class CheckpointLayers:
 
         if (self.directory / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(self.directory)
-        return model, self.tokenizer()
+        return model, self.tokenizer
 
 
 class LoadedLayers:
@@ -186,13 +187,10 @@ class LoadedLayers:
     over as it is."""
 
     def __init__(self, model, tokenizer):
-        self.model, self._tokenizer = model, tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
-
-    def tokenizer(self):
-        return self._tokenizer
 
     @contextmanager
     def opened(self):
@@ -216,7 +214,7 @@ class LoadedLayers:
     def finish(self, model):
         """(model, tokenizer) once built, with the loaded model's generation config."""
         model.generation_config = self.model.generation_config
-        return model, self._tokenizer
+        return model, self.tokenizer
 
 
 def build_from(layers, q: Quantization, *, show_progress: bool = False):
