@@ -19,6 +19,7 @@ environment variables (`PIP_INDEX_URL`, ...) apply as usual otherwise.
 """
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -267,16 +268,35 @@ def embedded_gguf(name: str) -> Path:
     return cached
 
 
+def check_tokenizer_eos(directory: Path) -> None:
+    """ModelLoadError unless the directory's tokenizer ends sequences with the token its config.json names: a
+    directory converted from a GGUF before `with_gguf_special_tokens` (on transformers 5.17) took `<|endoftext|>`
+    for Qwen2.5-Instruct's `<|im_end|>`. Reads the two tokenizer files as JSON (no tokenizer is built)."""
+    ids = read_config(directory).get("eos_token_id")
+    ids = set(ids) if isinstance(ids, list) else {ids}
+    try:
+        eos = json.loads((directory / "tokenizer_config.json").read_text()).get("eos_token")
+        added = json.loads((directory / "tokenizer.json").read_text()).get("added_tokens", [])
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{directory}: unreadable tokenizer files ({e})") from None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos_ids = {t.get("id") for t in added if t.get("content") == eos}
+    if not eos_ids & ids:
+        raise ModelLoadError(f"{directory}: the tokenizer's eos {eos!r} is not the config's eos_token_id {sorted(ids)}")
+
+
 def embedded_hf_dir(name: str) -> Path:
     """A cached bf16 Hugging Face directory (config, safetensors, tokenizer) of an embedded model."""
     target = cache_dir() / "models" / name
     if target.exists():
-        try:  # the cache is ours: a damaged one (a disk filled mid-copy, a stray edit) is rebuilt, not reported
+        try:  # the cache is ours: a damaged or stale one (a disk filled mid-copy, a stray edit, an
+            # older conversion's tokenizer) is rebuilt, not reported
             read_config(target)
             check_safetensors(target)
+            check_tokenizer_eos(target)
             return target
         except ModelLoadError as e:
-            _say(f"{name}: the cached directory {target} is damaged ({e}); rebuilding it from the GGUF")
+            _say(f"{name}: the cached directory {target} cannot be used ({e}); rebuilding it from the GGUF")
             shutil.rmtree(target)
     gguf = embedded_gguf(name)
     _say(f"{name}: converting the GGUF to a bf16 Hugging Face directory (once)")

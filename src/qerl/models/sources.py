@@ -50,8 +50,9 @@ def compute_dtype(dtype, device) -> torch.dtype:
     return resolve_dtype(dtype)
 
 
-def check_gguf(path: Path) -> None:
-    """Parse the GGUF header and tensor table; a truncated or corrupt file raises ModelLoadError."""
+def check_gguf(path: Path):
+    """Parse the GGUF header and tensor table and return the `gguf.GGUFReader`; a truncated or corrupt file raises
+    ModelLoadError."""
     try:
         from gguf import GGUFReader
 
@@ -59,6 +60,7 @@ def check_gguf(path: Path) -> None:
         arch = reader.fields.get("general.architecture")
         if arch is None or not reader.tensors:
             raise ValueError("no architecture field or no tensors")
+        return reader
     except Exception as e:  # the gguf reader raises many types on bad bytes
         # it reads by memory map: a file cut short fails as an index past the end or a tensor that cannot take
         # its shape from the bytes left
