@@ -265,6 +265,78 @@ def check_reference_sinks_vs_sdpa(device: str, seed: int = 5) -> list[str]:
     return fails
 
 
+# (B, KV, G, hd, S, max_len, block_n, splits, window, sinks): the direct path, splits, a window, sinks
+ROPE_CASES = [
+    (2, 2, 3, 64, 40, 48, 16, 1, None, False),
+    (3, 1, 2, 64, 77, 96, 16, 3, None, False),
+    (2, 2, 2, 32, 60, 64, 16, 2, 20, True),
+]
+GPU_ROPE_CASES = ROPE_CASES + [(4, 4, 7, 128, 600, 640, None, None, None, False),
+                               (1, 2, 6, 128, 700, 768, None, None, None, False)]
+
+
+def _rope_inputs(B, KV, G, hd, dtype, device, gen, positions):
+    """This token's q [B, 1, H, hd] (a strided view), k, v [B, 1, KV, hd] before RoPE, and cos, sin [B, 1, hd] at
+    `positions` [B] (HF's layout: the frequencies twice)."""
+    H = G * KV
+    q = torch.randn(B, 1, H, 2 * hd, generator=gen).to(dtype)[..., :hd]
+    k = torch.randn(B, 1, KV, hd, generator=gen).to(dtype)
+    v = torch.randn(B, 1, KV, hd, generator=gen).to(dtype)
+    freqs = positions.double()[:, None] * 10000.0 ** (-torch.arange(0, hd, 2).double() / hd)[None, :]
+    angles = torch.cat([freqs, freqs], -1)[:, None, :]
+    return [t.to(device) for t in (q, k, v, angles.cos().to(dtype), angles.sin().to(dtype))]
+
+
+def check_rope_store(device: str, dtype=torch.bfloat16, seed: int = 11, cases=ROPE_CASES) -> list[str]:
+    """RoPE and the k/v write inside the attention kernel: the caches afterwards equal `rope_qk_store`'s (the
+    torch reference on the CPU) bit for bit, slot and all, every other slot untouched (NaN stays NaN); the output
+    equals the unfused kernel's on the rotated q bit for bit and the fp32 reference within TOL. The slot holds
+    NaN before the call, so a read of it before the write fails."""
+    from qerl.kernels.decode_attention import decode_attention_reference
+    from qerl.kernels.fused_ops import rope_qk_store
+    from qerl.kernels.triton import decode_attention as tda
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    with poisoned_outputs():
+        for i, (B, KV, G, hd, S, max_len, block_n, splits, window, has_sinks) in enumerate(cases):
+            _, k_cache, v_cache, key_valid = _inputs(B, KV, G, hd, max_len, dtype, device, gen)
+            sinks = (torch.randn(G * KV, generator=gen) * 2).to(device) if has_sinks else None
+            scale = hd ** -0.5
+            for s in (0, S // 2 + 1, S - 1, "per row"):
+                slot = torch.tensor(s, dtype=torch.int64, device=device) if s != "per row" else \
+                    torch.randint(0, S, (B,), generator=gen).to(device)
+                q, k, v, cos, sin = _rope_inputs(B, KV, G, hd, dtype, device, gen, slot.expand(B) + 3)
+                kc, vc = _hide_unseen(k_cache, v_cache, key_valid, slot, S, window)
+                rows = torch.arange(B, device=device)
+                kc[rows, :, slot.expand(B)] = float("nan")  # what the kernel must write before it reads
+                vc[rows, :, slot.expand(B)] = float("nan")
+                want_k, want_v = kc.cpu().clone(), vc.cpu().clone()
+                rq = rope_qk_store(q.cpu(), k.cpu(), v.cpu(), cos.cpu(), sin.cpu(), want_k, want_v, slot.cpu())
+                out = tda.decode_attention_triton(q[:, 0], kc, vc, key_valid, slot, S, scale, splits, block_n,
+                                                  sinks=sinks, window=window,
+                                                  rope=(k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]))
+                tag = f"{device} {dtype} rope case={i} slot={s}"
+                for name, got, want in (("k cache", kc, want_k), ("v cache", vc, want_v)):
+                    if not torch.equal(got.cpu().nan_to_num(7.0), want.nan_to_num(7.0)) or \
+                            not torch.equal(got.cpu().isnan(), want.isnan()):
+                        fails.append(f"{tag}: the {name} differs from rope_qk_store's")
+                unfused = tda.decode_attention_triton(rq[:, 0].to(device), kc, vc, key_valid, slot, S, scale,
+                                                      splits, block_n, sinks=sinks, window=window)
+                if not torch.equal(out, unfused):
+                    fails.append(f"{tag}: differs from the unfused kernel by "
+                                 f"{(out.float() - unfused.float()).abs().max().item():.3g}")
+                ref = decode_attention_reference(rq[:, 0].float(), want_k.float(), want_v.float(), key_valid.cpu(),
+                                                 slot.cpu(), S, scale, None if sinks is None else sinks.cpu(), window)
+                if _error(out.cpu(), ref) > TOL[dtype]:
+                    fails.append(f"{tag}: relative max error {_error(out.cpu(), ref):.3g}")
+    return fails
+
+
+def rope_store_interpreter_suite() -> list[str]:
+    return check_rope_store("cpu") + check_rope_store("cpu", torch.float16, seed=12, cases=ROPE_CASES[1:2])
+
+
 def interpreter_suite() -> list[str]:
     return check_kernel("cpu") + check_kernel("cpu", torch.float16, seed=1, cases=CASES[1:3])
 
@@ -280,6 +352,19 @@ def test_interpreter():
 
 def test_interpreter_sinks_window():
     fails = run_interpreter_suite("test_decode_attention", "sinks_window_interpreter_suite", timeout=600)
+    assert not fails, "\n".join(fails)
+
+
+def test_interpreter_rope_store():
+    fails = run_interpreter_suite("test_decode_attention", "rope_store_interpreter_suite", timeout=600)
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rope_store(dtype):
+    require_cuda()
+    fails = check_rope_store("cuda", dtype, cases=GPU_ROPE_CASES)
     assert not fails, "\n".join(fails)
 
 

@@ -1,6 +1,8 @@
 """Decode-step attention of the rollout engine: one query token per row over a layer's static KV cache.
 
   decode_attention(q, k_cache, v_cache, key_valid, slot, S, scale, sinks=None, window=None) -> out [B, H, hd]
+  rope_store_decode_attention(q, k, v, cos, sin, k_cache, v_cache, ...) -> out [B, H, hd]: the same after RoPE on
+      q and k and this token's k/v written at the slot (`fused_ops.rope_qk_store`), in the attention's own launch
 
 Row b attends to cache slots j < S with key_valid[b, j] and j <= slot (slot: 0-d int64 device tensor, or
 int64 [B] with a slot per row; on the device, so a captured CUDA graph can be replayed with new values), and,
@@ -17,7 +19,12 @@ or without a sink.
 
 import torch
 
+from .fused_ops import _rope_store_fits, rope_qk_store
 from .route import use_triton
+
+# False: RoPE and the k/v write in a launch of their own before the attention (`rope_qk_store`), as before the
+# fused path; kept for A/B timing (`python -m qerl.bench.decode_profile`) and as the reference the tests compare to
+FUSED_ROPE_STORE = True
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,3 +66,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
         return decode_attention_triton(q, k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
     return decode_attention_reference(q, k_cache, v_cache, key_valid, slot, S, scale, sinks, window)
+
+
+def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                key_valid: torch.Tensor, slot: torch.Tensor, S: int, scale: float,
+                                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """One decode token: `rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)` (q [B, 1, H, hd] and k, v
+    [B, 1, KV, hd] before RoPE; cos, sin [B, 1, hd]), then `decode_attention` of the rotated q over the caches ->
+    out [B, H, hd], q's dtype; the caches hold rope(k) and v at the slot afterwards. On CUDA (one dtype, the
+    layouts `rope_qk_store`'s kernel takes) the attention kernel does the rotation and the write itself, one
+    launch fewer per layer and step, with the same values."""
+    if FUSED_ROPE_STORE and use_triton(q) and q.shape[-1] % 2 == 0 and \
+            _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot):
+        from .triton.decode_attention import decode_attention_triton
+
+        return decode_attention_triton(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks,
+                                       window=window, rope=(k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]))
+    q = rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
+    return decode_attention(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)

@@ -7,8 +7,9 @@ per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_nor
 runner brings itself: rotary embeddings computed from the HF config (`rope`), the linears through the
 adapter snapshot (`lora_snapshot`), and attention over the static KV cache (torch SDPA; on CUDA the decode
 steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`, gpt-oss's sinks and windows
-included). On CUDA each residual add with the RMSNorm after it, RoPE on q/k (at decode, with the k/v cache
-write) and SiLU(gate) * up run as one Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and
+included; at decode that kernel also applies RoPE to q and k and writes the slot's k/v into the cache,
+`rope_store_decode_attention`). On CUDA each residual add with the RMSNorm after it, RoPE on q/k at prefill
+and SiLU(gate) * up run as one Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and
 eps are read on every call, so AQN's in-place noise is seen), and at decode rows the norm before q/k/v and before
 gate/up also computes their LoRA A product in its launch (`add_norm_lora_a`); elsewhere the same ops run eagerly.
 
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.bf16_matmul import bf16_linear
-from ..kernels.decode_attention import decode_attention
+from ..kernels.decode_attention import rope_store_decode_attention
 from ..kernels.fused_ops import add_norm_lora_a, rope_qk, rope_qk_store, silu_mul
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_experts import QuantExperts
@@ -177,14 +178,15 @@ class CausalLMRunner:
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         window, sinks = self.windows[i], attn.sinks if self.has_sinks[i] else None
-        if slot is not None:  # decode: RoPE + this slot's k/v written into the cache, one launch on CUDA
-            q = rope_qk_store(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
+        if slot is not None:  # decode: RoPE + this slot's k/v written into the cache, then attention
             S = mask.shape[-1]
             plain = window is None and sinks is None
-            if q.is_cuda and (plain or SINKS_WINDOW_DECODE_KERNEL):  # one flash-decoding launch (two with splits)
-                o = decode_attention(q[:, 0], cache.k[i], cache.v[i], cache.key_valid, slot, S, self.scale,
-                                     sinks=sinks, window=window)
+            if q.is_cuda and (plain or SINKS_WINDOW_DECODE_KERNEL):  # on CUDA one flash-decoding launch (two
+                # with splits) that also rotates q and k and writes the slot
+                o = rope_store_decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], cache.key_valid, slot,
+                                                S, self.scale, sinks=sinks, window=window)
                 return lin(attn.o_proj, o.reshape(B, L, self.n_heads * self.head_dim))
+            q = rope_qk_store(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
             k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
             q = q.transpose(1, 2)
         else:

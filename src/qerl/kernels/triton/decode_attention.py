@@ -27,6 +27,7 @@ from .. import pdl
 from ..route import sm_count
 from ..workspace import alloc
 from .fp4_codes import round_to
+from .fused_ops import _rounded
 
 BLOCK_N = 64  # keys per tile
 PROGRAMS_PER_SM = 2
@@ -70,14 +71,29 @@ LOG2E = 1.4426950408889634  # the kernels work in the log2 domain (exp2); the li
 
 
 @triton.jit
+def _rope_row(ptr, d, mask, c, s, HALF: tl.constexpr, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """x * cos + rotate_half(x) * sin for the vectors at ptr + d (d spans whole heads), rounded as
+    `fused_ops._rope_halves` rounds it: round(round(x * c) + round(+-partner * s)); c, s float32 like d."""
+    x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + tl.where(d < HALF, d + HALF, d - HALF), mask=mask, other=0.0).to(tl.float32)
+    rot = tl.where(d < HALF, -partner, partner)
+    return round_to(_rounded(x * c, DTYPE, INTERP) + _rounded(rot * s, DTYPE, INTERP), DTYPE, INTERP)
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                  S, H, G, HD, CHUNK, SPLITS, WINDOW, qk_scale,
+                  kn_ptr, vn_ptr, cos_ptr, sin_ptr,
+                  S, H, G, HD, CHUNK, SPLITS, WINDOW, qk_scale, MAX_LEN,
                   sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h, s_slot, s_sink,
+                  skn_b, skn_h, svn_b, svn_h, s_cos,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, INTERP: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+                  INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """Keys [first + split * CHUNK, min(first + (split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1
-    of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only in the direct path."""
+    of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only in the direct path.
+    ROPE: q is the query before RoPE (rotated here with row b's cos / sin), and the program whose keys hold the
+    decode slot first writes this token's rotated key (kn_ptr) and value (vn_ptr) into the caches there: what
+    `rope_store_decode` did in a launch of its own (a slot outside [0, MAX_LEN) writes nothing)."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
@@ -89,7 +105,6 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
     n = tl.arange(0, BLOCK_N)
     heads = kv * G + g
     gd_mask = (g < G)[:, None] & (d < HD)[None, :]
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gd_mask, other=0.0)
     slot = tl.load(slot_ptr + b * s_slot).to(tl.int32)  # s_slot 0: one slot for every row
     if HAS_WINDOW:  # keys older than WINDOW slots are never scanned: whole tiles skipped, the rest exact
         first = tl.maximum(slot + 1 - WINDOW, 0)
@@ -99,6 +114,20 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
     hi = tl.minimum(tl.minimum(lo + CHUNK, S), slot + 1)
     k_base = k_ptr + b * sk_b + kv * sk_h
     v_base = v_ptr + b * sv_b + kv * sv_h
+    if ROPE:
+        dtype = q_ptr.dtype.element_ty
+        c = tl.load(cos_ptr + b * s_cos + d, mask=d < HD, other=0.0).to(tl.float32)
+        s_ = tl.load(sin_ptr + b * s_cos + d, mask=d < HD, other=0.0).to(tl.float32)
+        q = _rope_row(q_ptr + b * sq_b + heads[:, None] * sq_h, d[None, :], gd_mask, c[None, :], s_[None, :],
+                      HALF, dtype, INTERP)
+        if (slot >= lo) & (slot < lo + CHUNK) & (slot < MAX_LEN):  # one split of each (row, kv head) holds it
+            k_new = _rope_row(kn_ptr + b * skn_b + kv * skn_h, d, d < HD, c, s_, HALF, dtype, INTERP)
+            tl.store(k_base + slot * sk_n + d, k_new, mask=d < HD)
+            tl.store(v_base + slot * sv_n + d, tl.load(vn_ptr + b * svn_b + kv * svn_h + d, mask=d < HD),
+                     mask=d < HD)
+        tl.debug_barrier()  # the tile loads below read the slot written above (other threads of this program)
+    else:
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gd_mask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -172,14 +201,17 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
                             block_n: int | None = None, num_warps: int = 4,
                             num_stages: int | None = None, sinks: torch.Tensor | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None, rope: tuple | None = None) -> torch.Tensor:
     """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
     stride); key_valid [B, max_len] bool; slot 0-d int64 tensor, or int64 [B] (a slot per row; read on the
     device); S <= max_len slots scanned; sinks None or [H] (any float dtype, read on the device, used in fp32):
     a logit per query head in each softmax's denominator; window None or int >= 1: only keys j with
     slot - j < window -> out [B, H, hd] in q's dtype. block_n None: `choose_tile` (with its num_stages); splits
     None: chosen from min(S, window) and the SM count (tests force both); num_warps, num_stages (None: Triton's
-    default) of the first pass: tuning."""
+    default) of the first pass: tuning. rope (k, v, cos, sin): q is this token's query before RoPE, k, v [B, KV, hd]
+    its key and value (unit stride on hd) and cos, sin [B, hd] (one layout, unit stride on hd) row b's RoPE rows:
+    the kernel rotates q, and writes rope(k) and v into the caches at the slot before it reads them
+    (`rope_store_decode`'s contract and rounding, without its launch)."""
     B, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
@@ -194,6 +226,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"decode_attention: sinks must be a float [{H}] tensor on q's device")
     if window is not None and int(window) < 1:
         raise ValueError(f"decode_attention: window must be >= 1, not {window}")
+    k_new = v_new = cos = sin = q  # not read without rope
+    if rope is not None:
+        k_new, v_new, cos, sin = rope
+        if k_new.shape != (B, KV, hd) or v_new.shape != k_new.shape or cos.shape != (B, hd) or \
+                sin.stride() != cos.stride() or hd % 2 or any(t.stride(-1) != 1 for t in rope) or \
+                any(t.dtype != q.dtype for t in rope):
+            raise ValueError("decode_attention: rope needs k, v [B, KV, hd] and cos, sin [B, hd] of q's dtype, "
+                             "unit stride on hd, cos and sin of one layout, an even hd")
     G = H // KV
     span = S if window is None else min(S, int(window))  # slots a row can see: what the splits share
     pps = PROGRAMS_PER_SM
@@ -218,12 +258,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     s_sink = 0 if sinks is None else sinks.stride(0)
     _split_kernel[(B, KV, splits)](
         q, k_cache, v_cache, key_valid.view(torch.uint8), slot, sink_arg, out, part_m, part_l, part_acc,
-        S, H, G, hd, chunk, splits, 0 if window is None else int(window), float(scale) * LOG2E,
+        k_new, v_new, cos, sin,
+        S, H, G, hd, chunk, splits, 0 if window is None else int(window), float(scale) * LOG2E, max_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
         0 if slot.numel() == 1 else slot.stride(0), s_sink,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
-        HAS_WINDOW=window is not None, HAS_SINK=sinks is not None, INTERP=interp,
+        HAS_WINDOW=window is not None, HAS_SINK=sinks is not None, ROPE=rope is not None, HALF=hd // 2,
+        INTERP=interp,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, sink_arg, out, H, hd, splits, out.stride(0),
