@@ -282,7 +282,7 @@ def _rope_inputs(B, KV, G, hd, dtype, device, gen, positions):
     q = torch.randn(B, 1, H, 2 * hd, generator=gen).to(dtype)[..., :hd]
     k = torch.randn(B, 1, KV, hd, generator=gen).to(dtype)
     v = torch.randn(B, 1, KV, hd, generator=gen).to(dtype)
-    freqs = positions.double()[:, None] * 10000.0 ** (-torch.arange(0, hd, 2).double() / hd)[None, :]
+    freqs = positions.cpu().double()[:, None] * 10000.0 ** (-torch.arange(0, hd, 2).double() / hd)[None, :]
     angles = torch.cat([freqs, freqs], -1)[:, None, :]
     return [t.to(device) for t in (q, k, v, angles.cos().to(dtype), angles.sin().to(dtype))]
 
@@ -492,7 +492,7 @@ def test_gpu_graph_replay_sinks_window():
 @pytest.mark.gpu
 def test_gpu_engine_gpt_oss_decode_equals_the_sdpa_path(monkeypatch):
     """The tiny gpt-oss (sinks on both layers, window 3 on layer 0) decoding on CUDA: its sink / window layers
-    through `decode_attention` (`model_runner.SINKS_WINDOW_DECODE_KERNEL`) equal the SDPA path -- in fp32
+    through `rope_store_decode_attention` (`model_runner.SINKS_WINDOW_DECODE_KERNEL`) equal the SDPA path -- in fp32
     (the reference) token for token, in bf16 (the Triton kernel) on log-probs up to each row's first
     differing token, and against a full forward."""
     require_cuda()
@@ -507,13 +507,13 @@ def test_gpu_engine_gpt_oss_decode_equals_the_sdpa_path(monkeypatch):
     from test_rollout_moe import quantized
 
     calls = []
-    real = model_runner.decode_attention
+    real = model_runner.rope_store_decode_attention
 
     def recording(*args, **kwargs):
         calls.append((kwargs.get("sinks") is not None, kwargs.get("window")))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "decode_attention", recording)
+    monkeypatch.setattr(model_runner, "rope_store_decode_attention", recording)
     prompts = prompts_of([5, 11, 3, 8], seed=3)
     greedy = SamplingParams(temperature=0)
 
@@ -543,3 +543,31 @@ def test_gpu_engine_gpt_oss_decode_equals_the_sdpa_path(monkeypatch):
     # greedy on a near-flat random model in bf16 parts soon: each path against a full forward of its own tokens
     err = [(out.logprobs - full_forward_logprobs(model, out, 1.0)[0]).abs().mean().item() for out in (kern, sdpa)]
     assert err[0] < 0.05 and err[0] < 2 * err[1] + 0.01, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("fused_default", [True, False])
+def test_gpu_engine_rope_store_in_the_attention_kernel_changes_nothing(kind, fused_default, monkeypatch):
+    """The engine's greedy decode (bf16, CUDA graphs, a left-padded batch of 4) with RoPE and the k/v write inside
+    the attention kernel gives the same tokens and log-probs, bit for bit, as with them in a launch of their own
+    (`decode_attention.FUSED_ROPE_STORE`), whichever of the two runs first."""
+    require_cuda()
+    from qerl.kernels import decode_attention as da
+    from qerl.rollout.engine import RolloutEngine
+    from qerl.rollout.sampling import SamplingParams
+
+    from test_rollout_engine import completions, prompts_of, tiny_model
+
+    model = tiny_model(kind).cuda().to(torch.bfloat16)
+    prompts = prompts_of([5, 11, 3, 8], seed=4)
+
+    def run(fused):
+        monkeypatch.setattr(da, "FUSED_ROPE_STORE", fused)
+        return RolloutEngine(model, max_seq_len=64, max_batch=4).generate(prompts, 24, SamplingParams(temperature=0),
+                                                                           ignore_eos=True)
+
+    first = run(fused_default)
+    second = run(not fused_default)
+    assert completions(first) == completions(second)
+    assert torch.equal(first.logprobs, second.logprobs)

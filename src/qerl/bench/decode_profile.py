@@ -88,15 +88,10 @@ def assign_roles(names: list[str], runner) -> tuple[list[str], bool]:
     return out, True
 
 
-def _nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
 def _weight_bytes(mod) -> int:
     """Bytes of a linear's stored weight (a QuantLinear's format tensors, or a plain weight) and bias."""
-    if hasattr(mod, "quantized_tensors"):
-        return _nbytes(*mod.quantized_tensors().values(), getattr(mod, "bias", None))
-    return _nbytes(mod.weight, getattr(mod, "bias", None))
+    stored = list(mod.quantized_tensors().values()) if hasattr(mod, "quantized_tensors") else [mod.weight]
+    return sum(t.numel() * t.element_size() for t in (*stored, getattr(mod, "bias", None)) if t is not None)
 
 
 def role_bytes(runner, rows: int, attended: int) -> dict[str, int]:
@@ -281,11 +276,17 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--rope-store", choices=("in-attention", "separate"), help="RoPE + k/v write inside the "
+                    "attention kernel or in a launch of its own (default: decode_attention.FUSED_ROPE_STORE)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    from ..kernels import decode_attention
     from ..rollout.engine import RolloutEngine
+
+    if args.rope_store:
+        decode_attention.FUSED_ROPE_STORE = args.rope_store == "in-attention"
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")
