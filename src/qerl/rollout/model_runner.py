@@ -7,9 +7,10 @@ per layer `input_layernorm`, `q_proj`/`k_proj`/`v_proj` (+ Qwen3 `q_norm`/`k_nor
 runner brings itself: rotary embeddings computed from the HF config (`rope`), the linears through the
 adapter snapshot (`lora_snapshot`), and attention over the static KV cache (torch SDPA; on CUDA the decode
 steps use a flash-decoding Triton kernel, `qerl.kernels.decode_attention`, gpt-oss's sinks and windows
-included; at decode that kernel also applies RoPE to q and k and writes the slot's k/v into the cache,
-`rope_store_decode_attention`). On CUDA each residual add with the RMSNorm after it, RoPE on q/k at prefill
-and SiLU(gate) * up run as one Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and
+included; with `decode_attention.FUSED_ROPE_STORE` that kernel also applies RoPE to q and k and writes the
+slot's k/v into the cache, `rope_store_decode_attention`). On CUDA each residual add with the RMSNorm after it,
+RoPE on q/k (at decode, with the k/v cache write, unless the attention kernel does it) and SiLU(gate) * up run as
+one Triton launch each (`qerl.kernels.fused_ops`; the norm's own weight and
 eps are read on every call, so AQN's in-place noise is seen), and at decode rows the norm before q/k/v and before
 gate/up also computes their LoRA A product in its launch (`add_norm_lora_a`); elsewhere the same ops run eagerly.
 
@@ -181,8 +182,8 @@ class CausalLMRunner:
         if slot is not None:  # decode: RoPE + this slot's k/v written into the cache, then attention
             S = mask.shape[-1]
             plain = window is None and sinks is None
-            if q.is_cuda and (plain or SINKS_WINDOW_DECODE_KERNEL):  # on CUDA one flash-decoding launch (two
-                # with splits) that also rotates q and k and writes the slot
+            if q.is_cuda and (plain or SINKS_WINDOW_DECODE_KERNEL):  # the flash-decoding kernel (two launches with
+                # splits), RoPE + the k/v write before it or inside it (`decode_attention.FUSED_ROPE_STORE`)
                 o = rope_store_decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], cache.key_valid, slot,
                                                 S, self.scale, sinks=sinks, window=window)
                 return lin(attn.o_proj, o.reshape(B, L, self.n_heads * self.head_dim))
