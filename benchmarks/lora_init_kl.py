@@ -21,6 +21,12 @@ labels sampled from the 16-bit model itself, i.e. its Fisher) on the calibration
 model in one pass, then s B A = the best rank-r fit of the residual in ||G^(1/2) (R - s B A) C^(1/2)||_F
 (`lora_init.residual_factors(output_covariance=G)`, G damped by --output-damp of its mean eigenvalue). Memory: one
 [N, N] and one [K, K] fp32 matrix per linear (the 1.5B: about 28 GB).
+
+`--lm-head nvfp4` (a measurement for a 4-bit output head; no config quantizes it) rounds the output head through
+NVFP4 in every row, and adds a first row with only the head in 4 bits over the 16-bit body:
+
+    python benchmarks/lora_init_kl.py --model qwen2.5-coder-1.5b-instruct --formats nvfp4 --inits zero \
+        --keep-bf16 last:2 --lm-head nvfp4
 """
 
 import argparse
@@ -86,6 +92,16 @@ def fit_fisher_(model, weights: dict, cov: dict, out: dict, output_damp: float) 
         layer.lora_B.weight.copy_(b)
 
 
+def nvfp4_head_(model) -> None:
+    """The output head's weight rounded through NVFP4 (round-to-nearest, one global scale), in place, its dtype kept."""
+    from qerl.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:  # tied: the input embedding stays 16-bit
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    head.weight.data = dequantize_nvfp4(**quantize_nvfp4(head.weight.data)).to(head.weight.dtype)
+
+
 def main():
     from qerl.data import load_problems
     from qerl.eval.fidelity import compare_logprobs, fidelity_text, next_token_logprobs
@@ -109,6 +125,8 @@ def main():
     ap.add_argument("--keep-bf16", default="", help="comma-separated layers left 16-bit, e.g. last:2")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     ap.add_argument("--output-damp", type=float, default=1.0, help="eora-fisher: G's damping, x its mean eigenvalue")
+    ap.add_argument("--lm-head", choices=("bf16", "nvfp4"), default="bf16",
+                    help="nvfp4: the output head rounded through NVFP4 too (and a row with only the head)")
     ap.add_argument("--reload", action="store_true",
                     help="load the model afresh for each row instead of copying it (one 16-bit copy in memory)")
     args = ap.parse_args()
@@ -136,6 +154,13 @@ def main():
           f"r={args.r} alpha={args.alpha}, base {args.method}" + (f" keep_bf16 {','.join(keep)}" if keep else ""))
     print("| format | init | KL (nats/token) | x zero | top-1 agree | seconds |")
     print("|---|---|---|---|---|---|")
+    if args.lm_head == "nvfp4":
+        head_only = (load_causal_lm(args.model, dtype=torch.float32, device=args.device)[0] if args.reload
+                     else copy.deepcopy(base))
+        nvfp4_head_(head_only)
+        m = compare_logprobs(ref, next_token_logprobs(head_only, ids), ids)
+        print(f"| 16-bit, NVFP4 head | - | {m['kl']:.4f} | - | {m['top1_agreement']:.3f} | - |", flush=True)
+        del head_only
     for fmt in args.formats.split(","):
         zero_kl = None
         for init in inits:
@@ -148,11 +173,15 @@ def main():
                                    calibration=cal if calibrated else None)
             if init == "eora-fisher":
                 fit_fisher_(model, weights, *fisher, args.output_damp)
+            if args.lm_head == "nvfp4":
+                nvfp4_head_(model)
             secs = time.perf_counter() - t0
             m = compare_logprobs(ref, next_token_logprobs(model, ids), ids)
             zero_kl = m["kl"] if init == "zero" else zero_kl
             ratio = f"{m['kl'] / zero_kl:.2f}" if zero_kl else "-"
-            print(f"| {fmt} | {init} | {m['kl']:.4f} | {ratio} | {m['top1_agreement']:.3f} | {secs:.0f} |", flush=True)
+            head = ", NVFP4 head" if args.lm_head == "nvfp4" else ""
+            print(f"| {fmt}{head} | {init} | {m['kl']:.4f} | {ratio} | {m['top1_agreement']:.3f} | {secs:.0f} |",
+                  flush=True)
             del model
 
 
