@@ -350,7 +350,9 @@ def test_cli_names_a_model_typo_without_asking_the_hub(data_file, capsys, monkey
     assert "did you mean 'smollm2-135m-instruct'" in capsys.readouterr().err
 
 
-def test_a_damaged_cached_model_is_rebuilt(tmp_path, monkeypatch):
+def _counted_conversions(tmp_path, monkeypatch) -> list:
+    """The embedded GGUF conversion replaced by a tiny model, into a cache under tmp_path; returns the list each
+    conversion appends its path to."""
     from tiny import tiny_model, tiny_tokenizer
 
     from qerl.models import registry
@@ -364,6 +366,13 @@ def test_a_damaged_cached_model_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(registry, "embedded_gguf", lambda name: tmp_path / f"{name}.gguf")
     monkeypatch.setattr(registry, "load_gguf", fake_gguf_load)
+    return conversions
+
+
+def test_a_damaged_cached_model_is_rebuilt(tmp_path, monkeypatch):
+    from qerl.models import registry
+
+    conversions = _counted_conversions(tmp_path, monkeypatch)
     target = registry.embedded_hf_dir("smollm2-135m-instruct")
     weights = next(target.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])  # a disk that filled up mid-copy
@@ -372,6 +381,21 @@ def test_a_damaged_cached_model_is_rebuilt(tmp_path, monkeypatch):
     from qerl.models.sources import check_safetensors
 
     check_safetensors(target)
+
+
+def test_a_cached_directory_whose_tokenizer_names_another_eos_is_rebuilt(tmp_path, monkeypatch):
+    from qerl.models import registry
+
+    conversions = _counted_conversions(tmp_path, monkeypatch)
+    target = registry.embedded_hf_dir("smollm2-135m-instruct")
+    assert registry.embedded_hf_dir("smollm2-135m-instruct") == target and len(conversions) == 1  # used as it is
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    config = json.loads((target / "config.json").read_text())
+    vocab = json.loads((target / "tokenizer.json").read_text())["added_tokens"]
+    other = next(t["content"] for t in vocab if t["id"] != config["eos_token_id"])
+    (target / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": other}))
+    assert registry.embedded_hf_dir("smollm2-135m-instruct") == target and len(conversions) == 2
+    registry.check_tokenizer_eos(target)
 
 
 def test_an_adapter_of_another_base_gets_a_warning(tiny_dir, data_file, tmp_path, monkeypatch, capsys):

@@ -1,6 +1,7 @@
 """A GGUF's special tokens reach the converted tokenizer whatever transformers' GGUF conversion keeps (5.17 kept 3
-of Qwen2.5's 22 control tokens as special and took `<|endoftext|>` for eos), and a cached directory whose
-tokenizer names another eos than its config is rebuilt. Real SmolLM2 GGUF and tokenizer; CPU."""
+of Qwen2.5's 22 control tokens as special and took `<|endoftext|>` for eos), and `check_tokenizer_eos` refuses a
+directory written the old way (its cache rebuild: tests/test_cli_sharp_edges.py). Real SmolLM2 GGUF and
+tokenizer; CPU."""
 
 import json
 import shutil
@@ -68,27 +69,3 @@ def test_a_tokenizer_that_has_them_is_left_as_it_is(special):
     fixed = with_gguf_special_tokens(good, special)
     assert (len(fixed), fixed.eos_token, fixed.pad_token, dict(fixed.added_tokens_decoder)) == before
 
-
-def test_a_cached_directory_whose_tokenizer_names_another_eos_is_rebuilt(tmp_path, monkeypatch):
-    from tiny import tiny_model, tiny_tokenizer
-
-    from qerl.models import registry
-
-    conversions = []
-
-    def fake_gguf_load(path):
-        conversions.append(path)
-        return tiny_model("llama"), tiny_tokenizer()
-
-    monkeypatch.setenv("QERL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(registry, "embedded_gguf", lambda name: tmp_path / f"{name}.gguf")
-    monkeypatch.setattr(registry, "load_gguf", fake_gguf_load)
-    target = registry.embedded_hf_dir(NAME)
-    assert registry.embedded_hf_dir(NAME) == target and len(conversions) == 1  # a good cache is used as it is
-    cfg = json.loads((target / "tokenizer_config.json").read_text())
-    config = json.loads((target / "config.json").read_text())
-    vocab = json.loads((target / "tokenizer.json").read_text())["added_tokens"]
-    other = next(t["content"] for t in vocab if t["id"] != config["eos_token_id"])
-    (target / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": other}))
-    assert registry.embedded_hf_dir(NAME) == target and len(conversions) == 2
-    check_tokenizer_eos(target)
