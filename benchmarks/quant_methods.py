@@ -28,7 +28,9 @@ import argparse
 import dataclasses
 import copy
 import json
+import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -154,6 +156,26 @@ def time_qwen7b(layers: int, methods: list[str], samples: int, max_tokens: int) 
         torch.cuda.empty_cache()
 
 
+def completions_file(directory: Path, row: str) -> Path:
+    """DIR/ROW.jsonl with the row's characters that a file name should not hold ('/', '#', '@', '|', ':', '*')
+    replaced: 'nvfp4-awq@/tmp/train.jsonl#last:2' -> 'nvfp4-awq_train.jsonl_last_2.jsonl'."""
+    spec, at, source = row.partition("@")
+    if at:  # a calibration file's directory says nothing of the row
+        source, hash_, keep = source.partition("#")
+        row = f"{spec}@{Path(source).name}{hash_}{keep}"
+    return directory / (re.sub(r"[/#@|:*~]+", "_", row) + ".jsonl")
+
+
+def write_completions(directory: Path, row: str, per_problem: list[dict]) -> Path:
+    """Write one row's per-problem records (`evaluate`'s per_problem) where `completions_file` names them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = completions_file(directory, row)
+    with open(path, "w") as f:
+        for p in per_problem:
+            f.write(json.dumps(p, ensure_ascii=False) + "\n")
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -170,6 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-eval", action="store_true", help="skip pass@1 (KL and time only)")
     ap.add_argument("--out", help="write every number as JSON here")
+    ap.add_argument("--keep-completions", metavar="DIR",
+                    help="write each row's completions to DIR/ROW.jsonl, one problem a line as `qerl eval --out` "
+                         "does (question, answer, completions, rewards, strict, lengths), for completion_forms.py")
     ap.add_argument("--time-7b", type=int, metavar="LAYERS",
                     help="GPU: instead, time quantizing LAYERS decoder layers of a Qwen2.5-7B-shaped model per method")
     args = ap.parse_args(argv)
@@ -209,6 +234,8 @@ def main(argv=None) -> int:
             res.update({"pass1": ev["pass@1"], "mean_length": sum(lengths) / len(lengths),
                         "short_share": sum(n <= args.short for n in lengths) / len(lengths),
                         "truncated": ev["truncated"]})
+            if args.keep_completions:
+                res["completions"] = str(write_completions(Path(args.keep_completions), row, ev["per_problem"]))
         results.append(res)
         print(json.dumps(res), flush=True)
         if args.out:  # after every row: a run cut short keeps what it measured
