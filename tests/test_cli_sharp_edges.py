@@ -443,8 +443,8 @@ def test_library_import_noise_is_filtered(tmp_path):
 def test_sigusr1_prints_the_stacks_and_the_command_goes_on():
     code = textwrap.dedent("""
         import os, signal, time
-        from qerl.cli import dump_stacks_on_sigusr1
-        dump_stacks_on_sigusr1()
+        from qerl.cli import install_stack_dumps
+        install_stack_dumps()
         def waiting_here():
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(0.3)
@@ -454,3 +454,23 @@ def test_sigusr1_prints_the_stacks_and_the_command_goes_on():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "went on", done.stderr
     assert "waiting_here" in done.stderr and "File" in done.stderr
+
+
+@pytest.mark.parametrize("every", ["0.2", "-1", "soon"])
+def test_qerl_stacks_every_prints_the_stacks_without_a_signal(every):
+    code = textwrap.dedent("""
+        import time
+        from qerl.cli import install_stack_dumps
+        install_stack_dumps()
+        def sleeping_in_c():
+            time.sleep(0.7)
+            print("went on")
+        sleeping_in_c()
+    """)
+    env = {**os.environ, "QERL_STACKS_EVERY": every}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "went on", done.stderr
+    if every == "0.2":  # about three dumps in 0.7 s, each naming the function the main thread sleeps in
+        assert done.stderr.count("sleeping_in_c") >= 2, done.stderr
+    else:
+        assert "sleeping_in_c" not in done.stderr and "not a positive number of seconds" in done.stderr

@@ -275,24 +275,36 @@ def parse_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     return args
 
 
-def dump_stacks_on_sigusr1() -> None:
-    """`kill -USR1 PID` prints every thread's Python stack to stderr and the command goes on: where a long step
-    that seems stuck is (a compile, a collective, a kernel wait). POSIX only, and only where stderr is a real file
-    (not under a notebook's or a test runner's captured stream)."""
+def install_stack_dumps() -> None:
+    """Where a long step that seems stuck is (a compile, a collective, a kernel wait): `kill -USR1 PID` prints every
+    thread's Python stack to stderr and the command goes on; `QERL_STACKS_EVERY=SECONDS` prints them every SECONDS
+    from a watchdog thread of faulthandler's own, which needs no signal to reach the process (a library that takes
+    SIGUSR1 over, a main thread blocked in C code). POSIX for the signal; only where stderr is a real file (not
+    under a notebook's or a test runner's captured stream)."""
     import faulthandler
 
-    if hasattr(signal, "SIGUSR1"):
-        try:
+    every = os.environ.get("QERL_STACKS_EVERY", "").strip()
+    try:
+        if hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a stderr with no file descriptor
-            pass
+        if every:
+            seconds = float(every)
+            if not seconds > 0:
+                raise ValueError
+            faulthandler.dump_traceback_later(seconds, repeat=True)
+    except ValueError:
+        if every:
+            print(f"warning: QERL_STACKS_EVERY={every!r} is not a positive number of seconds; ignored",
+                  file=sys.stderr)
+    except (AttributeError, OSError):  # io.UnsupportedOperation: a stderr with no file descriptor
+        pass
 
 
 def main(argv=None) -> int:
     """Run one command; every failure a user can cause ends with one line and exit status 2, a stop signal
     (SIGINT / SIGTERM, at any point, imports included) with one line and 128 + its number; SIGUSR1 prints the
-    Python stacks (`dump_stacks_on_sigusr1`)."""
-    dump_stacks_on_sigusr1()
+    Python stacks (`install_stack_dumps`)."""
+    install_stack_dumps()
     quiet_libraries()
     from .models.registry import persist_compiled_kernels
 

@@ -22,10 +22,10 @@ import torch
 from .fused_ops import _rope_store_fits, rope_qk_store
 from .route import use_triton
 
-# True: the attention kernel applies RoPE and writes the slot's k/v itself (one launch fewer per layer and step;
-# docs/benchmarks.md "Decode step against its floor"); False: `rope_qk_store`'s own launch first. Off by default
-# until the GPU tests that compare the two (tests/test_decode_attention.py, `-m gpu`) have passed on a GPU
-FUSED_ROPE_STORE = False
+# True: the attention kernel applies RoPE and writes the slot's k/v itself (one launch fewer per layer and step,
+# 1-3% of the step; docs/benchmarks.md "Decode step against its floor"); False: `rope_qk_store`'s own launch first
+# (the reference the GPU tests compare it with, bit for bit)
+FUSED_ROPE_STORE = True
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
