@@ -75,3 +75,62 @@ def test_the_config_selects_the_form():
     assert update_settings(load_config(None, [])).packed_attention == "sdpa"
     with pytest.raises(ConfigError, match="packed_attention"):
         load_config(None, ["optim.packed_attention=flash"])
+
+
+def _random_segments(seed: int, groups: int) -> list[tuple[int, int, int, int]]:
+    """A packed stream as plan_micro_batches lays it out: per group its prompt, then its completions reading it."""
+    g = torch.Generator().manual_seed(seed)
+    segments, at = [], 0
+    for _ in range(groups):
+        prompt = int(torch.randint(1, 40, (1,), generator=g))
+        segments.append((0, 0, at, prompt))
+        start, at = at, at + prompt
+        for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+            n = int(torch.randint(1, 60, (1,), generator=g))
+            segments.append((start, prompt, at, n))
+            at += n
+    return segments
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("seed,groups,block,chunk", [(0, 3, 16, 1 << 26), (1, 9, 16, 3000), (2, 6, 32, 1),
+                                                     (3, 1, 128, 1 << 26)])
+def test_the_block_mask_is_create_block_masks(monkeypatch, seed, groups, block, chunk, window):
+    """Tile for tile the tables torch's own create_block_mask (eager) builds from the same mask_mod, partial and
+    full, kv and q sides, for streams that are and are not multiples of the block, in one chunk or many."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import qerl.nn.packed_flex as pf
+
+    monkeypatch.setattr(pf, "MASK_CHUNK_ELEMENTS", chunk)
+    layout = flex_layout(_random_segments(seed, groups), "cpu")
+    ours = layout.block_mask(window, block)
+    ref = create_block_mask(layout.mask_mod(window), None, None, layout.length, layout.length, device="cpu",
+                            BLOCK_SIZE=block, _compile=False)
+    assert ours.seq_lengths == ref.seq_lengths == (layout.length, layout.length)
+    for count, index in [("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                         ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:
+        n_ours, n_ref = getattr(ours, count), getattr(ref, count)
+        assert torch.equal(n_ours, n_ref), count
+        i_ours, i_ref = getattr(ours, index), getattr(ref, index)
+        for row in range(n_ref.shape[-1]):
+            k = int(n_ref[0, 0, row])
+            assert torch.equal(i_ours[0, 0, row, :k], i_ref[0, 0, row, :k]), (index, row)
+    assert int(ours.kv_num_blocks.sum()) > 0
+    if block == 16 and window is None:  # segments of up to 60 tokens fill some 16 x 16 tiles whole
+        assert int(ours.full_kv_num_blocks.sum()) > 0
+    assert layout.block_mask(window, block) is ours  # built once, then reused
+
+
+def test_the_block_mask_sees_exactly_the_mask():
+    """Expanded back to pairs, the tiles give the dense mask: hidden tiles all hidden, full ones all visible."""
+    layout = flex_layout(_random_segments(4, 5), "cpu")
+    block = 16
+    partial, full = layout.block_tiles(None, block)
+    L = layout.length
+    q, k = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    dense = layout.mask_mod(None)(0, 0, q, k)
+    tile = lambda t: t.repeat_interleave(block, 0).repeat_interleave(block, 1)[:L, :L]
+    assert not (dense & ~tile(partial | full)).any()  # nothing visible in a skipped tile
+    assert full.any() and dense[tile(full)].all()  # a full tile is all visible
+    assert not (partial & full).any()

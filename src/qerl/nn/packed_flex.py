@@ -7,6 +7,12 @@ position is less than the window behind its own). Per stream token the layout ke
 and which prefix it reads, so the mask is a function of (query, key) positions; FlexAttention skips the blocks
 it rules out and computes the rest without padding or gathers, forward and backward.
 
+The block mask is built here, not by `create_block_mask`: compiled (its CUDA path), that compiles a Triton reduction
+over each 128 x 128 tile which at a 7B micro-batch's stream (~17k tokens) was still compiling after 100+ s of a
+step's first micro-batch (stack dumps, H200); eager, it evaluates the mask over the whole stream x stream at once.
+`FlexLayout.block_mask` evaluates the same `mask_mod` a few thousand query rows at a time and counts each tile's
+visible pairs: a tile with none is skipped, a full one runs unmasked, the rest apply the mask inside the kernel.
+
 Selected by `optim.packed_attention: flex`. Not for attention sinks, logit softcapping or attention dropout
 (those models keep the SDPA form). FlexAttention's backward runs on CUDA only; on other devices the forward runs
 unfused (PyTorch's reference), which is what the CPU tests use.
@@ -17,6 +23,18 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+
+BLOCK = 128  # FlexAttention's sparse block: its kernels' default tile
+MASK_CHUNK_ELEMENTS = 1 << 26  # (query, key) pairs evaluated at once while the block mask is built (64 MiB of bool)
+
+
+def _kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [nq, nk] tiles -> (count int32 [1, 1, nq], indices int32 [1, 1, nq, nk]): per query block the number of
+    its tiles and their key-block indices, ascending, first (the rest of the row is whatever follows)."""
+    count = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[None, None], order[None, None]
+
 
 @dataclass
 class FlexLayout:
@@ -34,17 +52,39 @@ class FlexLayout:
     def length(self) -> int:
         return self.own_start.numel()
 
-    def block_mask(self, sliding_window: int | None):
-        """The FlexAttention block mask of the stream (built once per window, reused by every layer and the
-        checkpoint recompute)."""
-        if sliding_window not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
+    def block_mask(self, sliding_window: int | None, block: int = BLOCK):
+        """The FlexAttention block mask of the stream (built once per window and block size, reused by every layer
+        and the checkpoint recompute)."""
+        key = (sliding_window, block)
+        if key not in self._masks:
+            from torch.nn.attention.flex_attention import BlockMask
 
-            device = self.own_start.device
-            self._masks[sliding_window] = create_block_mask(
-                self.mask_mod(sliding_window), None, None, self.length, self.length, device=device,
-                _compile=device.type == "cuda")
-        return self._masks[sliding_window]
+            partial, full = self.block_tiles(sliding_window, block)
+            self._masks[key] = BlockMask.from_kv_blocks(
+                *_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=block, mask_mod=self.mask_mod(sliding_window),
+                seq_lengths=(self.length, self.length))
+        return self._masks[key]
+
+    def block_tiles(self, sliding_window: int | None, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which block x block tiles of the stream's (query, key) square hold some visible pairs but not all
+        (partial) and which hold only visible ones (full): two bool [nb, nb], nb = ceil(L / block). Tiles past the
+        stream's end count their missing pairs as hidden (so an edge tile is never full), as create_block_mask does."""
+        L, device = self.length, self.own_start.device
+        nb = -(-L // block)
+        visible = self.mask_mod(sliding_window)
+        keys = torch.arange(L, device=device)[None, :]
+        partial = torch.zeros(nb, nb, dtype=torch.bool, device=device)
+        full = torch.zeros_like(partial)
+        rows = max(1, MASK_CHUNK_ELEMENTS // max(L, 1) // block)  # query blocks per chunk
+        for b0 in range(0, nb, rows):
+            b1 = min(nb, b0 + rows)
+            queries = torch.arange(b0 * block, min(b1 * block, L), device=device)[:, None]
+            m = torch.zeros((b1 - b0) * block, nb * block, dtype=torch.bool, device=device)
+            m[:queries.shape[0], :L] = visible(0, 0, queries, keys)
+            counts = m.view(b1 - b0, block, nb, block).sum((1, 3))
+            partial[b0:b1] = (counts > 0) & (counts < block * block)
+            full[b0:b1] = counts == block * block
+        return partial, full
 
     def mask_mod(self, sliding_window: int | None):
         own, pre, pre_len, pos = self.own_start, self.prefix_start, self.prefix_len, self.position
