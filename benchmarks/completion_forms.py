@@ -8,7 +8,9 @@
 Every completion is scored again here (`qerl.rewards.scores.score`: flexible and strict, an answer extracted at
 all, the requested format followed) with the answer style the prompt asked for (--style, default gsm8k: "####").
 Per model: pass@1 both ways, no-answer and format shares, the final answer's marker (`####`, `\\boxed{}`,
-`<answer>`, none), mean length and the share cut at --max-new-tokens. Per pair of models, on the first completion
+`<answer>`, none), mean length and the share cut at --max-new-tokens; and the solution's form: the share of
+completions that write a code block (a coder model often answers by writing a program it cannot run and then
+stating its output), with pass@1 among those that do and those that do not. Per pair of models, on the first completion
 of each problem (the greedy one): how often both, one or neither are right, and for the problems only the
 first is right, what the second did instead: no answer because it was cut off, no answer otherwise, a wrong
 answer in the same marker, a wrong answer in another marker. The tables go to stdout, everything to --out (JSON).
@@ -16,12 +18,14 @@ answer in the same marker, a wrong answer in another marker. The tables go to st
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from itertools import combinations
 from pathlib import Path
 
 MARKERS = ("gsm8k", "boxed", "answer_tag", "none")
+CODE_FENCE = re.compile(r"^\s*```[ \t]*(python|py|python3)?[ \t]*$", re.M | re.I)
 FAILURES = ("cut off, no answer", "no answer", "wrong, same marker", "wrong, other marker")
 
 
@@ -53,6 +57,11 @@ def marker_of(text: str) -> str:
     return "none" if found is None else found.style
 
 
+def writes_code(text: str) -> bool:
+    """Whether the completion holds a fenced code block (```python, ```py or a bare ``` fence with code)."""
+    return CODE_FENCE.search(text) is not None
+
+
 def completion_facts(row: dict, style: str | None, max_new_tokens: int | None) -> list[dict]:
     """Per completion of a problem: flexible, strict, extractable, follows_format, marker, length, cut."""
     from qerl.rewards.scores import score
@@ -62,7 +71,7 @@ def completion_facts(row: dict, style: str | None, max_new_tokens: int | None) -
     for text, n in zip(row["completions"], lengths):
         s = score(text, row["answer"], style)
         out.append(dict(flexible=bool(s.flexible), strict=bool(s.strict), extractable=s.extractable,
-                        follows_format=s.follows_format, marker=marker_of(text), length=n,
+                        follows_format=s.follows_format, marker=marker_of(text), code=writes_code(text), length=n,
                         cut=max_new_tokens is not None and n is not None and n >= max_new_tokens))
     return out
 
@@ -73,12 +82,16 @@ def run_summary(facts: list[list[dict]]) -> dict:
     lengths = [c["length"] for c in flat if c["length"] is not None]
     per = lambda key: sum(sum(c[key] for c in cs) / len(cs) for cs in facts) / len(facts)  # noqa: E731
     markers = Counter(c["marker"] for c in flat)
+    coded = [c for c in flat if c["code"]]
+    prose = [c for c in flat if not c["code"]]
+    right = lambda cs: sum(c["flexible"] for c in cs) / len(cs) if cs else None  # noqa: E731
     return {"problems": len(facts), "completions": len(flat), "pass@1": per("flexible"),
             "pass@1_strict": per("strict"), "no_answer": sum(not c["extractable"] for c in flat) / len(flat),
             "format_followed": sum(c["follows_format"] for c in flat) / len(flat),
             "markers": {m: markers.get(m, 0) / len(flat) for m in MARKERS},
             "mean_length": sum(lengths) / len(lengths) if lengths else None,
-            "cut": sum(c["cut"] for c in flat) / len(flat)}
+            "cut": sum(c["cut"] for c in flat) / len(flat),
+            "code": len(coded) / len(flat), "pass@1_code": right(coded), "pass@1_prose": right(prose)}
 
 
 def failure_kind(winner: dict, loser: dict) -> str:
@@ -93,6 +106,7 @@ def pair_table(a: list[list[dict]], b: list[list[dict]]) -> dict:
     problem indices of each kind)."""
     both = neither = 0
     only = {"a": Counter(), "b": Counter()}
+    left_code = {"a": 0, "b": 0}  # only this side right, and it wrote prose where the other wrote code
     where = {"a": {k: [] for k in FAILURES}, "b": {k: [] for k in FAILURES}}
     for i, (ca, cb) in enumerate(zip(a, b)):
         x, y = ca[0], cb[0]
@@ -105,8 +119,9 @@ def pair_table(a: list[list[dict]], b: list[list[dict]]) -> dict:
             kind = failure_kind(win, lose)
             only[side][kind] += 1
             where[side][kind].append(i)
+            left_code[side] += lose["code"] and not win["code"]
     return {"both": both, "neither": neither, "only_a": dict(only["a"]), "only_b": dict(only["b"]),
-            "problems": where}
+            "only_a_prose_over_code": left_code["a"], "only_b_prose_over_code": left_code["b"], "problems": where}
 
 
 def check_same_problems(runs: dict[str, list[dict]]) -> None:
@@ -123,20 +138,24 @@ def check_same_problems(runs: dict[str, list[dict]]) -> None:
 
 def tables(summaries: dict[str, dict], pairs: dict[tuple[str, str], dict]) -> str:
     lines = ["| model | problems | pass@1 | strict | no answer | format followed | #### / boxed / tag / none | "
-             "mean tokens | cut |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "mean tokens | cut | writes code | pass@1 code / prose |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    share = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for name, s in summaries.items():
         m = " / ".join(f"{s['markers'][k]:.2f}" for k in MARKERS)
         length = "-" if s["mean_length"] is None else f"{s['mean_length']:.1f}"
         lines.append(f"| {name} | {s['problems']} | {s['pass@1']:.3f} | {s['pass@1_strict']:.3f} | "
-                     f"{s['no_answer']:.3f} | {s['format_followed']:.3f} | {m} | {length} | {s['cut']:.3f} |")
+                     f"{s['no_answer']:.3f} | {s['format_followed']:.3f} | {m} | {length} | {s['cut']:.3f} | "
+                     f"{s['code']:.3f} | {share(s['pass@1_code'])} / {share(s['pass@1_prose'])} |")
     lines += ["", "| A vs B | both right | neither | only A | only B | where only A is right, B: "
-              + " / ".join(FAILURES) + " | where only B is right, A: (same) |",
-              "|---|---:|---:|---:|---:|---|---|"]
+              + " / ".join(FAILURES) + " | where only B is right, A: (same) | of only A / only B: the right one in "
+              "prose, the other in code |", "|---|---:|---:|---:|---:|---|---|---|"]
     for (a, b), p in pairs.items():
         kinds_a = " / ".join(str(p["only_a"].get(k, 0)) for k in FAILURES)
         kinds_b = " / ".join(str(p["only_b"].get(k, 0)) for k in FAILURES)
         lines.append(f"| {a} vs {b} | {p['both']} | {p['neither']} | {sum(p['only_a'].values())} | "
-                     f"{sum(p['only_b'].values())} | {kinds_a} | {kinds_b} |")
+                     f"{sum(p['only_b'].values())} | {kinds_a} | {kinds_b} | "
+                     f"{p['only_a_prose_over_code']} / {p['only_b_prose_over_code']} |")
     return "\n".join(lines)
 
 

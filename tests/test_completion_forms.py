@@ -9,7 +9,8 @@ QUESTIONS = [("Tom has 3 bags of 6 apples. How many?", "18"), ("2 + 3?", "5"), (
 RUNS = {  # (completion, tokens) per problem, greedy: one completion each
     "a": [("3 bags of 6 is 18.\n#### 18", 20), ("2 + 3 = 5\n#### 5", 12), ("I think 3", 5)],
     "b": [("The answer is \\boxed{18}", 9), ("Let me think step by step about the", 512), ("4 + 3 = 7\n#### 7", 11)],
-    "c": [("3 + 6 = 9, so 17\n#### 17", 14), ("so \\boxed{4}", 6), ("#### 7", 4)],
+    "c": [("```python\nprint(3 * 6)\n```\nOutput: 17\n#### 17", 14), ("so \\boxed{4}", 6),
+          ("```\nx = 4 + 3\n```\n#### 7", 4)],
 }
 
 
@@ -40,7 +41,18 @@ def test_shares_and_what_the_other_model_did(tmp_path, capsys):
     assert ac["only_a"] == {"wrong, same marker": 1, "wrong, other marker": 1} and ac["only_b"] == {
         "wrong, other marker": 1}
     table = capsys.readouterr().out
-    assert "| a vs b | 1 | 0 | 1 | 1 | 1 / 0 / 0 / 0 | 0 / 0 / 0 / 1 |" in table
+    assert "| a vs b | 1 | 0 | 1 | 1 | 1 / 0 / 0 / 0 | 0 / 0 / 0 / 1 | 0 / 0 |" in table
+    # the solution's form: c wrote code twice (wrong once, right once), a and b never
+    assert (c["code"], c["pass@1_code"], c["pass@1_prose"]) == (2 / 3, 1 / 2, 0.0)
+    assert (a["code"], a["pass@1_code"], a["pass@1_prose"]) == (0.0, None, 2 / 3)
+    assert ac["only_a_prose_over_code"] == 1 and ac["only_b_prose_over_code"] == 0  # problem 0: a in prose, c in code
+
+
+def test_a_code_block_is_a_fence_on_its_own_line():
+    mod = load_benchmark("completion_forms")
+    assert mod.writes_code("Let's compute.\n```python\nx = 1\n```")
+    assert mod.writes_code("```\nx = 1\n```") and mod.writes_code("  ```Python\nx\n```")
+    assert not mod.writes_code("The answer is `18`, written ``` inline ```python") and not mod.writes_code("#### 18")
 
 
 def test_runs_of_other_problems_or_broken_files_are_refused(tmp_path, capsys):

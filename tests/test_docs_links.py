@@ -1,5 +1,5 @@
 """The docs hold together: every relative link in README.md and docs/**/*.md names a file that exists, every
-study archive in docs/results matches the manifest beside it, and docs/ stays under 4 MB (raw per-step and
+study archive in docs/results matches the manifest beside it, and docs/ stays under 4.5 MB (raw per-step and
 per-problem data go into one archive per study: docs/results/README.md). Pure Python, no torch."""
 
 import hashlib
@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 RESULTS = DOCS / "results"
-MAX_DOCS_BYTES = 4_000_000  # apparent size, as `du -sb docs` counts it
+MAX_DOCS_BYTES = 4_500_000  # apparent size, as `du -sb docs` counts it
 
 FENCED = re.compile(r"^ *(```|~~~).*?^ *\1", re.S | re.M)
 INLINE_CODE = re.compile(r"(`+)(?:(?!\n[ \t]*\n).)*?(?<!`)\1(?!`)", re.S)  # may span lines, not paragraphs
