@@ -304,6 +304,24 @@ def test_job_devices(monkeypatch):
     assert study.job_devices("auto") is None  # one GPU: nothing to spread
 
 
+def test_jobs_sharing_a_gpu_each_get_an_equal_capped_share(monkeypatch):
+    """--gpu-memory-fraction auto caps each job only where several share one GPU; the cap reaches the child as
+    torch's allocator setting, beside (and in place of an earlier) PYTORCH_CUDA_ALLOC_CONF value."""
+    assert study.memory_fraction("auto", 1, None) is None  # one job at a time: the whole card
+    assert study.memory_fraction("auto", 3, None) == pytest.approx(study.SHARED_GPU_FRACTION / 3, abs=1e-4)
+    assert study.memory_fraction("auto", 4, ["0", "1"]) == pytest.approx(study.SHARED_GPU_FRACTION / 2, abs=1e-4)
+    assert study.memory_fraction("auto", 2, ["0", "1"]) is None  # one job per GPU
+    assert study.memory_fraction("none", 8, None) is None and study.memory_fraction("0.25", 1, None) == 0.25
+    for bad in ("0", "1.5", "half", "-0.1"):
+        with pytest.raises(StudyError, match="--gpu-memory-fraction"):
+            study.memory_fraction(bad, 2, None)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,per_process_memory_fraction:0.9")
+    env = study.job_env(3, 0.3)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,per_process_memory_fraction:0.3"
+    assert study.job_env(3)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,per_process_memory_fraction:0.9"
+    assert study.main(["--arms", "nvfp4", "--gpu-memory-fraction", "2"]) == 2
+
+
 def test_main_refuses_bad_arguments(capsys):
     assert study.main(["--arms", "nvfp4:linear"]) == 2
     assert "only makes sense with AQN" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from ..choices import GRADIENT_CHECKPOINTING
+from ..rollout.memory import process_memory
 
 # share of the card an update may fill, a kept engine's cache included (the rest: allocator fragmentation, the
 # optimizer step's temporaries, kernels' workspaces)
@@ -140,8 +141,9 @@ def budget_bytes(total: int, free: int, reserved: int, allocated: int, cap: floa
 
 
 def update_budget(device: torch.device, cap: float) -> int:
-    """`budget_bytes` of CUDA `device` now."""
-    free, total = torch.cuda.mem_get_info(device)
+    """`budget_bytes` of CUDA `device` now, as this process may use it (its per-process share of the card, when
+    one is set: `rollout.memory.process_memory`)."""
+    free, total = process_memory(device)
     return budget_bytes(total, free, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device), cap)
 
 

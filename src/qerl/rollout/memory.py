@@ -36,12 +36,37 @@ def bytes_per_row(runner, max_seq_len: int, vocab_size: int) -> int:
     return kv + vocab_size * (elem + 3 * 4)
 
 
+def process_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of CUDA `device` as this process may use them. Without a cap, the device's own. Under
+    a per-process cap (`torch.cuda.set_per_process_memory_fraction(F)`, or `PYTORCH_CUDA_ALLOC_CONF=
+    per_process_memory_fraction:F`, which the study sets for jobs sharing one GPU), past which torch's allocator
+    refuses: total = F x the card and free = what the cap leaves above this process's reserved bytes, at most the
+    device's free bytes (other processes hold the rest)."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = process_fraction(device)
+    if fraction < 1.0:
+        cap = int(fraction * total)
+        free, total = min(free, max(cap - torch.cuda.memory_reserved(device), 0)), cap
+    return free, total
+
+
+def process_fraction(device: torch.device) -> float:
+    """The per-process share of `device`'s memory torch's allocator enforces (1.0: none)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    if get is None:
+        return 1.0
+    try:
+        return min(1.0, float(get(device)))
+    except (RuntimeError, TypeError, ValueError):  # an allocator without the setting (e.g. cudaMallocAsync)
+        return 1.0
+
+
 def free_bytes(device: torch.device, cache: KVCache | None) -> int | None:
-    """Device memory a new cache may use (free + cached by the allocator + the current cache, which the
-    engine frees first); None off CUDA, where the batch is not split by memory."""
+    """Device memory a new cache may use (free to this process, `process_memory`, + cached by the allocator + the
+    current cache, which the engine frees first); None off CUDA, where the batch is not split by memory."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
+    free, _ = process_memory(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if cache is not None:
         free += cache.nbytes()
@@ -109,5 +134,5 @@ class EngineMemoryPolicy:
         always kept: from then on the peak includes it)."""
         if not self.auto or self.keep or self.engine_bytes is None:
             return
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        _, total = process_memory(self.device)  # the card, or this process's share of it
         self.keep = torch.cuda.max_memory_reserved(self.device) + self.engine_bytes <= self.fraction * total

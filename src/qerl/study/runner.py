@@ -360,12 +360,41 @@ def job_command(args, job: Job) -> list[str]:
     return cmd
 
 
-def job_env(parallel: int) -> dict:
+# share of a GPU the jobs that run on it at once may fill together, each its equal part (the rest: each process's
+# CUDA context and kernels, which torch's allocator does not count)
+SHARED_GPU_FRACTION = 0.9
+
+
+def memory_fraction(option: str, parallel: int, devices: list[str] | None) -> float | None:
+    """--gpu-memory-fraction -> the share of its GPU each job may allocate, or None (no cap). auto: with more
+    than one job at a time on one GPU, SHARED_GPU_FRACTION split evenly between them (so one job's engine
+    cache or activations cannot take what the others need); none; or a number in (0, 1]."""
+    if option == "none":
+        return None
+    if option == "auto":
+        per_gpu = -(-parallel // len(devices)) if devices else parallel
+        return round(SHARED_GPU_FRACTION / per_gpu, 4) if per_gpu > 1 else None
+    try:
+        fraction = float(option)
+    except ValueError:
+        fraction = float("nan")
+    if not 0 < fraction <= 1:
+        raise StudyError(f"--gpu-memory-fraction {option!r}: expected auto, none or a share in (0, 1]")
+    return fraction
+
+
+def job_env(parallel: int, fraction: float | None = None) -> dict:
     """The children's environment: the same qerl as this process, CPU threads shared out between them (each
-    is mostly one Python thread feeding the GPU; N processes x all cores of intra-op threads thrash)."""
+    is mostly one Python thread feeding the GPU; N processes x all cores of intra-op threads thrash), and with
+    `fraction` torch's allocator capped at that share of the GPU (`per_process_memory_fraction`, which the
+    engine's cache sizing and the recompute plan read back: `qerl.rollout.memory.process_memory`)."""
     import qerl
 
     env = dict(os.environ)
+    if fraction is not None:
+        conf = [c for c in env.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
+                if c.strip() and not c.strip().startswith("per_process_memory_fraction")]
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*conf, f"per_process_memory_fraction:{fraction}"])
     src = str(Path(qerl.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([src, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, parallel))))
@@ -406,6 +435,10 @@ def build_parser(description: str = __doc__, prog: str | None = None) -> argpars
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no job after this many seconds, kill those still running, then aggregate")
     p.add_argument("--mps", action="store_true", help="run the CUDA MPS daemon for the study (if installed)")
+    p.add_argument("--gpu-memory-fraction", default="auto",
+                   help="share of its GPU each job may allocate: auto (with several jobs at once on one GPU, "
+                        f"{SHARED_GPU_FRACTION} split evenly between them; otherwise no cap), none, or a number "
+                        "in (0, 1]")
     p.add_argument("--gpus", default="auto",
                    help="CUDA devices to spread the jobs over, e.g. 0,1 (auto: every visible GPU; none: leave "
                         "CUDA_VISIBLE_DEVICES alone)")
@@ -442,6 +475,7 @@ def main(argv=None, description: str = __doc__, prog: str = "qerl bench study") 
         configs = _check_configs(args, jobs)
         todo, finished = split_finished(jobs, settings_of(args), configs)
         devices = job_devices(args.gpus)
+        fraction = memory_fraction(args.gpu_memory_fraction, args.parallel, devices)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -456,14 +490,18 @@ def main(argv=None, description: str = __doc__, prog: str = "qerl bench study") 
     deadline = t_start + args.deadline_s if args.deadline_s is not None else None
     if devices:
         print(f"jobs spread over GPUs {','.join(devices)}")
+    if fraction is not None:
+        print(f"each job may allocate {fraction:.0%} of its GPU (--gpu-memory-fraction)")
     with MPSDaemon(args.mps):
-        outcomes = run_jobs(todo, lambda job: job_command(args, job), args.parallel, deadline, job_env(args.parallel),
+        outcomes = run_jobs(todo, lambda job: job_command(args, job), args.parallel, deadline,
+                            job_env(args.parallel, fraction),
                             resume=args.resume, devices=devices)
     outcomes += [{"job": job, "status": "cached", "wall_s": 0.0, "error": "", "log_tail": ""} for job in finished]
     outcomes.sort(key=lambda o: jobs.index(o["job"]))
     runs = [load_result(o["job"].result_path) for o in outcomes if o["status"] in ("done", "cached")]
     agg = aggregate(runs, [a.name for a in arms])
     meta = {"model": args.model, "steps": args.steps, "seeds": seeds, "parallel": args.parallel,
+            "gpu_memory_fraction": fraction,
             "device": next((r["device"] for r in runs if r.get("device")), "unknown (no finished run)"),
             "date": time.strftime("%Y-%m-%d"), "command": shlex.join([*shlex.split(prog), *argv])}
     write_json_atomic(out / "results.json", {
