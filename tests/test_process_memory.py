@@ -66,3 +66,30 @@ def test_an_allocator_without_the_setting_means_no_cap(monkeypatch):
     assert memory.process_fraction(DEVICE) == 1.0
     monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
     assert memory.process_fraction(DEVICE) == 1.0
+
+
+@pytest.mark.gpu
+def test_the_study_s_allocator_setting_caps_a_real_process():
+    """The env form the study gives its jobs reaches torch's allocator on this torch, and process_memory reads it."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from qerl.rollout.memory import process_memory
+        device = torch.device("cuda", 0)
+        free, total = process_memory(device)
+        card = torch.cuda.mem_get_info(device)[1]
+        print(round(total / card, 3), free <= total)
+        try:
+            torch.empty(int(0.3 * card), dtype=torch.uint8, device=device)
+            print("allocated past the cap")
+        except torch.OutOfMemoryError:
+            print("refused")
+    """)
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.25"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0.25", "True", "refused"], done.stdout
