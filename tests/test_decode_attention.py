@@ -333,6 +333,95 @@ def check_rope_store(device: str, dtype=torch.bfloat16, seed: int = 11, cases=RO
     return fails
 
 
+# (B, KV, G, hd, S, max_len, block_n, splits, window, sinks, rope): the merge needs splits > 1
+MERGE_CASES = [
+    (2, 2, 7, 128, 77, 96, 16, 3, None, None, False),
+    (3, 1, 2, 64, 96, 100, 16, 5, None, "f32", False),  # sinks: joined once, in the merge
+    (2, 2, 2, 64, 100, 112, 16, 3, 40, "model", False),  # a window, sinks in q's dtype
+    (2, 2, 3, 64, 90, 96, 16, 4, None, None, True),  # RoPE and the k/v write in the same launch
+    (1, 1, 1, 64, 40, 48, 16, 2, None, None, False),  # G = 1: one real head in the BLOCK_G tile
+]
+GPU_MERGE_CASES = MERGE_CASES + [(1, 4, 7, 128, 700, 768, None, None, None, None, True),  # 7B heads, 1 row
+                                 (8, 4, 7, 128, 300, 512, 64, None, None, None, False),
+                                 (2, 8, 8, 64, 2048, 2100, None, None, 128, "model", False)]
+
+
+def check_merge(device: str, dtype=torch.bfloat16, seed: int = 13, cases=MERGE_CASES) -> list[str]:
+    """The splits merged by the last program (`merge=True`): within TOL of the fp32 reference, within one unit in
+    the last place of the dtype of the combine pass's output (the same sums in another order), zeros for a row
+    with no visible key; and every arrival counter back at zero after each call, so the next call (a graph
+    replay: the same buffers) starts clean. Two calls per case and slot, on poisoned outputs; with RoPE, the
+    caches hold NaN at the slot before each call (the kernel writes it before it reads)."""
+    from qerl.kernels import workspace
+    from qerl.kernels.decode_attention import decode_attention_reference
+    from qerl.kernels.fused_ops import rope_qk_store
+    from qerl.kernels.triton import decode_attention as tda
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    with poisoned_outputs():
+        for i, (B, KV, G, hd, S, max_len, block_n, splits, window, sink_kind, rope) in enumerate(cases):
+            q, k, v, key_valid = _inputs(B, KV, G, hd, max_len, dtype, device, gen)
+            if i % 2:
+                key_valid[-1] = False  # a row with no visible key
+            sinks = None if sink_kind is None else (torch.randn(G * KV, generator=gen) * 2).to(device)
+            if sinks is not None and sink_kind == "model":
+                sinks = sinks.to(dtype)
+            scale = hd ** -0.5
+            for s in (S // 2 + 1, S - 1, "per row"):
+                slot = torch.tensor(s, dtype=torch.int64, device=device) if s != "per row" else \
+                    torch.randint(0, S, (B,), generator=gen).to(device)
+                kn, vn = _hide_unseen(k, v, key_valid, slot, S, window)
+                args = dict(sinks=sinks, window=window)
+                query, want_k, want_v = q, k, v
+                if rope:
+                    qr, kr, vr, cos, sin = _rope_inputs(B, KV, G, hd, dtype, device, gen, slot.expand(B) + 3)
+                    rows = torch.arange(B, device=device)
+                    kn[rows, :, slot.expand(B)] = float("nan")
+                    vn[rows, :, slot.expand(B)] = float("nan")
+                    want_k, want_v = kn.cpu().clone(), vn.cpu().clone()
+                    query = rope_qk_store(qr.cpu(), kr.cpu(), vr.cpu(), cos.cpu(), sin.cpu(), want_k, want_v,
+                                          slot.cpu())[:, 0]
+                    args["rope"] = (kr[:, 0], vr[:, 0], cos[:, 0], sin[:, 0])
+                    query_in = qr[:, 0]
+                else:
+                    query_in = q
+                ref = decode_attention_reference(query.float().cpu(), want_k.float().cpu(), want_v.float().cpu(),
+                                                 key_valid.cpu(), slot.cpu(), S, scale,
+                                                 None if sinks is None else sinks.cpu(), window)
+                tag = f"{device} {dtype} merge case={i} slot={s}"
+                outs = []
+                for call in range(2):
+                    outs.append(tda.decode_attention_triton(query_in, kn.clone(), vn.clone(), key_valid, slot, S,
+                                                            scale, splits, block_n, merge=True, **args))
+                    counters = [t for key, t in workspace._PERSISTENT.items() if key[0] == "decode_attention"]
+                    if not counters or any(int(c.abs().sum()) for c in counters):
+                        fails.append(f"{tag}: call {call}: an arrival counter was not left at zero")
+                combined = tda.decode_attention_triton(query_in, kn.clone(), vn.clone(), key_valid, slot, S, scale,
+                                                       splits, block_n, **args)
+                for out in outs:
+                    if _error(out.cpu(), ref) > TOL[dtype]:
+                        fails.append(f"{tag}: relative max error {_error(out.cpu(), ref):.3g}")
+                    diff = (out.float() - combined.float()).abs()
+                    if not torch.isfinite(out).all() or (diff > ulp * combined.float().abs().clamp_min(1e-3)).any():
+                        fails.append(f"{tag}: differs from the combine pass by {diff.max().item():.3g}")
+                if not torch.equal(outs[0], outs[1]):
+                    fails.append(f"{tag}: two calls differ")
+                j = torch.arange(S, device=device)
+                seen = key_valid[:, :S] & (j <= slot.reshape(-1, 1))
+                if window is not None:
+                    seen &= slot.reshape(-1, 1) - j < window
+                blind = ~seen.any(1)
+                if blind.any() and not (outs[0][blind] == 0).all():
+                    fails.append(f"{tag}: a row with no visible key is not all zeros")
+    return fails
+
+
+def merge_interpreter_suite() -> list[str]:
+    return check_merge("cpu") + check_merge("cpu", torch.float16, seed=14, cases=MERGE_CASES[:2])
+
+
 def rope_store_interpreter_suite() -> list[str]:
     return check_rope_store("cpu") + check_rope_store("cpu", torch.float16, seed=12, cases=ROPE_CASES[1:2])
 
@@ -357,6 +446,19 @@ def test_interpreter_sinks_window():
 
 def test_interpreter_rope_store():
     fails = run_interpreter_suite("test_decode_attention", "rope_store_interpreter_suite", timeout=600)
+    assert not fails, "\n".join(fails)
+
+
+def test_interpreter_merge_in_the_split_kernel():
+    fails = run_interpreter_suite("test_decode_attention", "merge_interpreter_suite", timeout=600)
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_merge_in_the_split_kernel(dtype):
+    require_cuda()
+    fails = check_merge("cuda", dtype, cases=GPU_MERGE_CASES)
     assert not fails, "\n".join(fails)
 
 

@@ -276,17 +276,18 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--rope-store", choices=("in-attention", "separate"), help="RoPE + k/v write inside the "
-                    "attention kernel or in a launch of its own (default: decode_attention.FUSED_ROPE_STORE)")
+    ap.add_argument("--rope-store", choices=("in-attention", "separate"), help="RoPE + k/v write in the attention")
+    ap.add_argument("--merge", choices=("in-split", "combine"), help="attention splits merged by their last program")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from ..kernels import decode_attention
     from ..rollout.engine import RolloutEngine
-
-    if args.rope_store:
-        decode_attention.FUSED_ROPE_STORE = args.rope_store == "in-attention"
+    flags = (args.rope_store, "FUSED_ROPE_STORE", "in-attention"), (args.merge, "FUSED_COMBINE", "in-split")
+    for chosen, flag, on in flags:
+        if chosen:  # else decode_attention's default
+            setattr(decode_attention, flag, chosen == on)
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")

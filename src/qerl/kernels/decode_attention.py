@@ -26,6 +26,10 @@ from .route import use_triton
 # 1-3% of the step; docs/benchmarks.md "Decode step against its floor"); False: `rope_qk_store`'s own launch first
 # (the reference the GPU tests compare it with, bit for bit)
 FUSED_ROPE_STORE = True
+# True: with splits, the last program of each (row, kv head) merges the partials (one launch fewer per layer and
+# step); False: the combine pass's own launch. Off until its GPU tests (tests/test_decode_attention.py, `-m gpu`)
+# and an A/B on a GPU have run; its interpreter tests pass
+FUSED_COMBINE = False
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -65,7 +69,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if use_triton(q):
         from .triton.decode_attention import decode_attention_triton
 
-        return decode_attention_triton(q, k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
+        return decode_attention_triton(q, k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window,
+                                       merge=FUSED_COMBINE)
     return decode_attention_reference(q, k_cache, v_cache, key_valid, slot, S, scale, sinks, window)
 
 
@@ -83,6 +88,7 @@ def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         from .triton.decode_attention import decode_attention_triton
 
         return decode_attention_triton(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks,
-                                       window=window, rope=(k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]))
+                                       window=window, rope=(k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]),
+                                       merge=FUSED_COMBINE)
     q = rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
     return decode_attention(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)

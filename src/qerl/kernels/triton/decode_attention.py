@@ -3,11 +3,12 @@
 Pass 1, grid (B, KV, splits): each program takes the G query heads of one kv head (padded to a tl.dot tile of >= 16
 rows, so each k/v tile is read once for all of them) and one contiguous chunk of the first S cache slots, and keeps
 an online softmax in fp32 (log2 domain). With one split it writes the output; otherwise it writes fp32 partials
-(max, sum, unnormalised acc) and pass 2, one program per (row, head), merges them. When the B * KV programs alone
-fill the GPU (batch 64 at 7B) there is one split of 128-key tiles (`choose_tile`), so pass 2 is not launched. The
-decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see new values); keys past it, left
-pads and slots >= S are never loaded, so stale or NaN cache contents there cannot leak in. A (row, head) with no
-visible key outputs zeros.
+(max, sum, unnormalised acc) and pass 2, one program per (row, head), merges them (or, with `merge`, the last
+program of each (row, kv head) to finish merges its heads' partials itself: no second launch). When the B * KV
+programs alone fill the GPU (batch 64 at 7B) there is one split of 128-key tiles (`choose_tile`), so pass 2 is not
+launched. The decode slot is loaded from a device tensor inside the kernel (CUDA-graph replays see new values); keys
+past it, left pads and slots >= S are never loaded, so stale or NaN cache contents there cannot leak in. A (row,
+head) with no visible key outputs zeros.
 
 gpt-oss: `sinks` (one logit per query head) join each softmax's denominator once, after the scan: in the
 direct path's epilogue, or in pass 2 (the partials stay sink-free, so splits never count it twice); a (row,
@@ -25,7 +26,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import pdl
 from ..route import sm_count
-from ..workspace import alloc
+from ..workspace import alloc, persistent
 from .fp4_codes import round_to
 from .fused_ops import _rounded
 
@@ -82,18 +83,23 @@ def _rope_row(ptr, d, mask, c, s, HALF: tl.constexpr, DTYPE: tl.constexpr, INTER
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                  kn_ptr, vn_ptr, cos_ptr, sin_ptr,
+                  kn_ptr, vn_ptr, cos_ptr, sin_ptr, cnt_ptr,
                   S, H, G, HD, CHUNK, SPLITS, WINDOW, qk_scale, MAX_LEN,
                   sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h, s_slot, s_sink,
                   skn_b, skn_h, svn_b, svn_h, s_cos,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-                  INTERP: tl.constexpr, PDL: tl.constexpr = False):
+                  INTERP: tl.constexpr, MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+                  PDL: tl.constexpr = False):
     """Keys [first + split * CHUNK, min(first + (split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1
     of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only in the direct path.
     ROPE: q is the query before RoPE (rotated here with row b's cos / sin), and the program whose keys hold the
     decode slot first writes this token's rotated key (kn_ptr) and value (vn_ptr) into the caches there: what
-    `rope_store_decode` did in a launch of its own (a slot outside [0, MAX_LEN) writes nothing)."""
+    `rope_store_decode` did in a launch of its own (a slot outside [0, MAX_LEN) writes nothing).
+    MERGE (with splits): the program that arrives last at its (row, kv head)'s counter merges the SPLITS partials of
+    its G heads and writes the output, what `_combine_kernel` does in a launch of its own (the counter protocol of
+    `lora_a`: every thread's stores, a CTA barrier, one acq_rel atomic at GPU scope, .cg loads of the partials;
+    the last program sets the counter back to 0, so every launch finds it there)."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
@@ -164,6 +170,45 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
         tl.store(m_ptr + part, m_i, mask=g < G)
         tl.store(l_ptr + part, l_i, mask=g < G)
         tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=gd_mask)
+        if MERGE:
+            tl.debug_barrier()  # every thread's partial stores happen before the (single-thread) release below
+            cnt = cnt_ptr + b * tl.num_programs(1) + kv
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g < G, d, gd_mask, H, HD, SPLITS,
+                              so_b, so_h, s_sink, BLOCK_G, BLOCK_D, BLOCK_S, HAS_SINK, INTERP)
+                tl.store(cnt, 0)  # every split has arrived: ready for the next launch (stream order)
+
+
+@triton.jit
+def _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g_mask, d, gd_mask, H, HD, SPLITS,
+                  so_b, so_h, s_sink, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  HAS_SINK: tl.constexpr, INTERP: tl.constexpr):
+    """The last-arriving program's merge of heads `heads` of row b: `_combine_kernel`'s math for BLOCK_G heads at
+    once (the partials' max over the splits, their rescaled sums plus the sink term once, divided), the partials
+    read past L1 (.cg: written by other SMs in this launch)."""
+    s = tl.arange(0, BLOCK_S)
+    base = (b * H + heads) * SPLITS  # [BLOCK_G]
+    gs_mask = g_mask[:, None] & (s < SPLITS)[None, :]
+    m = tl.load(m_ptr + base[:, None] + s[None, :], mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(l_ptr + base[:, None] + s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m, 1)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads * s_sink, mask=g_mask, other=float("-inf")).to(tl.float32)
+        sink = sink * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.sum(tl.exp2(m - m_safe[:, None]) * l_s, 1)
+    if HAS_SINK:
+        total += tl.exp2(sink - m_safe)
+    o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for split in range(SPLITS):  # in split order: the same sum on every call
+        m_s = tl.load(m_ptr + base + split, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        acc_s = tl.load(acc_ptr + (base + split)[:, None] * HD + d[None, :], mask=gd_mask, other=0.0,
+                        cache_modifier=".cg")
+        o += tl.exp2(m_s - m_safe)[:, None] * acc_s
+    o = o / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], round_to(o, out_ptr.dtype.element_ty, INTERP),
+             mask=gd_mask)
 
 
 @triton.jit
@@ -201,7 +246,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
                             block_n: int | None = None, num_warps: int = 4,
                             num_stages: int | None = None, sinks: torch.Tensor | None = None,
-                            window: int | None = None, rope: tuple | None = None) -> torch.Tensor:
+                            window: int | None = None, rope: tuple | None = None, merge: bool = False) -> torch.Tensor:
     """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
     stride); key_valid [B, max_len] bool; slot 0-d int64 tensor, or int64 [B] (a slot per row; read on the
     device); S <= max_len slots scanned; sinks None or [H] (any float dtype, read on the device, used in fp32):
@@ -211,7 +256,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     default) of the first pass: tuning. rope (k, v, cos, sin): q is this token's query before RoPE, k, v [B, KV, hd]
     its key and value (unit stride on hd) and cos, sin [B, hd] (one layout, unit stride on hd) row b's RoPE rows:
     the kernel rotates q, and writes rope(k) and v into the caches at the slot before it reads them
-    (`rope_store_decode`'s contract and rounding, without its launch)."""
+    (`rope_store_decode`'s contract and rounding, without its launch). merge: with splits, the last program of each
+    (row, kv head) merges them (no second launch; the partials summed in split order, so the output may differ
+    from the combine pass's in the last bit)."""
     B, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
@@ -248,6 +295,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = alloc((B, H, hd), q.device, q.dtype)
     direct = splits == 1
     part_m = part_l = part_acc = out  # unused by the direct path
+    counters = key_valid  # not read without merge
+    merge = merge and not direct
+    if merge:  # int32 zeros per (row, kv head) that every launch leaves at zero
+        counters = persistent("decode_attention", q.device, (B, KV),
+                              lambda: torch.zeros(B * KV, dtype=torch.int32, device=q.device))
     if not direct:
         part_m = alloc((B, H, splits), q.device, torch.float32)
         part_l = alloc((B, H, splits), q.device, torch.float32)
@@ -258,7 +310,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     s_sink = 0 if sinks is None else sinks.stride(0)
     _split_kernel[(B, KV, splits)](
         q, k_cache, v_cache, key_valid.view(torch.uint8), slot, sink_arg, out, part_m, part_l, part_acc,
-        k_new, v_new, cos, sin,
+        k_new, v_new, cos, sin, counters,
         S, H, G, hd, chunk, splits, 0 if window is None else int(window), float(scale) * LOG2E, max_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
@@ -266,9 +318,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
         HAS_WINDOW=window is not None, HAS_SINK=sinks is not None, ROPE=rope is not None, HALF=hd // 2,
-        INTERP=interp,
+        INTERP=interp, MERGE=merge, BLOCK_S=triton.next_power_of_2(splits),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
-    if not direct:
+    if not direct and not merge:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, sink_arg, out, H, hd, splits, out.stride(0),
                                   out.stride(1), s_sink, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
                                   HAS_SINK=sinks is not None, INTERP=interp, num_warps=4, **pdl.launch_options(q))
