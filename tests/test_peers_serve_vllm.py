@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from bench_scripts import ROOT, load_peer
 
 from qerl.models import load_causal_lm, quantize_model, save_adapter
@@ -21,17 +23,31 @@ def test_qerl_way_scores_and_a_missing_vllm_is_a_row(tiny_dir, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/serve_vllm.py"), "--model",
                            str(tiny_dir), "--adapter", str(tmp_path / "adapter"), "--test", str(data),
                            "--suffix", "none", "--limit", "2", "--max-new-tokens", "8", "--ways",
-                           "qerl-16bit,vllm-merged", "--workdir", str(tmp_path / "work"), "--out",
-                           str(tmp_path / "serve.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "qerl-16bit,vllm-merged,vllm-merged-fp32,vllm-16bit-lora", "--workdir",
+                           str(tmp_path / "work"), "--out", str(tmp_path / "serve.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     ways = json.loads((tmp_path / "serve.json").read_text())["ways"]
     evaluated = [json.loads(line) for line in (tmp_path / "work" / "qerl-16bit.jsonl").read_text().splitlines()]
     assert ways["qerl-16bit"]["pass1"] == sum(r["rewards"][0] for r in evaluated) / 2
     assert (tmp_path / "work" / "merged" / "config.json").is_file()
+    from safetensors import safe_open
+
+    fp32 = tmp_path / "work" / "merged_fp32"
+    with safe_open(str(next(fp32.glob("*.safetensors"))), "pt") as f:  # the fp32 merge: no bf16 rounding
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
     try:
         import vllm  # noqa: F401
     except ImportError:
-        assert "vllm" in ways["vllm-merged"]["error"] and "failed" in done.stdout
+        for way in ("vllm-merged", "vllm-merged-fp32", "vllm-16bit-lora"):
+            assert "vllm" in ways[way]["error"], way
+        assert "failed" in done.stdout
+
+
+def test_the_16bit_lora_way_loads_the_16bit_model_itself(tiny_dir):
+    serve = load_peer("serve_vllm")
+    assert serve.base_dir(str(tiny_dir)) == str(tiny_dir)  # a directory (or hub id) is vLLM's to load
+    assert set(serve.VLLM_WAYS) == {w for w in serve.WAYS if w.startswith("vllm")}
 
 
 def test_scores_read_the_requested_style():

@@ -1,11 +1,15 @@
 """Does a policy qerl trained serve in vLLM as it scored in qerl? One trained adapter, greedy on the held-out
-problems, scored by qerl's scorer (flexible and strict pass@1), served four ways:
+problems, scored by qerl's scorer (flexible and strict pass@1), served up to six ways:
 
     qerl, 16-bit base      `qerl eval MODEL --adapter A` (the adapter on the 16-bit model, as a merge serves it)
     qerl, 4-bit base       `qerl eval MODEL --adapter A --format nvfp4 --keep-bf16 K` (the policy as trained)
     vLLM, merged           vLLM on `qerl merge A` (16-bit weights with the adapter folded in)
     vLLM, NVFP4 + LoRA     vLLM on qerl's NVFP4 export (`qerl quantize --format nvfp4 --keep-bf16 K`) with A as a LoRA
                            adapter (if vLLM takes LoRA over its NVFP4 path; else the row says why not)
+    vLLM, 16-bit + LoRA    vLLM on the 16-bit model with A as a LoRA adapter (no merge: vLLM's own numerics only)
+    vLLM, merged fp32      vLLM in float32 on `qerl merge A --dtype fp32` (no bf16 rounding of the merged weights)
+
+The last two split a gap between `qerl eval` and vLLM-merged into the merge's rounding and vLLM's decode.
 
     python benchmarks/peers/serve_vllm.py --model qwen2.5-coder-1.5b-instruct --adapter RUN/adapter \\
         --keep-bf16 last:2 --workdir /tmp/serve --out serve.json
@@ -23,7 +27,10 @@ import time
 from pathlib import Path
 
 PY = sys.executable
-WAYS = ("qerl-16bit", "qerl-4bit", "vllm-merged", "vllm-nvfp4-lora")
+WAYS = ("qerl-16bit", "qerl-4bit", "vllm-merged", "vllm-nvfp4-lora", "vllm-16bit-lora", "vllm-merged-fp32")
+# what each vLLM way loads (a --workdir directory, or "base": the 16-bit model), its dtype, and whether A is a LoRA
+VLLM_WAYS = {"vllm-merged": ("merged", "bfloat16", False), "vllm-nvfp4-lora": ("nvfp4", "bfloat16", True),
+             "vllm-16bit-lora": ("base", "bfloat16", True), "vllm-merged-fp32": ("merged_fp32", "float32", False)}
 
 
 def scores(texts: list[str], rows: list[dict], suffix: str) -> list[dict]:
@@ -53,13 +60,22 @@ def qerl_way(way: str, args, work: Path) -> list[dict]:
     return [{"flexible": r["rewards"][0], "strict": r["strict"][0]} for r in rows]
 
 
+def base_dir(model: str) -> str:
+    """The 16-bit model as a directory vLLM loads: an embedded name's converted cache (made once), else the
+    argument (a Hugging Face directory or hub id)."""
+    from qerl.models.registry import EMBEDDED, embedded_hf_dir
+
+    return str(embedded_hf_dir(model)) if model in EMBEDDED else model
+
+
 def prepare(args, work: Path, ways: list[str]) -> None:
     """What the vLLM ways load, made once and kept in --workdir: the merged 16-bit directory (its tokenizer builds
-    every vLLM way's prompts) and, for the LoRA way, the NVFP4 export."""
+    every vLLM way's prompts), the fp32 merge and the NVFP4 export for the ways that read them."""
     merged, quantized = work / "merged", work / "nvfp4"
-    if not (merged / "config.json").is_file():
-        subprocess.run([PY, "-m", "qerl.cli", "merge", args.adapter, "--model", args.model, "--out", str(merged)],
-                       check=True)
+    for out, dtype in ((merged, "bf16"), *([(work / "merged_fp32", "fp32")] if "vllm-merged-fp32" in ways else [])):
+        if not (out / "config.json").is_file():
+            subprocess.run([PY, "-m", "qerl.cli", "merge", args.adapter, "--model", args.model, "--dtype", dtype,
+                            "--out", str(out)], check=True)
     if "vllm-nvfp4-lora" in ways and not (quantized / "config.json").is_file():
         keep = ["--keep-bf16", args.keep_bf16] if args.keep_bf16 else []
         subprocess.run([PY, "-m", "qerl.cli", "quantize", args.model, "--format", args.format, *keep,
@@ -75,14 +91,14 @@ def vllm_way(way: str, args, work: Path) -> dict:
     from qerl.data import load_problems
     from qerl.data.templates import build_prompt, encode_prompt
 
-    dirs = {"merged": work / "merged", "nvfp4": work / "nvfp4"}
     rows = load_problems(args.test, split="test", limit=args.limit)
-    tokenizer = AutoTokenizer.from_pretrained(dirs["merged"])
+    tokenizer = AutoTokenizer.from_pretrained(work / "merged")
     ids = [encode_prompt(build_prompt(r["question"], tokenizer, args.suffix), tokenizer) for r in rows]
-    lora = way == "vllm-nvfp4-lora"
+    where, dtype, lora = VLLM_WAYS[way]
     adapter_config = json.loads((Path(args.adapter) / "adapter_config.json").read_text())
     started = time.perf_counter()
-    llm = LLM(model=str(dirs["nvfp4" if lora else "merged"]), dtype="bfloat16", seed=0, enable_lora=lora,
+    llm = LLM(model=base_dir(args.model) if where == "base" else str(work / where), dtype=dtype, seed=0,
+              enable_lora=lora,
               max_lora_rank=adapter_config["r"] if lora else 16,
               max_model_len=max(map(len, ids)) + args.max_new_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization)
