@@ -144,8 +144,7 @@ def run_size(size, args, copy_bw, results):
         dense = {} if variant.endswith("+dense") and fmt not in (None, "bf16") else None
         engine = None if variant == "hf" else RolloutEngine(model, max_seq_len=args.prompt + args.budget,
                                                            cuda_graphs=not args.eager,
-                                                           fused_sampling=not args.eager_sampling,
-                                                           dense_weights=dense)
+                                                           fused_sampling=not args.eager_sampling, dense_weights=dense)
         for batch in (args.hf_batches if variant == "hf" else args.batches):
             try:  # an engine cell: one row per scheduler
                 if variant == "hf":

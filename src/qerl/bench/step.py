@@ -146,7 +146,8 @@ class StepRunner:
                      kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
                      loss_efficiency=computed / max(needed, 1.0),
                      recomputed_layers=stats.get("recomputed_layers", -1.0),
-                     checkpointable_layers=len(self.recompute.layers))
+                     checkpointable_layers=len(self.recompute.layers),
+                     engine_kept=mode != OLD_MODE and self.engine_memory.keep)  # auto's choice, for this step
         if self.recompute.saved is not None:  # auto's probe: bytes a decoder layer keeps per token
             times.update(saved_bytes_plain=self.recompute.saved.plain,
                          saved_bytes_checkpointed=self.recompute.saved.checkpointed,
