@@ -212,3 +212,30 @@ def test_the_table_checks_each_peers_prompt_order_and_importance_sampling(tmp_pa
     assert "| per token, cap 2 | qerl's |" in done.stdout
     assert "| per token, cap 2 (none logged) | differs |" in done.stdout
     assert "- unsloth-16bit: base: bf16" in done.stdout
+
+
+def test_a_peer_job_stopped_early_keeps_and_shows_what_it_measured(tmp_path):
+    """The peers' step timer rewrites progress.json after every logged step; a job with no result file but that
+    progress shows as stopped after its steps, with its partial step time and peak, in --report's table."""
+    from types import SimpleNamespace
+
+    sbs, trl = load_peer("side_by_side"), load_peer("trl_grpo")
+    run = tmp_path / "unsloth-16bit_s0" / "run"
+    run.mkdir(parents=True)
+    record = {"step_s": []}
+    timer = trl.step_timer(record, progress=run / sbs.PROGRESS_FILE)
+    history = []
+    for step in range(4):
+        timer.on_step_begin(None, None, None)
+        timer.on_step_end(None, None, None)
+        history.append({"reward": 0.25 * step})
+        timer.on_log(None, SimpleNamespace(log_history=history), None)
+        kept = json.loads((run / sbs.PROGRESS_FILE).read_text())
+        assert kept["steps_done"] == step + 1 and kept["reward"] == [0.25 * s for s in range(step + 1)]
+    assert kept["median_over"] == "steps 3-4" and kept["step_s"] == record["step_s"]
+    done = side_by_side("--out", str(tmp_path), "--jobs", "unsloth-16bit", "--seeds", "0", "--steps", "20",
+                        "--report")
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "side_by_side.json").read_text())["rows"][0]
+    assert row["seeds"] == 0 and row["partial"][0]["steps_done"] == 4  # shown, never averaged into the row
+    assert "stopped after 4 of 20 steps" in done.stdout and "s/step over steps 3-4" in done.stdout

@@ -62,6 +62,7 @@ JOBS = {
     "unsloth-fp8": ("unsloth_grpo.py", ["--weights", "fp8", *_UNSLOTH_TOKENIZER]),
 }
 RESULT_FILE = {"trl_grpo.py": "trl.json", "unsloth_grpo.py": "unsloth.json"}
+PROGRESS_FILE = "progress.json"  # a peer job's measurements so far (trl_grpo.step_timer), kept when it stops early
 
 # what every job runs alike, from the one config (trl_grpo.grpo_settings maps it onto TRL's options)
 SAME = (
@@ -249,7 +250,7 @@ def archive(plan: dict, cfg, args, dest: Path) -> int:
     for name, jobs in plan.items():
         for job in jobs:
             files = [job.log_path, job.dir / "run" / "config.yaml", job.dir / "run" / "metrics.jsonl"]
-            files += [job.dir / "run" / f for f in RESULT_FILE.values()]
+            files += [job.dir / "run" / f for f in (*RESULT_FILE.values(), PROGRESS_FILE)]
             for e in eval_jobs(job, name, cfg, args):
                 files.append(e.log_path)
                 if e.result_path.is_file():
@@ -297,6 +298,11 @@ def report(plan: dict, cfg, args, seeds: list[int]) -> list[dict]:
                 for seed, j in zip(seeds, jobs)]
         done = [(seed, t, e) for seed, t, e in runs if t is not None]
         row = {"job": name, "seeds": len(done), "of": len(jobs)}
+        partial = [json.loads(p.read_text()) for j in jobs if not j.result_path.is_file()
+                   and (p := j.dir / "run" / PROGRESS_FILE).is_file()]
+        if partial:  # stopped before its result file: what it measured, never mixed into the row's means
+            row["partial"] = [{k: r.get(k) for k in ("steps_done", "median_step_s", "median_over",
+                                                     "peak_allocated_gb", "reward")} for r in partial]
         if script == "qerl":
             row.update(importance_sampling=qerl_importance_sampling(cfg), prompt_order="qerl's stream")
         elif done:
@@ -325,7 +331,10 @@ def report(plan: dict, cfg, args, seeds: list[int]) -> list[dict]:
     print("|---|---:|---:|---:|---|---|---|---|---|---|")
     for r in table:
         if not r["seeds"]:
-            print(f"| {r['job']} | 0 of {r['of']} | not run or failed: see its job.log | | | | | | | |")
+            stopped = "; ".join(f"stopped after {p['steps_done']} of {args.steps} steps: {fmt(p['median_step_s'])} "
+                                f"s/step over {p['median_over']}, peak {fmt(p['peak_allocated_gb'], '.1f')} GB"
+                                for p in r.get("partial", []))
+            print(f"| {r['job']} | 0 of {r['of']} | {stopped or 'not run or failed'}: see its job.log | | | | | | | |")
             continue
         print(f"| {r['job']} | {r['seeds']} of {r['of']} | {fmt(r['median_step_s'])} | "
               f"{fmt(r['first_step_s'], '.1f')} | {fmt(r['peak_gb'], '.1f')} / {fmt(r['device_used_gb'], '.1f')} | "

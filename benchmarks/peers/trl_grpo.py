@@ -162,9 +162,14 @@ def job_prompts(cfg, tokenizer, args, out: Path) -> list[dict]:
     return rows
 
 
-def step_timer(record: dict, started: float = START):
+PROGRESS_FILE = "progress.json"  # a peer job's measurements so far, rewritten after every step
+
+
+def step_timer(record: dict, started: float = START, progress: Path | None = None):
     """A TrainerCallback filling record: step seconds (device synchronised), device memory used at step ends, and
-    time_to_first_step_s, counted from `started` (a perf_counter value; default: this module's import)."""
+    time_to_first_step_s, counted from `started` (a perf_counter value; default: this module's import). With
+    `progress`, after every logged step it also rewrites that file with `timing_summary` so far and `steps_done`:
+    a job stopped before its result file still leaves what it measured."""
     import torch
     from transformers import TrainerCallback
 
@@ -183,6 +188,13 @@ def step_timer(record: dict, started: float = START):
             if torch.cuda.is_available():
                 free, total = torch.cuda.mem_get_info()
                 record["device_used_gb"] = max(record.get("device_used_gb", 0.0), (total - free) / 1e9)
+
+        def on_log(self, args, state, control, **kwargs):  # after the step's metrics reach the log history
+            if progress is not None and record["step_s"]:
+                tmp = progress.with_name(progress.name + ".tmp")
+                tmp.write_text(json.dumps({"steps_done": len(record["step_s"]),
+                                           **timing_summary(record, state.log_history)}, indent=1))
+                tmp.replace(progress)
 
     return StepTimer()
 
@@ -269,7 +281,8 @@ def main(argv=None) -> int:
     rows = job_prompts(cfg, tokenizer, args, out)
     trainer = GRPOTrainer(model=model, reward_funcs=[resolve_reward(name) for name in cfg.rewards],
                           args=GRPOConfig(**settings), train_dataset=problems(cfg, tokenizer, rows),
-                          processing_class=tokenizer, peft_config=lora, callbacks=[step_timer(record)])
+                          processing_class=tokenizer, peft_config=lora,
+                          callbacks=[step_timer(record, progress=out / PROGRESS_FILE)])
     trainer.train()
     trainer.save_model(str(out / "adapter"))
 

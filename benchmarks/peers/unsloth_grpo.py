@@ -27,7 +27,8 @@ START = time.perf_counter()  # before Unsloth's import and patching: they count 
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trl_grpo import (empty_output, grpo_settings, importance_sampling, job_arguments, job_prompts,  # noqa: E402
-                      model_directory, order_digest, problems, step_timer, table_row, timing_summary)
+                      model_directory, order_digest, problems, step_timer, table_row, timing_summary,
+                      PROGRESS_FILE)
 
 
 def unsloth_settings(cfg, args, out: Path) -> dict:
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     record = {"step_s": []}
     trainer = GRPOTrainer(model=model, reward_funcs=[resolve_reward(name) for name in cfg.rewards],
                           args=GRPOConfig(**settings), train_dataset=problems(cfg, tokenizer, rows),
-                          processing_class=tokenizer, callbacks=[step_timer(record, START)])
+                          processing_class=tokenizer, callbacks=[step_timer(record, START, out / PROGRESS_FILE)])
     trainer.train()
     model.save_pretrained(str(out / "adapter"))
     tokenizer.save_pretrained(str(out / "adapter"))
