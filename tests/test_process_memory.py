@@ -69,9 +69,9 @@ def test_an_allocator_without_the_setting_means_no_cap(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_the_study_s_allocator_setting_caps_a_real_process():
-    """The env form the study gives its jobs reaches torch's allocator on this torch, and process_memory reads it."""
-    import os
+def test_a_per_process_cap_is_read_back_and_enforced_on_a_real_gpu():
+    """What a study job sharing a GPU does first (`torch.cuda.set_per_process_memory_fraction`, in run_job):
+    process_memory reads the cap back on this torch, and torch's allocator refuses past it."""
     import subprocess
     import sys
     import textwrap
@@ -80,6 +80,7 @@ def test_the_study_s_allocator_setting_caps_a_real_process():
         import torch
         from qerl.rollout.memory import process_memory
         device = torch.device("cuda", 0)
+        torch.cuda.set_per_process_memory_fraction(0.25, device)
         free, total = process_memory(device)
         card = torch.cuda.mem_get_info(device)[1]
         print(round(total / card, 3), free <= total)
@@ -89,7 +90,6 @@ def test_the_study_s_allocator_setting_caps_a_real_process():
         except torch.OutOfMemoryError:
             print("refused")
     """)
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:0.25"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0.25", "True", "refused"], done.stdout

@@ -304,9 +304,9 @@ def test_job_devices(monkeypatch):
     assert study.job_devices("auto") is None  # one GPU: nothing to spread
 
 
-def test_jobs_sharing_a_gpu_each_get_an_equal_capped_share(monkeypatch):
-    """--gpu-memory-fraction auto caps each job only where several share one GPU; the cap reaches the child as
-    torch's allocator setting, beside (and in place of an earlier) PYTORCH_CUDA_ALLOC_CONF value."""
+def test_jobs_sharing_a_gpu_each_get_an_equal_capped_share(tmp_path):
+    """--gpu-memory-fraction auto caps each job only where several share one GPU; the cap reaches the child's
+    command line, which sets torch's per-process memory fraction before it builds anything."""
     assert study.memory_fraction("auto", 1, None) is None  # one job at a time: the whole card
     assert study.memory_fraction("auto", 3, None) == pytest.approx(study.SHARED_GPU_FRACTION / 3, abs=1e-4)
     assert study.memory_fraction("auto", 4, ["0", "1"]) == pytest.approx(study.SHARED_GPU_FRACTION / 2, abs=1e-4)
@@ -315,10 +315,13 @@ def test_jobs_sharing_a_gpu_each_get_an_equal_capped_share(monkeypatch):
     for bad in ("0", "1.5", "half", "-0.1"):
         with pytest.raises(StudyError, match="--gpu-memory-fraction"):
             study.memory_fraction(bad, 2, None)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,per_process_memory_fraction:0.9")
-    env = study.job_env(3, 0.3)
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,per_process_memory_fraction:0.3"
-    assert study.job_env(3)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,per_process_memory_fraction:0.9"
+    args = study.build_parser().parse_args(["--arms", "nvfp4", "--seeds", "0"])
+    job = study.make_jobs(study.parse_arms("nvfp4"), [0], tmp_path)[0]
+    capped = study.job_command(args, job, 0.3)
+    assert capped[capped.index("--gpu-memory-fraction") + 1] == "0.3"  # the child caps itself (run_job)
+    assert "--gpu-memory-fraction" not in study.job_command(args, job)
+    child = study.build_parser().parse_args(capped[capped.index("--job"):])
+    assert study.memory_fraction(child.gpu_memory_fraction, 1, None) == 0.3  # what run_job is given
     assert study.main(["--arms", "nvfp4", "--gpu-memory-fraction", "2"]) == 2
 
 

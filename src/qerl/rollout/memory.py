@@ -37,11 +37,10 @@ def bytes_per_row(runner, max_seq_len: int, vocab_size: int) -> int:
 
 
 def process_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of CUDA `device` as this process may use them. Without a cap, the device's own. Under
-    a per-process cap (`torch.cuda.set_per_process_memory_fraction(F)`, or `PYTORCH_CUDA_ALLOC_CONF=
-    per_process_memory_fraction:F`, which the study sets for jobs sharing one GPU), past which torch's allocator
-    refuses: total = F x the card and free = what the cap leaves above this process's reserved bytes, at most the
-    device's free bytes (other processes hold the rest)."""
+    """(free, total) bytes of CUDA `device` as this process may use them. Without a cap, the device's own. Under a
+    per-process cap (`torch.cuda.set_per_process_memory_fraction(F)`, which a study job sharing one GPU sets
+    first), past which torch's allocator refuses: total = F x the card and free = what the cap leaves above this
+    process's reserved bytes, at most the device's free bytes (other processes hold the rest)."""
     free, total = torch.cuda.mem_get_info(device)
     fraction = process_fraction(device)
     if fraction < 1.0:

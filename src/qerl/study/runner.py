@@ -237,11 +237,15 @@ def started_job_state(job: Job, settings: dict) -> dict | None:
     return state
 
 
-def run_job(args, job: Job) -> dict:
+def run_job(args, job: Job, fraction: float | None = None) -> dict:
     """Train one arm with one seed in this process; held-out pass@1 before and after; write result.json.
-    Continues a run an earlier attempt left in the job's directory (see `started_job_state`)."""
+    Continues a run an earlier attempt left in the job's directory (see `started_job_state`). fraction: cap
+    torch's allocator at that share of the GPU first (jobs sharing one GPU); the engine's cache sizing and the
+    recompute plan read it back (`qerl.rollout.memory.process_memory`)."""
     import torch
 
+    if fraction is not None and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(fraction)
     from ..config import load_config
     from ..data import load_problems
     from ..eval.evaluate import evaluate
@@ -345,8 +349,8 @@ def check_16bit_model(model: str) -> None:
                          "quantize (--model) to score the adapters on it")
 
 
-def job_command(args, job: Job) -> list[str]:
-    """The argv that runs `job` alone in a fresh interpreter (`--job`)."""
+def job_command(args, job: Job, fraction: float | None = None) -> list[str]:
+    """The argv that runs `job` alone in a fresh interpreter (`--job`), capped at `fraction` of its GPU if given."""
     cmd = [sys.executable, "-m", "qerl.study", "--job", "--arms", job.arm.name, "--seeds", str(job.seed),
            "--model", args.model, "--config", args.config, "--train", args.train, "--test", args.test,
            "--eval-limit", str(args.eval_limit), "--eval-n", str(args.eval_n),
@@ -357,6 +361,8 @@ def job_command(args, job: Job) -> list[str]:
         cmd.append("--no-resume")
     if args.eval_16bit_base:
         cmd.append("--eval-16bit-base")
+    if fraction is not None:
+        cmd += ["--gpu-memory-fraction", str(fraction)]
     return cmd
 
 
@@ -383,18 +389,12 @@ def memory_fraction(option: str, parallel: int, devices: list[str] | None) -> fl
     return fraction
 
 
-def job_env(parallel: int, fraction: float | None = None) -> dict:
+def job_env(parallel: int) -> dict:
     """The children's environment: the same qerl as this process, CPU threads shared out between them (each
-    is mostly one Python thread feeding the GPU; N processes x all cores of intra-op threads thrash), and with
-    `fraction` torch's allocator capped at that share of the GPU (`per_process_memory_fraction`, which the
-    engine's cache sizing and the recompute plan read back: `qerl.rollout.memory.process_memory`)."""
+    is mostly one Python thread feeding the GPU; N processes x all cores of intra-op threads thrash)."""
     import qerl
 
     env = dict(os.environ)
-    if fraction is not None:
-        conf = [c for c in env.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
-                if c.strip() and not c.strip().startswith("per_process_memory_fraction")]
-        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*conf, f"per_process_memory_fraction:{fraction}"])
     src = str(Path(qerl.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([src, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, parallel))))
@@ -436,7 +436,8 @@ def build_parser(description: str = __doc__, prog: str | None = None) -> argpars
                    help="start no job after this many seconds, kill those still running, then aggregate")
     p.add_argument("--mps", action="store_true", help="run the CUDA MPS daemon for the study (if installed)")
     p.add_argument("--gpu-memory-fraction", default="auto",
-                   help="share of its GPU each job may allocate: auto (with several jobs at once on one GPU, "
+                   help="share of its GPU each job may allocate (torch's per-process memory fraction): auto (with "
+                        "several jobs at once on one GPU, "
                         f"{SHARED_GPU_FRACTION} split evenly between them; otherwise no cap), none, or a number "
                         "in (0, 1]")
     p.add_argument("--gpus", default="auto",
@@ -470,7 +471,7 @@ def main(argv=None, description: str = __doc__, prog: str = "qerl bench study") 
         if args.job:
             if len(jobs) != 1:
                 raise StudyError("--job runs exactly one arm and one seed")
-            run_job(args, jobs[0])
+            run_job(args, jobs[0], memory_fraction(args.gpu_memory_fraction, 1, None))
             return 0
         configs = _check_configs(args, jobs)
         todo, finished = split_finished(jobs, settings_of(args), configs)
@@ -493,8 +494,8 @@ def main(argv=None, description: str = __doc__, prog: str = "qerl bench study") 
     if fraction is not None:
         print(f"each job may allocate {fraction:.0%} of its GPU (--gpu-memory-fraction)")
     with MPSDaemon(args.mps):
-        outcomes = run_jobs(todo, lambda job: job_command(args, job), args.parallel, deadline,
-                            job_env(args.parallel, fraction),
+        outcomes = run_jobs(todo, lambda job: job_command(args, job, fraction), args.parallel, deadline,
+                            job_env(args.parallel),
                             resume=args.resume, devices=devices)
     outcomes += [{"job": job, "status": "cached", "wall_s": 0.0, "error": "", "log_tail": ""} for job in finished]
     outcomes.sort(key=lambda o: jobs.index(o["job"]))
