@@ -25,7 +25,8 @@ from itertools import combinations
 from pathlib import Path
 
 MARKERS = ("gsm8k", "boxed", "answer_tag", "none")
-CODE_FENCE = re.compile(r"^\s*```[ \t]*(python|py|python3)?[ \t]*$", re.M | re.I)
+CODE_FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[^\n`]*$", re.M)  # a fence line and its language
+PYTHON_FENCES = ("python", "py", "python3", "")
 FAILURES = ("cut off, no answer", "no answer", "wrong, same marker", "wrong, other marker")
 
 
@@ -58,8 +59,11 @@ def marker_of(text: str) -> str:
 
 
 def writes_code(text: str) -> bool:
-    """Whether the completion holds a fenced code block (```python, ```py or a bare ``` fence with code)."""
-    return CODE_FENCE.search(text) is not None
+    """Whether the completion opens a fenced block of Python: ```python / ```py / ```python3, or a bare ``` fence
+    (the model's usual way to start a program). Fences pair up in order, so a block's closing ``` never counts,
+    and a ```json / ```text / ```bash block is not code here."""
+    openings = [m.group(1).lower() for m in CODE_FENCE.finditer(text)][::2]
+    return any(lang in PYTHON_FENCES for lang in openings)
 
 
 def completion_facts(row: dict, style: str | None, max_new_tokens: int | None) -> list[dict]:

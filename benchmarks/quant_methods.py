@@ -198,6 +198,10 @@ def main(argv=None) -> int:
     ap.add_argument("--time-7b", type=int, metavar="LAYERS",
                     help="GPU: instead, time quantizing LAYERS decoder layers of a Qwen2.5-7B-shaped model per method")
     args = ap.parse_args(argv)
+    if args.keep_completions:  # two rows may not share a file (calibration files of one name in two directories)
+        names = [completions_file(Path(args.keep_completions), row).name for row in args.rows.split(",")]
+        if len(set(names)) < len(names):
+            ap.error(f"--keep-completions: rows {args.rows!r} would share file names {sorted(names)}")
     if args.time_7b:
         from qerl.quant import METHODS
         time_qwen7b(args.time_7b, [r for r in args.rows.split(",") if r in METHODS],

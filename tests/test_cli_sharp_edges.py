@@ -456,7 +456,7 @@ def test_sigusr1_prints_the_stacks_and_the_command_goes_on():
     assert "waiting_here" in done.stderr and "File" in done.stderr
 
 
-@pytest.mark.parametrize("every", ["0.2", "-1", "soon"])
+@pytest.mark.parametrize("every", ["0.2", "-1", "soon", "inf", "1e300"])
 def test_qerl_stacks_every_prints_the_stacks_without_a_signal(every):
     code = textwrap.dedent("""
         import time
@@ -473,4 +473,15 @@ def test_qerl_stacks_every_prints_the_stacks_without_a_signal(every):
     if every == "0.2":  # about three dumps in 0.7 s, each naming the function the main thread sleeps in
         assert done.stderr.count("sleeping_in_c") >= 2, done.stderr
     else:
-        assert "sleeping_in_c" not in done.stderr and "not a positive number of seconds" in done.stderr
+        assert "sleeping_in_c" not in done.stderr and "is not a number of seconds" in done.stderr
+
+
+def test_the_watchdog_ends_with_the_command(monkeypatch, capfd):
+    """main cancels QERL_STACKS_EVERY's repeating dump: a caller in the same process gets no dumps afterwards."""
+    import time
+
+    monkeypatch.setenv("QERL_STACKS_EVERY", "0.1")
+    assert main(["train", "--help-config"]) == 0
+    capfd.readouterr()
+    time.sleep(0.35)
+    assert "most recent call first" not in capfd.readouterr().err

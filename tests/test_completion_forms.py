@@ -53,6 +53,9 @@ def test_a_code_block_is_a_fence_on_its_own_line():
     assert mod.writes_code("Let's compute.\n```python\nx = 1\n```")
     assert mod.writes_code("```\nx = 1\n```") and mod.writes_code("  ```Python\nx\n```")
     assert not mod.writes_code("The answer is `18`, written ``` inline ```python") and not mod.writes_code("#### 18")
+    # fences pair up: a closing fence is never an opening, and other languages are not code
+    assert not mod.writes_code("```json\n{\"a\": 1}\n```\nso 18") and not mod.writes_code("```text\n18\n```")
+    assert mod.writes_code("```text\nplan\n```\nthen\n```python\nprint(1)\n```")
 
 
 def test_runs_of_other_problems_or_broken_files_are_refused(tmp_path, capsys):

@@ -393,11 +393,13 @@ def check_merge(device: str, dtype=torch.bfloat16, seed: int = 13, cases=MERGE_C
                 tag = f"{device} {dtype} merge case={i} slot={s}"
                 outs = []
                 for call in range(2):
+                    key = counter_key(query_in.device, B, KV)
+                    workspace._PERSISTENT.pop(key, None)  # this case's counters: made by this call
                     outs.append(tda.decode_attention_triton(query_in, kn.clone(), vn.clone(), key_valid, slot, S,
                                                             scale, splits, block_n, merge=True, **args))
-                    counters = [t for key, t in workspace._PERSISTENT.items() if key[0] == "decode_attention"]
-                    if not counters or any(int(c.abs().sum()) for c in counters):
-                        fails.append(f"{tag}: call {call}: an arrival counter was not left at zero")
+                    counters = workspace._PERSISTENT.get(key)
+                    if counters is None or int(counters.abs().sum()):
+                        fails.append(f"{tag}: call {call}: no arrival counters, or not left at zero")
                 combined = tda.decode_attention_triton(query_in, kn.clone(), vn.clone(), key_valid, slot, S, scale,
                                                        splits, block_n, **args)
                 for out in outs:
@@ -418,8 +420,35 @@ def check_merge(device: str, dtype=torch.bfloat16, seed: int = 13, cases=MERGE_C
     return fails
 
 
+def counter_key(device: torch.device, B: int, KV: int) -> tuple:
+    """The workspace key of the merge's arrival counters for a (B, KV) launch on `device`'s current stream."""
+    from qerl.kernels import workspace
+
+    return workspace._full_key("decode_attention", device, (B, KV))
+
+
+def check_merge_direct(device: str) -> list[str]:
+    """With one split there is nothing to merge: merge=True is the direct path, same output, and no counters."""
+    from qerl.kernels import workspace
+    from qerl.kernels.triton import decode_attention as tda
+
+    gen = torch.Generator().manual_seed(15)
+    q, k, v, key_valid = _inputs(2, 2, 3, 64, 48, torch.bfloat16, device, gen)
+    slot = torch.tensor(30, device=device)
+    key = counter_key(q.device, 2, 2)
+    workspace._PERSISTENT.pop(key, None)
+    with poisoned_outputs():
+        merged = tda.decode_attention_triton(q, k, v, key_valid, slot, 40, 0.125, 1, 16, merge=True)
+        direct = tda.decode_attention_triton(q, k, v, key_valid, slot, 40, 0.125, 1, 16)
+    fails = [] if torch.equal(merged, direct) else ["merge with one split differs from the direct path"]
+    if key in workspace._PERSISTENT:
+        fails.append("merge with one split made arrival counters")
+    return fails
+
+
 def merge_interpreter_suite() -> list[str]:
-    return check_merge("cpu") + check_merge("cpu", torch.float16, seed=14, cases=MERGE_CASES[:2])
+    return check_merge("cpu") + check_merge("cpu", torch.float16, seed=14, cases=MERGE_CASES[:2]) + \
+        check_merge_direct("cpu")
 
 
 def rope_store_interpreter_suite() -> list[str]:
@@ -458,7 +487,7 @@ def test_interpreter_merge_in_the_split_kernel():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_merge_in_the_split_kernel(dtype):
     require_cuda()
-    fails = check_merge("cuda", dtype, cases=GPU_MERGE_CASES)
+    fails = check_merge("cuda", dtype, cases=GPU_MERGE_CASES) + check_merge_direct("cuda")
     assert not fails, "\n".join(fails)
 
 

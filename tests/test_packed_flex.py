@@ -93,17 +93,21 @@ def _random_segments(seed: int, groups: int) -> list[tuple[int, int, int, int]]:
 
 
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("seed,groups,block,chunk", [(0, 3, 16, 1 << 26), (1, 9, 16, 3000), (2, 6, 32, 1),
-                                                     (3, 1, 128, 1 << 26)])
+@pytest.mark.parametrize("seed,groups,block,chunk", [(0, 3, 16, 1 << 26), (1, 9, 16, -3), (2, 6, 32, 1),
+                                                     (3, 1, 128, 1 << 26), (5, 12, 16, -4)])
 def test_the_block_mask_is_create_block_masks(monkeypatch, seed, groups, block, chunk, window):
     """Tile for tile the tables torch's own create_block_mask (eager) builds from the same mask_mod, partial and
-    full, kv and q sides, for streams that are and are not multiples of the block, in one chunk or many."""
+    full, kv and q sides, for streams that are and are not multiples of the block, in one chunk, one query block a
+    chunk, or several blocks a chunk with a shorter last one."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     import qerl.nn.packed_flex as pf
 
-    monkeypatch.setattr(pf, "MASK_CHUNK_ELEMENTS", chunk)
     layout = flex_layout(_random_segments(seed, groups), "cpu")
+    if chunk < 0:  # -n: n query blocks per chunk, the last chunk shorter (as a long stream is built)
+        chunk = layout.length * block * -chunk
+        assert -(-layout.length // block) % (chunk // (layout.length * block)) != 0
+    monkeypatch.setattr(pf, "MASK_CHUNK_ELEMENTS", chunk)
     ours = layout.block_mask(window, block)
     ref = create_block_mask(layout.mask_mod(window), None, None, layout.length, layout.length, device="cpu",
                             BLOCK_SIZE=block, _compile=False)

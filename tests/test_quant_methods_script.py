@@ -4,6 +4,7 @@ completions as `qerl eval --out` records that completion_forms.py reads, and the
 import json
 from pathlib import Path
 
+import pytest
 from bench_scripts import load_benchmark
 
 methods = load_benchmark("quant_methods")
@@ -17,6 +18,8 @@ def test_completions_file_names_the_row_not_the_calibration_directory():
     assert methods.completions_file(d, "nvfp4-awq@/tmp/a/train.jsonl#last:2|*.down_proj") == \
         d / "nvfp4-awq_train.jsonl_last_2_.down_proj.jsonl"
     assert methods.completions_file(d, "nvfp4-awq@self") == d / "nvfp4-awq_self.jsonl"
+    with pytest.raises(SystemExit):  # same file name from two directories: refused before anything loads
+        methods.main(["--rows", "nvfp4-awq@/a/t.jsonl,nvfp4-awq@/b/t.jsonl", "--keep-completions", "/tmp/k"])
 
 
 def test_kept_completions_are_eval_records(tiny_dir, tmp_path):

@@ -329,19 +329,24 @@ def report(plan: dict, cfg, args, seeds: list[int]) -> list[dict]:
           "reward first 5 -> last 5 | held-out pass@1, 16-bit base (strict) | on its own 4-bit base (strict) | "
           "importance sampling | prompt order |")
     print("|---|---:|---:|---:|---|---|---|---|---|---|")
+    notes = []
     for r in table:
+        stopped = "; ".join(f"stopped after {p['steps_done']} of {args.steps} steps: {fmt(p['median_step_s'])} "
+                            f"s/step over {p['median_over']}, peak {fmt(p['peak_allocated_gb'], '.1f')} GB"
+                            for p in r.get("partial", []))
         if not r["seeds"]:
-            stopped = "; ".join(f"stopped after {p['steps_done']} of {args.steps} steps: {fmt(p['median_step_s'])} "
-                                f"s/step over {p['median_over']}, peak {fmt(p['peak_allocated_gb'], '.1f')} GB"
-                                for p in r.get("partial", []))
             print(f"| {r['job']} | 0 of {r['of']} | {stopped or 'not run or failed'}: see its job.log | | | | | | | |")
             continue
+        if stopped:  # some seeds finished, others stopped early: the row is the finished ones' means
+            notes.append(f"- {r['job']}: besides the seeds in its row, {stopped}")
         print(f"| {r['job']} | {r['seeds']} of {r['of']} | {fmt(r['median_step_s'])} | "
               f"{fmt(r['first_step_s'], '.1f')} | {fmt(r['peak_gb'], '.1f')} / {fmt(r['device_used_gb'], '.1f')} | "
               f"{fmt(r['reward_first5'], '.3f')} -> "
               f"{fmt(r['reward_last5'], '.3f')} | {fmt(r['pass1_16bit'], '.3f')} ({fmt(r['strict_16bit'], '.3f')}) | "
               f"{fmt(r['pass1_own'], '.3f')} ({fmt(r['strict_own'], '.3f')}) | "
               f"{is_text(r['importance_sampling'])} | {r['prompt_order']} |")
+    if notes:
+        print("\n" + "\n".join(notes))
     print("\nWhat differs, per job (the rest is the same for every job: docs/peers.md):")
     for r in table:
         print(f"- {r['job']}: " + "; ".join(r["differs"]))

@@ -279,24 +279,27 @@ def install_stack_dumps() -> None:
     """Where a long step that seems stuck is (a compile, a collective, a kernel wait): `kill -USR1 PID` prints every
     thread's Python stack to stderr and the command goes on; `QERL_STACKS_EVERY=SECONDS` prints them every SECONDS
     from a watchdog thread of faulthandler's own, which needs no signal to reach the process (a library that takes
-    SIGUSR1 over, a main thread blocked in C code). POSIX for the signal; only where stderr is a real file (not
-    under a notebook's or a test runner's captured stream)."""
+    SIGUSR1 over, a main thread blocked in C code); `main` cancels it when the command ends. POSIX for the signal;
+    only where stderr is a real file (not under a notebook's or a test runner's captured stream)."""
     import faulthandler
 
     every = os.environ.get("QERL_STACKS_EVERY", "").strip()
+    seconds = None
+    if every:
+        try:
+            seconds = float(every)
+        except ValueError:
+            pass
+        if seconds is None or not 0 < seconds < 1e9:
+            print(f"warning: QERL_STACKS_EVERY={every!r} is not a number of seconds in (0, 1e9); ignored",
+                  file=sys.stderr)
+            seconds = None
     try:
         if hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-        if every:
-            seconds = float(every)
-            if not seconds > 0:
-                raise ValueError
+        if seconds is not None:
             faulthandler.dump_traceback_later(seconds, repeat=True)
-    except ValueError:
-        if every:
-            print(f"warning: QERL_STACKS_EVERY={every!r} is not a positive number of seconds; ignored",
-                  file=sys.stderr)
-    except (AttributeError, OSError):  # io.UnsupportedOperation: a stderr with no file descriptor
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a stderr with no file descriptor
         pass
 
 
@@ -337,10 +340,13 @@ def main(argv=None) -> int:
         # soft_wrap: keep paths unbroken; Text: a message with [brackets] is not rich markup.
         console.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)
         return 2
-    finally:  # a caller in the same process (a test, a notebook) gets its own handlers back
+    finally:  # a caller in the same process (a test, a notebook) gets its own handlers back, and no more dumps
         for sig, handler in previous.items():
             if handler is not None:
                 signal.signal(sig, handler)
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

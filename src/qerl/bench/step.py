@@ -125,6 +125,7 @@ class StepRunner:
         # the static, padded reference frees the engine's memory after every rollout; the other modes follow
         # --release-kv-cache as qerl train follows rollout.release_kv_cache (after a reference cell the graphs are
         # gone anyway)
+        engine_kept = mode != OLD_MODE and self.engine_memory.keep  # as this step runs (its after_update may flip it)
         with contextlib.nullcontext() if self.routing is None else kernel_policy(self.routing):
             step = rl_step(collect, model=self.model, engine=self.engine,
                            memory=self.release_always if mode == OLD_MODE else self.engine_memory,
@@ -146,8 +147,7 @@ class StepRunner:
                      kept_tok_s=kept / times["step"], rollout_efficiency=decoded / max(kept, 1.0),
                      loss_efficiency=computed / max(needed, 1.0),
                      recomputed_layers=stats.get("recomputed_layers", -1.0),
-                     checkpointable_layers=len(self.recompute.layers),
-                     engine_kept=mode != OLD_MODE and self.engine_memory.keep)  # auto's choice, for this step
+                     checkpointable_layers=len(self.recompute.layers), engine_kept=engine_kept)
         if self.recompute.saved is not None:  # auto's probe: bytes a decoder layer keeps per token
             times.update(saved_bytes_plain=self.recompute.saved.plain,
                          saved_bytes_checkpointed=self.recompute.saved.checkpointed,

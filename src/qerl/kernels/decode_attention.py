@@ -4,17 +4,16 @@
   rope_store_decode_attention(q, k, v, cos, sin, k_cache, v_cache, ...) -> out [B, H, hd]: the same after RoPE on
       q and k and this token's k/v written at the slot (`fused_ops.rope_qk_store`), in the attention's own launch
 
-Row b attends to cache slots j < S with key_valid[b, j] and j <= slot (slot: 0-d int64 device tensor, or
-int64 [B] with a slot per row; on the device, so a captured CUDA graph can be replayed with new values), and,
-with a sliding `window` (gpt-oss), slot - j < window: the distance in slots is the distance in positions, as
-a row's tokens occupy consecutive slots (left pads, if any, only hide keys through key_valid). `sinks` [H]
-(gpt-oss): one logit per query head that joins the softmax's denominator and has no value (transformers'
-eager gpt-oss attention, `qerl.nn.sinks`); it is not multiplied by `scale`. GQA follows HF's repeat_kv: query
-head h reads kv head h // (H // KV). On CUDA bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a
-flash-decoding Triton kernel (`triton.decode_attention`: one launch, or two when the visible span is split
-across programs) in place of SDPA plus its mask kernels; elsewhere the fp32 torch reference below. Both never
-read masked slots (stale or NaN values there are harmless) and give zeros for a row with no visible key, with
-or without a sink.
+Row b attends to cache slots j < S with key_valid[b, j] and j <= slot (slot: 0-d int64 device tensor, or int64 [B]
+with a slot per row; on the device, so a captured CUDA graph can be replayed with new values), and, with a sliding
+`window` (gpt-oss), slot - j < window: the distance in slots is the distance in positions, as a row's tokens occupy
+consecutive slots (left pads, if any, only hide keys through key_valid). `sinks` [H] (gpt-oss): one logit per query
+head that joins the softmax's denominator and has no value (transformers' eager gpt-oss attention, `qerl.nn.sinks`);
+it is not multiplied by `scale`. GQA follows HF's repeat_kv: query head h reads kv head h // (H // KV). On CUDA
+bf16/fp16 (and QERL_DISABLE_TRITON unset) it is a flash-decoding Triton kernel (`triton.decode_attention`: one
+launch, or two when the visible span is split across programs and `FUSED_COMBINE` is off) in place of SDPA plus its
+mask kernels; elsewhere the fp32 torch reference below. Both never read masked slots (stale or NaN values there are
+harmless) and give zeros for a row with no visible key, with or without a sink.
 """
 
 import torch

@@ -10,14 +10,13 @@ launched. The decode slot is loaded from a device tensor inside the kernel (CUDA
 past it, left pads and slots >= S are never loaded, so stale or NaN cache contents there cannot leak in. A (row,
 head) with no visible key outputs zeros.
 
-gpt-oss: `sinks` (one logit per query head) join each softmax's denominator once, after the scan: in the
-direct path's epilogue, or in pass 2 (the partials stay sink-free, so splits never count it twice); a (row,
-head) with no visible key still outputs zeros (the sink has no value). `window`: row b's keys are slots
-[max(0, slot_b + 1 - window), slot_b], the same count of slots as positions (a row's tokens sit in
-consecutive slots). The scan starts at that first slot, so pass 1 splits only min(S, window) slots and
-reads ceil(window / block_n) tiles whatever S is; the tile bounds follow each row's slot, read on the device.
-This module imports Triton: import it lazily (see `decode_attention`).
-"""
+gpt-oss: `sinks` (one logit per query head) join each softmax's denominator once, after the scan: in the direct
+path's epilogue, or in the merge (pass 2 or the last program's; the partials stay sink-free, so splits never count
+it twice); a (row, head) with no visible key still outputs zeros (the sink has no value). `window`: row b's keys are
+slots [max(0, slot_b + 1 - window), slot_b], the same count of slots as positions (a row's tokens sit in consecutive
+slots). The scan starts at that first slot, so pass 1 splits only min(S, window) slots and reads ceil(window /
+block_n) tiles whatever S is; the tile bounds follow each row's slot, read on the device. This module imports
+Triton: import it lazily (see `decode_attention`). """
 
 import torch
 import triton
@@ -92,7 +91,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
                   INTERP: tl.constexpr, MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
                   PDL: tl.constexpr = False):
     """Keys [first + split * CHUNK, min(first + (split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1
-    of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only in the direct path.
+    of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only where the output is
+    written (the direct path, or the merge).
     ROPE: q is the query before RoPE (rotated here with row b's cos / sin), and the program whose keys hold the
     decode slot first writes this token's rotated key (kn_ptr) and value (vn_ptr) into the caches there: what
     `rope_store_decode` did in a launch of its own (a slot outside [0, MAX_LEN) writes nothing).
@@ -318,7 +318,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
         HAS_WINDOW=window is not None, HAS_SINK=sinks is not None, ROPE=rope is not None, HALF=hd // 2,
-        INTERP=interp, MERGE=merge, BLOCK_S=triton.next_power_of_2(splits),
+        INTERP=interp, MERGE=merge, BLOCK_S=triton.next_power_of_2(splits) if merge else 1,  # 1: one compile
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct and not merge:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, sink_arg, out, H, hd, splits, out.stride(0),
