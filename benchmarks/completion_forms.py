@@ -10,7 +10,9 @@ all, the requested format followed) with the answer style the prompt asked for (
 Per model: pass@1 both ways, no-answer and format shares, the final answer's marker (`####`, `\\boxed{}`,
 `<answer>`, none), mean length and the share cut at --max-new-tokens; and the solution's form: the share of
 completions that write a code block (a coder model often answers by writing a program it cannot run and then
-stating its output), with pass@1 among those that do and those that do not. Per pair of models, on the first completion
+stating its output), with pass@1 among those that do and those that do not; per pair, the problems by the form
+each model used (code or prose) and how many each got right in each kind, so a gain that comes from switching
+form on the same problems is told from one within a form. Per pair of models, on the first completion
 of each problem (the greedy one): how often both, one or neither are right, and for the problems only the
 first is right, what the second did instead: no answer because it was cut off, no answer otherwise, a wrong
 answer in the same marker, a wrong answer in another marker. The tables go to stdout, everything to --out (JSON).
@@ -27,6 +29,7 @@ from pathlib import Path
 MARKERS = ("gsm8k", "boxed", "answer_tag", "none")
 CODE_FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[^\n`]*$", re.M)  # a fence line and its language
 PYTHON_FENCES = ("python", "py", "python3", "")
+FORM = {True: "code", False: "prose"}
 FAILURES = ("cut off, no answer", "no answer", "wrong, same marker", "wrong, other marker")
 
 
@@ -124,8 +127,15 @@ def pair_table(a: list[list[dict]], b: list[list[dict]]) -> dict:
             only[side][kind] += 1
             where[side][kind].append(i)
             left_code[side] += lose["code"] and not win["code"]
+    forms = {}  # by (A's form -> B's form): problems, right by A, right by B (first completions)
+    for ca, cb in zip(a, b):
+        x, y = ca[0], cb[0]
+        cell = forms.setdefault(f"{FORM[x['code']]} -> {FORM[y['code']]}", [0, 0, 0])
+        cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + x["flexible"], cell[2] + y["flexible"]
     return {"both": both, "neither": neither, "only_a": dict(only["a"]), "only_b": dict(only["b"]),
-            "only_a_prose_over_code": left_code["a"], "only_b_prose_over_code": left_code["b"], "problems": where}
+            "only_a_prose_over_code": left_code["a"], "only_b_prose_over_code": left_code["b"],
+            "forms": {k: dict(zip(("problems", "right_a", "right_b"), v)) for k, v in sorted(forms.items())},
+            "problems": where}
 
 
 def check_same_problems(runs: dict[str, list[dict]]) -> None:
@@ -160,6 +170,10 @@ def tables(summaries: dict[str, dict], pairs: dict[tuple[str, str], dict]) -> st
         lines.append(f"| {a} vs {b} | {p['both']} | {p['neither']} | {sum(p['only_a'].values())} | "
                      f"{sum(p['only_b'].values())} | {kinds_a} | {kinds_b} | "
                      f"{p['only_a_prose_over_code']} / {p['only_b_prose_over_code']} |")
+    lines += ["", "| A vs B | A's form -> B's form: problems, right by A -> right by B (each kind) |", "|---|---|"]
+    for (a, b), p in pairs.items():
+        cells = "; ".join(f"{k}: {v['problems']}, {v['right_a']} -> {v['right_b']}" for k, v in p["forms"].items())
+        lines.append(f"| {a} vs {b} | {cells} |")
     return "\n".join(lines)
 
 

@@ -46,6 +46,10 @@ def test_shares_and_what_the_other_model_did(tmp_path, capsys):
     assert (c["code"], c["pass@1_code"], c["pass@1_prose"]) == (2 / 3, 1 / 2, 0.0)
     assert (a["code"], a["pass@1_code"], a["pass@1_prose"]) == (0.0, None, 2 / 3)
     assert ac["only_a_prose_over_code"] == 1 and ac["only_b_prose_over_code"] == 0  # problem 0: a in prose, c in code
+    # by form: problems 0 and 2 went prose -> code (a right on 0, c right on 2), problem 1 stayed prose (a right)
+    assert ac["forms"] == {"prose -> code": {"problems": 2, "right_a": 1, "right_b": 1},
+                           "prose -> prose": {"problems": 1, "right_a": 1, "right_b": 0}}
+    assert "| a vs c | prose -> code: 2, 1 -> 1; prose -> prose: 1, 1 -> 0 |" in table
 
 
 def test_a_code_block_is_a_fence_on_its_own_line():
