@@ -183,29 +183,28 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
 def _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g_mask, d, gd_mask, H, HD, SPLITS,
                   so_b, so_h, s_sink, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   HAS_SINK: tl.constexpr, INTERP: tl.constexpr):
-    """The last-arriving program's merge of heads `heads` of row b: `_combine_kernel`'s math for BLOCK_G heads at
-    once (the partials' max over the splits, their rescaled sums plus the sink term once, divided), the partials
-    read past L1 (.cg: written by other SMs in this launch)."""
+    """The last-arriving program's merge of heads `heads` of row b: `_combine_kernel`'s math, in its order, for
+    BLOCK_G heads at once (the partials' max over the splits, their rescaled sums in split order plus the sink term
+    once, divided), the partials read past L1 (.cg: written by other SMs in this launch)."""
     s = tl.arange(0, BLOCK_S)
     base = (b * H + heads) * SPLITS  # [BLOCK_G]
-    gs_mask = g_mask[:, None] & (s < SPLITS)[None, :]
-    m = tl.load(m_ptr + base[:, None] + s[None, :], mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(l_ptr + base[:, None] + s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+    m = tl.load(m_ptr + base[:, None] + s[None, :], mask=g_mask[:, None] & (s < SPLITS)[None, :],
+                other=float("-inf"), cache_modifier=".cg")
     m_all = tl.max(m, 1)
     if HAS_SINK:
         sink = tl.load(sink_ptr + heads * s_sink, mask=g_mask, other=float("-inf")).to(tl.float32)
         sink = sink * 1.4426950408889634
         m_all = tl.maximum(m_all, sink)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.sum(tl.exp2(m - m_safe[:, None]) * l_s, 1)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for split in range(SPLITS):  # in split order, as `_combine_kernel` sums: the same bits either way
+        w = tl.exp2(tl.load(m_ptr + base + split, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m_safe)
+        total += w * tl.load(l_ptr + base + split, mask=g_mask, other=0.0, cache_modifier=".cg")
+        o += w[:, None] * tl.load(acc_ptr + (base + split)[:, None] * HD + d[None, :], mask=gd_mask, other=0.0,
+                                  cache_modifier=".cg")
     if HAS_SINK:
         total += tl.exp2(sink - m_safe)
-    o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for split in range(SPLITS):  # in split order: the same sum on every call
-        m_s = tl.load(m_ptr + base + split, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        acc_s = tl.load(acc_ptr + (base + split)[:, None] * HD + d[None, :], mask=gd_mask, other=0.0,
-                        cache_modifier=".cg")
-        o += tl.exp2(m_s - m_safe)[:, None] * acc_s
     o = o / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], round_to(o, out_ptr.dtype.element_ty, INTERP),
              mask=gd_mask)
@@ -215,29 +214,28 @@ def _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g_mask, d,
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, SPLITS, so_b, so_h, s_sink,
                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, INTERP: tl.constexpr,
                     PDL: tl.constexpr = False):
-    """Merge the SPLITS partials of one (row, head): rescale each to the common max, sum (plus the head's sink
-    term, once), divide."""
+    """Merge the SPLITS partials of one (row, head): rescale each to the common max, sum in split order (plus the
+    head's sink term, once), divide."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < SPLITS
-    m = tl.load(m_ptr + row * SPLITS + s, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(l_ptr + row * SPLITS + s, mask=s_mask, other=0.0)
-    acc = tl.load(acc_ptr + (row * SPLITS + s[:, None]) * HD + d[None, :], mask=s_mask[:, None] & (d < HD)[None, :],
-                  other=0.0)
-    m_all = tl.max(m, 0)
+    m_all = tl.max(tl.load(m_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf")), 0)
     if HAS_SINK:
         sink = tl.load(sink_ptr + (row % H) * s_sink).to(tl.float32) * 1.4426950408889634
         m_all = tl.maximum(m_all, sink)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.exp2(m - m_safe)
-    total = tl.sum(w * l_s, 0)
+    total = 0.0
+    o = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(SPLITS):  # in split order, as the merge in the split kernel sums: the same bits either way
+        w = tl.exp2(tl.load(m_ptr + row * SPLITS + split) - m_safe)
+        total += w * tl.load(l_ptr + row * SPLITS + split)
+        o += w * tl.load(acc_ptr + (row * SPLITS + split) * HD + d, mask=d < HD, other=0.0)
     if HAS_SINK:
         total += tl.exp2(sink - m_safe)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    o = o / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + (row // H) * so_b + (row % H) * so_h + d, round_to(o, out_ptr.dtype.element_ty, INTERP),
              mask=d < HD)
 
@@ -257,8 +255,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     its key and value (unit stride on hd) and cos, sin [B, hd] (one layout, unit stride on hd) row b's RoPE rows:
     the kernel rotates q, and writes rope(k) and v into the caches at the slot before it reads them
     (`rope_store_decode`'s contract and rounding, without its launch). merge: with splits, the last program of each
-    (row, kv head) merges them (no second launch; the partials summed in split order, so the output may differ
-    from the combine pass's in the last bit)."""
+    (row, kv head) merges them (no second launch; the same sums in the same order as the combine pass: the same
+    output, bit for bit)."""
     B, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
