@@ -274,7 +274,8 @@ def test_interleaved_rounds_alternate_the_order_and_report_each_order(apis):
 
     _, args = parse_args(["--models", "7b", "--variants", "bf16,nvfp4", "--prompts", "2", "--steps", "2",
                           "--completion", "6", "--warmup-completion", "3", "--prompt", "5", "--group", "2",
-                          "--micro-batch", "2"])
+                          "--micro-batch", "2", "--order", "interleaved"])
+    assert parse_args(["--models", "7b"])[1].order == "sequential"  # the default: one policy at a time, as a run
     log, runners, cells = [], {}, {}
     for fmt in args.variants:
         model = build_random_policy(Qwen2Config(**TINY), fmt, lora_r=4, device=torch.device("cpu"))

@@ -519,7 +519,7 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default=None, help="comma list of new, old; instead of --schedulers / --packing")
     ap.add_argument("--warmup-completion", type=int, default=32, help="length of the untimed warm-up step")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per cell and order (medians: use 3 or more)")
-    ap.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved")
+    ap.add_argument("--order", choices=("interleaved", "sequential"), default="sequential")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the padded update")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
                     help="tokens per micro-batch of the packed update (default: qerl.rl.packing.token_budget)")
