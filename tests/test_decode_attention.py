@@ -445,9 +445,66 @@ def check_merge_direct(device: str) -> list[str]:
     return fails
 
 
+# (B, KV, G, hd, S, max_len, block_n, splits, window, sinks, rope, R): the direct path and splits, R not a power of 2
+LORA_A_CASES = [
+    (2, 2, 3, 64, 40, 48, 16, 1, None, None, False, 16),
+    (3, 2, 2, 64, 90, 96, 16, 3, None, None, True, 24),
+    (2, 1, 4, 32, 70, 80, 16, 2, 20, "f32", False, 8),
+    (1, 4, 1, 64, 60, 64, 16, 4, None, None, True, 64),  # G = 1, four kv heads into one row's sum
+]
+GPU_LORA_A_CASES = LORA_A_CASES + [(1, 4, 7, 128, 700, 768, None, None, None, None, True, 32),  # 7B, 1 row
+                                   (8, 4, 7, 128, 300, 512, None, None, None, None, True, 16),
+                                   (64, 4, 7, 128, 300, 512, None, None, None, None, True, 16)]  # the wide tile
+
+
+def check_lora_a_of_o(device: str, dtype=torch.bfloat16, seed: int = 17, cases=LORA_A_CASES) -> list[str]:
+    """The o projection's LoRA A product made by the attention kernel (`lora_a=`): h = out @ A^T within TOL of the
+    fp32 product of the kernel's own (rounded) output, the output itself bit for bit the one without lora_a (the
+    merge path's), two calls equal, the row counters left at zero; direct path and splits, RoPE, sinks, a window."""
+    from qerl.kernels import workspace
+    from qerl.kernels.triton import decode_attention as tda
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    with poisoned_outputs():
+        for i, (B, KV, G, hd, S, max_len, block_n, splits, window, sink_kind, rope, R) in enumerate(cases):
+            q, k, v, key_valid = _inputs(B, KV, G, hd, max_len, dtype, device, gen)
+            sinks = None if sink_kind is None else (torch.randn(G * KV, generator=gen) * 2).to(device)
+            a = (torch.randn(R, G * KV * hd, generator=gen) * 0.05).to(dtype).to(device)
+            slot = torch.randint(0, S, (B,), generator=gen).to(device)
+            kn, vn = _hide_unseen(k, v, key_valid, slot, S, window)
+            args = dict(sinks=sinks, window=window)
+            query = q
+            if rope:
+                qr, kr, vr, cos, sin = _rope_inputs(B, KV, G, hd, dtype, device, gen, slot + 3)
+                query, args["rope"] = qr[:, 0], (kr[:, 0], vr[:, 0], cos[:, 0], sin[:, 0])
+            tag = f"{device} {dtype} lora_a case={i}"
+            got = [tda.decode_attention_triton(query, kn.clone(), vn.clone(), key_valid, slot, S, scale=hd ** -0.5,
+                                               splits=splits, block_n=block_n, lora_a=a, **args) for _ in range(2)]
+            plain = tda.decode_attention_triton(query, kn.clone(), vn.clone(), key_valid, slot, S, scale=hd ** -0.5,
+                                                splits=splits, block_n=block_n, merge=True, **args)
+            (out, h), (out2, h2) = got
+            if not (torch.equal(out, plain) and torch.equal(out, out2) and torch.equal(h, h2)):
+                fails.append(f"{tag}: the output changed with lora_a, or two calls differ")
+            want = out.float().reshape(B, -1) @ a.float().t()
+            if h.shape != (B, R) or h.dtype != dtype or _error(h, want) > TOL[dtype]:
+                fails.append(f"{tag}: h {tuple(h.shape)} {h.dtype}, relative max error {_error(h, want):.3g}")
+            counters = [t for key, t in workspace._PERSISTENT.items() if key[0] == "decode_attention_lora_a"]
+            if not counters or any(int(c[1].abs().sum()) for c in counters):
+                fails.append(f"{tag}: a row counter was not left at zero")
+    try:
+        tda.decode_attention_triton(q, k, v, key_valid, slot, S, 0.1, lora_a=torch.zeros(4, 7, dtype=dtype,
+                                                                                           device=device))
+        fails.append("a lora_a of the wrong width was taken")
+    except ValueError:
+        pass
+    return fails
+
+
 def merge_interpreter_suite() -> list[str]:
     return check_merge("cpu") + check_merge("cpu", torch.float16, seed=14, cases=MERGE_CASES[:2]) + \
-        check_merge_direct("cpu")
+        check_merge_direct("cpu") + check_lora_a_of_o("cpu") + check_lora_a_of_o("cpu", torch.float16, seed=18,
+                                                                                  cases=LORA_A_CASES[1:2])
 
 
 def rope_store_interpreter_suite() -> list[str]:
@@ -487,6 +544,7 @@ def test_interpreter_merge_in_the_split_kernel():
 def test_gpu_merge_in_the_split_kernel(dtype):
     require_cuda()
     fails = check_merge("cuda", dtype, cases=GPU_MERGE_CASES) + check_merge_direct("cuda")
+    fails += check_lora_a_of_o("cuda", dtype, cases=GPU_LORA_A_CASES)
     assert not fails, "\n".join(fails)
 
 
@@ -677,6 +735,33 @@ def test_gpu_engine_gpt_oss_decode_equals_the_sdpa_path(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_gpu_engine_lora_a_of_o_in_the_attention_kernel(kind, monkeypatch):
+    """NVFP4 + a non-zero LoRA, greedy over 100 tokens: with o_proj's LoRA A product made by the attention kernel
+    (`decode_attention.FUSED_LORA_A_O`) the engine picks the same tokens as with its own launch, log-probs within
+    bf16 noise (the product is the same sum in another order), and a second fused run the same tokens again."""
+    require_cuda()
+    from qerl.kernels import decode_attention as da
+    from qerl.rollout.engine import RolloutEngine
+    from qerl.rollout.sampling import SamplingParams
+
+    from test_rollout_engine import completions, prompts_of, quantize_tiny, tiny_model
+
+    model = quantize_tiny(tiny_model(kind)).cuda().to(torch.bfloat16)
+    prompts = prompts_of([5, 11, 3, 8], seed=8)
+
+    def run(fused):
+        monkeypatch.setattr(da, "FUSED_LORA_A_O", fused)
+        engine = RolloutEngine(model, max_seq_len=160, max_batch=4)
+        return engine.generate(prompts, 100, SamplingParams(temperature=0), ignore_eos=True)
+
+    fused, separate = run(True), run(False)
+    assert completions(fused) == completions(separate)
+    assert (fused.logprobs - separate.logprobs).abs().max() < 2e-2
+    assert completions(run(True)) == completions(fused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_gpu_engine_merge_in_the_split_kernel_changes_nothing(kind, monkeypatch):
     """The engine's greedy decode over 200 tokens (so the attention runs in several splits) with the splits merged
     by their last program gives the same tokens and log-probs, bit for bit, as with the combine launch
@@ -727,3 +812,20 @@ def test_gpu_engine_rope_store_in_the_attention_kernel_changes_nothing(kind, fus
     second = run(not fused_default)
     assert completions(first) == completions(second)
     assert torch.equal(first.logprobs, second.logprobs)
+
+
+def test_cpu_rope_store_with_lora_a_is_the_attention_then_its_product():
+    """Off CUDA, lora_a= gives the attention's output unchanged and h = lora_a(out), the LoRA A launch's own math."""
+    from qerl.kernels.decode_attention import rope_store_decode_attention
+    from qerl.kernels.lora_a import lora_a
+
+    gen = torch.Generator().manual_seed(21)
+    B, KV, G, hd, max_len = 2, 2, 3, 32, 40
+    _, k_cache, v_cache, key_valid = _inputs(B, KV, G, hd, max_len, torch.bfloat16, "cpu", gen)
+    slot = torch.tensor([20, 9])
+    q, k, v, cos, sin = _rope_inputs(B, KV, G, hd, torch.bfloat16, "cpu", gen, slot + 3)
+    a = (torch.randn(12, G * KV * hd, generator=gen) * 0.1).to(torch.bfloat16)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    plain = rope_store_decode_attention(q, k, v, cos, sin, *caches[0], key_valid, slot, 24, 0.125)
+    out, h = rope_store_decode_attention(q, k, v, cos, sin, *caches[1], key_valid, slot, 24, 0.125, lora_a=a)
+    assert torch.equal(out, plain) and torch.equal(h, lora_a(out.reshape(B, -1), a)) and h.shape == (B, 12)

@@ -18,6 +18,7 @@ from .update_profile import union_ms
 
 # first match wins; kernel names as CUPTI reports them
 MATMUL = r"nvfp4_swap|bf16_swap|_fp4_|fp4_gemv|_gemv_kernel|gemm|nvjet|cutlass|sm90_xmma|ampere_|w4a8"
+FUSE_CHOICES = [f"{f}={v}" for f in ("ROPE_STORE", "COMBINE", "LORA_A_O") for v in "01"]  # --fuse
 MATMUL_AFTER = r"splitKreduce|_splitk_reduce"  # the second launch of a split-K product: charged to it
 MATMUL_BEFORE = r"permute_x"  # x rewritten for the product that follows: charged to it
 NAMED = (
@@ -276,18 +277,16 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--rope-store", choices=("in-attention", "separate"), help="RoPE + k/v write in the attention")
-    ap.add_argument("--merge", choices=("in-split", "combine"), help="attention splits merged by their last program")
+    ap.add_argument("--fuse", action="append", default=[], metavar="FLAG=0|1", choices=FUSE_CHOICES,
+                    help="set one of decode_attention's FUSED_* flags (ROPE_STORE, COMBINE, LORA_A_O) for this run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from ..kernels import decode_attention
     from ..rollout.engine import RolloutEngine
-    flags = (args.rope_store, "FUSED_ROPE_STORE", "in-attention"), (args.merge, "FUSED_COMBINE", "in-split")
-    for chosen, flag, on in flags:
-        if chosen:  # else decode_attention's default
-            setattr(decode_attention, flag, chosen == on)
+    for item in args.fuse:  # the rest keep decode_attention's defaults
+        setattr(decode_attention, "FUSED_" + item[:-2], item.endswith("1"))
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")

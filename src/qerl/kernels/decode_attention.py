@@ -29,6 +29,9 @@ FUSED_ROPE_STORE = True
 # step); False: the combine pass's own launch. Off until its GPU tests (tests/test_decode_attention.py, `-m gpu`)
 # and an A/B on a GPU have run; its interpreter tests pass
 FUSED_COMBINE = False
+# True: the engine has the attention kernel also compute the o projection's LoRA A product (`lora_a=`; one launch
+# fewer per layer and step). Off until its GPU tests and an A/B have run; its interpreter tests pass
+FUSED_LORA_A_O = False
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -76,18 +79,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 key_valid: torch.Tensor, slot: torch.Tensor, S: int, scale: float,
-                                sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                                sinks: torch.Tensor | None = None, window: int | None = None,
+                                lora_a: torch.Tensor | None = None):
     """One decode token: `rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)` (q [B, 1, H, hd] and k, v
     [B, 1, KV, hd] before RoPE; cos, sin [B, 1, hd]), then `decode_attention` of the rotated q over the caches ->
     out [B, H, hd], q's dtype; the caches hold rope(k) and v at the slot afterwards. On CUDA (one dtype, the
     layouts `rope_qk_store`'s kernel takes) the attention kernel does the rotation and the write itself, one
-    launch fewer per layer and step, with the same values."""
+    launch fewer per layer and step, with the same values. lora_a [R, H * hd] (the o projection's stacked LoRA A):
+    returns (out, h) with h = out.reshape(B, H * hd) @ lora_a^T [B, R] in q's dtype, made by the attention kernel
+    itself on CUDA (`decode_attention_triton(lora_a=)`), else by `lora_a.lora_a` after it."""
     if FUSED_ROPE_STORE and use_triton(q) and q.shape[-1] % 2 == 0 and \
             _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot):
         from .triton.decode_attention import decode_attention_triton
 
         return decode_attention_triton(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks,
                                        window=window, rope=(k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]),
-                                       merge=FUSED_COMBINE)
+                                       merge=FUSED_COMBINE, lora_a=lora_a)
     q = rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
-    return decode_attention(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
+    out = decode_attention(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
+    if lora_a is None:
+        return out
+    from .lora_a import lora_a as lora_a_product
+
+    return out, lora_a_product(out.reshape(out.shape[0], -1), lora_a)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.bf16_matmul import bf16_linear
+from ..kernels import decode_attention
 from ..kernels.decode_attention import rope_store_decode_attention
 from ..kernels.fused_ops import add_norm_lora_a, rope_qk, rope_qk_store, silu_mul
 from ..nn.quant_embedding import QuantEmbedding
@@ -184,8 +185,12 @@ class CausalLMRunner:
             plain = window is None and sinks is None
             if q.is_cuda and (plain or SINKS_WINDOW_DECODE_KERNEL):  # the flash-decoding kernel (two launches with
                 # splits), RoPE + the k/v write before it or inside it (`decode_attention.FUSED_ROPE_STORE`)
+                a_o = self.lora.stacked_a(attn.o_proj) if decode_attention.FUSED_LORA_A_O else None
                 o = rope_store_decode_attention(q, k, v, cos, sin, cache.k[i], cache.v[i], cache.key_valid, slot,
-                                                S, self.scale, sinks=sinks, window=window)
+                                                S, self.scale, sinks=sinks, window=window, lora_a=a_o)
+                if a_o is not None:  # o_proj's LoRA A product came out of the attention kernel
+                    o, h = o
+                    return self.lora.linears((attn.o_proj,), o.reshape(B, L, self.n_heads * self.head_dim), h)[0]
                 return lin(attn.o_proj, o.reshape(B, L, self.n_heads * self.head_dim))
             q = rope_qk_store(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
             k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]

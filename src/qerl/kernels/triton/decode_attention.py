@@ -35,6 +35,7 @@ PROGRAMS_PER_SM = 2
 # H200 sweep over Qwen2.5-7B heads at batch 8-64, S = 512-1024; `qerl bench rollout` shows its effect)
 WIDE = dict(block_n=128, programs_per_sm=1, num_stages=2)
 CPU_SMS = 4  # the interpreter has no SMs; a small number still exercises several splits
+LORA_A_MAX_R = 128  # the o projection's stacked LoRA rank the fused LoRA A product takes (one [R] tile a program)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -82,14 +83,14 @@ def _rope_row(ptr, d, mask, c, s, HALF: tl.constexpr, DTYPE: tl.constexpr, INTER
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                  kn_ptr, vn_ptr, cos_ptr, sin_ptr, cnt_ptr,
+                  kn_ptr, vn_ptr, cos_ptr, sin_ptr, cnt_ptr, a_ptr, h_ptr, ha_ptr, cnt2_ptr, R, s_ar, s_hb,
                   S, H, G, HD, CHUNK, SPLITS, WINDOW, qk_scale, MAX_LEN,
                   sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, s_valid, so_b, so_h, s_slot, s_sink,
                   skn_b, skn_h, svn_b, svn_h, s_cos,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
                   INTERP: tl.constexpr, MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
-                  PDL: tl.constexpr = False):
+                  LORA_A: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, PDL: tl.constexpr = False):
     """Keys [first + split * CHUNK, min(first + (split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1
     of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only where the output is
     written (the direct path, or the merge).
@@ -99,7 +100,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
     MERGE (with splits): the program that arrives last at its (row, kv head)'s counter merges the SPLITS partials of
     its G heads and writes the output, what `_combine_kernel` does in a launch of its own (the counter protocol of
     `lora_a`: every thread's stores, a CTA barrier, one acq_rel atomic at GPU scope, .cg loads of the partials;
-    the last program sets the counter back to 0, so every launch finds it there)."""
+    the last program sets the counter back to 0, so every launch finds it there).
+    LORA_A (direct or MERGE): the program that writes a (row, kv head)'s output also multiplies it, as rounded, by its
+    heads' columns of the o projection's LoRA A [R, H * HD] (a_ptr), and the last of row b's KV programs to do so
+    sums the KV partials in order and writes h [b, :R] = o[b] @ A^T (h_ptr; the same counter protocol, cnt2_ptr):
+    the LoRA A product of o_proj without a launch of its own."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
         gdc_launch_dependents()
@@ -162,9 +167,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
             alpha = tl.exp2(m_i - m_fin)
             l_i = l_i * alpha + tl.exp2(sink - m_fin)
             acc = acc * alpha[:, None]
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only with acc == 0: zeros
-        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :],
-                 round_to(o, out_ptr.dtype.element_ty, INTERP), mask=gd_mask)
+        o = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], out_ptr.dtype.element_ty, INTERP)  # l_i == 0: 0
+        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], o, mask=gd_mask)
+        if LORA_A:
+            _lora_a_of_o(o.to(tl.float32), a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar, s_hb,
+                         BLOCK_R, INTERP)
     else:
         part = (b * H + heads) * SPLITS + split
         tl.store(m_ptr + part, m_i, mask=g < G)
@@ -174,9 +181,37 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
             tl.debug_barrier()  # every thread's partial stores happen before the (single-thread) release below
             cnt = cnt_ptr + b * tl.num_programs(1) + kv
             if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g < G, d, gd_mask, H, HD, SPLITS,
-                              so_b, so_h, s_sink, BLOCK_G, BLOCK_D, BLOCK_S, HAS_SINK, INTERP)
+                o = _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g < G, d, gd_mask, H, HD,
+                                  SPLITS, so_b, so_h, s_sink, BLOCK_G, BLOCK_D, BLOCK_S, HAS_SINK, INTERP)
                 tl.store(cnt, 0)  # every split has arrived: ready for the next launch (stream order)
+                if LORA_A:
+                    _lora_a_of_o(o.to(tl.float32), a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar,
+                                 s_hb, BLOCK_R, INTERP)
+
+
+@triton.jit
+def _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar, s_hb, BLOCK_R: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """o [BLOCK_G, BLOCK_D] fp32, the rounded output of heads kv*G .. kv*G + G - 1 of row b: their share of o[b] @
+    A^T into row b's partial kv, then (last of the row's KV programs) h[b] = the KV partials summed in kv order,
+    rounded once, and the counter back to 0."""
+    r = tl.arange(0, BLOCK_R)
+    rd_mask = (r < R)[:, None] & (d < HD)[None, :]
+    p = tl.zeros([BLOCK_R], tl.float32)
+    for gi in range(G):  # one head's row of o against its HD columns of A
+        o_g = tl.sum(tl.where((g == gi)[:, None], o, 0.0), 0)
+        a = tl.load(a_ptr + r[:, None] * s_ar + ((kv * G + gi) * HD + d)[None, :], mask=rd_mask, other=0.0)
+        p += tl.sum(a.to(tl.float32) * o_g[None, :], 1)
+    KV = tl.num_programs(1)
+    tl.store(ha_ptr + (b * KV + kv) * BLOCK_R + r, p)
+    tl.debug_barrier()  # every thread's partial stores happen before the (single-thread) release below
+    cnt = cnt2_ptr + b
+    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == KV - 1:
+        total = tl.zeros([BLOCK_R], tl.float32)
+        for k in range(KV):  # in kv order: the same sum on every call
+            total += tl.load(ha_ptr + (b * KV + k) * BLOCK_R + r, cache_modifier=".cg")
+        tl.store(h_ptr + b * s_hb + r, round_to(total, h_ptr.dtype.element_ty, INTERP), mask=r < R)
+        tl.store(cnt, 0)
 
 
 @triton.jit
@@ -205,9 +240,9 @@ def _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g_mask, d,
                                   cache_modifier=".cg")
     if HAS_SINK:
         total += tl.exp2(sink - m_safe)
-    o = o / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], round_to(o, out_ptr.dtype.element_ty, INTERP),
-             mask=gd_mask)
+    o = round_to(o / tl.where(total > 0, total, 1.0)[:, None], out_ptr.dtype.element_ty, INTERP)
+    tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], o, mask=gd_mask)
+    return o
 
 
 @triton.jit
@@ -244,7 +279,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
                             block_n: int | None = None, num_warps: int = 4,
                             num_stages: int | None = None, sinks: torch.Tensor | None = None,
-                            window: int | None = None, rope: tuple | None = None, merge: bool = False) -> torch.Tensor:
+                            window: int | None = None, rope: tuple | None = None, merge: bool = False,
+                            lora_a: torch.Tensor | None = None):
     """q [B, H, hd] (bf16/fp16, unit last stride); k_cache, v_cache [B, KV, max_len, hd] (q's dtype, unit last
     stride); key_valid [B, max_len] bool; slot 0-d int64 tensor, or int64 [B] (a slot per row; read on the
     device); S <= max_len slots scanned; sinks None or [H] (any float dtype, read on the device, used in fp32):
@@ -256,7 +292,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     the kernel rotates q, and writes rope(k) and v into the caches at the slot before it reads them
     (`rope_store_decode`'s contract and rounding, without its launch). merge: with splits, the last program of each
     (row, kv head) merges them (no second launch; the same sums in the same order as the combine pass: the same
-    output, bit for bit)."""
+    output, bit for bit). lora_a [R, H * hd] (q's dtype, unit last stride): also h = out @ lora_a^T [B, R] in the
+    same launch (the o projection's LoRA A product; with splits it implies merge); returns (out, h) then."""
     B, H, hd = q.shape
     KV, max_len = k_cache.shape[1], k_cache.shape[2]
     if H % KV or k_cache.shape != (B, KV, max_len, hd) or v_cache.shape != k_cache.shape or \
@@ -279,6 +316,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 any(t.dtype != q.dtype for t in rope):
             raise ValueError("decode_attention: rope needs k, v [B, KV, hd] and cos, sin [B, hd] of q's dtype, "
                              "unit stride on hd, cos and sin of one layout, an even hd")
+    if lora_a is not None and (lora_a.dim() != 2 or lora_a.shape[1] != H * hd or lora_a.dtype != q.dtype
+                               or lora_a.stride(1) != 1 or not 0 < lora_a.shape[0] <= LORA_A_MAX_R):
+        raise ValueError(f"decode_attention: lora_a must be [R <= {LORA_A_MAX_R}, {H * hd}] of q's dtype, unit "
+                         f"last stride; got {tuple(lora_a.shape)} {lora_a.dtype}")
     G = H // KV
     span = S if window is None else min(S, int(window))  # slots a row can see: what the splits share
     pps = PROGRAMS_PER_SM
@@ -292,12 +333,21 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         splits = triton.cdiv(span, chunk)
     out = alloc((B, H, hd), q.device, q.dtype)
     direct = splits == 1
+    merge = merge or lora_a is not None  # the LoRA A product rides on whichever program writes the output
     part_m = part_l = part_acc = out  # unused by the direct path
     counters = key_valid  # not read without merge
     merge = merge and not direct
     if merge:  # int32 zeros per (row, kv head) that every launch leaves at zero
         counters = persistent("decode_attention", q.device, (B, KV),
                               lambda: torch.zeros(B * KV, dtype=torch.int32, device=q.device))
+    h = ha = cnt2 = counters  # not read without lora_a
+    block_r = 16
+    if lora_a is not None:
+        R = lora_a.shape[0]
+        block_r = max(16, triton.next_power_of_2(R))
+        h = alloc((B, R), q.device, q.dtype)
+        ha, cnt2 = persistent("decode_attention_lora_a", q.device, (B, KV, block_r), lambda: (
+            alloc((B, KV, block_r), q.device, torch.float32), torch.zeros(B, dtype=torch.int32, device=q.device)))
     if not direct:
         part_m = alloc((B, H, splits), q.device, torch.float32)
         part_l = alloc((B, H, splits), q.device, torch.float32)
@@ -308,7 +358,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     s_sink = 0 if sinks is None else sinks.stride(0)
     _split_kernel[(B, KV, splits)](
         q, k_cache, v_cache, key_valid.view(torch.uint8), slot, sink_arg, out, part_m, part_l, part_acc,
-        k_new, v_new, cos, sin, counters,
+        k_new, v_new, cos, sin, counters, q if lora_a is None else lora_a, h, ha, cnt2,
+        0 if lora_a is None else lora_a.shape[0], 0 if lora_a is None else lora_a.stride(0), h.stride(0),
         S, H, G, hd, chunk, splits, 0 if window is None else int(window), float(scale) * LOG2E, max_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), out.stride(0), out.stride(1),
@@ -317,9 +368,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
         HAS_WINDOW=window is not None, HAS_SINK=sinks is not None, ROPE=rope is not None, HALF=hd // 2,
         INTERP=interp, MERGE=merge, BLOCK_S=triton.next_power_of_2(splits) if merge else 1,  # 1: one compile
+        LORA_A=lora_a is not None, BLOCK_R=block_r,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct and not merge:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, sink_arg, out, H, hd, splits, out.stride(0),
                                   out.stride(1), s_sink, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
                                   HAS_SINK=sinks is not None, INTERP=interp, num_warps=4, **pdl.launch_options(q))
-    return out
+    return out if lora_a is None else (out, h)
