@@ -167,10 +167,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
             alpha = tl.exp2(m_i - m_fin)
             l_i = l_i * alpha + tl.exp2(sink - m_fin)
             acc = acc * alpha[:, None]
-        o = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], out_ptr.dtype.element_ty, INTERP)  # l_i == 0: 0
-        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], o, mask=gd_mask)
+        # rounded once to the output dtype, held in fp32 (the LoRA A product reads the stored values; an opaque
+        # rounding, so the compiler cannot fold it away); l_i == 0 only with acc == 0: zeros
+        o = _rounded(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], out_ptr.dtype.element_ty, INTERP)
+        tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=gd_mask)
         if LORA_A:
-            _lora_a_of_o(o.to(tl.float32), a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar, s_hb,
+            _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar, s_hb,
                          BLOCK_R, INTERP)
     else:
         part = (b * H + heads) * SPLITS + split
@@ -185,7 +188,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
                                   SPLITS, so_b, so_h, s_sink, BLOCK_G, BLOCK_D, BLOCK_S, HAS_SINK, INTERP)
                 tl.store(cnt, 0)  # every split has arrived: ready for the next launch (stream order)
                 if LORA_A:
-                    _lora_a_of_o(o.to(tl.float32), a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar,
+                    _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar,
                                  s_hb, BLOCK_R, INTERP)
 
 
@@ -240,9 +243,9 @@ def _merge_splits(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, b, heads, g_mask, d,
                                   cache_modifier=".cg")
     if HAS_SINK:
         total += tl.exp2(sink - m_safe)
-    o = round_to(o / tl.where(total > 0, total, 1.0)[:, None], out_ptr.dtype.element_ty, INTERP)
-    tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], o, mask=gd_mask)
-    return o
+    o = _rounded(o / tl.where(total > 0, total, 1.0)[:, None], out_ptr.dtype.element_ty, INTERP)
+    tl.store(out_ptr + b * so_b + heads[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    return o  # fp32, the stored values
 
 
 @triton.jit
