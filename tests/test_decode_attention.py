@@ -746,18 +746,57 @@ def test_gpu_engine_lora_a_of_o_in_the_attention_kernel(kind, monkeypatch):
 
     from test_rollout_engine import completions, prompts_of, quantize_tiny, tiny_model
 
+    from qerl.kernels.triton import decode_attention as tda
+
     model = quantize_tiny(tiny_model(kind)).cuda().to(torch.bfloat16)
     prompts = prompts_of([5, 11, 3, 8], seed=8)
+    calls, fn = [], tda.decode_attention_triton
+    monkeypatch.setattr(tda, "decode_attention_triton",
+                        lambda *a, **kw: calls.append(kw.get("lora_a") is not None) or fn(*a, **kw))
 
     def run(fused):
         monkeypatch.setattr(da, "FUSED_LORA_A_O", fused)
         engine = RolloutEngine(model, max_seq_len=160, max_batch=4)
         return engine.generate(prompts, 100, SamplingParams(temperature=0), ignore_eos=True)
 
-    fused, separate = run(True), run(False)
-    assert completions(fused) == completions(separate)
+    fused = run(True)
+    assert any(calls), "the attention kernel was never given lora_a"
+    calls.clear()
+    separate = run(False)
+    assert not any(calls) and completions(fused) == completions(separate)
     assert (fused.logprobs - separate.logprobs).abs().max() < 2e-2
     assert completions(run(True)) == completions(fused)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_lora_a_of_down_in_the_swiglu_launch(monkeypatch):
+    """NVFP4 + a non-zero LoRA, greedy over 100 tokens: with down_proj's LoRA A product made by the SwiGLU launch
+    (`fused_ops.FUSED_SILU_LORA_A`) the same tokens as with its own launch, log-probs within bf16 noise."""
+    require_cuda()
+    from qerl.kernels import fused_ops
+    from qerl.rollout.engine import RolloutEngine
+    from qerl.rollout.sampling import SamplingParams
+
+    from test_rollout_engine import completions, prompts_of, quantize_tiny, tiny_model
+
+    from qerl.kernels.triton import fused_ops as triton_fused_ops
+
+    model = quantize_tiny(tiny_model("qwen2")).cuda().to(torch.bfloat16)
+    prompts = prompts_of([5, 11, 3, 8], seed=9)
+    calls, fn = [], triton_fused_ops.silu_mul_lora_a
+    monkeypatch.setattr(triton_fused_ops, "silu_mul_lora_a", lambda *a: calls.append(1) or fn(*a))
+
+    def run(fused):
+        monkeypatch.setattr(fused_ops, "FUSED_SILU_LORA_A", fused)
+        engine = RolloutEngine(model, max_seq_len=160, max_batch=4)
+        return engine.generate(prompts, 100, SamplingParams(temperature=0), ignore_eos=True)
+
+    fused = run(True)
+    assert calls, "the fused launch was not taken"
+    calls.clear()
+    separate = run(False)
+    assert not calls and completions(fused) == completions(separate)
+    assert (fused.logprobs - separate.logprobs).abs().max() < 2e-2
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kernel_testing import poisoned, require_cuda, run_interpreter_suite
 
-from qerl.kernels.workspace import capture_graph
+from qerl.kernels.workspace import capture_graph, poisoned_outputs
 
 # (rows, D) for the norm: odd D, a power of two, SmolLM2's 576, Qwen2.5-7B's 3584
 NORM_SHAPES = [(1, 24), (3, 100), (5, 576), (2, 3584)]
@@ -246,11 +246,44 @@ def check_norm_lora_a(device: str, dtype=torch.bfloat16, seed: int = 11) -> list
     return fails
 
 
+def check_silu_mul_lora_a(device: str, dtype=torch.bfloat16, seed: int = 14) -> list[str]:
+    """silu_mul_lora_a: the activation bit for bit `silu_mul`'s (also on the inf / NaN inputs), h = act @ a^T within
+    the fp32 summation-order bound of the float64 product of the stored act, two calls equal, the row counters left
+    at zero; I one past the block and odd, R not a power of two, strided gate / up, 1-3 rows."""
+    from qerl.kernels import workspace
+    from qerl.kernels.triton.fused_ops import silu_mul, silu_mul_lora_a
+
+    fails = []
+    gen = torch.Generator().manual_seed(seed)
+    for (M, I), r in zip(SILU_SHAPES, (8, 24, 16)):
+        for extreme in (False, True):
+            gu = _silu_inputs(M, I, dtype, gen, batch_dims=False).to(device) if extreme else \
+                (torch.randn(M, 2 * I, generator=gen) * 2).to(dtype).to(device)
+            gate, up = gu[..., :I], gu[..., I:]
+            a = (torch.randn(r, I, generator=gen) * 0.05).to(dtype).to(device)
+            tag = f"silu_mul_lora_a {device} {dtype} {(M, I)} r={r} extreme={extreme}"
+            with poisoned_outputs():
+                (act, h), (act2, h2) = silu_mul_lora_a(gate, up, a), silu_mul_lora_a(gate, up, a)
+            if not _same_bits(act, silu_mul(gate, up)) or not _same_bits(act2, act) or not _same_bits(h2, h):
+                fails.append(f"{tag}: the activation differs from silu_mul's, or two calls differ")
+            counters = [t[1] for key, t in workspace._PERSISTENT.items() if key[0] == "silu_mul_lora_a"]
+            if not counters or any(int(c.abs().sum()) for c in counters):
+                fails.append(f"{tag}: a row counter was not left at zero")
+            if extreme:
+                continue  # inf products make h inf / NaN: only the activation is checked there
+            ref = act.double() @ a.double().t()
+            scale = act.double().abs() @ a.double().abs().t()
+            err = ((h.double() - ref).abs() - torch.finfo(dtype).eps * ref.abs()) / scale.clamp_min(1e-30)
+            if tuple(h.shape) != (M, r) or h.dtype != dtype or not torch.isfinite(h).all() or err.max() > 1e-5:
+                fails.append(f"{tag}: h off by {err.max().item():.2e} of |act| |a| (shape {tuple(h.shape)})")
+    return fails
+
+
 def interpreter_suite() -> list[str]:
     return check_norm("cpu") + check_norm("cpu", torch.float32, seed=3) + check_rope("cpu") + \
         check_rope("cpu", torch.float16, seed=4) + check_silu_mul("cpu") + check_silu_mul("cpu", torch.float16) + \
         check_rope_store("cpu") + check_rope_store("cpu", torch.float16, seed=8, cases=ROPE_STORE_CASES[1:3]) + \
-        check_norm_lora_a("cpu") + check_norm_lora_a("cpu", torch.float16, seed=12)
+        check_norm_lora_a("cpu") + check_norm_lora_a("cpu", torch.float16, seed=12) + check_silu_mul_lora_a("cpu")
 
 
 def test_interpreter():
@@ -295,7 +328,7 @@ def test_cpu_path_is_the_eager_reference(monkeypatch):
 def test_gpu(dtype):
     require_cuda()
     fails = check_norm("cuda", dtype) + check_rope("cuda", dtype) + check_silu_mul("cuda", dtype) + \
-        check_rope_store("cuda", dtype) + check_norm_lora_a("cuda", dtype)
+        check_rope_store("cuda", dtype) + check_norm_lora_a("cuda", dtype) + check_silu_mul_lora_a("cuda", dtype)
     assert not fails, "\n".join(fails)
 
 

@@ -6,6 +6,7 @@ bytes and its distance from the device-copy bandwidth (docs/cli.md, "python -m q
 
 import argparse
 import datetime
+import importlib
 import json
 import re
 
@@ -18,7 +19,8 @@ from .update_profile import union_ms
 
 # first match wins; kernel names as CUPTI reports them
 MATMUL = r"nvfp4_swap|bf16_swap|_fp4_|fp4_gemv|_gemv_kernel|gemm|nvjet|cutlass|sm90_xmma|ampere_|w4a8"
-FUSE_CHOICES = [f"{f}={v}" for f in ("ROPE_STORE", "COMBINE", "LORA_A_O") for v in "01"]  # --fuse
+FUSE_FLAGS = {"ROPE_STORE": "decode_attention", "COMBINE": "decode_attention", "LORA_A_O": "decode_attention",
+              "SILU_LORA_A": "fused_ops"}  # --fuse NAME=0|1: qerl.kernels.<module>.FUSED_<NAME>
 MATMUL_AFTER = r"splitKreduce|_splitk_reduce"  # the second launch of a split-K product: charged to it
 MATMUL_BEFORE = r"permute_x"  # x rewritten for the product that follows: charged to it
 NAMED = (
@@ -277,16 +279,15 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--fuse", action="append", default=[], metavar="FLAG=0|1", choices=FUSE_CHOICES,
-                    help="set one of decode_attention's FUSED_* flags (ROPE_STORE, COMBINE, LORA_A_O) for this run")
+    ap.add_argument("--fuse", action="append", default=[], metavar="FLAG=0|1",
+                    choices=[f"{f}={v}" for f in FUSE_FLAGS for v in "01"], help="set a fused launch's switch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    from ..kernels import decode_attention
     from ..rollout.engine import RolloutEngine
-    for item in args.fuse:  # the rest keep decode_attention's defaults
-        setattr(decode_attention, "FUSED_" + item[:-2], item.endswith("1"))
+    for item in args.fuse:  # the rest keep the library's defaults
+        setattr(importlib.import_module(f"qerl.kernels.{FUSE_FLAGS[item[:-2]]}"), "FUSED_" + item[:-2], item[-1] == "1")
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {datetime.date.today()}")

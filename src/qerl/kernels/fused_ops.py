@@ -6,6 +6,9 @@
                               feeds, in the same launch at decode rows; None where it is not fused)
   rope_qk(q, k, cos, sin)  -> rotated (q, k)                   rotate-half RoPE, [B, L, heads, hd]
   silu_mul(gate, up)       -> silu(gate) * up                  the MLP's activation and product
+  silu_mul_lora_a(gate, up, act, a)
+                           -> the same and (silu(gate) * up) @ a^T  (+ the down projection's LoRA A product, in the
+                              same launch at decode rows; None where it is not fused)
   rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
                            -> rotated q; rotated k and v written into the caches at the device-side slot
                               (one decode token: RoPE + the cache write, in one launch)
@@ -25,6 +28,9 @@ from torch import nn
 from .route import rows, use_triton
 
 NORM_LORA_A_MAX_ROWS = 64  # rows up to which the norm launch also does the LoRA A product (decode batches)
+# True: the engine's decode has the SwiGLU launch also compute the down projection's LoRA A product (one launch
+# fewer per layer and step). Off until its GPU tests and an A/B have run; its interpreter tests pass
+FUSED_SILU_LORA_A = False
 
 
 def _rms_norm_params(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
@@ -107,6 +113,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act_fn: nn.Module | None = No
 
         return triton_silu_mul(gate, up)
     return (F.silu(gate) if act_fn is None else act_fn(gate)) * up
+
+
+def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, act_fn: nn.Module | None, a: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gate, up [..., I]; a [R, I] (the down projection's stacked LoRA A, or None) -> (act_fn(gate) * up,
+    that @ a^T as [M, R] or None). The product rides in the SwiGLU launch (`triton.fused_ops.silu_mul_lora_a`)
+    where the Triton SwiGLU applies, for up to NORM_LORA_A_MAX_ROWS rows, a contiguous of gate's dtype; elsewhere
+    the second value is None and the caller computes the product itself (`kernels.lora_a`)."""
+    if (a is not None and _is_plain_silu(act_fn) and use_triton(gate) and rows(gate) <= NORM_LORA_A_MAX_ROWS
+            and up.dtype == gate.dtype == a.dtype and up.shape == gate.shape and a.is_contiguous()
+            and a.shape[-1] == gate.shape[-1] and gate.stride(-1) == 1 and up.stride(-1) == 1):
+        from .triton.fused_ops import silu_mul_lora_a as triton_silu_mul_lora_a
+
+        return triton_silu_mul_lora_a(gate, up, a)
+    return silu_mul(gate, up, act_fn), None
 
 
 def _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot) -> bool:

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.bf16_matmul import bf16_linear
-from ..kernels import decode_attention
+from ..kernels import decode_attention, fused_ops
 from ..kernels.decode_attention import rope_store_decode_attention
-from ..kernels.fused_ops import add_norm_lora_a, rope_qk, rope_qk_store, silu_mul
+from ..kernels.fused_ops import add_norm_lora_a, rope_qk, rope_qk_store, silu_mul, silu_mul_lora_a
 from ..nn.quant_embedding import QuantEmbedding
 from ..nn.quant_experts import QuantExperts
 from ..nn.sinks import with_sink_column
@@ -212,6 +212,9 @@ class CausalLMRunner:
         gate/up when the norm computed it."""
         mlp = self.layers[i].mlp
         gate, up = self.lora.linears((mlp.gate_proj, mlp.up_proj), x, xa)
+        if fused_ops.FUSED_SILU_LORA_A and (a_down := self.lora.stacked_a(mlp.down_proj)) is not None:
+            act, h = silu_mul_lora_a(gate, up, mlp.act_fn, a_down)  # h None where the launch could not do it
+            return self.lora.linears((mlp.down_proj,), act, h)[0]
         return self.lora.linear(mlp.down_proj, silu_mul(gate, up, mlp.act_fn))
 
     def moe_mlp(self, i: int, x: torch.Tensor, xa=None) -> torch.Tensor:

@@ -4,6 +4,7 @@
   add_rms_norm_lora_a  the same, plus the LoRA "A" product of the linears the norm feeds (decode rows)
   rope_             rotate-half RoPE on one tensor, in place
   silu_mul          silu(gate) * up of the MLP (gate, up: column slices of one fused output)
+  silu_mul_lora_a   the same, plus the LoRA "A" product of the down projection it feeds (decode rows)
   rope_store_decode RoPE on one decode token's q and k, plus the k/v cache writes at a device-side slot
 
 At decode sizes a step is mostly launches: HF's RMSNorm is ~7 kernels (cast, square, mean, add, rsqrt,
@@ -231,6 +232,68 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_o,
 
 
 SILU_BLOCK = 1024
+SILU_LORA_CHUNK = 128  # columns per step of the LoRA A product inside a SwiGLU program (an [R, 128] tile of A)
+
+
+@triton.jit
+def _silu_mul_lora_a_kernel(g_ptr, u_ptr, out_ptr, a_ptr, h_ptr, ha_ptr, cnt_ptr, I, R, stride_g, stride_u,
+                            stride_o, s_ar, s_hb, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+                            INTERP: tl.constexpr, PDL: tl.constexpr = False):
+    """`_silu_mul_kernel`'s program (row, block), CHUNK columns at a time, plus the block's share of
+    out[row] @ A^T (A [R, I], the down projection's stacked LoRA A) on the stored values; the last of the row's
+    programs to finish sums the shares in block order and writes h[row, :R] (the counter protocol of `lora_a`:
+    stores, CTA barrier, one acq_rel atomic at GPU scope, .cg loads; the counter set back to 0)."""
+    if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    r = tl.arange(0, BLOCK_R)
+    p = tl.zeros([BLOCK_R], tl.float32)
+    for c0 in range(0, BLOCK, CHUNK):
+        offs = blk * BLOCK + c0 + tl.arange(0, CHUNK)
+        mask = offs < I
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _rounded(tl.math.div_rn(g, 1.0 + _exp_as_cuda(-g, INTERP)), dtype, INTERP)
+        o = _rounded(s * u, dtype, INTERP)  # the stored value, in fp32
+        tl.store(out_ptr + row * stride_o + offs, o.to(dtype), mask=mask)
+        a = tl.load(a_ptr + r[:, None] * s_ar + offs[None, :], mask=(r < R)[:, None] & mask[None, :], other=0.0)
+        p += tl.sum(a.to(tl.float32) * o[None, :], 1)
+    nb = tl.num_programs(1)
+    tl.store(ha_ptr + (row * nb + blk) * BLOCK_R + r, p)
+    tl.debug_barrier()  # every thread's partial stores happen before the (single-thread) release below
+    cnt = cnt_ptr + row
+    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == nb - 1:
+        total = tl.zeros([BLOCK_R], tl.float32)
+        for k in range(nb):  # in block order: the same sum on every call
+            total += tl.load(ha_ptr + (row * nb + k) * BLOCK_R + r, cache_modifier=".cg")
+        tl.store(h_ptr + row * s_hb + r, round_to(total, h_ptr.dtype.element_ty, INTERP), mask=r < R)
+        tl.store(cnt, 0)
+
+
+def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate, up [..., I] bf16/fp16 (unit stride along I), a [R, I] contiguous of their dtype -> (silu(gate) * up
+    [..., I], bit-identical to `silu_mul`'s, and h = that @ a^T [M, R], M = the leading dims' product), in one
+    launch; M at most `fused_ops.NORM_LORA_A_MAX_ROWS` (one arrival counter a row)."""
+    from .. import workspace
+
+    I = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)
+    M, R = g2.shape[0], a.shape[0]
+    out = alloc(gate.shape, gate.device, gate.dtype)
+    h = alloc((M, R), gate.device, gate.dtype)
+    nb, block_r = triton.cdiv(I, SILU_BLOCK), max(16, triton.next_power_of_2(R))
+    ha, cnt = workspace.persistent("silu_mul_lora_a", gate.device, (M, nb, block_r), lambda: (
+        alloc((M, nb, block_r), gate.device, torch.float32), torch.zeros(M, dtype=torch.int32, device=gate.device)))
+    interp = gate.device.type != "cuda"
+    o2 = out.view(-1, I)
+    _silu_mul_lora_a_kernel[(M, nb)](
+        g2, u2, o2, a, h, ha, cnt, I, R, g2.stride(0), u2.stride(0), o2.stride(0), a.stride(0), h.stride(0),
+        BLOCK=SILU_BLOCK, CHUNK=SILU_LORA_CHUNK, BLOCK_R=block_r, INTERP=interp, num_warps=4,
+        **({} if interp else {"enable_reflect_ftz": False}), **pdl.launch_options(o2))
+    return out, h
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
