@@ -868,3 +868,40 @@ def test_cpu_rope_store_with_lora_a_is_the_attention_then_its_product():
     plain = rope_store_decode_attention(q, k, v, cos, sin, *caches[0], key_valid, slot, 24, 0.125)
     out, h = rope_store_decode_attention(q, k, v, cos, sin, *caches[1], key_valid, slot, 24, 0.125, lora_a=a)
     assert torch.equal(out, plain) and torch.equal(h, lora_a(out.reshape(B, -1), a)) and h.shape == (B, 12)
+
+
+def test_the_kernel_takes_lora_a_only_of_a_shape_it_can_fuse():
+    from qerl.kernels.triton import decode_attention as tda
+
+    q = torch.zeros(2, 6, 32, dtype=torch.bfloat16)
+    a = torch.zeros(16, 6 * 32, dtype=torch.bfloat16)
+    assert tda.lora_fits(a, q) and tda.lora_fits(torch.zeros(tda.LORA_A_MAX_R, 192, dtype=torch.bfloat16), q)
+    assert not tda.lora_fits(torch.zeros(tda.LORA_A_MAX_R + 1, 192, dtype=torch.bfloat16), q)  # rank: spills
+    assert not tda.lora_fits(a.float(), q) and not tda.lora_fits(a[:, :100], q)  # dtype, width
+    assert not tda.lora_fits(torch.zeros(192, 16, dtype=torch.bfloat16).t(), q)  # a strided last dim
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_the_kernels_do_not_take_fall_back_to_the_lora_a_launch():
+    """A LoRA rank past the fused kernels' cap: the attention still returns (out, h) with h the LoRA A launch's,
+    and the SwiGLU wrapper returns no h (the runner then makes the product itself)."""
+    require_cuda()
+    from qerl.kernels import fused_ops
+    from qerl.kernels.decode_attention import rope_store_decode_attention
+    from qerl.kernels.lora_a import lora_a
+
+    gen = torch.Generator().manual_seed(22)
+    B, KV, G, hd, max_len = 2, 2, 3, 64, 80
+    _, k_cache, v_cache, key_valid = _inputs(B, KV, G, hd, max_len, torch.bfloat16, "cuda", gen)
+    slot = torch.tensor([50, 20], device="cuda")
+    q, k, v, cos, sin = _rope_inputs(B, KV, G, hd, torch.bfloat16, "cuda", gen, slot + 3)
+    a = (torch.randn(200, G * KV * hd, generator=gen) * 0.05).to(torch.bfloat16).cuda()
+    out, h = rope_store_decode_attention(q, k, v, cos, sin, k_cache.clone(), v_cache.clone(), key_valid, slot, 60,
+                                         0.125, lora_a=a)
+    plain = rope_store_decode_attention(q, k, v, cos, sin, k_cache.clone(), v_cache.clone(), key_valid, slot, 60,
+                                        0.125)
+    assert torch.equal(out, plain) and torch.equal(h, lora_a(out.reshape(B, -1), a))
+    gu = torch.randn(2, 2 * 300, generator=gen).to(torch.bfloat16).cuda()
+    act, none = fused_ops.silu_mul_lora_a(gu[:, :300], gu[:, 300:], None, torch.zeros(200, 300, dtype=torch.bfloat16,
+                                                                                     device="cuda"))
+    assert none is None and torch.equal(act, fused_ops.silu_mul(gu[:, :300], gu[:, 300:]))

@@ -90,15 +90,21 @@ def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     itself on CUDA (`decode_attention_triton(lora_a=)`), else by `lora_a.lora_a` after it."""
     if FUSED_ROPE_STORE and use_triton(q) and q.shape[-1] % 2 == 0 and \
             _rope_store_fits(q, k, v, cos, sin, k_cache, v_cache, slot):
-        from .triton.decode_attention import decode_attention_triton
+        from .triton import decode_attention as tda
 
-        return decode_attention_triton(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks,
-                                       window=window, rope=(k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]),
-                                       merge=FUSED_COMBINE, lora_a=lora_a)
-    q = rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
-    out = decode_attention(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
-    if lora_a is None:
-        return out
-    from .lora_a import lora_a as lora_a_product
+        fused = lora_a is not None and tda.lora_fits(lora_a, q[:, 0]) and (
+            tda.lora_buffers_ready(q.device, q.shape[0], k_cache.shape[1], lora_a.shape[0])
+            or not tda.capturing(q.device))  # buffers a capture would make are made by the eager warm-up first
+        out = tda.decode_attention_triton(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks,
+                                          window=window, rope=(k[:, 0], v[:, 0], cos[:, 0], sin[:, 0]),
+                                          merge=FUSED_COMBINE, lora_a=lora_a if fused else None)
+        if lora_a is None or fused:
+            return out
+    else:
+        q = rope_qk_store(q, k, v, cos, sin, k_cache, v_cache, slot)
+        out = decode_attention(q[:, 0], k_cache, v_cache, key_valid, slot, S, scale, sinks=sinks, window=window)
+        if lora_a is None:
+            return out
+    from .lora_a import lora_a as lora_a_product  # a rank, dtype or layout the kernel does not take
 
     return out, lora_a_product(out.reshape(out.shape[0], -1), lora_a)

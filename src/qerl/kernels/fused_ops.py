@@ -31,6 +31,7 @@ NORM_LORA_A_MAX_ROWS = 64  # rows up to which the norm launch also does the LoRA
 # True: the engine's decode has the SwiGLU launch also compute the down projection's LoRA A product (one launch
 # fewer per layer and step). Off until its GPU tests and an A/B have run; its interpreter tests pass
 FUSED_SILU_LORA_A = False
+SILU_LORA_A_MAX_R = 128  # above it an [R, 128] tile of A per step spills registers: the separate LoRA A launch
 
 
 def _rms_norm_params(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
@@ -123,10 +124,14 @@ def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, act_fn: nn.Module | No
     the second value is None and the caller computes the product itself (`kernels.lora_a`)."""
     if (a is not None and _is_plain_silu(act_fn) and use_triton(gate) and rows(gate) <= NORM_LORA_A_MAX_ROWS
             and up.dtype == gate.dtype == a.dtype and up.shape == gate.shape and a.is_contiguous()
-            and a.shape[-1] == gate.shape[-1] and gate.stride(-1) == 1 and up.stride(-1) == 1):
-        from .triton.fused_ops import silu_mul_lora_a as triton_silu_mul_lora_a
+            and a.shape[-1] == gate.shape[-1] and gate.stride(-1) == 1 and up.stride(-1) == 1
+            and a.shape[0] <= SILU_LORA_A_MAX_R):
+        from .triton import fused_ops as triton_fused_ops
 
-        return triton_silu_mul_lora_a(gate, up, a)
+        # inside a CUDA-graph capture only with the buffers the eager warm-up made (zeroed counters made in a
+        # capture would be zeroed only by its replays)
+        if triton_fused_ops.silu_lora_a_ready(gate, a) or not torch.cuda.is_current_stream_capturing():
+            return triton_fused_ops.silu_mul_lora_a(gate, up, a)
     return silu_mul(gate, up, act_fn), None
 
 

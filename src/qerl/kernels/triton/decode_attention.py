@@ -25,7 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import pdl
 from ..route import sm_count
-from ..workspace import alloc, persistent
+from ..workspace import alloc, has_persistent, persistent
 from .fp4_codes import round_to
 from .fused_ops import _rounded
 
@@ -278,6 +278,31 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, SPLITS, so_
              mask=d < HD)
 
 
+def capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def lora_block(R: int) -> int:
+    return max(16, triton.next_power_of_2(R))
+
+
+def counters_ready(device: torch.device, B: int, KV: int) -> bool:
+    """Whether the merge's arrival counters of a (B, KV) launch exist on the current stream."""
+    return has_persistent("decode_attention", device, (B, KV))
+
+
+def lora_buffers_ready(device: torch.device, B: int, KV: int, R: int) -> bool:
+    """Whether a `lora_a=` launch of this shape allocates nothing persistent (its counters and, with splits, the
+    merge's): what a launch inside a CUDA-graph capture needs."""
+    return has_persistent("decode_attention_lora_a", device, (B, KV, lora_block(R))) and counters_ready(device, B, KV)
+
+
+def lora_fits(lora_a: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the kernel takes `lora_a` for a q [B, H, hd] launch (else the caller computes the product)."""
+    return (lora_a.dim() == 2 and lora_a.shape[1] == q.shape[1] * q.shape[2] and lora_a.dtype == q.dtype
+            and lora_a.stride(1) == 1 and 0 < lora_a.shape[0] <= LORA_A_MAX_R)
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_valid: torch.Tensor,
                             slot: torch.Tensor, S: int, scale: float, splits: int | None = None,
                             block_n: int | None = None, num_warps: int = 4,
@@ -319,10 +344,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 any(t.dtype != q.dtype for t in rope):
             raise ValueError("decode_attention: rope needs k, v [B, KV, hd] and cos, sin [B, hd] of q's dtype, "
                              "unit stride on hd, cos and sin of one layout, an even hd")
-    if lora_a is not None and (lora_a.dim() != 2 or lora_a.shape[1] != H * hd or lora_a.dtype != q.dtype
-                               or lora_a.stride(1) != 1 or not 0 < lora_a.shape[0] <= LORA_A_MAX_R):
+    if lora_a is not None and not lora_fits(lora_a, q):
         raise ValueError(f"decode_attention: lora_a must be [R <= {LORA_A_MAX_R}, {H * hd}] of q's dtype, unit "
                          f"last stride; got {tuple(lora_a.shape)} {lora_a.dtype}")
+    if lora_a is not None and capturing(q.device) and not lora_buffers_ready(q.device, B, KV, lora_a.shape[0]):
+        raise RuntimeError("decode_attention: lora_a's buffers must be made before a CUDA graph capture "
+                           "(`lora_buffers_ready`; the engine's eager warm-up makes them)")
     G = H // KV
     span = S if window is None else min(S, int(window))  # slots a row can see: what the splits share
     pps = PROGRAMS_PER_SM
@@ -340,14 +367,17 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     part_m = part_l = part_acc = out  # unused by the direct path
     counters = key_valid  # not read without merge
     merge = merge and not direct
-    if merge:  # int32 zeros per (row, kv head) that every launch leaves at zero
+    if merge and lora_a is None and not counters_ready(q.device, B, KV) and capturing(q.device):
+        merge = False  # its zeroed counters would be made inside the capture: the combine launch instead
+    if merge or lora_a is not None:  # int32 zeros per (row, kv head) that every launch leaves at zero (made for a
+        # lora_a call on the direct path too, so that one readiness check covers every split count)
         counters = persistent("decode_attention", q.device, (B, KV),
                               lambda: torch.zeros(B * KV, dtype=torch.int32, device=q.device))
     h = ha = cnt2 = counters  # not read without lora_a
     block_r = 16
     if lora_a is not None:
         R = lora_a.shape[0]
-        block_r = max(16, triton.next_power_of_2(R))
+        block_r = lora_block(R)
         h = alloc((B, R), q.device, q.dtype)
         ha, cnt2 = persistent("decode_attention_lora_a", q.device, (B, KV, block_r), lambda: (
             alloc((B, KV, block_r), q.device, torch.float32), torch.zeros(B, dtype=torch.int32, device=q.device)))

@@ -273,6 +273,18 @@ def _silu_mul_lora_a_kernel(g_ptr, u_ptr, out_ptr, a_ptr, h_ptr, ha_ptr, cnt_ptr
         tl.store(cnt, 0)
 
 
+def _silu_lora_a_key(gate: torch.Tensor, a: torch.Tensor) -> tuple:
+    I = gate.shape[-1]
+    return (gate.numel() // I, triton.cdiv(I, SILU_BLOCK), max(16, triton.next_power_of_2(a.shape[0])))
+
+
+def silu_lora_a_ready(gate: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether a `silu_mul_lora_a` call of this shape allocates nothing persistent (inside a CUDA-graph capture)."""
+    from .. import workspace
+
+    return workspace.has_persistent("silu_mul_lora_a", gate.device, _silu_lora_a_key(gate, a))
+
+
 def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gate, up [..., I] bf16/fp16 (unit stride along I), a [R, I] contiguous of their dtype -> (silu(gate) * up
     [..., I], bit-identical to `silu_mul`'s, and h = that @ a^T [M, R], M = the leading dims' product), in one
@@ -284,8 +296,8 @@ def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, a: torch.Tensor) -> tu
     M, R = g2.shape[0], a.shape[0]
     out = alloc(gate.shape, gate.device, gate.dtype)
     h = alloc((M, R), gate.device, gate.dtype)
-    nb, block_r = triton.cdiv(I, SILU_BLOCK), max(16, triton.next_power_of_2(R))
-    ha, cnt = workspace.persistent("silu_mul_lora_a", gate.device, (M, nb, block_r), lambda: (
+    _, nb, block_r = key = _silu_lora_a_key(gate, a)
+    ha, cnt = workspace.persistent("silu_mul_lora_a", gate.device, key, lambda: (
         alloc((M, nb, block_r), gate.device, torch.float32), torch.zeros(M, dtype=torch.int32, device=gate.device)))
     interp = gate.device.type != "cuda"
     o2 = out.view(-1, I)
