@@ -58,6 +58,16 @@ def _hide_unseen(k, v, key_valid, slot, S, window=None):
     return k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("nan"))
 
 
+def _blind_rows_are_zeros(out, key_valid, slot, S, window=None) -> bool:
+    """Whether every row that sees no key (no valid slot up to its own within S, and the window) is all zeros."""
+    j = torch.arange(S, device=key_valid.device)
+    seen = key_valid[:, :S] & (j <= slot.reshape(-1, 1))
+    if window is not None:
+        seen &= slot.reshape(-1, 1) - j < window
+    blind = ~seen.any(1)
+    return not blind.any() or bool((out[blind] == 0).all())
+
+
 def _error(out, ref) -> float:
     """Max error relative to the reference's largest entry, floored at the smallest normal of out's dtype: an
     output whose every entry lies below float16's normal range (a sink outweighing the only visible key by
@@ -205,12 +215,7 @@ def check_sinks_window(device: str, dtype=torch.bfloat16, seed: int = 7, cases=W
                     err = _error(out, ref)
                     if err > TOL[dtype]:
                         fails.append(f"{tag}: relative max error {err:.3g}")
-                    j = torch.arange(S, device=device)
-                    seen = key_valid[:, :S] & (j <= slot.reshape(-1, 1))
-                    if window is not None:
-                        seen &= slot.reshape(-1, 1) - j < window
-                    blind = ~seen.any(1)
-                    if blind.any() and not (out[blind] == 0).all():
+                    if not _blind_rows_are_zeros(out, key_valid, slot, S, window):
                         fails.append(f"{tag}: a row with no visible key is not all zeros")
     return fails
 
@@ -409,12 +414,7 @@ def check_merge(device: str, dtype=torch.bfloat16, seed: int = 13, cases=MERGE_C
                         fails.append(f"{tag}: differs from the combine pass by {diff:.3g}")
                 if not torch.equal(outs[0], outs[1]):
                     fails.append(f"{tag}: two calls differ")
-                j = torch.arange(S, device=device)
-                seen = key_valid[:, :S] & (j <= slot.reshape(-1, 1))
-                if window is not None:
-                    seen &= slot.reshape(-1, 1) - j < window
-                blind = ~seen.any(1)
-                if blind.any() and not (outs[0][blind] == 0).all():
+                if not _blind_rows_are_zeros(outs[0], key_valid, slot, S, window):
                     fails.append(f"{tag}: a row with no visible key is not all zeros")
     return fails
 

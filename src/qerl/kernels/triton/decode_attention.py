@@ -27,7 +27,7 @@ from .. import pdl
 from ..route import sm_count
 from ..workspace import alloc, has_persistent, persistent
 from .fp4_codes import round_to
-from .fused_ops import _rounded
+from .fused_ops import _rounded, sum_partials_last
 
 BLOCK_N = 64  # keys per tile
 PROGRAMS_PER_SM = 2
@@ -206,15 +206,7 @@ def _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar,
         a = tl.load(a_ptr + r[:, None] * s_ar + ((kv * G + gi) * HD + d)[None, :], mask=rd_mask, other=0.0)
         p += tl.sum(a.to(tl.float32) * o_g[None, :], 1)
     KV = tl.num_programs(1)
-    tl.store(ha_ptr + (b * KV + kv) * BLOCK_R + r, p)
-    tl.debug_barrier()  # every thread's partial stores happen before the (single-thread) release below
-    cnt = cnt2_ptr + b
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == KV - 1:
-        total = tl.zeros([BLOCK_R], tl.float32)
-        for k in range(KV):  # in kv order: the same sum on every call
-            total += tl.load(ha_ptr + (b * KV + k) * BLOCK_R + r, cache_modifier=".cg")
-        tl.store(h_ptr + b * s_hb + r, round_to(total, h_ptr.dtype.element_ty, INTERP), mask=r < R)
-        tl.store(cnt, 0)
+    sum_partials_last(ha_ptr + b * KV * BLOCK_R, kv, KV, p, cnt2_ptr + b, h_ptr + b * s_hb, R, BLOCK_R, INTERP)
 
 
 @triton.jit
@@ -260,7 +252,12 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, SPLITS, so_
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    m_all = tl.max(tl.load(m_ptr + row * SPLITS + s, mask=s < SPLITS, other=float("-inf")), 0)
+    s_mask = s < SPLITS
+    m = tl.load(m_ptr + row * SPLITS + s, mask=s_mask, other=float("-inf"))  # every partial in one round of loads
+    l_s = tl.load(l_ptr + row * SPLITS + s, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + (row * SPLITS + s[:, None]) * HD + d[None, :], mask=s_mask[:, None] & (d < HD)[None, :],
+                  other=0.0)
+    m_all = tl.max(m, 0)
     if HAS_SINK:
         sink = tl.load(sink_ptr + (row % H) * s_sink).to(tl.float32) * 1.4426950408889634
         m_all = tl.maximum(m_all, sink)
@@ -268,9 +265,10 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, SPLITS, so_
     total = 0.0
     o = tl.zeros([BLOCK_D], tl.float32)
     for split in range(SPLITS):  # in split order, as the merge in the split kernel sums: the same bits either way
-        w = tl.exp2(tl.load(m_ptr + row * SPLITS + split) - m_safe)
-        total += w * tl.load(l_ptr + row * SPLITS + split)
-        o += w * tl.load(acc_ptr + (row * SPLITS + split) * HD + d, mask=d < HD, other=0.0)
+        pick = s == split  # split's values out of the loaded tiles, exactly (a max, or a sum with zeros)
+        w = tl.exp2(tl.max(tl.where(pick, m, float("-inf")), 0) - m_safe)
+        total += w * tl.sum(tl.where(pick, l_s, 0.0), 0)
+        o += w * tl.sum(tl.where(pick[:, None], acc, 0.0), 0)
     if HAS_SINK:
         total += tl.exp2(sink - m_safe)
     o = o / tl.where(total > 0, total, 1.0)

@@ -262,14 +262,23 @@ def _silu_mul_lora_a_kernel(g_ptr, u_ptr, out_ptr, a_ptr, h_ptr, ha_ptr, cnt_ptr
         a = tl.load(a_ptr + r[:, None] * s_ar + offs[None, :], mask=(r < R)[:, None] & mask[None, :], other=0.0)
         p += tl.sum(a.to(tl.float32) * o[None, :], 1)
     nb = tl.num_programs(1)
-    tl.store(ha_ptr + (row * nb + blk) * BLOCK_R + r, p)
+    sum_partials_last(ha_ptr + row * nb * BLOCK_R, blk, nb, p, cnt_ptr + row, h_ptr + row * s_hb, R, BLOCK_R, INTERP)
+
+
+@triton.jit
+def sum_partials_last(part_ptr, i, n, p, cnt, out_ptr, R, BLOCK_R: tl.constexpr, INTERP: tl.constexpr):
+    """One of n programs sharing an output row: store its fp32 partial p [BLOCK_R] as part i of part_ptr [n,
+    BLOCK_R]; the last of the n to arrive at the counter cnt sums the n parts in order (the same sum on every
+    call), writes out_ptr[:R] rounded once and sets cnt back to 0. The counter protocol of `lora_a`: every thread's
+    stores, a CTA barrier, one acq_rel atomic at GPU scope, .cg loads of the parts."""
+    r = tl.arange(0, BLOCK_R)
+    tl.store(part_ptr + i * BLOCK_R + r, p)
     tl.debug_barrier()  # every thread's partial stores happen before the (single-thread) release below
-    cnt = cnt_ptr + row
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == nb - 1:
+    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n - 1:
         total = tl.zeros([BLOCK_R], tl.float32)
-        for k in range(nb):  # in block order: the same sum on every call
-            total += tl.load(ha_ptr + (row * nb + k) * BLOCK_R + r, cache_modifier=".cg")
-        tl.store(h_ptr + row * s_hb + r, round_to(total, h_ptr.dtype.element_ty, INTERP), mask=r < R)
+        for k in range(n):
+            total += tl.load(part_ptr + k * BLOCK_R + r, cache_modifier=".cg")
+        tl.store(out_ptr + r, round_to(total, out_ptr.dtype.element_ty, INTERP), mask=r < R)
         tl.store(cnt, 0)
 
 
