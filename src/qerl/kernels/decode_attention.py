@@ -26,11 +26,11 @@ from .route import use_triton
 # (the reference the GPU tests compare it with, bit for bit)
 FUSED_ROPE_STORE = True
 # True: with splits, the last program of each (row, kv head) merges the partials (one launch fewer per layer and
-# step); False: the combine pass's own launch. Off until its GPU tests (tests/test_decode_attention.py, `-m gpu`)
-# and an A/B on a GPU have run; its interpreter tests pass
-FUSED_COMBINE = False
+# step, 1-4% of the step: docs/benchmarks.md "Decode step against its floor"); False: the combine pass's own launch
+# (the same bits: both sum the splits in split order)
+FUSED_COMBINE = True
 # True: the engine has the attention kernel also compute the o projection's LoRA A product (`lora_a=`; one launch
-# fewer per layer and step). Off until its GPU tests and an A/B have run; its interpreter tests pass
+# fewer per layer and step). Off: measured 6-9% slower per step than the separate LoRA A launch (same page)
 FUSED_LORA_A_O = False
 
 
