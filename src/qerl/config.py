@@ -229,7 +229,7 @@ class OptimSection:
     packed_attention: str = field(default="sdpa", metadata={
         "help": "the packed passes' attention: sdpa, each segment gathered into padded views for SDPA (the "
                 "reference), or flex, the stream attended in place by FlexAttention with a block mask (CUDA; not "
-                "for attention sinks; for investigation: a 7B step does not finish in reasonable time yet, "
+                "for attention sinks; a shorter update, a longer first step while its kernels compile: "
                 "docs/training.md)"})
     max_tokens_per_micro_batch: int | None = field(default=None, metadata={
         "help": "tokens per packed forward / backward (prompts once per micro-batch + completion tokens): "
