@@ -249,13 +249,14 @@ def check_norm_lora_a(device: str, dtype=torch.bfloat16, seed: int = 11) -> list
 def check_silu_mul_lora_a(device: str, dtype=torch.bfloat16, seed: int = 14) -> list[str]:
     """silu_mul_lora_a: the activation bit for bit `silu_mul`'s (also on the inf / NaN inputs), h = act @ a^T within
     the fp32 summation-order bound of the float64 product of the stored act, two calls equal, the row counters left
-    at zero; I one past the block and odd, R not a power of two, strided gate / up, 1-3 rows."""
+    at zero; I one past the block and odd, R not a power of two, strided gate / up, 1-3 rows; and an R of 100, whose
+    19 parts the last program loads in two rounds of 16."""
     from qerl.kernels import workspace
     from qerl.kernels.triton.fused_ops import silu_mul, silu_mul_lora_a
 
     fails = []
     gen = torch.Generator().manual_seed(seed)
-    for (M, I), r in zip(SILU_SHAPES, (8, 24, 16)):
+    for (M, I), r in [*zip(SILU_SHAPES, (8, 24, 16)), ((2, 4864), 100)]:
         for extreme in (False, True):
             gu = _silu_inputs(M, I, dtype, gen, batch_dims=False).to(device) if extreme else \
                 (torch.randn(M, 2 * I, generator=gen) * 2).to(dtype).to(device)

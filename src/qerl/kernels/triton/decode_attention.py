@@ -27,7 +27,7 @@ from .. import pdl
 from ..route import sm_count
 from ..workspace import alloc, has_persistent, persistent
 from .fp4_codes import round_to
-from .fused_ops import _rounded, sum_partials_last
+from .fused_ops import _rounded, partial_tiles, sum_partials_last
 
 BLOCK_N = 64  # keys per tile
 PROGRAMS_PER_SM = 2
@@ -90,7 +90,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
                   INTERP: tl.constexpr, MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
-                  LORA_A: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, PDL: tl.constexpr = False):
+                  LORA_A: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, NP: tl.constexpr = 1,
+                  NC: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Keys [first + split * CHUNK, min(first + (split + 1) * CHUNK, S, slot + 1)) for heads kv*G .. kv*G + G - 1
     of row b, first = max(0, slot + 1 - WINDOW) with a window, else 0. The sink, if any, only where the output is
     written (the direct path, or the merge).
@@ -174,7 +175,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
                  mask=gd_mask)
         if LORA_A:
             _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar, s_hb,
-                         BLOCK_R, INTERP)
+                         BLOCK_R, NP, NC, INTERP)
     else:
         part = (b * H + heads) * SPLITS + split
         tl.store(m_ptr + part, m_i, mask=g < G)
@@ -189,15 +190,15 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, sink_ptr, out_ptr, m
                 tl.store(cnt, 0)  # every split has arrived: ready for the next launch (stream order)
                 if LORA_A:
                     _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar,
-                                 s_hb, BLOCK_R, INTERP)
+                                 s_hb, BLOCK_R, NP, NC, INTERP)
 
 
 @triton.jit
 def _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar, s_hb, BLOCK_R: tl.constexpr,
-                 INTERP: tl.constexpr):
+                 NP: tl.constexpr, NC: tl.constexpr, INTERP: tl.constexpr):
     """o [BLOCK_G, BLOCK_D] fp32, the rounded output of heads kv*G .. kv*G + G - 1 of row b: their share of o[b] @
-    A^T into row b's partial kv, then (last of the row's KV programs) h[b] = the KV partials summed in kv order,
-    rounded once, and the counter back to 0."""
+    A^T into row b's partial kv, then (last of the row's KV programs) h[b] = the KV partials summed
+    (`sum_partials_last`), rounded once, and the counter back to 0."""
     r = tl.arange(0, BLOCK_R)
     rd_mask = (r < R)[:, None] & (d < HD)[None, :]
     p = tl.zeros([BLOCK_R], tl.float32)
@@ -206,7 +207,7 @@ def _lora_a_of_o(o, a_ptr, h_ptr, ha_ptr, cnt2_ptr, b, kv, g, d, G, HD, R, s_ar,
         a = tl.load(a_ptr + r[:, None] * s_ar + ((kv * G + gi) * HD + d)[None, :], mask=rd_mask, other=0.0)
         p += tl.sum(a.to(tl.float32) * o_g[None, :], 1)
     KV = tl.num_programs(1)
-    sum_partials_last(ha_ptr + b * KV * BLOCK_R, kv, KV, p, cnt2_ptr + b, h_ptr + b * s_hb, R, BLOCK_R, INTERP)
+    sum_partials_last(ha_ptr + b * KV * BLOCK_R, kv, KV, p, cnt2_ptr + b, h_ptr + b * s_hb, R, BLOCK_R, NP, NC, INTERP)
 
 
 @triton.jit
@@ -385,6 +386,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         part_acc = alloc((B, H, splits, hd), q.device, torch.float32)
     block_d = triton.next_power_of_2(hd)
     interp = q.device.type != "cuda"
+    n_parts, parts_a_load = partial_tiles(KV, block_r) if lora_a is not None else (1, 1)  # 1: one compile
     sink_arg = out if sinks is None else sinks  # not read without sinks
     s_sink = 0 if sinks is None else sinks.stride(0)
     _split_kernel[(B, KV, splits)](
@@ -399,7 +401,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
         HAS_WINDOW=window is not None, HAS_SINK=sinks is not None, ROPE=rope is not None, HALF=hd // 2,
         INTERP=interp, MERGE=merge, BLOCK_S=triton.next_power_of_2(splits) if merge else 1,  # 1: one compile
-        LORA_A=lora_a is not None, BLOCK_R=block_r,
+        LORA_A=lora_a is not None, BLOCK_R=block_r, NP=n_parts, NC=parts_a_load,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch_options(q))
     if not direct and not merge:
         _combine_kernel[(B * H,)](part_m, part_l, part_acc, sink_arg, out, H, hd, splits, out.stride(0),

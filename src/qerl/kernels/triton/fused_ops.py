@@ -233,15 +233,18 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_o,
 
 SILU_BLOCK = 1024
 SILU_LORA_CHUNK = 128  # columns per step of the LoRA A product inside a SwiGLU program (an [R, 128] tile of A)
+# columns per program of the SwiGLU launch that also makes the LoRA A product: A's [R, I] is read by the row's
+# programs, so at 1-8 rows the launch needs more of them than the plain SwiGLU's I / SILU_BLOCK (19 a row at 7B)
+SILU_LORA_BLOCK = 256
 
 
 @triton.jit
 def _silu_mul_lora_a_kernel(g_ptr, u_ptr, out_ptr, a_ptr, h_ptr, ha_ptr, cnt_ptr, I, R, stride_g, stride_u,
                             stride_o, s_ar, s_hb, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                            INTERP: tl.constexpr, PDL: tl.constexpr = False):
+                            NP: tl.constexpr, NC: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False):
     """`_silu_mul_kernel`'s program (row, block), CHUNK columns at a time, plus the block's share of
     out[row] @ A^T (A [R, I], the down projection's stacked LoRA A) on the stored values; the last of the row's
-    programs to finish sums the shares in block order and writes h[row, :R] (the counter protocol of `lora_a`:
+    programs to finish sums the shares (`sum_partials_last`) and writes h[row, :R] (the counter protocol of `lora_a`:
     stores, CTA barrier, one acq_rel atomic at GPU scope, .cg loads; the counter set back to 0)."""
     if PDL:  # launched early (`pdl`): every load and store here waits for the previous kernel
         gdc_wait()
@@ -262,29 +265,45 @@ def _silu_mul_lora_a_kernel(g_ptr, u_ptr, out_ptr, a_ptr, h_ptr, ha_ptr, cnt_ptr
         a = tl.load(a_ptr + r[:, None] * s_ar + offs[None, :], mask=(r < R)[:, None] & mask[None, :], other=0.0)
         p += tl.sum(a.to(tl.float32) * o[None, :], 1)
     nb = tl.num_programs(1)
-    sum_partials_last(ha_ptr + row * nb * BLOCK_R, blk, nb, p, cnt_ptr + row, h_ptr + row * s_hb, R, BLOCK_R, INTERP)
+    sum_partials_last(ha_ptr + row * nb * BLOCK_R, blk, nb, p, cnt_ptr + row, h_ptr + row * s_hb, R, BLOCK_R, NP, NC,
+                      INTERP)
 
 
 @triton.jit
-def sum_partials_last(part_ptr, i, n, p, cnt, out_ptr, R, BLOCK_R: tl.constexpr, INTERP: tl.constexpr):
+def sum_partials_last(part_ptr, i, n, p, cnt, out_ptr, R, BLOCK_R: tl.constexpr, NP: tl.constexpr,
+                      NC: tl.constexpr, INTERP: tl.constexpr):
     """One of n programs sharing an output row: store its fp32 partial p [BLOCK_R] as part i of part_ptr [n,
-    BLOCK_R]; the last of the n to arrive at the counter cnt sums the n parts in order (the same sum on every
-    call), writes out_ptr[:R] rounded once and sets cnt back to 0. The counter protocol of `lora_a`: every thread's
+    BLOCK_R]; the last of the n to arrive at the counter cnt sums the n parts, writes out_ptr[:R] rounded once and
+    sets cnt back to 0. The parts are loaded NC at a time as [NC, BLOCK_R] tiles (NP >= n, both powers of two from
+    `partial_tiles`), not one by one, so the sum adds a few loads to the launch's tail, not n dependent ones; the
+    order is fixed by (n, NP, NC): the same sum on every call. The counter protocol of `lora_a`: every thread's
     stores, a CTA barrier, one acq_rel atomic at GPU scope, .cg loads of the parts."""
     r = tl.arange(0, BLOCK_R)
     tl.store(part_ptr + i * BLOCK_R + r, p)
     tl.debug_barrier()  # every thread's partial stores happen before the (single-thread) release below
     if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n - 1:
         total = tl.zeros([BLOCK_R], tl.float32)
-        for k in range(n):
-            total += tl.load(part_ptr + k * BLOCK_R + r, cache_modifier=".cg")
+        for k0 in tl.static_range(0, NP, NC):
+            k = k0 + tl.arange(0, NC)
+            parts = tl.load(part_ptr + k[:, None] * BLOCK_R + r[None, :], mask=(k < n)[:, None], other=0.0,
+                            cache_modifier=".cg")
+            total += tl.sum(parts, 0)
         tl.store(out_ptr + r, round_to(total, out_ptr.dtype.element_ty, INTERP), mask=r < R)
         tl.store(cnt, 0)
 
 
+PARTIAL_TILE_ELEMS = 2048  # fp32 elements of one [NC, BLOCK_R] load of `sum_partials_last` (16 a thread at 4 warps)
+
+
+def partial_tiles(n: int, block_r: int) -> tuple[int, int]:
+    """(NP, NC) for `sum_partials_last` over n parts of block_r elements: NP the power of two >= n, NC parts a load."""
+    np_ = triton.next_power_of_2(max(1, n))
+    return np_, max(1, min(np_, PARTIAL_TILE_ELEMS // block_r))
+
+
 def _silu_lora_a_key(gate: torch.Tensor, a: torch.Tensor) -> tuple:
     I = gate.shape[-1]
-    return (gate.numel() // I, triton.cdiv(I, SILU_BLOCK), max(16, triton.next_power_of_2(a.shape[0])))
+    return (gate.numel() // I, triton.cdiv(I, SILU_LORA_BLOCK), max(16, triton.next_power_of_2(a.shape[0])))
 
 
 def silu_lora_a_ready(gate: torch.Tensor, a: torch.Tensor) -> bool:
@@ -310,9 +329,11 @@ def silu_mul_lora_a(gate: torch.Tensor, up: torch.Tensor, a: torch.Tensor) -> tu
         alloc((M, nb, block_r), gate.device, torch.float32), torch.zeros(M, dtype=torch.int32, device=gate.device)))
     interp = gate.device.type != "cuda"
     o2 = out.view(-1, I)
+    n_parts, parts_a_load = partial_tiles(nb, block_r)
     _silu_mul_lora_a_kernel[(M, nb)](
         g2, u2, o2, a, h, ha, cnt, I, R, g2.stride(0), u2.stride(0), o2.stride(0), a.stride(0), h.stride(0),
-        BLOCK=SILU_BLOCK, CHUNK=SILU_LORA_CHUNK, BLOCK_R=block_r, INTERP=interp, num_warps=4,
+        BLOCK=SILU_LORA_BLOCK, CHUNK=SILU_LORA_CHUNK, BLOCK_R=block_r, NP=n_parts, NC=parts_a_load, INTERP=interp,
+        num_warps=4,
         **({} if interp else {"enable_reflect_ftz": False}), **pdl.launch_options(o2))
     return out, h
 
