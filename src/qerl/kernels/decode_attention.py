@@ -30,7 +30,8 @@ FUSED_ROPE_STORE = True
 # (the same bits: both sum the splits in split order)
 FUSED_COMBINE = True
 # True: the engine has the attention kernel also compute the o projection's LoRA A product (`lora_a=`; one launch
-# fewer per layer and step). Off: measured 6-9% slower per step than the separate LoRA A launch (same page)
+# fewer per layer and step). Off: measured 6-9% slower per step than the separate LoRA A launch (same page), with
+# the partials then summed one load at a time; the tiled sum is not timed yet
 FUSED_LORA_A_O = False
 
 

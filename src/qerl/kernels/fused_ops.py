@@ -30,7 +30,8 @@ from .route import rows, use_triton
 NORM_LORA_A_MAX_ROWS = 64  # rows up to which the norm launch also does the LoRA A product (decode batches)
 # True: the engine's decode has the SwiGLU launch also compute the down projection's LoRA A product (one launch
 # fewer per layer and step). Off: measured 5-11% slower per step than the two launches it replaces
-# (docs/benchmarks.md "Decode step against its floor")
+# (docs/benchmarks.md "Decode step against its floor") on a narrower grid and a one-load-a-part sum; the wider
+# grid and the tiled sum are not timed yet
 FUSED_SILU_LORA_A = False
 SILU_LORA_A_MAX_R = 128  # above it an [R, 128] tile of A per step spills registers: the separate LoRA A launch
 
